@@ -1,0 +1,106 @@
+"""The environment interface every domain implements, and `make_env` to pick one by name.
+
+An environment is a set of tasks plus the means to play one episode of a task:
+
+    env = make_env("tau2:retail")            # or "tau2:airline", "tau2:telecom", "tau2:mock", "shop"
+    task = env.tasks("train")[0]
+    session = env.start(task)                # fresh state: its own copy of the database (invariant 4)
+    env.system_prompt(task), env.tools(task) # what the agent is shown (policy text, OpenAI tool schemas)
+    session.call_tool("get_order_details", {"order_id": "#W1"})   # -> ToolResult(content, error)
+    reward, info = session.reward(messages)  # at the end, from the episode's OpenAI-format messages
+
+`messages` is the conversation as the agent sees it, in OpenAI chat format:
+    {"role": "system", "content": ...}
+    {"role": "user", "content": ...}
+    {"role": "assistant", "content": ..., "tool_calls": [{"id", "type": "function",
+                                                          "function": {"name", "arguments": <JSON str>}}]}
+    {"role": "tool", "tool_call_id": ..., "name": ..., "content": ...}
+Tool traffic of the *user* (dual-control domains such as tau2 telecom) never appears there: the agent does not
+see it. A session records the user's tool calls itself (with the number of agent-visible messages at the time
+of each call) so that `reward` can rebuild the full trajectory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+# Tool names that end the episode when the agent calls them (after the call has run), as in tau2.
+STOP_TOOLS = frozenset({"transfer_to_human_agents"})
+# Markers a user simulator puts in its message to end the dialogue (tau2's set).
+USER_STOP_MARKERS = ("###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###")
+
+
+@dataclass
+class Task:
+    id: str
+    user_scenario: str  # instructions for an LLM user simulator: who they are, what they want, what to reveal
+    data: Any = None  # the environment's own task object (a tau2 Task, a shop task dict, ...)
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class ToolResult:
+    content: str  # the text the caller sees (a tool's error text when `error`)
+    error: bool = False
+
+
+class ScriptedUser(Protocol):
+    """A rule-based user for one episode. Deterministic given the task and the conversation."""
+
+    def opening(self) -> str:
+        """The first user message. Identical for every episode of a task (the group shares it)."""
+
+    def reply(self, messages: list[dict]) -> str:
+        """The next user message given the agent-visible conversation so far (ends with the agent's message).
+        Contains one of USER_STOP_MARKERS when the user is done."""
+
+
+class ScriptedAgent(Protocol):
+    """An expert policy for one episode (cold-start data, solvability tests)."""
+
+    def act(self, messages: list[dict]) -> dict:
+        """The next assistant message ({"role": "assistant", "content", "tool_calls"?}) for the conversation."""
+
+
+class EnvSession(Protocol):
+    """One episode's environment state."""
+
+    def call_tool(self, name: str, arguments: dict, requestor: str = "assistant") -> ToolResult:
+        """Run a tool against this episode's database. Never raises for bad input: an unknown tool, bad
+        arguments or a tool that raises come back as ToolResult(error text, error=True)."""
+
+    def reward(self, messages: list[dict]) -> tuple[float, dict]:
+        """The episode's reward and its breakdown (JSON-serializable), computed at the end."""
+
+
+class Environment(Protocol):
+    name: str
+
+    def tasks(self, split: str) -> list[Task]:
+        """Tasks of a split ("train", "test", ...). Raises ValueError naming the known splits."""
+
+    def system_prompt(self, task: Task) -> str: ...
+
+    def tools(self, task: Task) -> list[dict]:
+        """The agent's tools as OpenAI function schemas: {"type": "function", "function": {...}}."""
+
+    def user_tools(self, task: Task) -> list[dict]:
+        """The user's tools (dual-control domains); [] when the user has none."""
+
+    def start(self, task: Task) -> EnvSession: ...
+
+    def scripted_user(self, task: Task) -> ScriptedUser:
+        """A rule-based user for the task; raises NotImplementedError where the domain has none."""
+
+
+def make_env(name: str, **options) -> Environment:
+    """Build an environment from its command-line name: "shop" or "tau2:<domain>"."""
+    if name == "shop":
+        from envs.shop import ShopEnv
+
+        return ShopEnv(**options)
+    if name.startswith("tau2:"):
+        from envs.tau2 import Tau2Env
+
+        return Tau2Env(name.split(":", 1)[1], **options)
+    raise ValueError(f"unknown environment {name!r}: use 'shop' or 'tau2:<retail|airline|telecom|mock>'")
