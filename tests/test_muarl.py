@@ -1,0 +1,181 @@
+"""Token-exact episodes: template deltas, tool-call parsing/formatting, the tiny model, model loading."""
+import json
+
+import pytest
+import torch
+
+import muarl
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_order", "description": "Look up an order.",
+    "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}}}]
+
+
+def call(i, name, **args):
+    return {"id": f"c{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+
+
+# system, user, assistant text, assistant tool calls (two in one message), tool results, user replies.
+CONVERSATION = [
+    {"role": "system", "content": "You are a shop agent. Authenticate first."},
+    {"role": "user", "content": "Hi, I want to cancel an order."},
+    {"role": "assistant", "content": "Sure. What is your email?"},
+    {"role": "user", "content": "ann@example.com, order o123 — café crème"},
+    {"role": "assistant", "content": "", "tool_calls": [call(0, "get_order", order_id="o123")]},
+    {"role": "tool", "tool_call_id": "c0", "name": "get_order", "content": '{"status": "pending"}'},
+    {"role": "assistant", "content": "Checking both.",
+     "tool_calls": [call(1, "get_order", order_id="o1"), call(2, "get_order", order_id="o2")]},
+    {"role": "tool", "tool_call_id": "c1", "name": "get_order", "content": '{"status": "pending"}'},
+    {"role": "tool", "tool_call_id": "c2", "name": "get_order", "content": "Error: order not found"},
+    {"role": "assistant", "content": "Order o1 is pending. Cancel it?"},
+    {"role": "user", "content": "Yes. ###STOP###"},
+]
+
+
+def rollout_like(tok, messages, tools):
+    """Build ids the way the rollout does: opening, verbatim agent ids (here: the canonical text), deltas."""
+    ids, mask = muarl.encode_conversation(tok, messages, tools)
+    return ids, mask
+
+
+def test_deltas_concatenate_to_the_full_render(tiny_tok):
+    ids, mask = rollout_like(tiny_tok, CONVERSATION, TOOLS)
+    full = muarl.render(tiny_tok, CONVERSATION, TOOLS)
+    assert tiny_tok.decode(ids) == full
+    # Stronger: the ids equal a fresh tokenization of the full render, so SFT and RL see identical layouts.
+    assert ids == muarl.encode_text(tiny_tok, full)
+    # The mask covers exactly the agent's text and its end-of-turn tokens.
+    agent_text = "".join(muarl.format_assistant(m) + "<|im_end|>" for m in CONVERSATION if m["role"] == "assistant")
+    assert tiny_tok.decode([t for t, m in zip(ids, mask) if m]) == agent_text
+    eot = muarl.end_of_turn_id(tiny_tok)
+    n_agent = sum(m["role"] == "assistant" for m in CONVERSATION)
+    assert sum(1 for t, m in zip(ids, mask) if m and t == eot) == n_agent
+    assert sum(1 for t, m in zip(ids, mask) if not m and t == eot) == len(CONVERSATION) - n_agent
+
+
+def test_delta_starts_with_the_newline_after_end_of_turn(tiny_tok):
+    d = muarl.delta_ids(tiny_tok, [{"role": "user", "content": "ok"}])
+    assert tiny_tok.decode(d) == "\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"
+    d = muarl.delta_ids(tiny_tok, [{"role": "user", "content": "bye"}], add_generation_prompt=False)
+    assert tiny_tok.decode(d) == "\n<|im_start|>user\nbye<|im_end|>\n"
+
+
+def test_delta_refuses_agent_messages(tiny_tok):
+    with pytest.raises(AssertionError):
+        muarl.delta_ids(tiny_tok, [{"role": "assistant", "content": "x"}])
+
+
+# A template that, like Qwen3's, re-renders history differently once a new user turn arrives (it drops <think>
+# blocks of earlier turns) and has a non-thinking generation prompt. The delta must not depend on history.
+QWEN3_LIKE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}{%- set c = m.content %}"
+    "{%- if '</think>' in c and not loop.last %}{%- set c = c.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{{- '<|im_start|>assistant\\n' + c + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def test_history_unstable_template_gets_exact_deltas(tiny_tok):
+    tok = muarl.tiny_tokenizer(["hello"] * 5, vocab_size=300)
+    tok.chat_template = QWEN3_LIKE
+    assert muarl.template_kwargs(tok) == {"enable_thinking": False}
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>\nx\n</think>\n\nhello"}]
+    # The real history is not prefix-stable under this template...
+    shorter, longer = muarl.render(tok, msgs), muarl.render(tok, msgs + [{"role": "user", "content": "u"}])
+    assert not longer.startswith(shorter)
+    # ...but the delta is exact: the newline after <|im_end|>, the new turn, the non-thinking generation prompt.
+    d = muarl.delta_ids(tok, [{"role": "user", "content": "u"}])
+    assert tok.decode(d) == "\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+@pytest.mark.parametrize("text, n_calls, n_errors, content", [
+    ('<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>', 1, 0, ""),
+    ('Let me check.\n<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {"y": "é"}}</tool_call>',
+     2, 0, "Let me check."),
+    ('<tool_call>{"name": "a", "arguments": {"x": 1}</tool_call>', 1, 1, ""),  # bad JSON
+    ('<tool_call>{"arguments": {}}</tool_call>', 1, 1, ""),  # missing name
+    ('<tool_call>{"name": "a", "arguments": {}, "extra": 1}</tool_call>', 1, 1, ""),  # unknown key
+    ('<tool_call>{"name": "a", "arguments": [1]}</tool_call>', 1, 1, ""),  # arguments not an object
+    ('<tool_call>["a"]</tool_call>', 1, 1, ""),  # not an object
+    ('ok <tool_call>{"name": "a", "arguments": {', 1, 1, "ok"),  # unclosed tag
+    ('<tool_call>{"name": "a", "arguments": "{\\"x\\": 2}"}</tool_call>', 1, 0, ""),  # double-encoded arguments
+    ("just text", 0, 0, "just text"),
+    ("</tool_call> stray close", 0, 0, "</tool_call> stray close"),
+])
+def test_parse_assistant_never_raises(text, n_calls, n_errors, content):
+    p = muarl.parse_assistant(text)
+    assert len(p.tool_calls) == n_calls and len(p.errors) == n_errors and p.content == content
+    for i, c in enumerate(p.tool_calls):
+        assert c["type"] == "function" and isinstance(c["function"]["arguments"], str)
+        if i not in p.errors:
+            assert isinstance(json.loads(c["function"]["arguments"]), dict)
+    for msg in p.errors.values():
+        assert msg.startswith("Error:")
+
+
+def test_format_then_parse_round_trips():
+    msg = {"role": "assistant", "content": "Two calls.", "tool_calls": [call(0, "a", x=1), call(1, "b", s="ü")]}
+    p = muarl.parse_assistant(muarl.format_assistant(msg))
+    assert p.content == "Two calls." and not p.errors
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in p.tool_calls] == \
+        [("a", {"x": 1}), ("b", {"s": "ü"})]
+
+
+def test_tool_template_detection(tiny_tok):
+    assert muarl.template_renders_tools(tiny_tok)
+    plain = muarl.tiny_tokenizer(["hello"] * 5, vocab_size=300)
+    plain.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + (m.content or '') + "
+                           "'<|im_end|>\\n' }}{% endfor %}")  # plain ChatML, like SmolLM2's
+    assert not muarl.template_renders_tools(plain)
+
+
+def test_tiny_tokenizer_is_deterministic_and_encodes_anything():
+    a = muarl.tiny_tokenizer(["the cat sat on the mat"] * 50, vocab_size=400)
+    b = muarl.tiny_tokenizer(["the cat sat on the mat"] * 50, vocab_size=400)
+    assert a.get_vocab() == b.get_vocab()
+    text = "Ünïcödé 🚀 <|im_start|>user\nx<|im_end|>"
+    assert a.decode(a(text, add_special_tokens=False)["input_ids"]) == text
+    assert a.convert_tokens_to_ids("<tool_call>") != a.unk_token_id
+
+
+def test_episode_append_and_json():
+    ep = muarl.Episode(task_id="t")
+    ep.append([1, 2, 3], agent=False)
+    ep.append([4, 5], agent=True, logprobs=[-0.1, -0.2])
+    assert ep.loss_mask == [0, 0, 0, 1, 1] and ep.logprobs == [0.0, 0.0, 0.0, -0.1, -0.2] and ep.gen_tokens == 2
+    ep.tool_calls["get_order"] += 1
+    d = ep.to_json()
+    assert "input_ids" not in d and d["tool_calls"] == {"get_order": 1}
+    json.dumps(d)
+
+
+def test_tiny_model_saves_and_reloads(tmp_path, tiny_tok, tiny_lm):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tiny_lm.save_pretrained(tmp_path)
+    tiny_tok.save_pretrained(tmp_path)
+    model, tok = muarl.load_model(str(tmp_path), device="cpu")
+    assert tok.chat_template == muarl.TOOL_CHAT_TEMPLATE and tok.get_vocab() == tiny_tok.get_vocab()
+    ids = torch.tensor([muarl.prompt_ids(tok, CONVERSATION[:2], TOOLS)])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, tiny_lm(ids).logits)
+    assert isinstance(AutoModelForCausalLM.from_pretrained(tmp_path), type(tiny_lm))
+    assert AutoTokenizer.from_pretrained(tmp_path).eos_token == "<|im_end|>"
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_deltas():
+    """The packaged real chat model: its plain-ChatML template is replaced by the tool template and the
+    token-exact property holds for its tokenizer. First run converts the GGUF file (minutes)."""
+    tok = muarl.load_tokenizer("smollm2-135m")
+    assert tok.chat_template == muarl.TOOL_CHAT_TEMPLATE
+    ids, mask = muarl.encode_conversation(tok, CONVERSATION, TOOLS)
+    full = muarl.render(tok, CONVERSATION, TOOLS)
+    assert tok.decode(ids) == full and ids == muarl.encode_text(tok, full)
+    agent_text = "".join(muarl.format_assistant(m) + "<|im_end|>" for m in CONVERSATION if m["role"] == "assistant")
+    assert tok.decode([t for t, m in zip(ids, mask) if m]) == agent_text
