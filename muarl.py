@@ -343,7 +343,9 @@ def attention_implementation(device: torch.device) -> str:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    # On this CPU bf16 was measured slower than fp32 at the tiny model's shapes (bench/dtype.py); bf16 on GPU.
+    # bf16 on GPU. On CPU fp32: bench/dtype.py measured bf16 at 0.56x the time of fp32 for a tiny-model
+    # training micro-batch (AMX) but 1.57x for a batched decode step, which dominates a rollout; fp32 also keeps
+    # the sampler-vs-trainer logprob gap and the greedy cache-vs-re-encode equality free of bf16 rounding.
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
@@ -448,3 +450,77 @@ def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, 
         path = str(_smollm2_dir()) if name == "smollm2-135m" else name
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
     return model.to(device), tok
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Config dataclass -> command line (each field's docstring is its --help), and run bookkeeping
+# ---------------------------------------------------------------------------------------------------------
+def field_docs(cls) -> dict[str, str]:
+    """The docstring written under each field of a dataclass (CleanRL style), read from its source."""
+    import ast
+    import inspect
+    import textwrap
+
+    docs = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        except (OSError, TypeError, IndexError, AttributeError):
+            continue
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and \
+                    isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+                docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def parse_config(cls, argv=None, recipes: dict | None = None, description: str = ""):
+    """Parse --field value options into `cls` (a dataclass). `--recipe NAME` applies a preset first; options
+    given on the command line win. Unknown options and bad values fail at start, naming the option."""
+    import argparse
+    import dataclasses
+    import typing
+
+    docs, hints = field_docs(cls), typing.get_type_hints(cls)
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    if recipes:
+        p.add_argument("--recipe", choices=sorted(recipes), help="a preset of settings, applied before the options")
+    for f in dataclasses.fields(cls):
+        kind, flag = hints[f.name], "--" + f.name.replace("_", "-")
+        if kind is bool:
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                           help=f"{docs.get(f.name, '')} (default: {f.default})")
+        else:
+            base = typing.get_args(kind)[0] if typing.get_origin(kind) in (typing.Union, getattr(__import__('types'), 'UnionType', None)) else kind
+            p.add_argument(flag, dest=f.name, type=base, default=None, metavar=base.__name__.upper(),
+                           help=f"{docs.get(f.name, '')} (default: {f.default!r})")
+    args = vars(p.parse_args(argv))
+    values = dict(recipes[args.pop("recipe")]) if recipes and args.get("recipe") else {}
+    args.pop("recipe", None)
+    unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"recipe sets unknown options {sorted(unknown)}")
+    values.update({k: v for k, v in args.items() if v is not None})
+    return cls(**values)
+
+
+def write_json_atomic(path, obj) -> None:
+    """Write JSON so that a crash mid-write never leaves a truncated file (write a temp file, then rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def collate(seqs: list[tuple[list[int], list[int]]], pad_id: int, device=None):
+    """Right-pad (ids, loss_mask) pairs. Returns input_ids, attention_mask, loss_mask: [B, T] each. The masks
+    come from the sequences' lengths and the episodes' structure, never from token values (pad may equal eos)."""
+    T = max(len(ids) for ids, _ in seqs)
+    input_ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    loss_mask = torch.zeros((len(seqs), T), dtype=torch.float32)
+    for i, (ids, mask) in enumerate(seqs):
+        input_ids[i, :len(ids)] = torch.tensor(ids)
+        attention_mask[i, :len(ids)] = 1
+        loss_mask[i, :len(mask)] = torch.tensor(mask, dtype=torch.float32)
+    return tuple(t.to(device) if device is not None else t for t in (input_ids, attention_mask, loss_mask))

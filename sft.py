@@ -1,0 +1,253 @@
+"""Cold-start SFT on multi-turn tool-use conversations, and synthesis of the cold-start data.
+
+The paper fine-tunes on ~2,000 multi-turn trajectories before RL. Here the conversations are JSONL lines in
+OpenAI format, {"messages": [...], "tools": [...]}, tokenized exactly as the rollout tokenizes an episode
+(muarl.encode_conversation) so that SFT and RL train on the same layout and the same loss mask: only the
+assistant's tokens (its text, tool calls and end-of-turn token) are trained.
+
+    ./run accelerate launch sft.py --data convs.jsonl --model Qwen/Qwen3-8B --out runs/sft-qwen3
+    ./run python sft.py --teacher expert --env shop --out runs/coldstart     # make data with the scripted expert
+    ./run python sft.py --teacher gpt-4o --env tau2:retail --user-sim openai --data-out retail.jsonl --epochs 0
+
+Cold-start data: a teacher agent (the small domain's scripted expert, or an OpenAI-compatible model) plays
+tasks against the environment and a user simulator; episodes with reward 1 are kept.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+import muarl
+
+
+@dataclass
+class SFTConfig:
+    model: str = "tiny"
+    """model to fine-tune: 'tiny', 'smollm2-135m', a local checkpoint directory or a hub id (Qwen/Qwen3-8B)"""
+    data: str = ""
+    """JSONL conversations ({"messages": [...], "tools": [...]}); empty: synthesize them with --teacher"""
+    out: str = "runs/sft"
+    """directory the checkpoint is written to (Hugging Face format + tokenizer + this config)"""
+    teacher: str = "expert"
+    """cold-start teacher when --data is empty: 'expert' (scripted, small domain) or an OpenAI-compatible model"""
+    teacher_base_url: str = ""
+    """OpenAI-compatible endpoint of the teacher (default: OPENAI_BASE_URL)"""
+    env: str = "shop"
+    """environment the teacher plays: 'shop' or 'tau2:<domain>'"""
+    split: str = "train"
+    """task split the teacher plays"""
+    num_tasks: int = 400
+    """how many tasks the teacher plays (episodes with reward 1 are kept)"""
+    user_sim: str = "scripted"
+    """user simulator for the teacher: 'scripted', 'openai', 'hf' (see rollout.py)"""
+    data_out: str = ""
+    """also write the synthesized conversations here (JSONL)"""
+    epochs: float = 3.0
+    """passes over the data (0: only synthesize data)"""
+    lr: float = 2e-3
+    """peak learning rate (the paper: 5e-6 for Qwen3; a tiny model from scratch needs far more)"""
+    warmup_steps: int = 10
+    """linear warm-up steps, then cosine decay to 10% of the peak"""
+    batch_size: int = 16
+    """conversations per optimizer step, over all processes (the paper: 128)"""
+    micro_batch_size: int = 4
+    """conversations per forward/backward pass on one process"""
+    max_len: int = 2048
+    """conversations longer than this many tokens are skipped (and counted), never cut"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    grad_clip: float = 1.0
+    """gradient-norm clip"""
+    bf16: bool = False
+    """bf16 mixed precision (GPU)"""
+    gradient_checkpointing: bool = False
+    """trade compute for memory on long conversations"""
+    seed: int = 0
+    """seed for data order, initialization of 'tiny' and the teacher's episodes"""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------------------
+def load_conversations(path: str) -> list[dict]:
+    """Read JSONL conversations; a malformed line stops with the file and line number."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                msgs = rec["messages"]
+                assert isinstance(msgs, list) and msgs, "'messages' must be a non-empty list"
+                for m in msgs:
+                    assert isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool"), \
+                        f"bad message {str(m)[:80]}"
+                assert any(m["role"] == "assistant" for m in msgs), "no assistant message to train on"
+                tools = rec.get("tools") or []
+                assert isinstance(tools, list), "'tools' must be a list"
+            except (json.JSONDecodeError, KeyError, AssertionError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: malformed conversation: {e!r}") from None
+            out.append({"messages": msgs, "tools": tools})
+    return out
+
+
+class OpenAIAgent:
+    """A teacher agent behind an OpenAI-compatible endpoint, for muarl's envs.play driver."""
+
+    def __init__(self, model: str, tools: list[dict], base_url: str = "", temperature: float = 0.0):
+        from openai import OpenAI
+
+        self.client = OpenAI(base_url=base_url or None, max_retries=5)
+        self.model, self.tools, self.temperature = model, tools, temperature
+
+    def act(self, messages: list[dict]) -> dict:
+        r = self.client.chat.completions.create(model=self.model, messages=messages, tools=self.tools or None,
+                                                temperature=self.temperature)
+        m = r.choices[0].message
+        msg = {"role": "assistant", "content": m.content or ""}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in m.tool_calls]
+        return msg
+
+
+def make_cold_start(cfg: SFTConfig) -> list[dict]:
+    """Play tasks with the teacher and keep the conversations whose reward is 1."""
+    from envs import make_env, play
+
+    env = make_env(cfg.env)
+    tasks = env.tasks(cfg.split)
+    random.Random(cfg.seed).shuffle(tasks)
+    kept, t0 = [], time.time()
+    user_factory = None
+    if cfg.user_sim != "scripted":
+        from rollout import make_user_sim
+
+        user_factory = make_user_sim(cfg.user_sim).sync_user  # a ScriptedUser-like wrapper of the simulator
+    for task in tasks[:cfg.num_tasks]:
+        tools = env.tools(task)
+        agent = env.expert(task) if cfg.teacher == "expert" else OpenAIAgent(cfg.teacher, tools, cfg.teacher_base_url)
+        user = user_factory(env, task) if user_factory else None
+        messages, reward, info, termination = play(env, task, agent, user)
+        if reward == 1.0:
+            kept.append({"messages": messages, "tools": tools, "task_id": task.id})
+    print(f"[sft] teacher {cfg.teacher!r} solved {len(kept)}/{min(len(tasks), cfg.num_tasks)} {cfg.env} tasks "
+          f"in {time.time() - t0:.1f}s; keeping those")
+    return kept
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------------
+def lr_lambda(warmup: int, total: int, floor: float = 0.1):
+    def f(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return f
+
+
+def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
+    """Fine-tune on the conversations; returns the checkpoint directory."""
+    from accelerate import Accelerator
+
+    from grpo import token_logprobs
+
+    acc = accelerator or Accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
+    muarl.seed_everything(cfg.seed)
+    model, tok = muarl.load_model(cfg.model, device=acc.device, seed=cfg.seed)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    data, skipped = [], 0
+    for conv in conversations:
+        ids, mask = muarl.encode_conversation(tok, conv["messages"], conv["tools"])
+        if len(ids) > cfg.max_len:
+            skipped += 1
+        else:
+            data.append((ids, mask))
+    if not data:
+        raise ValueError(f"no conversation fits --max-len {cfg.max_len} ({skipped} skipped)")
+    steps_per_epoch = max(1, len(data) // cfg.batch_size)
+    total = max(1, int(cfg.epochs * steps_per_epoch))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.warmup_steps, total))
+    model, opt = acc.prepare(model, opt)
+    acc.print(f"[sft] {len(data)} conversations ({skipped} over --max-len skipped), "
+              f"{sum(sum(m) for _, m in data)} trained tokens, {total} steps of {cfg.batch_size}")
+    rng, order, t0 = random.Random(cfg.seed), [], time.time()
+    model.train()
+    for step in range(total):
+        if len(order) < cfg.batch_size:
+            perm = list(range(len(data)))
+            rng.shuffle(perm)
+            order += perm
+        batch, order = [data[i] for i in order[:cfg.batch_size]], order[cfg.batch_size:]
+        # One normalizer for the whole step (invariant 3): trained tokens of the global batch.
+        normalizer = sum(sum(m) for _, m in batch)
+        mine = batch[acc.process_index::acc.num_processes]
+        micro = [mine[i:i + cfg.micro_batch_size] for i in range(0, len(mine), cfg.micro_batch_size)]
+        total_loss = torch.zeros((), device=acc.device)
+        for k, mb in enumerate(micro):
+            ids, attn, mask = muarl.collate(mb, tok.pad_token_id, acc.device)
+            with acc.no_sync(model) if k < len(micro) - 1 else contextlib.nullcontext():
+                logp = token_logprobs(model, ids, attn)
+                # DDP averages gradients over processes; scale so the sum over processes is the global mean.
+                loss = -(logp * mask).sum() / normalizer * acc.num_processes
+                acc.backward(loss)
+            total_loss += loss.detach() / acc.num_processes
+        grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 10 == 0 or step == total - 1:
+            loss_all = acc.reduce(total_loss, reduction="sum").item()
+            acc.print(f"[sft] step {step + 1}/{total} loss {loss_all:.4f} grad_norm {float(grad_norm):.3f} "
+                      f"lr {sched.get_last_lr()[0]:.2e} ({time.time() - t0:.0f}s)")
+    out = Path(cfg.out)
+    save_pretrained(acc, model, tok, out, {"sft": asdict(cfg)})
+    acc.print(f"[sft] checkpoint written to {out}")
+    return out
+
+
+def save_pretrained(acc, model, tok, out: Path, run_config: dict) -> None:
+    """A Hugging Face checkpoint (safetensors + tokenizer + the run config), written atomically."""
+    import shutil
+
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    state = acc.get_state_dict(model)
+    if acc.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        acc.unwrap_model(model).save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        muarl.write_json_atomic(tmp / "muarl_config.json", run_config)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    acc.wait_for_everyone()
+
+
+def main(argv=None):
+    cfg = muarl.parse_config(SFTConfig, argv, description=__doc__.split("\n\n")[0])
+    conversations = load_conversations(cfg.data) if cfg.data else make_cold_start(cfg)
+    if cfg.data_out:
+        Path(cfg.data_out).parent.mkdir(parents=True, exist_ok=True)
+        with open(cfg.data_out, "w") as f:
+            for c in conversations:
+                f.write(json.dumps(c, ensure_ascii=False) + "\n")
+    if cfg.epochs > 0:
+        train(cfg, conversations)
+
+
+if __name__ == "__main__":
+    main()
