@@ -1,0 +1,189 @@
+"""Evaluate an agent on an environment split with k trials per task: pass^1 (mean reward), pass^k, per-task
+results, termination reasons, turns. Writes episodes.jsonl, summary.json and results.md to --out-dir.
+
+    ./run python eval.py --agent runs/grpo-shop-.../checkpoints/step-000040/model --env shop --split test
+    ./run accelerate launch eval.py --agent Qwen/Qwen3-8B --env tau2:retail --user-sim openai --user-model gpt-4.1 --trials 4
+    ./run python eval.py --agent openai:gpt-4o --env tau2:airline --user-sim openai     # an API model as the agent
+
+The agent is a checkpoint directory, a hub id, 'smollm2-135m', or 'openai:<model>' for an OpenAI-compatible
+model (baselines). tau2 environments score with tau2's own reward (envs/tau2.py).
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from math import comb
+from pathlib import Path
+
+import muarl
+
+
+@dataclass
+class EvalConfig:
+    agent: str = ""
+    """checkpoint directory, hub id, 'smollm2-135m', or 'openai:<model>' (OpenAI-compatible endpoint)"""
+    agent_base_url: str = ""
+    """endpoint for an 'openai:' agent (default: OPENAI_BASE_URL)"""
+    env: str = "shop"
+    """environment: 'shop' or 'tau2:<retail|airline|telecom|mock>'"""
+    split: str = "test"
+    """task split"""
+    env_reward: str = ""
+    """tau2 only: 'db' for the database check only; '' for tau2's full reward (what tau2 reports)"""
+    num_tasks: int = 0
+    """evaluate the first N tasks of the split (0: all)"""
+    trials: int = 1
+    """trials per task, k (pass^k needs k >= 2)"""
+    user_sim: str = "scripted"
+    """user simulator: 'scripted', 'openai', 'hf' (as in training)"""
+    user_model: str = "gpt-4.1"
+    """user simulator model (the paper evaluates with GPT-4.1)"""
+    user_base_url: str = ""
+    """OpenAI-compatible endpoint of the user simulator (default: OPENAI_BASE_URL)"""
+    user_concurrency: int = 64
+    """requests in flight to the user-simulator endpoint"""
+    temperature: float = 0.0
+    """agent sampling temperature (0: greedy)"""
+    max_turns: int = 30
+    """agent turns per episode"""
+    max_new_tokens: int = 1024
+    """new tokens per agent turn"""
+    max_context: int = 32768
+    """tokens per episode"""
+    bf16: bool = False
+    """bf16 weights (GPU)"""
+    seed: int = 0
+    """sampling seed"""
+    out_dir: str = ""
+    """output directory (default: runs/eval-<env>-<time>)"""
+
+
+def pass_hat_k(successes: int, trials: int, k: int) -> float:
+    """tau-bench's pass^k for one task: the chance that k trials drawn from the n run all succeed, C(c,k)/C(n,k)."""
+    return comb(successes, k) / comb(trials, k) if trials >= k else float("nan")
+
+
+def summarize(episodes: list[dict], trials: int) -> dict:
+    """Summary over episode dicts (Episode.to_json()); infra-failed episodes are reported, not scored."""
+    by_task: dict[str, list[dict]] = {}
+    for e in episodes:
+        by_task.setdefault(e["task_id"], []).append(e)
+    scored = [e for e in episodes if not e["infra_failed"]]
+    per_task = {}
+    for tid, eps in by_task.items():
+        ok = [e for e in eps if not e["infra_failed"]]
+        c = sum(e["reward"] == 1.0 for e in ok)
+        per_task[tid] = {"trials": len(ok), "successes": c, "mean_reward": sum(e["reward"] for e in ok) / max(1, len(ok)),
+                         "infra_failed": len(eps) - len(ok)}
+    summary = {
+        "episodes": len(episodes), "tasks": len(by_task), "infra_failed": len(episodes) - len(scored),
+        "pass^1": sum(e["reward"] for e in scored) / max(1, len(scored)),
+        "avg_turns": sum(e["turns"] for e in scored) / max(1, len(scored)),
+        "termination": dict(Counter(e["termination"] for e in episodes)),
+        "tool_calls_per_episode": {k: v / max(1, len(scored)) for k, v in
+                                   sum((Counter(e["tool_calls"]) for e in scored), Counter()).items()},
+    }
+    for k in range(2, trials + 1):
+        vals = [pass_hat_k(t["successes"], t["trials"], k) for t in per_task.values() if t["trials"] >= k]
+        summary[f"pass^{k}"] = sum(vals) / len(vals) if vals else float("nan")
+    summary["per_task"] = per_task
+    return summary
+
+
+def markdown(cfg: EvalConfig, s: dict) -> str:
+    ks = [k for k in s if k.startswith("pass^")]
+    lines = [f"# {cfg.agent} on {cfg.env}:{cfg.split}", "",
+             "| tasks | trials | " + " | ".join(ks) + " | avg turns | infra failed |",
+             "|---|---|" + "---|" * len(ks) + "---|---|",
+             f"| {s['tasks']} | {cfg.trials} | " + " | ".join(f"{s[k]:.3f}" for k in ks) +
+             f" | {s['avg_turns']:.1f} | {s['infra_failed']} |", "", "Termination: " +
+             ", ".join(f"{k} {v}" for k, v in sorted(s["termination"].items())), "",
+             "| task | successes / trials | mean reward |", "|---|---|---|"]
+    lines += [f"| {t} | {r['successes']} / {r['trials']} | {r['mean_reward']:.2f} |" for t, r in s["per_task"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
+    """An OpenAI-compatible model as the agent, through the text-level driver (no token-level record)."""
+    from envs import play
+    from sft import OpenAIAgent
+
+    user_factory = None
+    if cfg.user_sim != "scripted":
+        from rollout import make_user_sim
+
+        user_factory = make_user_sim(cfg.user_sim, model=cfg.user_model, base_url=cfg.user_base_url).sync_user
+    out = []
+    for task in tasks:
+        for trial in range(cfg.trials):
+            agent = OpenAIAgent(cfg.agent.split(":", 1)[1], env.tools(task), cfg.agent_base_url, cfg.temperature)
+            try:
+                messages, reward, info, termination = play(env, task, agent,
+                                                           user_factory(env, task) if user_factory else None,
+                                                           max_turns=cfg.max_turns)
+                failed = False
+            except Exception as e:  # the endpoint failed after its retries: report, don't score
+                messages, reward, info, termination, failed = [], 0.0, {"error": repr(e)}, "infra_error", True
+            ep = muarl.Episode(task_id=task.id, sample=trial, messages=messages, reward=reward, reward_info=info,
+                               termination=termination, infra_failed=failed,
+                               turns=sum(m["role"] == "assistant" for m in messages))
+            for m in messages:
+                for c in m.get("tool_calls") or []:
+                    ep.tool_calls[c["function"]["name"]] += 1
+            out.append(ep.to_json())
+    return out
+
+
+def main(argv=None):
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import gather_object
+
+    from envs import make_env
+
+    cfg = muarl.parse_config(EvalConfig, argv, description=__doc__.split("\n\n")[0])
+    if not cfg.agent:
+        raise SystemExit("eval.py: --agent is required (a checkpoint directory, hub id, smollm2-135m or openai:<model>)")
+    if cfg.trials < 1:
+        raise SystemExit("eval.py: --trials must be >= 1")
+    acc = Accelerator()
+    env = make_env(cfg.env, **({"reward": cfg.env_reward} if cfg.env_reward else {}))
+    tasks = env.tasks(cfg.split)
+    tasks = tasks[:cfg.num_tasks] if cfg.num_tasks else tasks
+    t0 = time.time()
+    if cfg.agent.startswith("openai:"):
+        episodes = run_api_agent(cfg, env, tasks[acc.process_index::acc.num_processes])
+    else:
+        from rollout import SamplingConfig, make_user_sim, rollout
+
+        model, tok = muarl.load_model(cfg.agent, device=acc.device,
+                                      dtype=torch.bfloat16 if cfg.bf16 else None)
+        model.eval()
+        user_sim = make_user_sim(cfg.user_sim, model=cfg.user_model, base_url=cfg.user_base_url,
+                                 concurrency=cfg.user_concurrency)
+        sampling = SamplingConfig(temperature=max(cfg.temperature, 1e-5), greedy=cfg.temperature == 0,
+                                  max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context,
+                                  max_turns=cfg.max_turns)
+        eps = rollout(model, tok, env, tasks[acc.process_index::acc.num_processes], cfg.trials, user_sim, sampling,
+                      seed=cfg.seed + acc.process_index)
+        episodes = [e.to_json() for e in eps]
+    episodes = gather_object(episodes)
+    if acc.is_main_process:
+        out = Path(cfg.out_dir or f"runs/eval-{cfg.env.replace(':', '-')}-{time.strftime('%Y%m%d-%H%M%S')}")
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "episodes.jsonl", "w") as f:
+            for e in episodes:
+                f.write(json.dumps(e, ensure_ascii=False, default=str) + "\n")
+        s = summarize(episodes, cfg.trials)
+        s["config"], s["seconds"] = asdict(cfg), time.time() - t0
+        muarl.write_json_atomic(out / "summary.json", s)
+        (out / "results.md").write_text(markdown(cfg, s))
+        ks = " ".join(f"{k} {s[k]:.3f}" for k in s if k.startswith("pass^"))
+        print(f"[eval] {cfg.agent} on {cfg.env}:{cfg.split}: {s['tasks']} tasks x {cfg.trials}: {ks}, "
+              f"avg turns {s['avg_turns']:.1f}, infra failed {s['infra_failed']}. Written to {out}")
+
+
+if __name__ == "__main__":
+    main()
