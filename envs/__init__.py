@@ -104,3 +104,43 @@ def make_env(name: str, **options) -> Environment:
 
         return Tau2Env(name.split(":", 1)[1], **options)
     raise ValueError(f"unknown environment {name!r}: use 'shop' or 'tau2:<retail|airline|telecom|mock>'")
+
+
+def play(env: Environment, task: Task, agent: ScriptedAgent, user: ScriptedUser | None = None,
+         max_turns: int = 30) -> tuple[list[dict], float, dict, str]:
+    """Play one episode at the text level (no tokens): cold-start data and environment tests.
+
+    A turn is one agent message. Its tool calls run against the session and come back as tool messages; a
+    message without tool calls gets the user's reply. Ends on a user stop marker ("user_stop"), a STOP_TOOLS
+    call ("transfer"), or after max_turns agent messages ("max_turns").
+    Returns (messages, reward, reward info, termination)."""
+    import json
+
+    user = user if user is not None else env.scripted_user(task)
+    session = env.start(task)
+    messages = [{"role": "system", "content": env.system_prompt(task)}, {"role": "user", "content": user.opening()}]
+    termination = "max_turns"
+    for _ in range(max_turns):
+        message = agent.act(messages)
+        messages.append(message)
+        calls = message.get("tool_calls") or []
+        for call in calls:
+            name, arguments = call["function"]["name"], call["function"].get("arguments") or "{}"
+            try:
+                arguments = arguments if isinstance(arguments, dict) else json.loads(arguments)
+            except (TypeError, ValueError):
+                result = ToolResult("Error: arguments are not valid JSON", error=True)
+            else:
+                result = session.call_tool(name, arguments)
+            messages.append({"role": "tool", "tool_call_id": call["id"], "name": name, "content": result.content})
+        if any(call["function"]["name"] in STOP_TOOLS for call in calls):
+            termination = "transfer"
+            break
+        if not calls:
+            text = user.reply(messages)
+            messages.append({"role": "user", "content": text})
+            if any(marker in text for marker in USER_STOP_MARKERS):
+                termination = "user_stop"
+                break
+    reward, info = session.reward(messages)
+    return messages, reward, info, termination

@@ -1,0 +1,586 @@
+"""shop: a small, procedurally generated customer-service domain that a tiny model can learn on a CPU.
+
+In the spirit of tau2-bench retail, scaled down so that a ~1-3M-parameter transformer trained from scratch
+(cold-start SFT on the expert's dialogues, then GRPO against the scripted user) can learn it in minutes:
+a short policy, seven tools with compact schemas, short JSON tool outputs, and formulaic-but-varied user
+phrasing. System prompt + tool schemas + a whole dialogue stay around 3,000-4,500 characters.
+
+    env = ShopEnv(n_train=500, n_test=100, seed=0)
+    task = env.tasks("train")[0]
+    messages, reward, info, termination = play(env, task, env.expert(task))   # reward 1.0
+
+Each task has its own small database (the customer, two other customers, a product catalog) generated from
+the task's seed; train and test seeds are disjoint. The customer wants one thing: cancel a pending order,
+return or exchange an item of a delivered order, or something the policy does not allow (transfer to a human).
+Where the agent can fail, on purpose:
+  - acting before authenticating (the tools refuse), or looking the user up by name without the zip
+    (a second customer of the same name exists in some tasks);
+  - picking the wrong order: the order list is shuffled, and a user who does not know the order id
+    describes it by an item, so the agent has to look orders up until it finds that item;
+  - not checking the order status (cancelling a delivered order, returning a pending one -> transfer);
+  - writing without an explicit "yes" (reward 0, see `ShopSession.reward`);
+  - not adapting when the user changes its mind at the first confirmation (~40% of write tasks);
+  - ending too early, or doing more than asked (an extra write or transfer changes the database).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import random
+import re
+
+from envs import Task, ToolResult, play
+
+PRODUCTS = ["mug", "lamp", "pen", "shirt", "bag", "hat", "clock", "kettle", "scarf", "chair"]
+COLORS = ["red", "blue", "green", "black", "white", "gray"]
+ITEMS = [f"{c} {p}" for p in PRODUCTS for c in COLORS]  # every item name any task can contain
+FIRST = ["Anna", "Ben", "Carla", "David", "Emma", "Felix", "Grace", "Hugo", "Iris", "Jonas", "Kate", "Liam",
+         "Mia", "Noah", "Olga", "Paul", "Rosa", "Sam", "Tina", "Victor"]
+LAST = ["Lee", "Smith", "Garcia", "Brown", "Khan", "Novak", "Silva", "Chen", "Weber", "Rossi", "Kim", "Moreau"]
+WRITE_TOOLS = ("cancel_order", "return_item", "exchange_item")
+OTHER_TOPICS = {"address": "I want to change the shipping address of an order.",
+                "compensation": "My order came late. I want compensation.",
+                "card": "I want to pay for an order with another card."}
+
+POLICY = """You are a shop support agent.
+- First find the user by email, or by name and zip. Help only with their own orders.
+- Cancel only pending orders. Return or exchange only items of delivered orders, for another color of the same product.
+- Before you cancel, return or exchange, state the action and get an explicit yes.
+- One tool call at a time.
+- If the request is anything else or not allowed, transfer to a human agent."""
+
+# name -> (description, the accepted sets of string arguments). Short on purpose: with a byte-level BPE every
+# schema costs ~45 tokens of JSON scaffolding plus its words, in every prompt (one lookup tool, not two, for that).
+TOOL_SPECS = {
+    "find_user": ("Find a user by email, or by name and zip.", [["email"], ["name", "zip"]]),
+    "get_order": ("Get an order.", [["order_id"]]),
+    "cancel_order": ("Cancel a pending order.", [["order_id"]]),
+    "return_item": ("Return an item of a delivered order.", [["order_id", "item"]]),
+    "exchange_item": ("Exchange an item of a delivered order for another color.", [["order_id", "item", "new_item"]]),
+    "transfer_to_human_agents": ("Transfer the user to a human agent.", [[]]),
+}
+TOOLS = [{"type": "function", "function": {
+    "name": name, "description": desc,
+    "parameters": {"type": "object", "properties": {p: {"type": "string"} for ps in sets for p in ps},
+                   "required": sets[0] if len(sets) == 1 else []}}}
+    for name, (desc, sets) in TOOL_SPECS.items()]
+
+ORDER_RE = re.compile(r"\bo\d{3}\b")
+HINT_RE = re.compile(r"order with the ([a-z]+ [a-z]+)")
+CONFIRM = " Confirm (yes/no)?"
+
+
+def _json(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def _items_in(text: str) -> list[str]:
+    """Item names mentioned in `text`, in order of appearance."""
+    found = [(m.start(), item) for item in ITEMS for m in re.finditer(rf"\b{item}\b", text)]
+    return [item for _, item in sorted(found)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Task generation: one seed -> one task with its own database
+# ---------------------------------------------------------------------------------------------------------
+def make_task(split: str, index: int, seed: int = 0) -> Task:
+    """Train seeds are seed*1e6 + index, test seeds seed*1e6 + 500,000 + index: disjoint for index < 500,000."""
+    task_seed = seed * 1_000_000 + (500_000 if split == "test" else 0) + index
+    rng = random.Random(task_seed)
+    catalog = {p: sorted(rng.sample(COLORS, 3)) for p in PRODUCTS}
+    pool = [f"{c} {p}" for p, cs in catalog.items() for c in cs]
+    rng.shuffle(pool)  # items are drawn from the pool without replacement: no item is in two orders
+    order_ids = iter(f"o{n}" for n in rng.sample(range(100, 1000), 12))
+    user_ids = [f"u{n}" for n in rng.sample(range(10, 100), 3)]
+    db = {"users": {}, "orders": {}, "products": catalog, "transfers": []}
+
+    def add_order(uid, status, n_items):
+        # One item per product in an order, so "the red mug" -> "the blue mug" is never ambiguous.
+        items = []
+        for _ in range(n_items):
+            items.append(next(x for x in reversed(pool) if x.split()[1] not in {i.split()[1] for i in items}))
+            pool.remove(items[-1])
+        oid = next(order_ids)
+        db["orders"][oid] = {"user_id": uid, "status": status, "items": items}
+        return oid
+
+    kind = rng.choice(["cancel"] * 3 + ["return"] * 3 + ["exchange"] * 3 + ["transfer"] * 2)
+    change_type = None
+    if kind != "transfer" and rng.random() < 0.4:
+        change_type = {"cancel": "other_order", "exchange": "to_return",
+                       "return": rng.choice(["other_item", "to_exchange"])}[kind]
+    uid = user_ids[0]
+    topic = None
+    if kind == "transfer":
+        topic = rng.choice(["address", "compensation", "card", "cancel_delivered", "return_pending"])
+        status = {"cancel_delivered": "delivered", "return_pending": "pending"}.get(topic) or rng.choice(["pending", "delivered"])
+        target = add_order(uid, status, rng.randint(1, 3))
+    else:
+        n_items = 2 if change_type == "other_item" else 1
+        target = add_order(uid, "pending" if kind == "cancel" else "delivered", rng.randint(n_items, 3))
+    mine = [target]
+    alt = add_order(uid, "pending", rng.randint(1, 2)) if change_type == "other_order" else None
+    if alt:
+        mine.append(alt)
+    for _ in range(rng.randint(0, 2 if alt is None else 1)):
+        mine.append(add_order(uid, rng.choice(["pending", "delivered", "cancelled"]), rng.randint(1, 2)))
+    rng.shuffle(mine)  # the order the user means is not always first in the list
+
+    first, last = rng.choice(FIRST), rng.choice(LAST)
+    same_name = rng.random() < 0.3  # a second customer of the same name: the zip matters
+    email_numbers = rng.sample(range(1, 100), 3)  # emails stay unique even when names are not
+    for i, u in enumerate(user_ids):
+        name = f"{first} {last}" if i == 0 or (i == 1 and same_name) else f"{rng.choice(FIRST)} {rng.choice(LAST)}"
+        email = f"{name.replace(' ', '.').lower()}{email_numbers[i]}@mail.com"
+        orders = mine if i == 0 else [add_order(u, rng.choice(["pending", "delivered"]), 1) for _ in range(rng.randint(1, 2))]
+        db["users"][u] = {"name": name, "email": email, "zip": f"{rng.randint(10000, 99999)}", "orders": orders}
+    if same_name and db["users"][user_ids[1]]["zip"] == db["users"][uid]["zip"]:
+        db["users"][user_ids[1]]["zip"] = str(int(db["users"][uid]["zip"]) % 89999 + 10001)
+
+    items = db["orders"][target]["items"]
+    item = rng.choice(items)
+    product = item.split()[1]
+    new = f"{rng.choice([c for c in catalog[product] if c != item.split()[0]])} {product}"
+    action = {"transfer": {"cancel_delivered": "cancel", "return_pending": "return"}.get(topic, "other")}.get(kind, kind)
+    goal = {"action": action, "order": target, "hint": item, "item": item if action in ("return", "exchange") else None,
+            "new": new if action == "exchange" else None, "topic": topic}
+    change = None
+    if change_type == "other_order":
+        change = dict(goal, order=alt, hint=db["orders"][alt]["items"][0])
+    elif change_type == "other_item":
+        change = dict(goal, item=rng.choice([x for x in items if x != item]))
+    elif change_type == "to_exchange":
+        change = dict(goal, action="exchange", new=new)
+    elif change_type == "to_return":
+        change = dict(goal, action="return", new=None)
+    final = change or goal
+    gold = {"cancel": [["cancel_order", {"order_id": final["order"]}]],
+            "return": [["return_item", {"order_id": final["order"], "item": final["item"]}]],
+            "exchange": [["exchange_item", {"order_id": final["order"], "item": final["item"], "new_item": final["new"]}]],
+            }.get(final["action"]) if kind != "transfer" else [["transfer_to_human_agents", {}]]
+    user = db["users"][uid]
+    data = {"seed": task_seed, "db": db, "user_id": uid, "kind": kind, "goal": goal, "change": change,
+            "change_type": change_type, "knows_email": rng.random() < 0.6, "knows_order_id": rng.random() < 0.6,
+            "gold": gold}
+    task = Task(id=f"shop-{split}-{index}", user_scenario="", data=data,
+                meta={"kind": kind, "change": change_type, "topic": topic, "seed": task_seed})
+    task.user_scenario = _scenario(data, user)
+    return task
+
+
+def _describe(want: dict, knows_id: bool) -> str:
+    ref = f"order {want['order']}" if knows_id else f"the order with the {want['hint']} (you do not know its id)"
+    if want["action"] == "other":
+        return {"address": "change the shipping address of an order", "card": "pay for an order with another card",
+                "compensation": "get compensation because an order came late"}[want["topic"]]
+    return {"cancel": f"cancel {ref}", "return": f"return the {want['item']} from {ref}",
+            "exchange": f"exchange the {want['item']} from {ref} for the {want['new']}"}[want["action"]]
+
+
+def _scenario(d: dict, user: dict) -> str:
+    email = f"your email is {user['email']}" if d["knows_email"] else "you do not remember your email"
+    text = (f"You are {user['name']}, a shop customer; {email}; your zip code is {user['zip']}. "
+            f"You want to {_describe(d['goal'], d['knows_order_id'])}. Start by saying only that you need help "
+            "with an order. Give your email (or name and zip), the order and the item only when the agent asks. ")
+    if d["change"]:
+        text += (f"When the agent first asks you to confirm an action, say no and change your mind: you now want to "
+                 f"{_describe(d['change'], d['knows_order_id'])}. ")
+    return text + ("Say yes only to exactly the action you want. When it is done, thank the agent and end with "
+                   "###STOP###; also end with ###STOP### if the agent transfers you.")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One episode's state: a private copy of the task's database, the tools, the reward
+# ---------------------------------------------------------------------------------------------------------
+class ToolError(Exception):
+    pass
+
+
+class ShopSession:
+    def __init__(self, task: Task):
+        self.task = task
+        self.db = copy.deepcopy(task.data["db"])  # invariant 4: nothing leaks between episodes
+        self.user_id = None  # set by a successful find_user; the order tools refuse to work without it
+
+    def call_tool(self, name: str, arguments: dict, requestor: str = "assistant") -> ToolResult:
+        if name not in TOOL_SPECS:
+            return ToolResult(f"Error: unknown tool {name!r}", error=True)
+        sets = TOOL_SPECS[name][1]
+        if not isinstance(arguments, dict) or sorted(arguments) not in [sorted(ps) for ps in sets]:
+            accepted = " or ".join("(" + ", ".join(ps) + ")" for ps in sets)
+            return ToolResult(f"Error: {name} takes arguments {accepted}", error=True)
+        if not all(isinstance(v, str) for v in arguments.values()):
+            return ToolResult(f"Error: {name} arguments must be strings", error=True)
+        try:
+            return ToolResult(_json(getattr(self, "_" + name)(**arguments)))
+        except ToolError as e:
+            return ToolResult(f"Error: {e}", error=True)
+        except Exception as e:  # a bug in a tool must not end the rollout
+            return ToolResult(f"Error: {type(e).__name__}: {e}", error=True)
+
+    def _login(self, uid: str | None) -> dict:
+        if uid is None:
+            raise ToolError("user not found")
+        self.user_id = uid
+        return {"user_id": uid, "orders": self.db["users"][uid]["orders"]}
+
+    def _find_user(self, email=None, name=None, zip=None):
+        if email is not None:
+            match = lambda u: u["email"] == email.strip().lower()
+        else:  # two customers may share a name: the zip is what tells them apart
+            match = lambda u: u["name"].lower() == name.strip().lower() and u["zip"] == zip.strip()
+        return self._login(next((k for k, u in self.db["users"].items() if match(u)), None))
+
+    def _order(self, order_id: str) -> dict:
+        if self.user_id is None:
+            raise ToolError("authenticate the user first")
+        order = self.db["orders"].get(order_id)
+        if order is None or order["user_id"] != self.user_id:
+            raise ToolError(f"order {order_id} not found for this user")
+        return order
+
+    def _get_order(self, order_id):
+        return {"order_id": order_id, **{k: v for k, v in self._order(order_id).items() if k != "user_id"}}
+
+    def _done(self, order_id):  # write results are short: the agent has seen the order already
+        return {"order_id": order_id, "status": self.db["orders"][order_id]["status"]}
+
+    def _cancel_order(self, order_id):
+        order = self._order(order_id)
+        if order["status"] != "pending":
+            raise ToolError(f"order {order_id} is {order['status']}, only pending orders can be cancelled")
+        order["status"] = "cancelled"
+        return self._done(order_id)
+
+    def _delivered_item(self, order_id, item) -> dict:
+        order = self._order(order_id)
+        if order["status"] != "delivered":
+            raise ToolError(f"order {order_id} is {order['status']}, only delivered orders allow returns and exchanges")
+        if item not in order["items"]:
+            raise ToolError(f"order {order_id} has no {item}")
+        return order
+
+    def _return_item(self, order_id, item):
+        order = self._delivered_item(order_id, item)
+        order["status"], order["return"] = "returning", item
+        return self._done(order_id)
+
+    def _exchange_item(self, order_id, item, new_item):
+        order = self._delivered_item(order_id, item)
+        color, _, product = new_item.strip().partition(" ")
+        if product != item.split()[1] or color == item.split()[0] or color not in self.db["products"][product]:
+            raise ToolError(f"{new_item} is not another color of the {item}")
+        order["status"], order["exchange"] = "exchanging", [item, new_item.strip()]
+        return self._done(order_id)
+
+    def _transfer_to_human_agents(self):
+        # Recorded in the database so that a needed transfer (and an unneeded one) shows in the DB reward.
+        self.db["transfers"].append(self.user_id)
+        return {"status": "transferred"}
+
+    def reward(self, messages: list[dict]) -> tuple[float, dict]:
+        """1.0 iff the database equals the gold replay's AND every write call came right after a user "yes".
+
+        The second condition is a policy check tau2 leaves out; without it an agent that skips confirmation
+        is right on every task where the user does not change its mind, and a tiny model learns to skip it."""
+        gold = gold_db(self.task)
+        differ = []
+        for table in sorted(set(gold) | set(self.db)):
+            a, b = gold.get(table), self.db.get(table)
+            if isinstance(a, dict) and isinstance(b, dict):
+                differ += [f"{table}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            elif a != b:
+                differ.append(table)
+        unconfirmed = unconfirmed_writes(messages)
+        ok = not differ and not unconfirmed
+        return float(ok), {"db_match": not differ, "differ": differ, "unconfirmed_writes": unconfirmed}
+
+
+def gold_db(task: Task) -> dict:
+    """The database after the task's gold actions, replayed on a fresh copy as the authenticated user."""
+    session = ShopSession(task)
+    session.user_id = task.data["user_id"]
+    for name, args in task.data["gold"]:
+        result = session.call_tool(name, args)
+        assert not result.error, (task.id, name, result.content)
+    return session.db
+
+
+def unconfirmed_writes(messages: list[dict]) -> list[str]:
+    """Write calls not licensed by a user message starting with "yes" since the previous write call."""
+    licensed, bad = False, []
+    for m in messages:
+        if m.get("role") == "user":
+            licensed = str(m.get("content") or "").strip().lower().startswith("yes")
+        elif m.get("role") == "assistant":
+            for call in m.get("tool_calls") or []:
+                name = (call.get("function") or {}).get("name")
+                if name in WRITE_TOOLS:
+                    if not licensed:
+                        bad.append(name)
+                    licensed = False
+    return bad
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The scripted user: keyword rules on the agent's last message, replayed from the start each call
+# ---------------------------------------------------------------------------------------------------------
+class ShopUser:
+    """Dynamic like the paper's simulated user: vague opening, details only when asked, an optional change of
+    mind at the first confirmation request, truthful yes/no, ###STOP### when done or transferred.
+
+    Stateless: `reply` replays the user's rules over every agent text message of the conversation, so the
+    answer depends only on the task and the conversation. Phrasing varies per task and turn (seeded)."""
+
+    def __init__(self, task: Task):
+        self.d = task.data
+        self.user = self.d["db"]["users"][self.d["user_id"]]
+
+    def _pick(self, options: list[str], turn: int) -> str:
+        return random.Random(f"{self.d['seed']}-{turn}").choice(options)
+
+    def opening(self) -> str:
+        return self._pick(["Hi, I need help with an order.", "Hello, can you help me with my order?",
+                          "Hi there, I have a problem with an order."], 0)
+
+    def reply(self, messages: list[dict]) -> str:
+        state = {"changed": False, "accepted": False, "told": False}
+        text, turn = "", 0
+        for m in messages:
+            if m.get("role") == "assistant" and not m.get("tool_calls"):
+                turn += 1
+                text = self._respond(str(m.get("content") or "").lower(), state, turn)
+        return text
+
+    def _ref(self, want: dict) -> str:
+        return f"order {want['order']}" if self.d["knows_order_id"] else f"the order with the {want['hint']}"
+
+    def _restate(self, want: dict) -> str:
+        ref = self._ref(want)
+        return {"cancel": f"I want to cancel {ref}.", "return": f"I want to return the {want['item']} from {ref}.",
+                "exchange": f"I want to exchange the {want['item']} for the {want['new']} from {ref}.",
+                "other": OTHER_TOPICS.get(want["topic"], "")}[want["action"]]
+
+    def _matches(self, t: str, want: dict) -> bool:
+        """Does the agent's proposal `t` name exactly the action the user wants now?"""
+        if [a for a in ("cancel", "return", "exchange") if a in t] != [want["action"]]:
+            return False
+        if set(ORDER_RE.findall(t)) != {want["order"]}:
+            return False
+        items = _items_in(t)
+        return {"cancel": True, "return": items == [want["item"]],
+                "exchange": items == [want["item"], want["new"]]}.get(want["action"], False)
+
+    def _respond(self, t: str, state: dict, turn: int) -> str:
+        d, u = self.d, self.user
+        want = d["change"] if state["changed"] else d["goal"]
+        if state["accepted"]:
+            return self._pick(["Thanks, that's all.", "Great, thank you!", "Perfect, thanks."], turn) + " ###STOP###"
+        if "transfer" in t or "goodbye" in t:
+            return "Okay, thank you. ###STOP###"
+        if "yes/no" in t or "confirm" in t:
+            no = self._pick(["No, wait.", "No, sorry.", "Hmm, no."], turn)
+            if d["change"] and not state["changed"]:
+                state["changed"] = True
+                c = d["change"]
+                return no + " " + {"other_order": f"Actually, please cancel {self._ref(c)} instead.",
+                                   "other_item": f"I want to return the {c['item']} instead.",
+                                   "to_exchange": f"I'd rather exchange it for the {c['new']}.",
+                                   "to_return": "I'd rather just return it."}[d["change_type"]]
+            if self._matches(t, want):
+                state["accepted"] = True
+                return self._pick(["Yes, please.", "Yes.", "Yes, go ahead."], turn)
+            return "No. " + self._restate(want)
+        parts = []
+        if "email" in t and d["knows_email"]:
+            parts.append(self._pick([f"My email is {u['email']}.", f"It's {u['email']}.", f"Sure, {u['email']}."], turn))
+        elif "email" in t or ("name" in t and "zip" in t):
+            sorry = "I don't remember my email. " if "email" in t else ""
+            parts.append(sorry + self._pick([f"My name is {u['name']} and my zip is {u['zip']}.",
+                                             f"I'm {u['name']}, zip code {u['zip']}."], turn))
+        if "order id" in t or "which order" in t:
+            parts.append(f"It is order {want['order']}." if d["knows_order_id"] else
+                         f"I don't know the order id. It is the order with the {want['hint']}.")
+        if "which item" in t:
+            parts.append(f"The {want['item']}." if want["item"] else "I want to cancel the whole order.")
+        if "color" in t:
+            parts.append(f"I'd like the {want['new']} instead." if want["new"] else "I don't want another color.")
+        if parts:
+            return " ".join(parts)
+        if not state["told"]:  # the first open question gets only the kind of request, no details
+            state["told"] = True
+            if want["action"] == "other":
+                return OTHER_TOPICS[want["topic"]]
+            return self._pick({"cancel": ["I want to cancel an order.", "I'd like to cancel one of my orders."],
+                               "return": ["I want to return something.", "I'd like to return an item."],
+                               "exchange": ["I want to exchange an item.", "Can I exchange something I bought?"],
+                               }[want["action"]], turn)
+        return self._restate(want)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The scripted expert: follows the policy, reads everything it knows from the conversation
+# ---------------------------------------------------------------------------------------------------------
+class ShopExpert:
+    """The cold-start teacher. It never peeks at the task: every decision is re-derived from the messages
+    (what the user said, what the tools returned), so its dialogues are ones a model could produce.
+    Its phrasing is fixed and short because a tiny model imitates it."""
+
+    def act(self, messages: list[dict]) -> dict:
+        s = _read(messages)
+        n_calls = sum(len(m.get("tool_calls") or []) for m in messages)
+
+        def call(tool, **args):
+            return {"role": "assistant", "content": "", "tool_calls": [{"id": f"call_{n_calls + 1}", "type": "function",
+                    "function": {"name": tool, "arguments": json.dumps(args)}}]}
+
+        def say(text):
+            return {"role": "assistant", "content": text}
+
+        if s["user"] is None:
+            if s["email"] and s["email"] not in s["tried"]:
+                return call("find_user", email=s["email"])
+            if s["name"] and s["zip"] and (s["name"], s["zip"]) not in s["tried"]:
+                return call("find_user", name=s["name"], zip=s["zip"])
+            return say("Sure. First, what is your email, or your name and zip code?")
+        if s["last_write"]:
+            return say("Done. Anything else?")
+        action = s["action"]
+        if action is None:
+            return say("Thanks. How can I help you today?")
+        if action == "other":
+            return call("transfer_to_human_agents")
+        order = s["order"]
+        if order is None and s["hint"]:
+            order = next((o for o in s["orders"] if s["hint"] in s["fetched"].get(o, {}).get("items", [])), None)
+            unfetched = [o for o in s["orders"] if o not in s["fetched"]]
+            if order is None and unfetched:
+                return call("get_order", order_id=unfetched[0])
+        if order is None:
+            return say("What is the order id?")
+        if order not in s["fetched"]:
+            return call("get_order", order_id=order)
+        o = s["fetched"][order]
+        if o["status"] != ("pending" if action == "cancel" else "delivered"):
+            return call("transfer_to_human_agents")
+        mine = [x for x in s["mentions"] if x in o["items"]]
+        item = mine[-1] if mine and action != "cancel" else None
+        news = [x for x in s["mentions"] if item and x not in o["items"] and x.split()[1] == item.split()[1]]
+        new = news[-1] if news else None
+        if action == "return" and item is None:
+            return say("Which item do you want to return?")
+        if action == "exchange" and item is None:
+            return say("Which item do you want to exchange, and for which color?")
+        if action == "exchange" and new is None:
+            return say("Which color do you want instead?")
+        tool, args, text = {
+            "cancel": ("cancel_order", {"order_id": order}, f"I will cancel order {order}."),
+            "return": ("return_item", {"order_id": order, "item": item}, f"I will return the {item} from order {order}."),
+            "exchange": ("exchange_item", {"order_id": order, "item": item, "new_item": new},
+                         f"I will exchange the {item} for the {new} in order {order}."),
+        }[action]
+        if s["said_yes"] and s["last_agent_text"] == text + CONFIRM:
+            return call(tool, **args)
+        return say(text + CONFIRM)
+
+
+def _read(messages: list[dict]) -> dict:
+    """What the expert knows: identity details, the user's current request, and what the tools returned."""
+    s = {"email": None, "name": None, "zip": None, "user": None, "orders": [], "fetched": {}, "tried": set(),
+         "action": None, "order": None, "hint": None, "mentions": [], "last_write": False, "said_yes": False,
+         "last_agent_text": None}
+    calls = {}
+    for m in messages:
+        role, text = m.get("role"), str(m.get("content") or "")
+        s["last_write"] = False
+        if role == "user":
+            s["said_yes"] = text.lower().startswith("yes")
+            if e := re.search(r"[\w.]+@[\w.]+\w", text):
+                s["email"] = e.group(0)
+            if z := re.search(r"\b\d{5}\b", text):
+                s["zip"] = z.group(0)
+                if n := re.search(r"\b[A-Z][a-z]+ [A-Z][a-z]+\b", text):
+                    s["name"] = n.group(0)
+            low = text.lower()
+            for action, words in (("cancel", ["cancel"]), ("return", ["return"]), ("exchange", ["exchange"]),
+                                  ("other", ["address", "compensation", "card"])):
+                if any(w in low for w in words):
+                    s["action"] = action
+            if h := HINT_RE.search(low):
+                s["hint"], s["order"] = h.group(1), None
+                low = low.replace(h.group(0), "")
+            if ids := ORDER_RE.findall(low):
+                s["order"], s["hint"] = ids[-1], None
+            s["mentions"] += _items_in(low)
+        elif role == "assistant":
+            if not m.get("tool_calls"):
+                s["last_agent_text"] = text
+            for c in m.get("tool_calls") or []:
+                f = c.get("function") or {}
+                try:
+                    args = json.loads(f.get("arguments") or "{}")
+                except (TypeError, ValueError):
+                    args = {}
+                calls[c.get("id")] = f.get("name")
+                if f.get("name") == "find_user" and isinstance(args, dict):
+                    s["tried"].add(args.get("email") or (args.get("name"), args.get("zip")))
+        elif role == "tool" and not text.startswith("Error"):
+            name, result = calls.get(m.get("tool_call_id")), json.loads(text)
+            if name == "find_user":
+                s["user"], s["orders"] = result["user_id"], result["orders"]
+            elif name == "get_order":
+                s["fetched"][result["order_id"]] = result
+            s["last_write"] = name in WRITE_TOOLS
+    return s
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The environment
+# ---------------------------------------------------------------------------------------------------------
+class ShopEnv:
+    name = "shop"
+
+    def __init__(self, n_train: int = 500, n_test: int = 100, seed: int = 0):
+        assert n_train <= 500_000 and n_test <= 500_000, "train and test seeds would overlap"
+        self.seed = seed
+        self._splits = {"train": [make_task("train", i, seed) for i in range(n_train)],
+                        "test": [make_task("test", i, seed) for i in range(n_test)]}
+
+    def tasks(self, split: str) -> list[Task]:
+        if split not in self._splits:
+            raise ValueError(f"unknown split {split!r}: shop has {', '.join(self._splits)}")
+        return self._splits[split]
+
+    def system_prompt(self, task: Task) -> str:
+        return POLICY
+
+    def tools(self, task: Task) -> list[dict]:
+        return copy.deepcopy(TOOLS)
+
+    def user_tools(self, task: Task) -> list[dict]:
+        return []
+
+    def start(self, task: Task) -> ShopSession:
+        return ShopSession(task)
+
+    def scripted_user(self, task: Task) -> ShopUser:
+        return ShopUser(task)
+
+    def expert(self, task: Task) -> ShopExpert:
+        return ShopExpert()
+
+    def corpus(self, n_tasks: int = 300) -> list[str]:
+        """Texts to train the tiny BPE tokenizer on: the text of expert episodes on the first `n_tasks` train
+        seeds (independent of n_train, so the tokenizer is too), each with the policy and the tool schemas as
+        the prompt shows them, so that BPE merges are weighted the way the model will read text."""
+        texts = []
+        for i in range(n_tasks):
+            task = make_task("train", i, self.seed)
+            messages, _, _, _ = play(self, task, self.expert(task))
+            texts += [POLICY] + [json.dumps(t) for t in TOOLS]
+            for m in messages[1:]:
+                texts.append(str(m.get("content") or ""))
+                for c in m.get("tool_calls") or []:
+                    texts.append(json.dumps({"name": c["function"]["name"],
+                                             "arguments": json.loads(c["function"]["arguments"])}))
+        return [t for t in texts if t]

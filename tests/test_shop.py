@@ -1,0 +1,287 @@
+"""The shop domain: solvable by its expert on every task, a dynamic but deterministic scripted user, a strict
+reward (perturbed trajectories get 0), fresh state per episode, tools that never raise."""
+import json
+import re
+import statistics
+from collections import Counter
+
+import pytest
+
+from envs import STOP_TOOLS, ToolResult, make_env, play
+from envs.shop import ITEMS, ORDER_RE, ShopEnv, ShopUser, make_task
+
+AUTH_ASK = "Sure. First, what is your email, or your name and zip code?"
+
+
+@pytest.fixture(scope="module")
+def env():
+    return ShopEnv(n_train=500, n_test=100, seed=0)
+
+
+def episodes(env, split, n=None):
+    for task in env.tasks(split)[:n]:
+        yield task, play(env, task, env.expert(task))
+
+
+def replay(env, task, messages):
+    """A fresh session with the conversation's tool calls run again, in order."""
+    session = env.start(task)
+    for m in messages:
+        for c in m.get("tool_calls") or []:
+            session.call_tool(c["function"]["name"], json.loads(c["function"]["arguments"]))
+    return session
+
+
+def write_call(name, n=99, **args):
+    return {"role": "assistant", "content": "",
+            "tool_calls": [{"id": f"call_{n}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]}
+
+
+def test_expert_solves_every_task(env):
+    for split in ("train", "test"):
+        solved, kinds, terminations = 0, Counter(), Counter()
+        for task, (messages, reward, info, termination) in episodes(env, split):
+            assert reward == 1.0, (task.id, info, termination)
+            json.dumps(info)
+            solved += 1
+            kinds[(task.meta["kind"], task.meta["change"])] += 1
+            terminations[termination] += 1
+        print(f"\n{split}: expert solved {solved}/{len(env.tasks(split))}; terminations {dict(terminations)}")
+        print(f"{split} task kinds: {dict(sorted(kinds.items(), key=str))}")
+        assert solved == len(env.tasks(split))
+
+
+def test_dialogue_length(env):
+    """Characters the model reads per episode: system prompt + tool schemas + every message (tool calls as
+    JSON). With the tiny BPE, tokens are ~chars/3.6."""
+    prompt = len(env.system_prompt(None)) + sum(len(json.dumps(t)) for t in env.tools(None))
+    lengths, turns = [], []
+    for task, (messages, *_rest) in episodes(env, "train", 300):
+        body = sum(len(str(m.get("content") or "")) + sum(len(json.dumps(c["function"])) for c in m.get("tool_calls") or [])
+                   for m in messages[1:])
+        lengths.append(prompt + body)
+        turns.append(sum(m["role"] == "assistant" for m in messages))
+    lengths.sort()
+    print(f"\nprompt (policy + schemas) {prompt} chars; episode total chars: mean {statistics.mean(lengths):.0f}, "
+          f"median {lengths[len(lengths) // 2]}, p90 {lengths[int(0.9 * len(lengths))]}, max {lengths[-1]}; "
+          f"agent turns mean {statistics.mean(turns):.1f}, max {max(turns)}")
+    assert lengths[-1] < 5000
+
+
+def test_splits_disjoint_and_generator_deterministic(env):
+    train = {t.meta["seed"] for t in env.tasks("train")}
+    test = {t.meta["seed"] for t in env.tasks("test")}
+    assert len(train) == 500 and len(test) == 100 and not train & test
+    again = ShopEnv(n_train=20, n_test=5, seed=0)
+    for a, b in zip(env.tasks("train")[:20] + env.tasks("test")[:5], again.tasks("train") + again.tasks("test")):
+        assert (a.id, a.user_scenario, json.dumps(a.data, sort_keys=True)) == (b.id, b.user_scenario, json.dumps(b.data, sort_keys=True))
+    other = ShopEnv(n_train=20, n_test=0, seed=1)
+    assert [t.data for t in other.tasks("train")] != [t.data for t in again.tasks("train")]
+    with pytest.raises(ValueError, match="train"):
+        env.tasks("dev")
+    assert make_env("shop", n_train=3, n_test=1).tasks("test")[0].data == make_task("test", 0).data
+    assert env.user_tools(env.tasks("train")[0]) == []
+    assert ShopEnv(n_train=1, n_test=0).corpus(5) == ShopEnv(n_train=2, n_test=0).corpus(5)
+
+
+def test_episodes_are_deterministic(env):
+    for task in env.tasks("train")[:30]:
+        assert play(env, task, env.expert(task)) == play(env, task, env.expert(task))
+        user = env.scripted_user(task)
+        assert user.opening() == ShopUser(task).opening()
+
+
+def test_user_withholds_details_until_asked(env):
+    for task in env.tasks("train")[:200]:
+        d, user = task.data, env.scripted_user(task)
+        u = d["db"]["users"][d["user_id"]]
+        secrets = [u["email"], u["zip"], *d["db"]["orders"]] + ITEMS
+        opening = user.opening()
+        assert not any(s in opening for s in secrets) and not re.search(r"cancel|return|exchange", opening)
+        start = [{"role": "system", "content": ""}, {"role": "user", "content": opening}]
+        vague = user.reply(start + [{"role": "assistant", "content": "How can I help you today?"}])
+        assert not any(s in vague for s in secrets), vague  # the kind of request only
+        ident = user.reply(start + [{"role": "assistant", "content": AUTH_ASK}])
+        assert (u["email"] in ident) == d["knows_email"] and (u["zip"] in ident) != d["knows_email"], ident
+        assert not ORDER_RE.search(ident) and not any(i in ident for i in ITEMS)
+        order = user.reply(start + [{"role": "assistant", "content": "What is the order id?"}])
+        assert (d["goal"]["order"] in order) == d["knows_order_id"], order
+        assert u["email"] not in order and u["zip"] not in order
+
+
+def _proposal(want):
+    return {"cancel": f"I will cancel order {want['order']}.",
+            "return": f"I will return the {want['item']} from order {want['order']}.",
+            "exchange": f"I will exchange the {want['item']} for the {want['new']} in order {want['order']}."}[want["action"]] \
+        + " Confirm (yes/no)?"
+
+
+def test_user_changes_its_mind_and_confirms_truthfully(env):
+    changed = 0
+    for task in env.tasks("train"):
+        d, user = task.data, env.scripted_user(task)
+        if d["goal"]["action"] == "other" or task.meta["kind"] == "transfer":
+            continue
+        start = [{"role": "system", "content": ""}, {"role": "user", "content": user.opening()}]
+        first = user.reply(start + [{"role": "assistant", "content": _proposal(d["goal"])}])
+        if d["change"]:
+            changed += 1
+            assert not first.lower().startswith("yes") and "###STOP###" not in first
+            # later, it says yes to the new request and no (restating it) to the old one
+            convo = start + [{"role": "assistant", "content": _proposal(d["goal"])}, {"role": "user", "content": first}]
+            assert user.reply(convo + [{"role": "assistant", "content": _proposal(d["change"])}]).startswith("Yes")
+            again = user.reply(convo + [{"role": "assistant", "content": _proposal(d["goal"])}])
+            assert again.startswith("No.")
+            assert (d["change"]["order"] if d["knows_order_id"] else d["change"]["hint"]) in again
+        else:
+            assert first.startswith("Yes"), first
+            wrong = dict(d["goal"], order="o000")
+            assert user.reply(start + [{"role": "assistant", "content": _proposal(wrong)}]).startswith("No.")
+    assert changed > 50
+    print(f"\n{changed} train tasks change their mind")
+
+
+def test_user_stops_when_done_or_transferred(env):
+    task = env.tasks("train")[0]
+    user = env.scripted_user(task)
+    base = [{"role": "user", "content": user.opening()}]
+    assert "###STOP###" in user.reply(base + [{"role": "assistant", "content": "I will transfer you to a human agent."}])
+    messages, reward, info, termination = play(env, task, env.expert(task))
+    assert messages[-1]["content"].endswith("###STOP###") and termination == "user_stop"
+    transfer = next(t for t in env.tasks("train") if t.meta["kind"] == "transfer")
+    messages, reward, info, termination = play(env, transfer, env.expert(transfer))
+    assert termination == "transfer" and reward == 1.0
+    assert messages[-2]["tool_calls"][0]["function"]["name"] in STOP_TOOLS
+
+
+class SkipConfirmation:
+    """The expert, except that it writes where it would ask for confirmation."""
+
+    def __init__(self):
+        self.expert = ShopEnv(n_train=0, n_test=0).expert(None)
+
+    def act(self, messages):
+        m = self.expert.act(messages)
+        text = m.get("content") or ""
+        if cancel := re.match(r"I will cancel order (o\d+)\.", text):
+            return write_call("cancel_order", order_id=cancel.group(1))
+        if ret := re.match(r"I will return the (\w+ \w+) from order (o\d+)\.", text):
+            return write_call("return_item", order_id=ret.group(2), item=ret.group(1))
+        if ex := re.match(r"I will exchange the (\w+ \w+) for the (\w+ \w+) in order (o\d+)\.", text):
+            return write_call("exchange_item", order_id=ex.group(3), item=ex.group(1), new_item=ex.group(2))
+        return m
+
+
+class NoAction:
+    """The expert, except that it claims success instead of writing."""
+
+    def __init__(self):
+        self.expert = ShopEnv(n_train=0, n_test=0).expert(None)
+
+    def act(self, messages):
+        m = self.expert.act(messages)
+        if any(c["function"]["name"] in ("cancel_order", "return_item", "exchange_item") for c in m.get("tool_calls") or []):
+            return {"role": "assistant", "content": "Done. Anything else?"}
+        return m
+
+
+def test_perturbed_trajectories_get_zero(env):
+    writes = [t for t in env.tasks("train")[:150] if t.meta["kind"] != "transfer"]
+    for task in writes:
+        _, reward, info, _ = play(env, task, SkipConfirmation())
+        assert reward == 0.0 and info["unconfirmed_writes"], (task.id, info)
+        _, reward, info, _ = play(env, task, NoAction())
+        assert reward == 0.0 and not info["db_match"], (task.id, info)
+    for task, (messages, reward, info, _) in episodes(env, "train", 150):
+        assert replay(env, task, messages).reward(messages)[0] == 1.0
+        # one write too many (confirmed, even) or a transfer nobody needed
+        d = task.data
+        others = [o for o in d["db"]["users"][d["user_id"]]["orders"] if d["db"]["orders"][o]["status"] == "pending"
+                  and o != (d["change"] or d["goal"])["order"]]
+        if others:
+            extra = messages + [{"role": "user", "content": "Yes."}, write_call("cancel_order", order_id=others[0])]
+            session = replay(env, task, extra)
+            reward, info = session.reward(extra)
+            assert reward == 0.0 and info["differ"] == [f"orders.{others[0]}"], info
+        if task.meta["kind"] != "transfer":
+            extra = messages + [write_call("transfer_to_human_agents")]
+            reward, info = replay(env, task, extra).reward(extra)
+            assert reward == 0.0 and info["differ"] == ["transfers"], info
+
+
+def test_wrong_order_cancelled_gets_zero(env):
+    n = 0
+    for task in env.tasks("train"):
+        d = task.data
+        want = d["change"] or d["goal"]
+        if want["action"] != "cancel" or task.meta["kind"] == "transfer":
+            continue
+        wrong = [o for o in d["db"]["users"][d["user_id"]]["orders"] if o != want["order"] and d["db"]["orders"][o]["status"] == "pending"]
+        if not wrong:
+            continue
+        n += 1
+        user = env.scripted_user(task)
+        u = d["db"]["users"][d["user_id"]]
+        messages = [{"role": "user", "content": user.opening()},
+                    write_call("find_user", 1, email=u["email"]),
+                    {"role": "assistant", "content": f"I will cancel order {wrong[0]}. Confirm (yes/no)?"}]
+        answer = user.reply(messages)
+        assert not answer.startswith("Yes")
+        messages += [{"role": "user", "content": "Yes."}, write_call("cancel_order", 2, order_id=wrong[0])]
+        reward, info = replay(env, task, messages).reward(messages)
+        assert reward == 0.0 and f"orders.{wrong[0]}" in info["differ"] and f"orders.{want['order']}" in info["differ"]
+    assert n > 10
+
+
+def test_fresh_state_per_episode(env):
+    task = next(t for t in env.tasks("train") if t.meta["kind"] == "cancel")
+    before = json.dumps(task.data["db"], sort_keys=True)
+    a, b = env.start(task), env.start(task)
+    u = task.data["db"]["users"][task.data["user_id"]]
+    assert not a.call_tool("find_user", {"email": u["email"]}).error
+    assert not a.call_tool("cancel_order", {"order_id": task.data["goal"]["order"]}).error
+    assert a.db != b.db and json.dumps(task.data["db"], sort_keys=True) == before
+    assert b.call_tool("get_order", {"order_id": task.data["goal"]["order"]}).error  # b has not authenticated
+    assert env.start(task).reward([])[0] == 0.0
+    # a whole group of episodes of one task: identical rewards, nothing carried over
+    assert {play(env, task, env.expert(task))[1] for _ in range(4)} == {1.0}
+
+
+def test_tool_errors_never_raise(env):
+    task = next(t for t in env.tasks("train") if t.meta["kind"] == "return")
+    d = task.data
+    u = d["db"]["users"][d["user_id"]]
+    order, item = d["goal"]["order"], d["goal"]["item"]
+    other_user_order = next(o for o, v in d["db"]["orders"].items() if v["user_id"] != d["user_id"])
+    s = env.start(task)
+    bad = [("nope", {}), ("get_order", {"order_id": order}),  # before authenticating
+           ("find_user", "not a dict"), ("find_user", {}), ("find_user", {"email": 3}),
+           ("find_user", {"name": u["name"]}), ("find_user", {"email": "x@y.z"}),
+           ("find_user", {"name": u["name"], "zip": "00000"}), ("find_user", {"email": u["email"], "zip": u["zip"]})]
+    after_login = [("get_order", {"order_id": "o000"}), ("get_order", {"order_id": other_user_order}),
+                   ("get_order", {"order_id": None}), ("get_order", {"order_id": order, "extra": "1"}),
+                   ("cancel_order", {"order_id": order}),  # delivered
+                   ("return_item", {"order_id": order, "item": "gold watch"}),
+                   ("exchange_item", {"order_id": order, "item": item, "new_item": item}),
+                   ("exchange_item", {"order_id": order, "item": item, "new_item": "purple " + item.split()[1]}),
+                   ("exchange_item", {"order_id": order, "item": item, "new_item": "red unicorn"}),
+                   ("exchange_item", {"order_id": order, "item": item, "new_item": ""}),
+                   ("transfer_to_human_agents", {"summary": "x"})]
+    for name, args in bad:
+        r = s.call_tool(name, args)
+        assert isinstance(r, ToolResult) and r.error and r.content.startswith("Error"), (name, args, r)
+    assert not s.call_tool("find_user", {"name": u["name"].upper(), "zip": u["zip"]}).error
+    for name, args in after_login:
+        r = s.call_tool(name, args)
+        assert r.error and r.content.startswith("Error"), (name, args, r)
+    assert s.db == d["db"]  # no failed call wrote anything
+    assert not s.call_tool("return_item", {"order_id": order, "item": item}).error
+    assert s.call_tool("return_item", {"order_id": order, "item": item}).error  # not twice
+
+    class Garbage:
+        def act(self, messages):
+            return {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_order", "arguments": "{not json"}}]}
+
+    messages, reward, info, termination = play(env, task, Garbage(), max_turns=3)
+    assert termination == "max_turns" and reward == 0.0 and messages[-1]["content"].startswith("Error")
