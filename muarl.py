@@ -358,7 +358,14 @@ def tiny_tokenizer(texts: list[str] | None = None, vocab_size: int = 4096):
     if texts is None:
         from envs.shop import ShopEnv
 
-        texts = ShopEnv().corpus()
+        env = ShopEnv()
+        texts = env.corpus()
+        # Also the chat template's own text (tool preamble, role headers) exactly as the model will see it, so
+        # that it merges into few tokens: a first tokenizer renders it, the second one learns it.
+        first = tiny_tokenizer(texts, vocab_size)
+        texts = texts + [render(first, [{"role": "system", "content": env.system_prompt(t)},
+                                        {"role": "user", "content": "Hi"}], env.tools(t), add_generation_prompt=True)
+                         for t in env.tasks("train")[:100]]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
