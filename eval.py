@@ -60,6 +60,15 @@ class EvalConfig:
     """output directory (default: runs/eval-<env>-<time>)"""
 
 
+def user_sim_options(cfg) -> dict:
+    """Options of the user simulator named by cfg.user_sim, from the user_* fields (grpo.py and eval.py)."""
+    if cfg.user_sim == "openai":
+        return dict(model=cfg.user_model, base_url=cfg.user_base_url or None, max_concurrency=cfg.user_concurrency)
+    if cfg.user_sim == "hf":
+        return dict(model=cfg.user_model)
+    return {}
+
+
 def pass_hat_k(successes: int, trials: int, k: int) -> float:
     """tau-bench's pass^k for one task: the chance that k trials drawn from the n run all succeed, C(c,k)/C(n,k)."""
     return comb(successes, k) / comb(trials, k) if trials >= k else float("nan")
@@ -110,19 +119,20 @@ def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
     from envs import play
     from sft import OpenAIAgent
 
-    user_factory = None
+    sim = None
     if cfg.user_sim != "scripted":
         from rollout import make_user_sim
 
-        user_factory = make_user_sim(cfg.user_sim, model=cfg.user_model, base_url=cfg.user_base_url).sync_user
+        sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
     out = []
     for task in tasks:
         for trial in range(cfg.trials):
             agent = OpenAIAgent(cfg.agent.split(":", 1)[1], env.tools(task), cfg.agent_base_url, cfg.temperature)
+            session = env.start(task)
             try:
                 messages, reward, info, termination = play(env, task, agent,
-                                                           user_factory(env, task) if user_factory else None,
-                                                           max_turns=cfg.max_turns)
+                                                           sim.sync_user(env, task, session) if sim else None,
+                                                           max_turns=cfg.max_turns, session=session)
                 failed = False
             except Exception as e:  # the endpoint failed after its retries: report, don't score
                 messages, reward, info, termination, failed = [], 0.0, {"error": repr(e)}, "infra_error", True
@@ -138,7 +148,6 @@ def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
 
 def main(argv=None):
     import torch
-    from accelerate import Accelerator
     from accelerate.utils import gather_object
 
     from envs import make_env
@@ -148,7 +157,7 @@ def main(argv=None):
         raise SystemExit("eval.py: --agent is required (a checkpoint directory, hub id, smollm2-135m or openai:<model>)")
     if cfg.trials < 1:
         raise SystemExit("eval.py: --trials must be >= 1")
-    acc = Accelerator()
+    acc = muarl.make_accelerator()
     env = make_env(cfg.env, **({"reward": cfg.env_reward} if cfg.env_reward else {}))
     tasks = env.tasks(cfg.split)
     tasks = tasks[:cfg.num_tasks] if cfg.num_tasks else tasks
@@ -156,18 +165,18 @@ def main(argv=None):
     if cfg.agent.startswith("openai:"):
         episodes = run_api_agent(cfg, env, tasks[acc.process_index::acc.num_processes])
     else:
-        from rollout import SamplingConfig, make_user_sim, rollout
+        from rollout import RolloutConfig, make_user_sim, rollout
 
         model, tok = muarl.load_model(cfg.agent, device=acc.device,
                                       dtype=torch.bfloat16 if cfg.bf16 else None)
         model.eval()
-        user_sim = make_user_sim(cfg.user_sim, model=cfg.user_model, base_url=cfg.user_base_url,
-                                 concurrency=cfg.user_concurrency)
-        sampling = SamplingConfig(temperature=max(cfg.temperature, 1e-5), greedy=cfg.temperature == 0,
+        user_sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
+        sampling = RolloutConfig(temperature=max(cfg.temperature, 1e-5), greedy=cfg.temperature == 0,
                                   max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context,
                                   max_turns=cfg.max_turns)
+        gen = torch.Generator(acc.device).manual_seed(cfg.seed * 1_000_003 + acc.process_index)
         eps = rollout(model, tok, env, tasks[acc.process_index::acc.num_processes], cfg.trials, user_sim, sampling,
-                      seed=cfg.seed + acc.process_index)
+                      gen)
         episodes = [e.to_json() for e in eps]
     episodes = gather_object(episodes)
     if acc.is_main_process:

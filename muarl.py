@@ -531,3 +531,11 @@ def collate(seqs: list[tuple[list[int], list[int]]], pad_id: int, device=None):
         attention_mask[i, :len(ids)] = 1
         loss_mask[i, :len(mask)] = torch.tensor(mask, dtype=torch.float32)
     return tuple(t.to(device) if device is not None else t for t in (input_ids, attention_mask, loss_mask))
+
+
+def make_accelerator(**kwargs):
+    """An Accelerator that also joins CPU-only processes started by torchrun (over gloo): Accelerate only
+    treats a CPU run as distributed when told `cpu=True`, otherwise each process trains alone."""
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=not torch.cuda.is_available(), **kwargs)

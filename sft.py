@@ -48,6 +48,12 @@ class SFTConfig:
     """how many tasks the teacher plays (episodes with reward 1 are kept)"""
     user_sim: str = "scripted"
     """user simulator for the teacher: 'scripted', 'openai', 'hf' (see rollout.py)"""
+    user_model: str = "gpt-4o"
+    """user simulator model: the endpoint's model name ('openai') or a checkpoint/hub id ('hf')"""
+    user_base_url: str = ""
+    """OpenAI-compatible endpoint of the user simulator (default: OPENAI_BASE_URL)"""
+    user_concurrency: int = 8
+    """requests in flight to the user-simulator endpoint"""
     data_out: str = ""
     """also write the synthesized conversations here (JSONL)"""
     epochs: float = 3.0
@@ -129,20 +135,28 @@ def make_cold_start(cfg: SFTConfig) -> list[dict]:
     tasks = env.tasks(cfg.split)
     random.Random(cfg.seed).shuffle(tasks)
     kept, t0 = [], time.time()
-    user_factory = None
+    sim = None
     if cfg.user_sim != "scripted":
+        from eval import user_sim_options
         from rollout import make_user_sim
 
-        user_factory = make_user_sim(cfg.user_sim).sync_user  # a ScriptedUser-like wrapper of the simulator
+        sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
+    failed = 0
     for task in tasks[:cfg.num_tasks]:
         tools = env.tools(task)
         agent = env.expert(task) if cfg.teacher == "expert" else OpenAIAgent(cfg.teacher, tools, cfg.teacher_base_url)
-        user = user_factory(env, task) if user_factory else None
-        messages, reward, info, termination = play(env, task, agent, user)
+        session = env.start(task)
+        user = sim.sync_user(env, task, session) if sim else None
+        try:
+            messages, reward, info, termination = play(env, task, agent, user, session=session)
+        except Exception as e:  # an endpoint that keeps failing costs this episode only, and is reported
+            failed += 1
+            print(f"[sft] task {task.id}: episode failed ({e!r}); skipped")
+            continue
         if reward == 1.0:
             kept.append({"messages": messages, "tools": tools, "task_id": task.id})
     print(f"[sft] teacher {cfg.teacher!r} solved {len(kept)}/{min(len(tasks), cfg.num_tasks)} {cfg.env} tasks "
-          f"in {time.time() - t0:.1f}s; keeping those")
+          f"in {time.time() - t0:.1f}s ({failed} failed episodes); keeping the solved ones")
     return kept
 
 
@@ -160,11 +174,10 @@ def lr_lambda(warmup: int, total: int, floor: float = 0.1):
 
 def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     """Fine-tune on the conversations; returns the checkpoint directory."""
-    from accelerate import Accelerator
 
     from grpo import token_logprobs
 
-    acc = accelerator or Accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
+    acc = accelerator or muarl.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
     muarl.seed_everything(cfg.seed)
     model, tok = muarl.load_model(cfg.model, device=acc.device, seed=cfg.seed)
     if cfg.gradient_checkpointing:

@@ -94,7 +94,7 @@ class Environment(Protocol):
 
 
 def make_env(name: str, **options) -> Environment:
-    """Build an environment from its command-line name: "shop" or "tau2:<domain>"."""
+    """Build an environment from its command-line name: "shop", "tau2:<domain>", or "package.module:Class"."""
     if name == "shop":
         from envs.shop import ShopEnv
 
@@ -103,21 +103,28 @@ def make_env(name: str, **options) -> Environment:
         from envs.tau2 import Tau2Env
 
         return Tau2Env(name.split(":", 1)[1], **options)
-    raise ValueError(f"unknown environment {name!r}: use 'shop' or 'tau2:<retail|airline|telecom|mock>'")
+    if ":" in name and not name.startswith("tau2"):  # your own: "package.module:ClassName"
+        import importlib
+
+        module, cls = name.split(":", 1)
+        return getattr(importlib.import_module(module), cls)(**options)
+    raise ValueError(f"unknown environment {name!r}: use 'shop', 'tau2:<retail|airline|telecom|mock>' "
+                     "or 'package.module:ClassName'")
 
 
 def play(env: Environment, task: Task, agent: ScriptedAgent, user: ScriptedUser | None = None,
-         max_turns: int = 30) -> tuple[list[dict], float, dict, str]:
+         max_turns: int = 30, session: EnvSession | None = None) -> tuple[list[dict], float, dict, str]:
     """Play one episode at the text level (no tokens): cold-start data and environment tests.
 
     A turn is one agent message. Its tool calls run against the session and come back as tool messages; a
     message without tool calls gets the user's reply. Ends on a user stop marker ("user_stop"), a STOP_TOOLS
     call ("transfer"), or after max_turns agent messages ("max_turns").
-    Returns (messages, reward, reward info, termination)."""
+    Returns (messages, reward, reward info, termination). `session` lets a user simulator with user-side
+    tools (rollout.UserSim.sync_user) act on the same episode state."""
     import json
 
     user = user if user is not None else env.scripted_user(task)
-    session = env.start(task)
+    session = session if session is not None else env.start(task)  # pass one to share it with the user
     messages = [{"role": "system", "content": env.system_prompt(task)}, {"role": "user", "content": user.opening()}]
     termination = "max_turns"
     for _ in range(max_turns):

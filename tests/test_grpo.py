@@ -1,0 +1,411 @@
+"""The GRPO math (grpo.py, section "the math") against plain Python loops and finite differences."""
+
+import math
+
+import pytest
+import torch
+
+from grpo import (AGGS, group_advantages, grpo_loss, kl_k3, logprobs_from_hidden, masked_token_entropy,
+                  token_logprobs)
+
+# ---- plain-Python references: slow, obvious, one scalar at a time ----
+
+
+def loop_advantages(rewards, group_size, scale=True, eps=1e-6, valid=None):
+    valid = valid or [True] * len(rewards)
+    out = []
+    for g in range(0, len(rewards), group_size):
+        rs = [r for r, v in zip(rewards[g:g + group_size], valid[g:g + group_size]) if v]
+        mean = sum(rs) / len(rs) if rs else 0.0
+        std = math.sqrt(sum((r - mean) ** 2 for r in rs) / (len(rs) - 1)) if len(rs) > 1 else 0.0
+        for r, v in zip(rewards[g:g + group_size], valid[g:g + group_size]):
+            if not v or len(rs) < 2 or max(rs) == min(rs):
+                out.append(0.0)
+            else:
+                out.append((r - mean) / (std + eps) if scale else r - mean)
+    return out
+
+
+def loop_k3(lp, ref):
+    x = ref - lp
+    return math.exp(x) - x - 1
+
+
+def loop_loss(logp, old, ref, adv, mask, clip_low=0.2, clip_high=0.2, dual_clip=3.0, kl_coef=0.001,
+              agg="token-mean", max_len=None):
+    per_seq, n_tok, n_seq, total = [], 0, 0, 0.0
+    for b in range(len(logp)):
+        s, n = 0.0, 0
+        for t in range(len(logp[b])):
+            if not mask[b][t]:
+                continue
+            r, a = math.exp(logp[b][t] - old[b][t]), adv[b]
+            pg = max(-a * r, -a * min(max(r, 1 - clip_low), 1 + clip_high))
+            if dual_clip is not None and a < 0:
+                pg = min(pg, -a * dual_clip)
+            if ref is not None:
+                pg += kl_coef * loop_k3(logp[b][t], ref[b][t])
+            s, n = s + pg, n + 1
+        n_tok += n
+        total += s
+        if n:
+            n_seq += 1
+            per_seq.append(s / n if agg == "seq-mean-token-mean" else s / (max_len or 1))
+    if agg == "token-mean":
+        return total / max(n_tok, 1)
+    return sum(per_seq) / max(n_seq, 1)
+
+
+def random_batch(B=6, T=9, dtype=torch.float64, seed=0, spread=0.4):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g, dtype=dtype) * 3
+    logp = old + (torch.rand(B, T, generator=g, dtype=dtype) - 0.5) * 2 * spread
+    ref = old + (torch.rand(B, T, generator=g, dtype=dtype) - 0.5)
+    adv = torch.randn(B, generator=g, dtype=dtype)
+    mask = torch.rand(B, T, generator=g) < 0.7
+    mask[0] = False                     # an empty row
+    mask[1, -1] = True
+    return logp, old, ref, adv, mask
+
+
+def tiny_model(dtype=torch.float64, arch="qwen3", seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  pad_token_id=0, eos_token_id=0)
+    if arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **common))
+    return model.to(dtype).eval()
+
+
+def naive_logprobs(model, ids, attn, temperature=1.0):
+    pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+    lp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, -1)
+    out = lp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ent = -(lp.exp() * lp).sum(-1)[:, :-1]
+    zeros = out.new_zeros(ids.shape[0], 1)
+    return torch.cat([zeros, out], 1), torch.cat([zeros, ent], 1)
+
+
+# ---- group_advantages ----
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_group_advantages_matches_loop(scale):
+    rewards = torch.tensor([1., 0., 0., 1., 0.5, 0.2, 0.9, 0.3, 1., 1., 1., 1.], dtype=torch.float64)
+    got = group_advantages(rewards, 4, scale=scale)
+    assert torch.allclose(got, torch.tensor(loop_advantages(rewards.tolist(), 4, scale), dtype=torch.float64))
+
+
+def test_group_advantages_sample_std_and_binary_rewards():
+    # one of 8 right: mean 1/8, sample std sqrt(1/8) -> (7/8)/sqrt(1/8)
+    r = torch.tensor([1., 0, 0, 0, 0, 0, 0, 0])
+    assert group_advantages(r, 8)[0].item() == pytest.approx((7 / 8) / math.sqrt(1 / 8), rel=1e-5)
+    ints = group_advantages(torch.tensor([1, 0, 1, 0]), 2)      # integer rewards are accepted
+    assert ints.dtype == torch.float32 and torch.allclose(ints, torch.tensor([0.7071, -0.7071, 0.7071, -0.7071]), atol=1e-3)
+
+
+def test_group_advantages_all_equal_groups_are_exact_zeros():
+    r = torch.tensor([0.1] * 8 + [1.0] * 8 + [0.0] * 8)
+    for scale in (True, False):
+        adv = group_advantages(r, 8, scale=scale)
+        assert not torch.isnan(adv).any() and (adv == 0).all()
+
+
+def test_group_advantages_bad_group_size():
+    with pytest.raises(ValueError, match="groups of 3"):
+        group_advantages(torch.zeros(8), 3)
+    with pytest.raises(ValueError):
+        group_advantages(torch.zeros(2, 4), 4)
+
+
+def test_group_advantages_valid_mask():
+    r = [1., 0., 0., 1., 0., 1., 1., 1., 0., 0., 1., 1.]
+    valid = [True, True, False, True, True, True, True, False, False, False, False, True]
+    got = group_advantages(torch.tensor(r, dtype=torch.float64), 4, valid=torch.tensor(valid))
+    assert torch.allclose(got, torch.tensor(loop_advantages(r, 4, valid=valid), dtype=torch.float64))
+    assert (got[[2, 7, 8, 9, 10]] == 0).all()          # invalid episodes: 0
+    # 0, 1, 1 valid: mean 2/3, sample std sqrt(1/3)
+    assert torch.allclose(got[4:8], torch.tensor([-1.1547, 0.5774, 0.5774, 0.], dtype=torch.float64), atol=1e-4)
+    assert got[11] == 0                                  # a lone valid episode has no baseline
+    # the failed episode's reward (0) does not drag the mean: same as the group without it
+    assert torch.allclose(got[[0, 1, 3]], group_advantages(torch.tensor([1., 0., 1.], dtype=torch.float64), 3))
+
+
+# ---- kl_k3 ----
+
+
+def test_kl_k3_matches_loop_and_is_nonnegative():
+    logp, _, ref, _, _ = random_batch()
+    got = kl_k3(logp, ref)
+    want = torch.tensor([[loop_k3(a, b) for a, b in zip(r1, r2)] for r1, r2 in zip(logp.tolist(), ref.tolist())],
+                        dtype=torch.float64)
+    assert torch.allclose(got, want)
+    x = torch.tensor([-1e4, -50, -1e-3, -1e-8, 0, 1e-8, 1e-3, 50, 1e4, float("inf"), -float("inf")])
+    out = kl_k3(torch.zeros_like(x), x)
+    assert torch.isfinite(out).all() and (out >= 0).all()
+    assert out[5].item() == pytest.approx(1e-16 / 2, rel=1e-3)     # expm1: no cancellation near 0
+
+
+def test_kl_k3_gradcheck():
+    logp, _, ref, _, _ = random_batch(B=3, T=4)
+    assert torch.autograd.gradcheck(kl_k3, (logp.requires_grad_(), ref.requires_grad_()))
+
+
+# ---- grpo_loss ----
+
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("dual_clip,kl_coef,ref_on", [(3.0, 0.001, True), (None, 0.0, True), (1.5, 0.1, False)])
+def test_grpo_loss_matches_loop(agg, dual_clip, kl_coef, ref_on):
+    logp, old, ref, adv, mask = random_batch(spread=1.5)          # wide spread: every clip region occurs
+    ref = ref if ref_on else None
+    loss, _ = grpo_loss(logp, old, ref, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=dual_clip,
+                        kl_coef=kl_coef, agg=agg, max_len=16)
+    want = loop_loss(logp.tolist(), old.tolist(), None if ref is None else ref.tolist(), adv.tolist(),
+                     mask.tolist(), 0.2, 0.28, dual_clip, kl_coef if ref_on else 0.0, agg, 16)
+    assert loss.item() == pytest.approx(want, rel=1e-10, abs=1e-12)
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_grpo_loss_gradcheck(agg):
+    logp, old, ref, adv, mask = random_batch(B=4, T=5, spread=1.5)
+    # finite differences need smooth points: keep every ratio 1e-3 away from the clip boundaries
+    ratio = (logp - old).exp()
+    for edge in (0.8, 1.2, 3.0):
+        near = (ratio - edge).abs() < 1e-3
+        logp = torch.where(near, logp + 0.01, logp)
+    logp.requires_grad_()
+    f = lambda lp: grpo_loss(lp, old, ref, adv, mask, kl_coef=0.1, agg=agg, max_len=8)[0]
+    assert torch.autograd.gradcheck(f, (logp,))
+
+
+def test_grpo_loss_clip_regions_values_gradients_and_fractions():
+    # one token per row; (advantage, ratio) -> (loss, is its gradient zero?)
+    cases = [
+        (+1.0, 1.1, -1.1, False),     # A>0 inside the trust region
+        (+1.0, 1.5, -1.2, True),      # A>0, ratio > 1+eps: clipped high, no gradient
+        (+1.0, 0.5, -0.5, False),     # A>0, ratio < 1-eps: unclipped (pessimistic branch)
+        (-1.0, 0.9, 0.9, False),      # A<0 inside
+        (-1.0, 0.5, 0.8, True),       # A<0, ratio < 1-eps: clipped low, no gradient
+        (-1.0, 2.0, 2.0, False),      # A<0, 1+eps < ratio < dual_clip: unclipped
+        (-1.0, 5.0, 3.0, True),       # A<0, ratio > dual_clip: dual-clipped, no gradient
+        (0.0, 1.7, 0.0, True),        # A=0: no signal
+    ]
+    adv = torch.tensor([c[0] for c in cases], dtype=torch.float64)
+    old = torch.full((len(cases), 1), -1.0, dtype=torch.float64)
+    logp = (old + torch.tensor([[math.log(c[1])] for c in cases], dtype=torch.float64)).requires_grad_()
+    mask = torch.ones(len(cases), 1, dtype=torch.bool)
+    loss, m = grpo_loss(logp, old, None, adv, mask, agg="seq-mean-token-mean", normalizer=1)
+    per_token = torch.autograd.grad(loss, logp)[0].squeeze(1)
+    assert loss.item() == pytest.approx(sum(c[2] for c in cases))
+    for (a, r, _, flat), g in zip(cases, per_token.tolist()):
+        if flat:
+            assert g == 0.0
+        else:
+            assert g == pytest.approx(-a * r)            # d(-A * ratio)/d logp = -A * ratio
+    n = len(cases)
+    assert m["clip_frac_high"].item() == pytest.approx(1 / n)
+    assert m["clip_frac_low"].item() == pytest.approx(1 / n)
+    assert m["dual_clip_frac"].item() == pytest.approx(1 / n)
+    assert m["ratio_max"].item() == pytest.approx(5.0)
+    assert m["ratio_mean"].item() == pytest.approx(sum(c[1] for c in cases) / n)
+    assert m["n_tokens"].item() == n
+    # without the dual clip, the A<0 ratio-5 token is unbounded and does get a gradient
+    loss2, m2 = grpo_loss(logp, old, None, adv, mask, dual_clip=None, agg="seq-mean-token-mean", normalizer=1)
+    assert torch.autograd.grad(loss2, logp)[0][6].item() == pytest.approx(5.0)
+    assert loss2.item() == pytest.approx(loss.item() + 2.0) and m2["dual_clip_frac"].item() == 0
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_grpo_loss_microbatches_equal_whole_batch(agg):
+    logp, old, ref, adv, mask = random_batch(B=7, T=11, spread=1.0, seed=3)
+    kw = dict(kl_coef=0.05, agg=agg, max_len=20)
+    whole = logp.clone().requires_grad_()
+    loss, _ = grpo_loss(whole, old, ref, adv, mask, **kw)
+    loss.backward()
+
+    if agg == "token-mean":
+        normalizer = int(mask.sum())
+    else:
+        normalizer = int((mask.sum(1) > 0).sum())        # episodes with at least one loss token
+    parts = logp.clone().requires_grad_()
+    total = 0.0
+    for rows in ([0, 1, 2], [3], [4, 5, 6]):
+        # each micro-batch also trims its padding differently: the answer must not care
+        width = int(mask[rows].nonzero()[:, 1].max()) + 1 if mask[rows].any() else 1
+        sl = (rows, slice(0, width))
+        l, _ = grpo_loss(parts[sl], old[sl], ref[sl], adv[rows], mask[sl], normalizer=normalizer, **kw)
+        l.backward()
+        total += l.item()
+    assert total == pytest.approx(loss.item(), rel=1e-12)
+    assert torch.allclose(parts.grad, whole.grad, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_grpo_loss_empty_mask(agg):
+    logp, old, ref, adv, _ = random_batch()
+    logp = logp.clone()
+    logp[:, 3] = -float("inf")                 # garbage at masked positions must not leak NaN
+    logp.requires_grad_()
+    mask = torch.zeros_like(logp, dtype=torch.bool)
+    for normalizer in (None, 0):
+        loss, m = grpo_loss(logp, old, ref, adv, mask, agg=agg, max_len=10, normalizer=normalizer,
+                            logits=torch.randn(*logp.shape, 7))
+        (g,) = torch.autograd.grad(loss, logp)
+        assert loss.item() == 0 and (g == 0).all()
+        assert all(torch.isfinite(v) and v.item() == 0 for v in m.values()), m
+
+
+def test_grpo_loss_empty_row_does_not_dilute_seq_mean():
+    logp, old, ref, adv, mask = random_batch()
+    assert not mask[0].any()
+    for agg in AGGS[1:]:
+        a, _ = grpo_loss(logp, old, ref, adv, mask, agg=agg, max_len=10)
+        b, _ = grpo_loss(logp[1:], old[1:], ref[1:], adv[1:], mask[1:], agg=agg, max_len=10)
+        assert a.item() == pytest.approx(b.item())
+
+
+def test_grpo_loss_metrics_match_loop():
+    logp, old, ref, adv, mask = random_batch(spread=1.5, seed=5)
+    logits = torch.randn(*logp.shape, 13, dtype=torch.float64)
+    _, m = grpo_loss(logp, old, ref, adv, mask, logits=logits)
+    pts = [(b, t) for b in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[b, t]]
+    L, O, R = logp.tolist(), old.tolist(), ref.tolist()
+    ratio = [math.exp(L[b][t] - O[b][t]) for b, t in pts]
+    kl = sum(loop_k3(L[b][t], R[b][t]) for b, t in pts) / len(pts)
+    approx = sum(r - 1 - math.log(r) for r in ratio) / len(pts)
+    low = sum(adv[b] < 0 and r < 0.8 for (b, _), r in zip(pts, ratio)) / len(pts)
+    high = sum(adv[b] > 0 and r > 1.2 for (b, _), r in zip(pts, ratio)) / len(pts)
+    dual = sum(adv[b] < 0 and r > 3.0 for (b, _), r in zip(pts, ratio)) / len(pts)
+    ent = 0.0
+    for b, t in pts:
+        z = logits[b, t].tolist()
+        zmax = max(z)
+        ps = [math.exp(v - zmax) for v in z]
+        s = sum(ps)
+        ent -= sum(p / s * math.log(p / s) for p in ps)
+    ent /= len(pts)
+    assert m["n_tokens"].item() == len(pts)
+    assert m["kl"].item() == pytest.approx(kl, rel=1e-5)
+    assert m["approx_kl"].item() == pytest.approx(approx, rel=1e-5)
+    assert m["clip_frac_low"].item() == pytest.approx(low) and low > 0
+    assert m["clip_frac_high"].item() == pytest.approx(high) and high > 0
+    assert m["dual_clip_frac"].item() == pytest.approx(dual)
+    assert m["ratio_mean"].item() == pytest.approx(sum(ratio) / len(ratio), rel=1e-5)
+    assert m["ratio_max"].item() == pytest.approx(max(ratio), rel=1e-5)
+    assert m["entropy"].item() == pytest.approx(ent, rel=1e-5)
+    assert all(v.dim() == 0 and not v.requires_grad for v in m.values())
+    # chunking the entropy changes nothing
+    assert masked_token_entropy(logits, mask, chunk_size=3).item() == pytest.approx(ent, rel=1e-5)
+
+
+def test_grpo_loss_counts_end_of_turn_token_when_pad_equals_eos():
+    """pad == eos: the agent's sampled end-of-turn token has the pad id, and must still be trained."""
+    eos = pad = 0
+    model = tiny_model()
+    prompt, sampled = [5, 17, 42, 9], [33, 71, 8, eos]         # the agent's turn ends with eos == pad
+    T = len(prompt) + len(sampled) + 3                        # right-padded with the same id
+    ids = torch.full((2, T), pad)
+    ids[0, :8] = torch.tensor(prompt + sampled)
+    ids[1, :6] = torch.tensor([5, 17, 60, 61, 62, eos])
+    attn = torch.zeros(2, T, dtype=torch.long)
+    attn[0, :8], attn[1, :6] = 1, 1
+    # the loss mask comes from the episode structure (which span the agent sampled), not token ids
+    mask = torch.zeros(2, T, dtype=torch.bool)
+    mask[0, 4:8], mask[1, 2:6] = True, True
+    assert ids[0, 7] == pad and mask[0, 7]
+    logp = token_logprobs(model, ids, attn, chunk_size=4)
+    logp_train = logp.detach().clone().requires_grad_()
+    loss, m = grpo_loss(logp_train, logp.detach(), None, torch.tensor([1.0, -1.0]), mask)
+    (g,) = torch.autograd.grad(loss, logp_train)
+    assert m["n_tokens"].item() == 8
+    assert g[0, 7] != 0 and g[1, 5] != 0              # the eos/pad-id tokens the agent sampled: trained
+    assert (g[~mask] == 0).all()                      # the padding after them (same id): not trained
+
+
+# ---- token_logprobs / logprobs_from_hidden ----
+
+
+def test_logprobs_from_hidden_matches_loop_and_gradcheck():
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(2, 5, 6, generator=g, dtype=torch.float64)
+    w = torch.randn(11, 6, generator=g, dtype=torch.float64)
+    b = torch.randn(11, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 11, (2, 5), generator=g)
+    got, ent = logprobs_from_hidden(h, w, y, 0.7, chunk_size=3, bias=b, return_entropy=True)
+    for i in range(2):
+        for t in range(5):
+            z = [(sum(h[i, t, k].item() * w[v, k].item() for k in range(6)) + b[v].item()) / 0.7 for v in range(11)]
+            lse = math.log(sum(math.exp(x) for x in z))
+            assert got[i, t].item() == pytest.approx(z[y[i, t]] - lse, rel=1e-9)
+            assert ent[i, t].item() == pytest.approx(-sum(math.exp(x - lse) * (x - lse) for x in z), rel=1e-9)
+    f = lambda hh, ww, bb: logprobs_from_hidden(hh, ww, y, 0.7, chunk_size=3, bias=bb)
+    assert torch.autograd.gradcheck(f, (h.requires_grad_(), w.requires_grad_(), b.requires_grad_()))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama-tied"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_matches_naive_log_softmax(arch, temperature):
+    model = tiny_model(torch.float64, arch)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, 512, (3, 13), generator=g)
+    attn = torch.ones_like(ids)
+    attn[1, 9:] = 0          # right padding
+    attn[2, :4] = 0          # left padding: default position ids restart at the first real token
+    want, want_ent = naive_logprobs(model, ids, attn, temperature)
+    got, ent = token_logprobs(model, ids, attn, temperature=temperature, chunk_size=5, return_entropy=True)
+    assert got.shape == ids.shape and (got[:, 0] == 0).all()
+    real = attn.bool()
+    real[:, 0] = True
+    real[2, 4] = False       # the first real token after left padding has no real predecessor
+    assert torch.allclose(got[real], want[real], rtol=0, atol=1e-10)
+    assert torch.allclose(ent[real], want_ent[real], rtol=0, atol=1e-10)
+    # and the gradient through the whole model
+    upstream = torch.randn(ids.shape, generator=g, dtype=torch.float64) * real
+    (want * upstream).sum().backward()
+    naive_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    (token_logprobs(model, ids, attn, temperature=temperature, chunk_size=5) * upstream).sum().backward()
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, naive_grads[n], rtol=1e-8, atol=1e-11), n
+
+
+def test_token_logprobs_float32_and_chunk_size_invariance():
+    model = tiny_model(torch.float32)
+    ids = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(4))
+    attn = torch.ones_like(ids)
+    want, _ = naive_logprobs(model, ids, attn)
+    for chunk in (1, 7, 32, 1000):
+        got = token_logprobs(model, ids, attn, chunk_size=chunk)
+        assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-5)
+
+
+def test_logprobs_from_hidden_bf16_and_frozen_head():
+    """bf16 weights: matmul in bf16, softmax in float32 (like the sampler), dW accumulated in float32."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(3, 10, 16, generator=g).bfloat16()
+    w = (torch.randn(40, 16, generator=g) / 4).bfloat16()
+    y = torch.randint(0, 40, (3, 10), generator=g)
+    up = torch.randn(3, 10, generator=g)
+
+    def naive(hh, ww):
+        return torch.log_softmax((hh @ ww.T).float() / 0.9, -1).gather(-1, y[..., None]).squeeze(-1)
+
+    h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    want = naive(h1, w1)
+    (want * up).sum().backward()
+    h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    got = logprobs_from_hidden(h2, w2, y, 0.9, chunk_size=7)
+    (got * up).sum().backward()
+    assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-5)
+    assert w2.grad.dtype == torch.bfloat16 and torch.allclose(w2.grad.float(), w1.grad.float(), rtol=2e-2, atol=2e-2)
+    assert torch.allclose(h2.grad.float(), h1.grad.float(), rtol=2e-2, atol=2e-2)
+    # a frozen output layer (e.g. LoRA): only the hidden states get a gradient
+    h3 = h.clone().requires_grad_()
+    (logprobs_from_hidden(h3, w, y, 0.9, chunk_size=7) * up).sum().backward()
+    assert torch.equal(h3.grad, h2.grad)

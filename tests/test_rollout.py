@@ -1,0 +1,421 @@
+"""rollout.py: the token layout, cache reuse == re-encoding under greedy decoding, sampler logprobs, termination
+reasons, tool-call errors, and the three user simulators (openai against a real local HTTP server)."""
+import copy
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+import muarl
+from envs import Task, ToolResult
+from rollout import (GREETING, RolloutConfig, UserSimError, make_user_sim, rollout, run_tool_calls)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A tiny fake environment: one order in a dict, two tools (+ the stop tool), a user that talks for N turns
+# ---------------------------------------------------------------------------------------------------------
+class FakeSession:
+    def __init__(self, task):
+        self.db = copy.deepcopy(task.data["db"])
+        self.pad = task.data.get("pad", "")
+        self.calls = []  # (name, arguments, requestor)
+
+    def call_tool(self, name, arguments, requestor="assistant"):
+        self.calls.append((name, arguments, requestor))
+        tools = {"get_order": self._get_order, "cancel_order": self._cancel_order, "reset_router": lambda: "ok",
+                 "transfer_to_human_agents": lambda: "Transfer successful", "explode": self._explode}
+        if name not in tools:
+            return ToolResult(f"Error: unknown tool {name}", error=True)
+        try:
+            return ToolResult(tools[name](**arguments))
+        except Exception as e:
+            return ToolResult(f"Error: {e}", error=True)
+
+    def _get_order(self, order_id):
+        return json.dumps(self.db["orders"][order_id]) + self.pad
+
+    def _cancel_order(self, order_id):
+        self.db["orders"][order_id]["status"] = "cancelled"
+        return "cancelled"
+
+    def _explode(self):
+        raise RuntimeError("the tool broke")
+
+    def reward(self, messages):
+        ok = self.db["orders"]["o1"]["status"] == "cancelled"
+        return float(ok), {"db_match": ok}
+
+
+class FakeUser:
+    """Replies whatever the agent says, until the task's number of agent text messages, then stops."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def opening(self):
+        return f"Hi, please cancel order o1 ({self.task.id})."
+
+    def reply(self, messages):
+        k = sum(m["role"] == "assistant" and not m.get("tool_calls") for m in messages)
+        return "Thanks. ###STOP###" if k >= self.task.meta["turns"] else f"I still need help ({k})."
+
+
+def _schema(name, **params):
+    return {"type": "function", "function": {"name": name, "description": name, "parameters": {
+        "type": "object", "properties": {p: {"type": "string"} for p in params}, "required": list(params)}}}
+
+
+class FakeEnv:
+    name = "fake"
+
+    def __init__(self, n_tasks=3, user_tools=False, pad=""):
+        self.n, self.with_user_tools, self.pad = n_tasks, user_tools, pad
+        self.sessions = []
+
+    def tasks(self, split="train"):
+        return [Task(id=f"t{i}", user_scenario=f"You want order o1 cancelled (scenario {i}).",
+                     data={"db": {"orders": {"o1": {"status": "pending"}}}, "pad": self.pad}, meta={"turns": 2 + i})
+                for i in range(self.n)]
+
+    def system_prompt(self, task):
+        return "You are a shop agent. Cancel orders when asked."
+
+    def tools(self, task):
+        return [_schema("get_order", order_id=1), _schema("cancel_order", order_id=1),
+                _schema("transfer_to_human_agents")]
+
+    def user_tools(self, task):
+        return [_schema("reset_router")] if self.with_user_tools else []
+
+    def start(self, task):
+        self.sessions.append(FakeSession(task))
+        return self.sessions[-1]
+
+    def scripted_user(self, task):
+        return FakeUser(task)
+
+
+def chatty(model, tokenizer, rate=0.15, seed=0):
+    """A copy of a random model that ends its turn at roughly `rate` of positions (greedy), so conversations go
+    several turns: the end-of-turn row of the output embedding is pushed along the mean hidden state."""
+    model, eot = copy.deepcopy(model), muarl.end_of_turn_id(tokenizer)
+    ids = torch.randint(0, len(tokenizer), (8, 64), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        h = model.get_decoder()(input_ids=ids).last_hidden_state.reshape(-1, model.config.hidden_size)
+        w = model.get_output_embeddings().weight
+        logits = h @ w.T
+        logits[:, eot] = -1e9
+        u = h.mean(0)
+        proj, best = h @ u / (u @ u), logits.max(-1).values
+        lo, hi = -10.0, 10.0
+        for _ in range(40):
+            c = (lo + hi) / 2
+            lo, hi = (c, hi) if ((h @ w[eot] + c * proj > best).float().mean() < rate) else (lo, c)
+        w[eot] += c * u / (u @ u)
+    return model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """At these tiny shapes one thread is faster, and immune to other processes on a 2-core box (measured:
+    0.6 s vs 5 s for the same rollout with two threads while another job ran)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_tok):
+    """The conftest's tiny Qwen3 shape with larger random weights (initializer_range 0.3): its greedy text varies
+    with the context instead of repeating one token, so greedy turns have different lengths."""
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = muarl.tiny_config(len(tiny_tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.3,
+                            pad_token_id=tiny_tok.pad_token_id, eos_token_id=muarl.end_of_turn_id(tiny_tok))
+    return chatty(Qwen3ForCausalLM(cfg).eval(), tiny_tok, rate=0.2)
+
+
+GREEDY = RolloutConfig(greedy=True, max_new_tokens=64, max_turns=8)
+
+
+def _segments(ep):
+    """Split an episode's tokens into runs of equal loss_mask: [(mask, ids, logprobs)]."""
+    out = []
+    for t, m, lp in zip(ep.input_ids, ep.loss_mask, ep.logprobs):
+        if not out or out[-1][0] != m:
+            out.append((m, [], []))
+        out[-1][1].append(t)
+        out[-1][2].append(lp)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The loop and the token layout
+# ---------------------------------------------------------------------------------------------------------
+def test_greedy_cache_reuse_equals_reencoding(lm, tiny_tok):
+    """Invariant 5: several episodes of different lengths, several turns each, identical token ids."""
+    env = FakeEnv(n_tasks=4)
+    a = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), GREEDY)
+    b = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"),
+                RolloutConfig(**{**GREEDY.__dict__, "reuse_cache": False}))
+    assert [e.input_ids for e in a] == [e.input_ids for e in b]
+    assert [e.loss_mask for e in a] == [e.loss_mask for e in b]
+    for x, y in zip(a, b):
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4)
+    assert all(e.turns >= 2 for e in a) and len({len(e.input_ids) for e in a}) > 1
+    assert sum(e.turns for e in a) >= 20 and {e.termination for e in a} == {"user_stop"}
+    lengths = {len(s[1]) for e in a for s in _segments(e) if s[0] == 1}
+    assert len(lengths) > 5  # turns of different lengths: rows leave the batch at different steps
+    c = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"),
+                RolloutConfig(**{**GREEDY.__dict__, "max_batch": 1}))
+    assert [e.input_ids for e in a] == [e.input_ids for e in c]
+
+
+def test_episode_layout_and_groups(lm, tiny_tok):
+    env = FakeEnv(n_tasks=2)
+    tasks = env.tasks()
+    eps = rollout(lm, tiny_tok, env, tasks, 3, make_user_sim("scripted"), GREEDY)
+    assert [(e.task_id, e.sample) for e in eps] == [(t.id, g) for t in tasks for g in range(3)]
+    assert len(env.sessions) == 6  # one fresh session per episode
+    eot = muarl.end_of_turn_id(tiny_tok)
+    for ep in eps:
+        assert len(ep.input_ids) == len(ep.loss_mask) == len(ep.logprobs)
+        assert ep.messages[1]["content"] == f"Hi, please cancel order o1 ({ep.task_id})."  # shared opening
+        segs = _segments(ep)
+        assert segs[0] == (0, muarl.prompt_ids(tiny_tok, ep.messages[:2], ep.tools), [0.0] * len(segs[0][1]))
+        agent_msgs = [i for i, m in enumerate(ep.messages) if m["role"] == "assistant"]
+        agent_segs = [s for s in segs if s[0] == 1]
+        assert len(agent_segs) == len(agent_msgs) == ep.turns
+        assert ep.gen_tokens == sum(len(s[1]) for s in agent_segs)
+        for k, (mi, seg) in enumerate(zip(agent_msgs, agent_segs)):
+            assert all(lp <= 0 for lp in seg[2])
+            if k < len(agent_msgs) - 1 or ep.termination not in ("response_truncated", "context_limit"):
+                assert seg[1][-1] == eot  # the end-of-turn token is sampled and trained on
+            if k < len(agent_msgs) - 1:  # what follows an agent turn is the template delta of the next messages
+                nxt = agent_msgs[k + 1]
+                delta = segs[segs.index(seg) + 1]
+                assert delta[0] == 0 and delta[1] == muarl.delta_ids(tiny_tok, ep.messages[mi + 1:nxt])
+        assert segs[-1][0] == 1  # nothing is appended after the last agent turn
+        assert ep.termination in ("user_stop", "max_turns", "response_truncated", "transfer")
+        assert ep.reward_info and ep.reward == 0.0
+
+
+def test_logprobs_are_the_samplers(lm, tiny_tok):
+    """Recorded logprob of each sampled token == log_softmax(logits / T) of a plain full forward pass."""
+    env = FakeEnv(n_tasks=2)
+    cfg = RolloutConfig(temperature=0.7, max_new_tokens=24, max_turns=4)
+    eps = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), cfg,
+                  generator=torch.Generator().manual_seed(1))
+    for ep in eps:
+        ids = torch.tensor([ep.input_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(lm(ids).logits[0, :-1].float() / 0.7, -1)
+        ref = logp.gather(-1, ids[0, 1:, None])[:, 0]
+        mask = torch.tensor(ep.loss_mask[1:]).bool()
+        assert torch.allclose(torch.tensor(ep.logprobs[1:])[mask], ref[mask], atol=1e-4)
+
+
+def test_seeded_sampling_reproducible(lm, tiny_tok):
+    env = FakeEnv(n_tasks=2)
+    cfg = RolloutConfig(max_new_tokens=16, max_turns=3, top_p=0.9)
+
+    def run(seed):
+        eps = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), cfg,
+                      generator=torch.Generator().manual_seed(seed))
+        return [e.input_ids for e in eps]
+
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+
+
+def test_limits(tiny_lm, tiny_tok, lm):
+    env = FakeEnv(n_tasks=1)
+    task = env.tasks()
+    # a random model almost never ends its turn: 3 tokens without end-of-turn -> response_truncated
+    eps = rollout(tiny_lm, tiny_tok, env, task, 2, make_user_sim("scripted"),
+                  RolloutConfig(greedy=True, max_new_tokens=3))
+    assert all(e.termination == "response_truncated" and e.gen_tokens == 3 and e.turns == 1 for e in eps)
+    assert eps[0].messages[-1]["role"] == "assistant" and "tool_calls" not in eps[0].messages[-1]
+    n_prompt = len(muarl.prompt_ids(tiny_tok, eps[0].messages[:2], eps[0].tools))
+    eps = rollout(tiny_lm, tiny_tok, env, task, 1, make_user_sim("scripted"),
+                  RolloutConfig(greedy=True, max_context=n_prompt + 5))
+    assert eps[0].termination == "context_limit" and len(eps[0].input_ids) == n_prompt + 5
+    env = FakeEnv(n_tasks=3)  # the third task's user talks for 4 turns
+    eps = rollout(lm, tiny_tok, env, env.tasks()[2:], 1, make_user_sim("scripted"),
+                  RolloutConfig(greedy=True, max_new_tokens=64, max_turns=2))
+    assert eps[0].termination == "max_turns" and eps[0].turns == 2
+
+
+def test_tool_calls_and_errors():
+    env = FakeEnv()
+    task = env.tasks()[0]
+    ep, session = muarl.Episode(task_id="t0"), env.start(task)
+    ep.turns = 1
+    text = ('Let me look.\n<tool_call>\n{"name": "get_order", "arguments": {"order_id": "o1"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_order", "arguments": {"order_id": }\n</tool_call>\n'  # bad JSON
+            '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>\n'  # unknown tool
+            '<tool_call>\n{"name": "cancel_order", "arguments": {"oid": "o1"}}\n</tool_call>\n'  # bad arguments
+            '<tool_call>\n{"name": "explode", "arguments": {}}\n</tool_call>\n'  # the tool raises
+            '<tool_call>\n{"name": "cancel_order", "arguments": {"order_id": "o1"')  # unclosed
+    msg, results, stop = run_tool_calls(ep, session, text)
+    assert not stop
+    assert msg["content"] == "Let me look." and len(msg["tool_calls"]) == len(results) == 6
+    assert [r["tool_call_id"] for r in results] == [c["id"] for c in msg["tool_calls"]]
+    assert len({c["id"] for c in msg["tool_calls"]}) == 6
+    assert json.loads(results[0]["content"]) == {"status": "pending"}
+    assert all(r["content"].startswith("Error") for r in results[1:])
+    assert ep.tool_errors == 5 and ep.tool_calls == {"get_order": 1, "nope": 1, "cancel_order": 1, "explode": 1}
+    assert session.db["orders"]["o1"]["status"] == "pending"
+    ep.turns = 2
+    msg, results, stop = run_tool_calls(
+        ep, session, '<tool_call>\n{"name": "transfer_to_human_agents", "arguments": {}}\n</tool_call>')
+    assert stop and results[0]["content"] == "Transfer successful" and msg["tool_calls"][0]["id"] == "call_2_0"
+    assert not run_tool_calls(ep, session, '<tool_call>\n{"name": "transfer_to_human_agents", "arguments": {}\n')[2]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# User simulators
+# ---------------------------------------------------------------------------------------------------------
+class ChatServer:
+    """A real OpenAI-compatible HTTP endpoint on 127.0.0.1: POST /v1/chat/completions. `script` decides each
+    answer: a function (request body, request number) -> (status, message dict)."""
+
+    def __init__(self, script):
+        self.requests, self.script, lock = [], script, threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with lock:
+                    server.requests.append((self.path, body))
+                    n = len(server.requests)
+                status, message = server.script(body, n)
+                payload = ({"id": f"c{n}", "object": "chat.completion", "created": 0, "model": body["model"],
+                            "choices": [{"index": 0, "message": {"role": "assistant", **message},
+                                         "finish_reason": "tool_calls" if message.get("tool_calls") else "stop"}],
+                            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+                           if status == 200 else {"error": {"message": "boom", "type": "server_error"}})
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _user_replies(body, n):
+    said = sum(m["role"] == "assistant" for m in body["messages"])
+    return 200, {"content": "Thanks, bye. ###STOP###" if said >= 3 else f"user message {said}"}
+
+
+def test_openai_user_sim_flips_roles_and_retries(lm, tiny_tok):
+    failed = []
+
+    def script(body, n):  # the first request for a reply (not an opening) fails once with a 500
+        if body["messages"][-1]["content"] != GREETING and not failed:
+            failed.append(body)
+            return 500, {}
+        return _user_replies(body, n)
+
+    server = ChatServer(script)
+    try:
+        env = FakeEnv(n_tasks=2)
+        sim = make_user_sim("openai", base_url=server.url, api_key="k", model="sim", backoff=0.01)
+        eps = rollout(lm, tiny_tok, env, env.tasks(), 2, sim, GREEDY)
+    finally:
+        server.close()
+    assert not any(e.infra_failed for e in eps)
+    assert all(e.messages[1]["content"] == "user message 0" for e in eps)
+    openings = [b for _, b in server.requests if b["messages"][-1]["content"] == GREETING]
+    assert len(openings) == 2  # once per task, shared by the group
+    for path, body in server.requests:
+        assert path == "/v1/chat/completions" and body["model"] == "sim" and body["temperature"] == 0
+        msgs = body["messages"]
+        assert msgs[0]["role"] == "system" and "<scenario>" in msgs[0]["content"]
+        assert [m["role"] for m in msgs[1:]] == ["user", "assistant"] * (len(msgs) // 2 - 1) + ["user"]
+        assert all("tool_calls" not in m for m in msgs) and "tools" not in body
+    agent_texts = {m["content"] for e in eps for m in e.messages if m["role"] == "assistant" and "tool_calls" not in m}
+    seen = {m["content"] for _, b in server.requests for m in b["messages"][2:] if m["role"] == "user"}
+    assert seen and seen <= agent_texts  # the simulator saw the agent's words as `user`
+    done = [e for e in eps if e.termination == "user_stop"]
+    assert done and all(e.messages[-1]["content"] == "Thanks, bye. ###STOP###" for e in done)
+    retried = [b for _, b in server.requests if b == failed[0]]
+    # the group's two greedy episodes are identical, so they sent this request twice; one was retried once
+    assert len(retried) == 3
+    assert any(e.messages[2:].count({"role": "user", "content": _user_replies(failed[0], 0)[1]["content"]})
+               for e in eps)
+
+
+def test_openai_user_sim_permanent_failure(lm, tiny_tok):
+    server = ChatServer(lambda body, n: (503, {}) if n > 2 else _user_replies(body, n))  # openings succeed
+    try:
+        env = FakeEnv(n_tasks=2)
+        sim = make_user_sim("openai", base_url=server.url, api_key="k", max_retries=2, backoff=0.01)
+        eps = rollout(lm, tiny_tok, env, env.tasks(), 2, sim, GREEDY)
+        failed_open = rollout(lm, tiny_tok, env, env.tasks()[:1], 2, sim, GREEDY)
+    finally:
+        server.close()
+    talked = [e for e in eps if e.termination not in ("response_truncated", "transfer")]
+    assert talked and all(e.termination == "infra_error" and e.infra_failed for e in talked)
+    assert all("error" in e.reward_info for e in talked)
+    assert all(e.termination == "infra_error" and e.infra_failed and not e.input_ids for e in failed_open)
+
+
+def test_openai_user_tools(lm, tiny_tok):
+    """Dual control: the simulator's tool calls run on the episode's session as the user, then it talks."""
+    def script(body, n):
+        if body["messages"][-1]["content"] == GREETING:
+            return 200, {"content": "My internet is down."}
+        assert body["tools"][0]["function"]["name"] == "reset_router"
+        if body["messages"][-1]["role"] == "tool":
+            return 200, {"content": "I reset it. ###STOP###"}
+        return 200, {"content": None, "tool_calls": [{"id": "u1", "type": "function", "function": {
+            "name": "reset_router", "arguments": "{}"}}]}
+
+    server = ChatServer(script)
+    try:
+        env = FakeEnv(n_tasks=1, user_tools=True)
+        eps = rollout(lm, tiny_tok, env, env.tasks(), 1, make_user_sim("openai", base_url=server.url), GREEDY)
+    finally:
+        server.close()
+    ep = eps[0]
+    assert ep.termination == "user_stop" and ep.messages[-1]["content"] == "I reset it. ###STOP###"
+    assert ("reset_router", {}, "user") in env.sessions[0].calls
+    assert not any(m["role"] == "tool" and m["name"] == "reset_router" for m in ep.messages)
+    assert any(m["role"] == "tool" for _, b in server.requests for m in b["messages"])
+
+
+def test_hf_user_sim(lm, tiny_lm, tiny_tok):
+    env = FakeEnv(n_tasks=2)
+    sim = make_user_sim("hf", model=tiny_lm, tokenizer=tiny_tok, max_new_tokens=6)
+    eps = rollout(lm, tiny_tok, env, env.tasks(), 2, sim, RolloutConfig(greedy=True, max_new_tokens=64, max_turns=3))
+    for ep in eps:
+        users = [m["content"] for m in ep.messages if m["role"] == "user"]
+        assert all(isinstance(u, str) for u in users) and users[0] == eps[0 if ep.task_id == "t0" else 2].messages[1]["content"]
+        assert ep.termination in ("max_turns", "response_truncated", "transfer", "user_stop")
+    assert sum(m["role"] == "user" for e in eps for m in e.messages) > len(eps)  # replies, not only openings
+    convs = [[{"role": "system", "content": "Be a user."}, {"role": "user", "content": "Hi! " * k}] for k in (1, 9)]
+    assert sim._generate(convs) == [sim._generate([c])[0] for c in convs]  # left padding is right
+
+
+def test_make_user_sim_rejects_unknown():
+    with pytest.raises(ValueError):
+        make_user_sim("nope")
+    assert issubclass(UserSimError, RuntimeError)

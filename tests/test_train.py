@@ -1,0 +1,192 @@
+"""The entry points end to end on a toy environment: grpo.py main (updates, resume, skipped steps, options,
+two processes), sft.py (data errors, training), eval.py (pass^k)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import eval as evaluation
+import grpo
+import sft
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, tiny_tok, tiny_lm):
+    path = tmp_path_factory.mktemp("init")
+    tiny_lm.save_pretrained(path)
+    tiny_tok.save_pretrained(path)
+    return path
+
+
+def grpo_args(ckpt, out, *extra):
+    return ["--init-from", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--steps", "2", "--tasks-per-step", "2",
+            "--group-size", "4", "--max-new-tokens", "12", "--max-context", "512", "--eval-tasks", "0",
+            "--lr", "1e-2", "--micro-batch-size", "3", "--out-dir", str(out), *extra]
+
+
+def weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+def test_grpo_moves_every_parameter_and_logs(tmp_path, ckpt, tiny_lm):
+    res = grpo.main(grpo_args(ckpt, tmp_path / "run"))
+    before, after = weights(tiny_lm), weights(res.model)
+    for name, w in before.items():
+        assert not torch.equal(w, after[name]), f"{name} did not move"
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("reward_mean", "all_correct_ratio", "all_wrong_ratio", "turns_mean", "response_tokens_mean",
+                "kl", "clip_frac_low", "clip_frac_high", "entropy", "grad_norm", "logprob_gap", "loss",
+                "gen_tokens_per_s", "rollout_s", "update_s", "tool_calls/transfer_to_human_agents"):
+        assert key in rows[0], key
+    assert 0 < rows[0]["reward_mean"] < 1  # the toy reward is a coin flip: groups are mixed
+    # Same weights as the sampler in a one-update step: the trainer's logprobs match the sampler's.
+    assert rows[0]["logprob_gap"] < 1e-4
+    ck = tmp_path / "run" / "checkpoints" / "step-000002"
+    assert (ck / "model" / "model.safetensors").exists() and (ck / "model" / "tokenizer.json").exists()
+    assert json.loads((ck / "model" / "muarl_config.json").read_text())["grpo"]["group_size"] == 4
+    episodes = [json.loads(line) for line in open(tmp_path / "run" / "episodes.jsonl")]
+    assert episodes and episodes[0]["messages"][0]["role"] == "system"
+
+
+def test_resume_continues_exactly(tmp_path, ckpt):
+    full = grpo.main(grpo_args(ckpt, tmp_path / "a", "--steps", "4", "--save-every", "2"))
+    grpo.main(grpo_args(ckpt, tmp_path / "b", "--steps", "2", "--save-every", "2"))
+    resumed = grpo.main(["--resume", str(tmp_path / "b"), "--steps", "4"])
+    a, b = weights(full.model), weights(resumed.model)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    la, lb = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert [r["step"] for r in lb] == [1, 2, 3, 4]
+    assert [r["loss"] for r in la] == [r["loss"] for r in lb]
+    assert [r["reward_mean"] for r in la] == [r["reward_mean"] for r in lb]
+
+
+def test_non_finite_step_is_skipped_and_counted(tmp_path, ckpt, tiny_lm, monkeypatch):
+    real = grpo.grpo_loss
+
+    def broken(*a, **k):
+        loss, met = real(*a, **k)
+        return loss * float("nan"), met
+    monkeypatch.setattr(grpo, "grpo_loss", broken)
+    res = grpo.main(grpo_args(ckpt, tmp_path / "run", "--steps", "1"))
+    assert metrics(tmp_path / "run")[0]["skipped_updates"] == 1
+    before, after = weights(tiny_lm), weights(res.model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_non_finite_reward_is_left_out_not_scored(tmp_path, ckpt):
+    args = grpo_args(ckpt, tmp_path / "run", "--steps", "1")
+    args[args.index("tests.fake_env:FakeEnv")] = "tests.fake_env:NanEnv"
+    grpo.main(args)
+    row = metrics(tmp_path / "run")[0]
+    assert row["infra_failed"] == 4 and row["episodes"] == 8  # task train-0's group of 4
+    assert row["termination/infra_error"] == 0.5 and row["skipped_updates"] == 0
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--agg", "nope"], "--agg"), (["--group-size", "1"], "--group-size"), (["--user-sim", "x"], "--user-sim"),
+    (["--tasks-per-step", "0"], "--tasks-per-step"), (["--temperature", "0"], "--temperature"),
+])
+def test_bad_option_fails_at_start_naming_it(tmp_path, ckpt, argv, option, capsys):
+    with pytest.raises(SystemExit) as e:
+        grpo.main(grpo_args(ckpt, tmp_path / "run", *argv))
+    assert option in str(e.value)
+
+
+def test_unknown_option_fails(capsys):
+    with pytest.raises(SystemExit):
+        grpo.main(["--no-such-option", "1"])
+    assert "--no-such-option" in capsys.readouterr().err
+
+
+def test_two_processes_end_with_identical_weights(tmp_path, ckpt):
+    """torchrun starts two CPU processes that the Accelerator joins over gloo; each rolls out one task."""
+    script = tmp_path / "dist.py"
+    script.write_text(
+        "import os, sys, torch, hashlib\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "import grpo\n"
+        "res = grpo.main(sys.argv[1:])\n"
+        "h = hashlib.sha256(b''.join(v.detach().numpy().tobytes() for v in res.model.state_dict().values()))\n"
+        "open(sys.argv[sys.argv.index('--out-dir') + 1] + f'/weights-{os.environ[\"RANK\"]}.sha', 'w').write(h.hexdigest())\n")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+           str(script), *grpo_args(ckpt, out)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    h0, h1 = (out / "weights-0.sha").read_text(), (out / "weights-1.sha").read_text()
+    assert h0 == h1
+    rows = metrics(out)
+    assert rows[-1]["episodes"] == 8  # 2 tasks x 4, gathered from both processes
+
+
+# ---------------------------------------------------------------------------------------------------------
+def test_sft_data_errors_name_file_and_line(tmp_path):
+    p = tmp_path / "d.jsonl"
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    p.write_text(json.dumps(good) + "\n\n" + "{not json\n")
+    with pytest.raises(ValueError, match=r"d.jsonl:3"):
+        sft.load_conversations(str(p))
+    p.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"d.jsonl:1.*no assistant"):
+        sft.load_conversations(str(p))
+
+
+def test_sft_lowers_the_loss_on_agent_tokens(tmp_path, ckpt):
+    from envs import play
+    from tests.fake_env import FakeEnv
+
+    class Agent:
+        def act(self, messages):
+            return {"role": "assistant", "content": "Sure, done."}
+    env = FakeEnv(n_tasks=4)
+    convs = []
+    for t in env.tasks("train"):
+        messages, *_ = play(env, t, Agent())
+        convs.append({"messages": messages, "tools": env.tools(t)})
+    p = tmp_path / "c.jsonl"
+    p.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    out = sft.train(sft.SFTConfig(model=str(ckpt), out=str(tmp_path / "sft"), epochs=10, batch_size=4,
+                                  micro_batch_size=2, warmup_steps=1, lr=1e-2), sft.load_conversations(str(p)))
+    import muarl
+    from grpo import token_logprobs
+    losses = []
+    for path in (ckpt, out):
+        model, tok = muarl.load_model(str(path), device="cpu")
+        ids, attn, mask = muarl.collate([muarl.encode_conversation(tok, c["messages"], c["tools"]) for c in convs],
+                                        tok.pad_token_id)
+        with torch.no_grad():
+            losses.append(-(token_logprobs(model, ids, attn) * mask).sum().item() / mask.sum().item())
+    assert losses[1] < 0.4 * losses[0]
+    assert json.loads((out / "muarl_config.json").read_text())["sft"]["epochs"] == 10
+
+
+def test_pass_hat_k():
+    assert evaluation.pass_hat_k(4, 4, 4) == 1.0
+    assert evaluation.pass_hat_k(3, 4, 2) == pytest.approx(3 / 6)
+    assert evaluation.pass_hat_k(1, 4, 2) == 0.0
+    eps = [{"task_id": t, "reward": r, "infra_failed": False, "turns": 2, "termination": "user_stop",
+            "tool_calls": {}} for t, r in [("a", 1), ("a", 1), ("b", 1), ("b", 0)]]
+    eps.append({**eps[0], "infra_failed": True, "reward": 0, "termination": "infra_error"})
+    s = evaluation.summarize(eps, 2)
+    assert s["pass^1"] == 0.75 and s["pass^2"] == 0.5 and s["infra_failed"] == 1
+
+
+def test_eval_main_writes_summary(tmp_path, ckpt):
+    evaluation.main(["--agent", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--num-tasks", "3", "--trials", "2",
+                     "--max-new-tokens", "8", "--out-dir", str(tmp_path / "ev")])
+    s = json.loads((tmp_path / "ev" / "summary.json").read_text())
+    assert s["tasks"] == 3 and s["episodes"] == 6 and "pass^2" in s
+    assert (tmp_path / "ev" / "results.md").read_text().startswith("# ")
+    assert len((tmp_path / "ev" / "episodes.jsonl").read_text().splitlines()) == 6
