@@ -52,8 +52,6 @@ class EvalConfig:
     """new tokens per agent turn"""
     max_context: int = 32768
     """tokens per episode"""
-    bf16: bool = False
-    """bf16 weights (GPU)"""
     seed: int = 0
     """sampling seed"""
     out_dir: str = ""
@@ -167,8 +165,7 @@ def main(argv=None):
     else:
         from rollout import RolloutConfig, make_user_sim, rollout
 
-        model, tok = muarl.load_model(cfg.agent, device=acc.device,
-                                      dtype=torch.bfloat16 if cfg.bf16 else None)
+        model, tok = muarl.load_model(cfg.agent, device=acc.device)  # bf16 on GPU, fp32 on CPU
         model.eval()
         user_sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
         sampling = RolloutConfig(temperature=max(cfg.temperature, 1e-5), greedy=cfg.temperature == 0,

@@ -462,6 +462,8 @@ class Config:
     """tokens per episode (the paper: 32k)"""
     reuse_cache: bool = True
     """keep the KV cache across turns (off: re-encode the conversation every turn; same tokens, slower)"""
+    rollout_batch: int = 0
+    """at most this many episodes decode together on one process (0: all); bounds GPU memory"""
     bf16: bool = False
     """bf16 mixed precision (GPU)"""
     gradient_checkpointing: bool = False
@@ -504,16 +506,29 @@ def validate(cfg: Config, world: int) -> None:
         bad("group_size", "group advantages need at least 2 episodes per task")
     if cfg.tasks_per_step < 1 or cfg.tasks_per_step % world:
         bad("tasks_per_step", f"{cfg.tasks_per_step} must be a positive multiple of the {world} processes")
-    for opt in ("steps", "micro_batch_size", "updates_per_batch", "max_turns", "max_new_tokens", "max_context"):
+    for opt in ("steps", "micro_batch_size", "updates_per_batch", "max_turns", "max_new_tokens", "max_context",
+                "save_every"):
         if getattr(cfg, opt) < 1:
             bad(opt, "must be >= 1")
-    if not 0 < cfg.temperature:
+    for opt in ("warmup_steps", "eval_tasks", "log_episodes", "rollout_batch", "kl_coef", "grad_clip"):
+        if getattr(cfg, opt) < 0:
+            bad(opt, "must be >= 0")
+    for opt in ("clip_low", "clip_high"):
+        if not 0 < getattr(cfg, opt) < 1:
+            bad(opt, "must be in (0, 1)")
+    if cfg.dual_clip and cfg.dual_clip <= 1:
+        bad("dual_clip", "must be > 1 (or 0 to disable)")
+    if not cfg.temperature > 0:
         bad("temperature", "must be > 0")
+    if not 0 < cfg.top_p <= 1:
+        bad("top_p", "must be in (0, 1]")
     if cfg.lr <= 0:
         bad("lr", "must be > 0")
+    if cfg.bf16 and not torch.cuda.is_available():
+        bad("bf16", "needs a GPU (on this CPU bf16 decoding was measured slower; see bench/dtype.py)")
 
 
-def cold_start(cfg: Config, acc) -> str:
+def cold_start(cfg: Config) -> str:
     """The tiny model knows nothing: make (or reuse) its cold-start checkpoint, as the paper's pipeline does:
     expert conversations on the training split, then SFT. Cached under MUARL_CACHE, keyed by the settings."""
     import hashlib
@@ -529,7 +544,7 @@ def cold_start(cfg: Config, acc) -> str:
     acc.print(f"[grpo] cold start: no --init-from given, so making one: {scfg.num_tasks} expert conversations "
               f"on {cfg.env}:{cfg.split}, then SFT of '{cfg.model}' ({scfg.epochs:g} epochs) -> {out}")
     scfg.out = str(out)
-    sft.train(scfg, sft.make_cold_start(scfg), accelerator=acc)
+    sft.train(scfg, sft.make_cold_start(scfg))  # its own Accelerator: GRPO's checkpoints hold GRPO's state only
     return str(out)
 
 
@@ -622,7 +637,11 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
     rewards = torch.tensor([ep.reward for ep in episodes], dtype=torch.float32)
     valid = torch.tensor([not ep.infra_failed for ep in episodes])
     adv = group_advantages(rewards, G, scale=cfg.scale_advantages, valid=valid)
-    seqs = [(ep.input_ids, ep.loss_mask if not ep.infra_failed else [0] * len(ep.loss_mask)) for ep in episodes]
+    # Infra-failed episodes train on nothing; one that never started (its opening failed) still gets a
+    # one-token row, because every process must run the same number of forward passes under DDP.
+    seqs = [(ep.input_ids or [pad_id], [0] * max(1, len(ep.input_ids)) if ep.infra_failed else ep.loss_mask)
+            for ep in episodes]
+    sampled = [ep.logprobs or [0.0] for ep in episodes]
     # One normalizer for the whole optimizer step, over all micro-batches and processes (invariant 3).
     local = sum(sum(m) for _, m in seqs) if cfg.agg == "token-mean" else sum(1 for _, m in seqs if any(m))
     normalizer = acc.reduce(torch.tensor(float(local), device=acc.device), reduction="sum").item()
@@ -641,20 +660,22 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
         with torch.no_grad():
             for mb in micro:
                 ids, attn, _ = muarl.collate([seqs[i] for i in mb], pad_id, acc.device)
-                old[tuple(mb)] = token_logprobs(model, ids, attn, temperature=cfg.temperature)
+                with acc.autocast():
+                    old[tuple(mb)] = token_logprobs(model, ids, attn, temperature=cfg.temperature)
     ref = {}
     if ref_model is not None and cfg.kl_coef > 0:
         with torch.no_grad():
             for mb in micro:
                 ids, attn, _ = muarl.collate([seqs[i] for i in mb], pad_id, acc.device)
                 ref[tuple(mb)] = token_logprobs(ref_model, ids, attn, temperature=cfg.temperature)
-    skipped = 0
+    skipped, ratio_max = 0, 0.0
     for update in range(cfg.updates_per_batch):
         for k, mb in enumerate(micro):
             ids, attn, mask = muarl.collate([seqs[i] for i in mb], pad_id, acc.device)
-            sampler = muarl.collate([(episodes[i].input_ids, episodes[i].logprobs) for i in mb], 0, acc.device)[2]
+            sampler = muarl.collate([(seqs[i][0], sampled[i]) for i in mb], 0, acc.device)[2]
             with acc.no_sync(model) if k < len(micro) - 1 else contextlib.nullcontext():
-                logp, ent = token_logprobs(model, ids, attn, temperature=cfg.temperature, return_entropy=True)
+                with acc.autocast():
+                    logp, ent = token_logprobs(model, ids, attn, temperature=cfg.temperature, return_entropy=True)
                 old_logp = old[tuple(mb)] if old else logp.detach()
                 loss, met = grpo_loss(logp, old_logp, ref.get(tuple(mb)), adv[mb].to(acc.device), mask,
                                       clip_low=cfg.clip_low, clip_high=cfg.clip_high,
@@ -665,23 +686,25 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
             n_tok = float(mask.sum())
             loss_total += loss.item()  # micro-batch shares of the step loss sum to it
             if n_tok:
-                for name in ("kl", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "ratio_mean"):
+                for name in ("kl", "approx_kl", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "ratio_mean"):
                     if name in met:
                         add(name, met[name], n_tok)
-                add("entropy", (ent * mask).sum().item() / n_tok, n_tok)
+                ratio_max = max(ratio_max, float(met["ratio_max"]))
                 if update == 0:  # sampler vs trainer on the same weights: should be ~0 (numerics only)
+                    add("entropy", (ent * mask).sum().item() / n_tok, n_tok)
                     add("logprob_gap", ((sampler - logp.detach()).abs() * mask).sum().item() / n_tok, n_tok)
         grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        finite = torch.isfinite(torch.as_tensor(grad_norm)).all().item()
-        finite = acc.reduce(torch.tensor(float(finite), device=acc.device), reduction="min").item() == 1.0
-        if finite:
+        # Every process must agree to step (or not). Accelerate's reduce knows only sum and max: count the bad.
+        bad = float(not torch.isfinite(torch.as_tensor(grad_norm)).all().item())
+        if acc.reduce(torch.tensor(bad, device=acc.device), reduction="sum").item() == 0:
             opt.step()
             sched.step()
             add("grad_norm", float(grad_norm))
         else:  # a non-finite loss or gradient: drop this update on every process, and count it
             skipped += 1
         opt.zero_grad(set_to_none=True)
-    out = {"skipped_updates": skipped}
+    out = {"skipped_updates": skipped,
+           "ratio_max": acc.reduce(torch.tensor(ratio_max, device=acc.device), reduction="max").item()}
     for k, (s, w) in sums.items():  # token-weighted means over all processes
         t = acc.reduce(torch.tensor([s, w], device=acc.device, dtype=torch.float64), reduction="sum")
         out[k] = (t[0] / t[1]).item() if t[1] else 0.0
@@ -702,8 +725,10 @@ def main(argv=None):
     resume_from = find_checkpoint(cfg.resume) if cfg.resume else None
     if resume_from:  # continue the run with its own settings; --steps may extend it
         saved = json.loads((resume_from / "model" / "muarl_config.json").read_text())["grpo"]
-        cfg = Config(**{**saved, "steps": cfg.steps if "--steps" in (argv or sys.argv) else saved["steps"],
-                        "resume": cfg.resume})
+        given = [a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)]
+        cfg = Config(**{**saved, "steps": cfg.steps if "--steps" in given else saved["steps"], "resume": cfg.resume})
+        if set(given) - {"--resume", "--steps"}:
+            print(f"[grpo] --resume continues with the run's saved settings; ignoring {sorted(set(given) - {'--resume', '--steps'})}")
     acc = muarl.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no", log_with=cfg.report_to or None)
     validate(cfg, acc.num_processes)
     muarl.seed_everything(cfg.seed)
@@ -720,34 +745,50 @@ def main(argv=None):
     env_opts = {"reward": cfg.env_reward} if cfg.env_reward else {}
     env = make_env(cfg.env, **env_opts)
     tasks = env.tasks(cfg.split)
+    user_sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
+    if cfg.user_sim == "scripted":  # fail now, not after the model has loaded
+        try:
+            env.scripted_user(tasks[0])
+        except NotImplementedError:
+            raise SystemExit(f"grpo.py: --user-sim: {cfg.env} has no scripted user; use --user-sim openai or hf")
     if not cfg.init_from and cfg.model == "tiny":
-        cfg.init_from = cold_start(cfg, acc)
+        cfg.init_from = cold_start(cfg)
     start = cfg.init_from or cfg.model
-    model, tok = muarl.load_model(start, device=acc.device, seed=cfg.seed)
+    # The trained policy keeps fp32 master weights (a bf16 AdamW step of lr 1e-6 rounds to nothing); --bf16
+    # runs its forward passes under autocast. The frozen reference can live in bf16.
+    model, tok = muarl.load_model(start, device=acc.device, seed=cfg.seed, dtype=torch.float32)
     ref_model = None
     if cfg.kl_coef > 0:  # frozen copy of the starting policy
-        ref_model, _ = muarl.load_model(start, device=acc.device, seed=cfg.seed)
+        ref_model, _ = muarl.load_model(start, device=acc.device, seed=cfg.seed,
+                                        dtype=torch.bfloat16 if cfg.bf16 else torch.float32)
         ref_model.eval().requires_grad_(False)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    # Stepped by hand once per update (Accelerate's prepared scheduler steps once per process).
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
-    model, opt, sched = acc.prepare(model, opt, sched)
+    model, opt = acc.prepare(model, opt)
+    acc.register_for_checkpointing(sched)
     first_step = 0
     if resume_from:
         acc.load_state(str(resume_from / "accelerate"))
-        first_step = json.loads((resume_from / "trainer_state.json").read_text())["step"]
+        state = json.loads((resume_from / "trainer_state.json").read_text())
+        first_step = state["step"]
+        if state["data_position"] != first_step * cfg.tasks_per_step:
+            raise SystemExit(f"grpo.py: --resume: {resume_from} is at data position {state['data_position']}, "
+                             f"not {first_step} x {cfg.tasks_per_step} tasks")
         acc.print(f"[grpo] resumed from {resume_from} at step {first_step}")
-    user_sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
     sampling = RolloutConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                             max_context=cfg.max_context, max_turns=cfg.max_turns, reuse_cache=cfg.reuse_cache)
+                             max_context=cfg.max_context, max_turns=cfg.max_turns, reuse_cache=cfg.reuse_cache,
+                             max_batch=cfg.rollout_batch)
 
     def evaluate(tag):
         if not cfg.eval_tasks:
             return {}
         test = env.tasks("test")[:cfg.eval_tasks]
-        eps = rollout(acc.unwrap_model(model), tok, env, test[acc.process_index::acc.num_processes], 1, user_sim,
-                      replace(sampling, greedy=True))
+        with acc.autocast():
+            eps = rollout(acc.unwrap_model(model), tok, env, test[acc.process_index::acc.num_processes], 1,
+                          user_sim, replace(sampling, greedy=True))
         eps = gather_object([episode_summary(e) for e in eps])
         res = {f"eval/{tag}/pass1": sum(e["reward"] for e in eps) / max(1, len(eps)), f"eval/{tag}/tasks": len(eps)}
         acc.print(f"[grpo] eval ({tag}) on {len(eps)} test tasks, greedy: pass^1 = {res[f'eval/{tag}/pass1']:.3f}")
@@ -763,7 +804,8 @@ def main(argv=None):
         model.eval()
         # Sampling seeded by (run seed, step, process): a resumed run draws exactly what it would have drawn.
         gen = torch.Generator(acc.device).manual_seed(cfg.seed * 1_000_003 + step * 1_009 + acc.process_index)
-        episodes = rollout(acc.unwrap_model(model), tok, env, my_tasks, cfg.group_size, user_sim, sampling, gen)
+        with acc.autocast():
+            episodes = rollout(acc.unwrap_model(model), tok, env, my_tasks, cfg.group_size, user_sim, sampling, gen)
         t_roll = time.time() - t0
         model.train()
         t1 = time.time()

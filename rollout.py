@@ -41,6 +41,8 @@ from envs import STOP_TOOLS, USER_STOP_MARKERS
 from muarl import Episode, delta_ids, end_of_turn_id, parse_assistant, prompt_ids, template_kwargs
 
 log = logging.getLogger("muarl.rollout")
+# Terminations that count as the dialogue ending normally; any other ending scores 0.
+DONE = ("user_stop", "transfer")
 
 
 @dataclass
@@ -357,6 +359,12 @@ async def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, generator)
         except Exception as e:  # a broken evaluator is not the policy's fault: leave the episode out
             log.warning("reward failed for task %s: %r", r.ep.task_id, e)
             r.ep.reward, r.ep.reward_info, r.ep.infra_failed = 0.0, {"error": repr(e)}, True
+            continue
+        if r.ep.termination not in DONE:
+            # As tau2 scores it: an episode cut off (turn, context or response cap) did not finish its task,
+            # whatever state the database happens to be in.
+            r.ep.reward_info = {**r.ep.reward_info, "env_reward": r.ep.reward, "ended_early": r.ep.termination}
+            r.ep.reward = 0.0
     return [r.ep for r in rows]
 
 

@@ -6,7 +6,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import copy  # noqa: E402
+
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import muarl  # noqa: E402
 
 # Text for the tests' tokenizer: small, fixed, enough to make BPE merges (any text still encodes byte-wise).
 TEST_CORPUS = [
@@ -37,3 +42,37 @@ def tiny_lm(tiny_tok):
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             pad_token_id=tiny_tok.pad_token_id, eos_token_id=muarl.end_of_turn_id(tiny_tok))
     return Qwen3ForCausalLM(cfg).eval()
+
+
+def chatty(model, tokenizer, rate=0.15, seed=0):
+    """A copy of a random model that ends its turn at roughly `rate` of positions (greedy), so conversations go
+    several turns: the end-of-turn row of the output embedding is pushed along the mean hidden state."""
+    model, eot = copy.deepcopy(model), muarl.end_of_turn_id(tokenizer)
+    ids = torch.randint(0, len(tokenizer), (8, 64), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        h = model.get_decoder()(input_ids=ids).last_hidden_state.reshape(-1, model.config.hidden_size)
+        w = model.get_output_embeddings().weight
+        logits = h @ w.T
+        logits[:, eot] = -1e9
+        u = h.mean(0)
+        proj, best = h @ u / (u @ u), logits.max(-1).values
+        lo, hi = -10.0, 10.0
+        for _ in range(40):
+            c = (lo + hi) / 2
+            lo, hi = (c, hi) if ((h @ w[eot] + c * proj > best).float().mean() < rate) else (lo, c)
+        w[eot] += c * u / (u @ u)
+    return model
+
+
+def ends_turns(model, tokenizer, gap=3.5, seed=0):
+    """A copy of a random model whose end-of-turn logit sits `gap` above the average logit, so that *sampled*
+    turns end after ~V/e^gap tokens (a dozen for the test vocabulary) and dialogues finish normally."""
+    model, eot = copy.deepcopy(model), muarl.end_of_turn_id(tokenizer)
+    ids = torch.randint(0, len(tokenizer), (8, 64), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        h = model.get_decoder()(input_ids=ids).last_hidden_state.reshape(-1, model.config.hidden_size)
+        w = model.get_output_embeddings().weight
+        u = h.mean(0)
+        now = (h @ w[eot] - (h @ w.T).mean(-1)).mean()
+        w[eot] += (gap - now) * u / (u @ u) / (h @ u / (u @ u)).mean()
+    return model

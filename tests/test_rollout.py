@@ -6,6 +6,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from conftest import chatty
 import torch
 
 import muarl
@@ -95,26 +96,6 @@ class FakeEnv:
 
     def scripted_user(self, task):
         return FakeUser(task)
-
-
-def chatty(model, tokenizer, rate=0.15, seed=0):
-    """A copy of a random model that ends its turn at roughly `rate` of positions (greedy), so conversations go
-    several turns: the end-of-turn row of the output embedding is pushed along the mean hidden state."""
-    model, eot = copy.deepcopy(model), muarl.end_of_turn_id(tokenizer)
-    ids = torch.randint(0, len(tokenizer), (8, 64), generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        h = model.get_decoder()(input_ids=ids).last_hidden_state.reshape(-1, model.config.hidden_size)
-        w = model.get_output_embeddings().weight
-        logits = h @ w.T
-        logits[:, eot] = -1e9
-        u = h.mean(0)
-        proj, best = h @ u / (u @ u), logits.max(-1).values
-        lo, hi = -10.0, 10.0
-        for _ in range(40):
-            c = (lo + hi) / 2
-            lo, hi = (c, hi) if ((h @ w[eot] + c * proj > best).float().mean() < rate) else (lo, c)
-        w[eot] += c * u / (u @ u)
-    return model
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,5 +1,6 @@
 """The entry points end to end on a toy environment: grpo.py main (updates, resume, skipped steps, options,
 two processes), sft.py (data errors, training), eval.py (pass^k)."""
+import hashlib
 import json
 import os
 import subprocess
@@ -11,21 +12,28 @@ import torch
 import eval as evaluation
 import grpo
 import sft
+from conftest import ends_turns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory, tiny_tok, tiny_lm):
+def start_lm(tiny_tok, tiny_lm):
+    """A random model that ends its turns early enough for dialogues to finish normally (and be scored)."""
+    return ends_turns(tiny_lm, tiny_tok)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, tiny_tok, start_lm):
     path = tmp_path_factory.mktemp("init")
-    tiny_lm.save_pretrained(path)
+    start_lm.save_pretrained(path)
     tiny_tok.save_pretrained(path)
     return path
 
 
 def grpo_args(ckpt, out, *extra):
     return ["--init-from", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--steps", "2", "--tasks-per-step", "2",
-            "--group-size", "4", "--max-new-tokens", "12", "--max-context", "512", "--eval-tasks", "0",
+            "--group-size", "4", "--max-new-tokens", "48", "--max-context", "512", "--eval-tasks", "0",
             "--lr", "1e-2", "--micro-batch-size", "3", "--out-dir", str(out), *extra]
 
 
@@ -37,9 +45,9 @@ def metrics(run_dir):
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
 
 
-def test_grpo_moves_every_parameter_and_logs(tmp_path, ckpt, tiny_lm):
+def test_grpo_moves_every_parameter_and_logs(tmp_path, ckpt, start_lm):
     res = grpo.main(grpo_args(ckpt, tmp_path / "run"))
-    before, after = weights(tiny_lm), weights(res.model)
+    before, after = weights(start_lm), weights(res.model)
     for name, w in before.items():
         assert not torch.equal(w, after[name]), f"{name} did not move"
     rows = metrics(tmp_path / "run")
@@ -71,7 +79,7 @@ def test_resume_continues_exactly(tmp_path, ckpt):
     assert [r["reward_mean"] for r in la] == [r["reward_mean"] for r in lb]
 
 
-def test_non_finite_step_is_skipped_and_counted(tmp_path, ckpt, tiny_lm, monkeypatch):
+def test_non_finite_step_is_skipped_and_counted(tmp_path, ckpt, start_lm, monkeypatch):
     real = grpo.grpo_loss
 
     def broken(*a, **k):
@@ -80,7 +88,7 @@ def test_non_finite_step_is_skipped_and_counted(tmp_path, ckpt, tiny_lm, monkeyp
     monkeypatch.setattr(grpo, "grpo_loss", broken)
     res = grpo.main(grpo_args(ckpt, tmp_path / "run", "--steps", "1"))
     assert metrics(tmp_path / "run")[0]["skipped_updates"] == 1
-    before, after = weights(tiny_lm), weights(res.model)
+    before, after = weights(start_lm), weights(res.model)
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
@@ -127,8 +135,13 @@ def test_two_processes_end_with_identical_weights(tmp_path, ckpt):
     assert r.returncode == 0, r.stderr[-3000:]
     h0, h1 = (out / "weights-0.sha").read_text(), (out / "weights-1.sha").read_text()
     assert h0 == h1
+    from transformers import AutoModelForCausalLM
+    init = AutoModelForCausalLM.from_pretrained(ckpt)
+    h_init = hashlib.sha256(b"".join(v.detach().numpy().tobytes() for v in init.state_dict().values())).hexdigest()
+    assert h0 != h_init  # they trained (identical because they never moved would also be "identical")
     rows = metrics(out)
-    assert rows[-1]["episodes"] == 8  # 2 tasks x 4, gathered from both processes
+    assert all(r["episodes"] == 8 for r in rows)  # 2 tasks x 4, gathered from both processes
+    assert all(r["skipped_updates"] == 0 for r in rows)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -143,7 +156,10 @@ def test_sft_data_errors_name_file_and_line(tmp_path):
         sft.load_conversations(str(p))
 
 
-def test_sft_lowers_the_loss_on_agent_tokens(tmp_path, ckpt):
+def test_sft_lowers_the_loss_on_agent_tokens(tmp_path, tiny_tok, tiny_lm):
+    ckpt = tmp_path / "init"
+    tiny_lm.save_pretrained(ckpt)
+    tiny_tok.save_pretrained(ckpt)
     from envs import play
     from tests.fake_env import FakeEnv
 
