@@ -422,9 +422,9 @@ class Config:
     """OpenAI-compatible endpoint of the user simulator (default: OPENAI_BASE_URL); key from OPENAI_API_KEY"""
     user_concurrency: int = 64
     """requests in flight to the user-simulator endpoint"""
-    steps: int = 40
+    steps: int = 12
     """optimizer steps (each: rollout, rewards, advantages, update)"""
-    tasks_per_step: int = 8
+    tasks_per_step: int = 4
     """tasks per step over all processes (the paper: 32); each process rolls out an equal share"""
     group_size: int = 8
     """episodes per task, G (the paper: 8)"""
@@ -456,9 +456,9 @@ class Config:
     """nucleus sampling (1.0: off)"""
     max_turns: int = 30
     """agent turns per episode (the paper: 30)"""
-    max_new_tokens: int = 256
+    max_new_tokens: int = 128
     """new tokens per agent turn (the paper: 1024)"""
-    max_context: int = 2048
+    max_context: int = 1536
     """tokens per episode (the paper: 32k)"""
     reuse_cache: bool = True
     """keep the KV cache across turns (off: re-encode the conversation every turn; same tokens, slower)"""
@@ -539,9 +539,9 @@ def cold_start(cfg: Config) -> str:
     key = hashlib.sha256(json.dumps(asdict(scfg), sort_keys=True).encode()).hexdigest()[:10]
     out = muarl.CACHE_DIR / f"coldstart-{cfg.env.replace(':', '-')}-{cfg.model}-{key}"
     if (out / "config.json").exists():
-        acc.print(f"[grpo] cold start: using the cached SFT checkpoint {out}")
+        muarl.main_print(f"[grpo] cold start: using the cached SFT checkpoint {out}")
         return str(out)
-    acc.print(f"[grpo] cold start: no --init-from given, so making one: {scfg.num_tasks} expert conversations "
+    muarl.main_print(f"[grpo] cold start: no --init-from given, so making one: {scfg.num_tasks} expert conversations "
               f"on {cfg.env}:{cfg.split}, then SFT of '{cfg.model}' ({scfg.epochs:g} epochs) -> {out}")
     scfg.out = str(out)
     sft.train(scfg, sft.make_cold_start(scfg))  # its own Accelerator: GRPO's checkpoints hold GRPO's state only

@@ -349,7 +349,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def tiny_tokenizer(texts: list[str] | None = None, vocab_size: int = 4096):
+def tiny_tokenizer(texts: list[str] | None = None, vocab_size: int = 4096, split_digits: bool = True):
     """A byte-level BPE tokenizer (any text encodes) trained in-process, deterministically, on the small
     domain's text (policy, tool schemas, expert dialogues), with ChatML special tokens and the tool template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -362,12 +362,16 @@ def tiny_tokenizer(texts: list[str] | None = None, vocab_size: int = 4096):
         texts = env.corpus()
         # Also the chat template's own text (tool preamble, role headers) exactly as the model will see it, so
         # that it merges into few tokens: a first tokenizer renders it, the second one learns it.
-        first = tiny_tokenizer(texts, vocab_size)
+        first = tiny_tokenizer(texts, vocab_size, split_digits)
         texts = texts + [render(first, [{"role": "system", "content": env.system_prompt(t)},
                                         {"role": "user", "content": "Hi"}], env.tools(t), add_generation_prompt=True)
                          for t in env.tasks("train")[:100]]
     bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Digits one by one: ids, zips and amounts then use ten frequent tokens instead of hundreds of rare ones,
+    # which a tiny model learns to copy far sooner.
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if split_digits else byte_level)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + TOOL_TAGS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
@@ -379,15 +383,17 @@ def tiny_tokenizer(texts: list[str] | None = None, vocab_size: int = 4096):
     return tok
 
 
-def tiny_config(vocab_size: int, **overrides):
-    """A standard architecture (Qwen3) at a few million parameters."""
-    from transformers import Qwen3Config
+def tiny_config(vocab_size: int, arch: str = "llama", **overrides):
+    """A standard architecture at about a million parameters. Llama rather than Qwen3 by default: Qwen3's
+    per-head query/key norms bound attention logits at init (about sqrt(head_dim)), which slows a tiny model
+    learning to copy an id from one position among a thousand."""
+    from transformers import LlamaConfig, Qwen3Config
 
     cfg = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
                tie_word_embeddings=True, rope_theta=10000.0)
     cfg.update(overrides)
-    return Qwen3Config(**cfg)
+    return (LlamaConfig if arch == "llama" else Qwen3Config)(**cfg)
 
 
 def _smollm2_dir() -> Path:
@@ -447,12 +453,10 @@ def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, 
     attn = attn_implementation or attention_implementation(device)
     tok = load_tokenizer(name)
     if name == "tiny":
-        from transformers import Qwen3ForCausalLM
-
         torch.manual_seed(seed)
         cfg = tiny_config(len(tok), pad_token_id=tok.pad_token_id, eos_token_id=end_of_turn_id(tok))
         cfg._attn_implementation = attn
-        model = Qwen3ForCausalLM(cfg).to(dtype)
+        model = AutoModelForCausalLM.from_config(cfg).to(dtype)
     else:
         path = str(_smollm2_dir()) if name == "smollm2-135m" else name
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
@@ -538,4 +542,16 @@ def make_accelerator(**kwargs):
     treats a CPU run as distributed when told `cpu=True`, otherwise each process trains alone."""
     from accelerate import Accelerator
 
-    return Accelerator(cpu=not torch.cuda.is_available(), **kwargs)
+    acc = Accelerator(cpu=not torch.cuda.is_available(), **kwargs)
+    if acc.device.type == "cpu":
+        # `accelerate launch` sets OMP_NUM_THREADS=1 when it has no config, which halves a 2-core machine:
+        # share the cores among this machine's processes instead (MUARL_THREADS overrides).
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes))
+        torch.set_num_threads(int(os.environ.get("MUARL_THREADS", 0)) or max(1, (os.cpu_count() or 1) // local))
+    return acc
+
+
+def main_print(*args) -> None:
+    """print on the main process only (before an Accelerator exists, from torchrun's RANK)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*args, flush=True)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -360,7 +361,10 @@ async def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, generator)
             log.warning("reward failed for task %s: %r", r.ep.task_id, e)
             r.ep.reward, r.ep.reward_info, r.ep.infra_failed = 0.0, {"error": repr(e)}, True
             continue
-        if r.ep.termination not in DONE:
+        if not math.isfinite(r.ep.reward):  # a broken evaluator, not the policy's doing: leave it out, loudly
+            r.ep.reward_info = {**r.ep.reward_info, "error": f"non-finite reward {r.ep.reward}"}
+            r.ep.reward, r.ep.infra_failed, r.ep.termination = 0.0, True, "infra_error"
+        elif r.ep.termination not in DONE:
             # As tau2 scores it: an episode cut off (turn, context or response cap) did not finish its task,
             # whatever state the database happens to be in.
             r.ep.reward_info = {**r.ep.reward_info, "env_reward": r.ep.reward, "ended_early": r.ep.termination}

@@ -44,7 +44,7 @@ class SFTConfig:
     """environment the teacher plays: 'shop' or 'tau2:<domain>'"""
     split: str = "train"
     """task split the teacher plays"""
-    num_tasks: int = 400
+    num_tasks: int = 1200
     """how many tasks the teacher plays (episodes with reward 1 are kept)"""
     user_sim: str = "scripted"
     """user simulator for the teacher: 'scripted', 'openai', 'hf' (see rollout.py)"""
@@ -56,13 +56,13 @@ class SFTConfig:
     """requests in flight to the user-simulator endpoint"""
     data_out: str = ""
     """also write the synthesized conversations here (JSONL)"""
-    epochs: float = 3.0
+    epochs: float = 1.0
     """passes over the data (0: only synthesize data)"""
-    lr: float = 2e-3
+    lr: float = 4e-3
     """peak learning rate (the paper: 5e-6 for Qwen3; a tiny model from scratch needs far more)"""
     warmup_steps: int = 10
     """linear warm-up steps, then cosine decay to 10% of the peak"""
-    batch_size: int = 16
+    batch_size: int = 8
     """conversations per optimizer step, over all processes (the paper: 128)"""
     micro_batch_size: int = 4
     """conversations per forward/backward pass on one process"""

@@ -23,7 +23,7 @@ def timed(fn, reps):
 
 def main():
     torch.manual_seed(0)
-    cfg = muarl.tiny_config(4096)
+    cfg = muarl.tiny_config(4096, arch="qwen3")
     models = {dt: Qwen3ForCausalLM(cfg).to(dt) for dt in (torch.float32, torch.bfloat16)}
     x = torch.randint(0, 4096, (4, 768))
     step = torch.randint(0, 4096, (16, 1))

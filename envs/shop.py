@@ -540,7 +540,7 @@ def _read(messages: list[dict]) -> dict:
 class ShopEnv:
     name = "shop"
 
-    def __init__(self, n_train: int = 500, n_test: int = 100, seed: int = 0):
+    def __init__(self, n_train: int = 5000, n_test: int = 100, seed: int = 0):
         assert n_train <= 500_000 and n_test <= 500_000, "train and test seeds would overlap"
         self.seed = seed
         self._splits = {"train": [make_task("train", i, seed) for i in range(n_train)],

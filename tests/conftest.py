@@ -26,7 +26,8 @@ TEST_CORPUS = [
 def tiny_tok():
     import muarl
 
-    return muarl.tiny_tokenizer(TEST_CORPUS, vocab_size=512)
+    # Whole-number tokens: the random-model fixtures below (turn lengths, end-of-turn rates) were calibrated on it.
+    return muarl.tiny_tokenizer(TEST_CORPUS, vocab_size=512, split_digits=False)
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +39,7 @@ def tiny_lm(tiny_tok):
     import muarl
 
     torch.manual_seed(0)
-    cfg = muarl.tiny_config(len(tiny_tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = muarl.tiny_config(len(tiny_tok), arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             pad_token_id=tiny_tok.pad_token_id, eos_token_id=muarl.end_of_turn_id(tiny_tok))
     return Qwen3ForCausalLM(cfg).eval()

@@ -115,7 +115,7 @@ def lm(tiny_tok):
     from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = muarl.tiny_config(len(tiny_tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = muarl.tiny_config(len(tiny_tok), arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.3,
                             pad_token_id=tiny_tok.pad_token_id, eos_token_id=muarl.end_of_turn_id(tiny_tok))
     return chatty(Qwen3ForCausalLM(cfg).eval(), tiny_tok, rate=0.2)
