@@ -400,3 +400,26 @@ def test_make_user_sim_rejects_unknown():
     with pytest.raises(ValueError):
         make_user_sim("nope")
     assert issubclass(UserSimError, RuntimeError)
+
+
+def test_openai_user_sim_as_text_level_user_for_play():
+    """sync_user: the same simulator drives envs.play (cold-start synthesis and API agents in eval.py)."""
+    from envs import play
+
+    class Agent:  # says something, never calls tools
+        def act(self, messages):
+            return {"role": "assistant", "content": f"agent turn {sum(m['role'] == 'assistant' for m in messages)}"}
+
+    server = ChatServer(_user_replies)
+    try:
+        env = FakeEnv(n_tasks=1)
+        task = env.tasks()[0]
+        sim = make_user_sim("openai", base_url=server.url, api_key="k", model="sim", backoff=0.01)
+        session = env.start(task)
+        messages, reward, info, termination = play(env, task, Agent(), sim.sync_user(env, task, session),
+                                                   session=session)
+    finally:
+        server.close()
+    assert termination == "user_stop" and messages[-1]["content"] == "Thanks, bye. ###STOP###"
+    assert [m["role"] for m in messages] == ["system", "user"] + ["assistant", "user"] * 3
+    assert messages[1]["content"] == "user message 0"
