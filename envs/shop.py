@@ -1,11 +1,12 @@
 """shop: a small, procedurally generated customer-service domain that a tiny model can learn on a CPU.
 
-In the spirit of tau2-bench retail, scaled down so that a ~1-3M-parameter transformer trained from scratch
-(cold-start SFT on the expert's dialogues, then GRPO against the scripted user) can learn it in minutes:
-a short policy, seven tools with compact schemas, short JSON tool outputs, and formulaic-but-varied user
-phrasing. System prompt + tool schemas + a whole dialogue stay around 3,000-4,500 characters.
+In the spirit of tau2-bench retail, scaled down for a ~1-3M-parameter transformer trained from scratch
+(cold-start SFT on the expert's dialogues, then GRPO against the scripted user). Not yet shown: such a model
+learning it in minutes on a CPU (it does not learn to copy ids within that budget; README "Status"). The design:
+a short policy, six tools with compact schemas, short JSON tool outputs, and formulaic-but-varied user
+phrasing. System prompt + tool schemas + a whole dialogue stay around 2,700 characters (about 1,000 tokens).
 
-    env = ShopEnv(n_train=500, n_test=100, seed=0)
+    env = ShopEnv(n_train=5000, n_test=100, seed=0)
     task = env.tasks("train")[0]
     messages, reward, info, termination = play(env, task, env.expert(task))   # reward 1.0
 
