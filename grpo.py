@@ -648,6 +648,9 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))  # similar lengths share a micro-batch
     micro = [order[i:i + cfg.micro_batch_size] for i in range(0, len(order), cfg.micro_batch_size)]
     max_len = max(cfg.max_context, 1)
+    # Padded once per micro-batch: (input_ids, attention_mask, loss_mask, sampler logprobs), all [b, T].
+    batches = [muarl.collate([seqs[i] for i in mb], pad_id, acc.device)
+               + (muarl.collate([(seqs[i][0], sampled[i]) for i in mb], 0, acc.device)[2],) for mb in micro]
     sums, loss_total = {}, 0.0
 
     def add(k, v, w=1.0):
@@ -655,29 +658,22 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
         a[0] += float(v) * w
         a[1] += w
 
-    old = {}
+    old = []
     if cfg.updates_per_batch > 1:  # the policy moves between updates: score the sampled tokens once first
-        with torch.no_grad():
-            for mb in micro:
-                ids, attn, _ = muarl.collate([seqs[i] for i in mb], pad_id, acc.device)
-                with acc.autocast():
-                    old[tuple(mb)] = token_logprobs(model, ids, attn, temperature=cfg.temperature)
-    ref = {}
+        with torch.no_grad(), acc.autocast():
+            old = [token_logprobs(model, ids, attn, temperature=cfg.temperature) for ids, attn, _, _ in batches]
+    ref = [None] * len(micro)
     if ref_model is not None and cfg.kl_coef > 0:
         with torch.no_grad():
-            for mb in micro:
-                ids, attn, _ = muarl.collate([seqs[i] for i in mb], pad_id, acc.device)
-                ref[tuple(mb)] = token_logprobs(ref_model, ids, attn, temperature=cfg.temperature)
+            ref = [token_logprobs(ref_model, ids, attn, temperature=cfg.temperature) for ids, attn, _, _ in batches]
     skipped, ratio_max = 0, 0.0
     for update in range(cfg.updates_per_batch):
-        for k, mb in enumerate(micro):
-            ids, attn, mask = muarl.collate([seqs[i] for i in mb], pad_id, acc.device)
-            sampler = muarl.collate([(seqs[i][0], sampled[i]) for i in mb], 0, acc.device)[2]
+        for k, (mb, (ids, attn, mask, sampler)) in enumerate(zip(micro, batches)):
             with acc.no_sync(model) if k < len(micro) - 1 else contextlib.nullcontext():
                 with acc.autocast():
                     logp, ent = token_logprobs(model, ids, attn, temperature=cfg.temperature, return_entropy=True)
-                old_logp = old[tuple(mb)] if old else logp.detach()
-                loss, met = grpo_loss(logp, old_logp, ref.get(tuple(mb)), adv[mb].to(acc.device), mask,
+                old_logp = old[k] if old else logp.detach()
+                loss, met = grpo_loss(logp, old_logp, ref[k], adv[mb].to(acc.device), mask,
                                       clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                       dual_clip=cfg.dual_clip or None, kl_coef=cfg.kl_coef, agg=cfg.agg,
                                       normalizer=normalizer, max_len=max_len)
