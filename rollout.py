@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from envs import STOP_TOOLS, USER_STOP_MARKERS
+from envs import STOP_TOOLS, USER_STOP_MARKERS, message_history, user_speaks_next
 from muarl import Episode, delta_ids, end_of_turn_id, parse_assistant, prompt_ids, template_kwargs
 
 log = logging.getLogger("muarl.rollout")
@@ -90,16 +90,18 @@ class _Row:
 class _BufferLayer(DynamicLayer):
     """A cache layer that writes into a preallocated [batch, kv_heads, capacity, head_dim] buffer. transformers'
     DynamicLayer concatenates at every step, i.e. reallocates and copies the whole batch's cache per sampled token,
-    which made batched decoding memory-bound here; the buffer is sized for the whole turn when it is stacked."""
+    which made batched decoding memory-bound here; the buffer is sized for the whole turn when it is stacked.
+    The layer's keys and values are the view kbuf[:, :, start:n]: `start` moves right (drop_left) when the rows
+    still decoding no longer need the leading padding columns, so attention stops paying for them."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
         super().__init__()
-        self.kbuf, self.vbuf, self.n = keys, values, length
+        self.kbuf, self.vbuf, self.start, self.n = keys, values, 0, length
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
         self._view()
 
     def _view(self):
-        self.keys, self.values = self.kbuf[:, :, :self.n], self.vbuf[:, :, :self.n]
+        self.keys, self.values = self.kbuf[:, :, self.start:self.n], self.vbuf[:, :, self.start:self.n]
 
     def update(self, key_states, value_states, *args, **kwargs):
         q = key_states.shape[-2]
@@ -113,11 +115,35 @@ class _BufferLayer(DynamicLayer):
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return self.n
+        return self.n - self.start
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.kbuf, self.vbuf = self.kbuf[indices], self.vbuf[indices]
+        """Keep the rows `indices`, in that order, in the first len(indices) rows of the buffer (a view). Only rows
+        that change place are copied (transformers' default copies the whole cache each time a row leaves, which
+        cost here about a third of what attention did); _fill_holes gives an order that moves few."""
+        moved = [p for p, i in enumerate(indices.tolist()) if p != i]
+        if moved:
+            src, used = indices[moved], slice(self.start, self.n)
+            self.kbuf[moved, :, used] = self.kbuf[src, :, used]
+            self.vbuf[moved, :, used] = self.vbuf[src, :, used]
+        self.kbuf, self.vbuf = self.kbuf[:len(indices)], self.vbuf[:len(indices)]
         self._view()
+
+    def drop_left(self, columns: int) -> None:
+        """Forget the first `columns` cache positions (padding that no remaining row attends to)."""
+        self.start += columns
+        self._view()
+
+
+def _fill_holes(n: int, done: list[int]) -> list[int]:
+    """Which of n batch rows to keep, in what order, when the rows `done` leave: kept rows stay in their place and
+    the last kept rows move into the holes that leaving rows open in front of them (one row copied per leaver)."""
+    keep = [j for j in range(n) if j not in done]
+    order = list(range(len(keep)))
+    holes = [j for j in done if j < len(keep)]
+    for hole, j in zip(holes, [j for j in keep if j >= len(keep)]):
+        order[hole] = j
+    return order
 
 
 def _stack_cache(rows: list[_Row], model, capacity: int) -> tuple[Cache, list[int]]:
@@ -208,13 +234,18 @@ def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, eot: int, generat
             real = mask.bool()
             for j in done:  # park: copy this row's cache without its holes
                 rows[active[j]].kv = [(lay.keys[j][:, real[j]], lay.values[j][:, real[j]]) for lay in cache.layers]
-            keep = [j for j in range(len(active)) if j not in set(done)]
+            keep = _fill_holes(len(active), done)
             if not keep:
                 return
             keep_t = torch.tensor(keep, device=dev)
             cache.batch_select_indices(keep_t)
             mask, tok = mask[keep_t], tok[keep_t]
             active = [active[j] for j in keep]
+            first = int(mask.any(0).nonzero()[0])  # leading columns that are padding in every remaining row
+            if first:
+                mask = mask[:, first:]
+                for lay in cache.layers:
+                    lay.drop_left(first)
         pos = torch.tensor([len(rows[i].ep.input_ids) + len(rows[i].new_ids) - 1 for i in active], device=dev)
         mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
         hidden = decoder(input_ids=tok[:, None], attention_mask=mask, position_ids=pos[:, None],
@@ -273,14 +304,17 @@ def rollout(model, tokenizer, env, tasks: list, group_size: int, user_sim, cfg: 
 async def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, generator) -> list[Episode]:
     eot = end_of_turn_id(tok)
     # The first user message is generated once per task and shared by its group: the G episodes differ only by
-    # the agent's samples, which is what the group-relative advantage compares.
+    # the agent's samples, which is what the group-relative advantage compares. A task that continues an earlier
+    # conversation (tau2's message history) starts from it, as prompt; the opening is None when the agent is next.
     openings = await asyncio.gather(*(user_sim.opening(env, t) for t in tasks), return_exceptions=True)
     rows = []
     for task, opening in zip(tasks, openings):
         if isinstance(opening, BaseException) and not isinstance(opening, UserSimError):
             raise opening
         tools = env.tools(task)
-        opening_msgs = [{"role": "system", "content": env.system_prompt(task)}, {"role": "user", "content": opening}]
+        opening_msgs = [{"role": "system", "content": env.system_prompt(task)}] + message_history(env, task)
+        if isinstance(opening, str):
+            opening_msgs.append({"role": "user", "content": opening})
         opening_ids = [] if isinstance(opening, UserSimError) else prompt_ids(tok, opening_msgs, tools)
         for g in range(group_size):
             ep = Episode(task_id=task.id, sample=g, tools=tools)
@@ -411,10 +445,11 @@ class UserSim:
     """The interface. `opening` runs once per task; `start` makes one episode's state; `replies` answers every
     episode waiting on its user at once (list in, list out; a failure comes back as a UserSimError in its slot)."""
 
-    async def opening(self, env, task) -> str:
+    async def opening(self, env, task) -> str | None:
+        """The user's first message; None when the task's message history leaves the agent to speak first."""
         raise NotImplementedError
 
-    def start(self, env, task, session, opening: str) -> Any:
+    def start(self, env, task, session, opening: str | None) -> Any:
         raise NotImplementedError
 
     async def reply(self, state, messages: list[dict]) -> str:
@@ -435,7 +470,7 @@ class _SyncUser:
     def __init__(self, sim, env, task, session):
         self.sim, self.env, self.task, self.session, self.state = sim, env, task, session, None
 
-    def opening(self) -> str:
+    def opening(self) -> str | None:
         text = asyncio.run(self.sim.opening(self.env, self.task))
         self.state = self.sim.start(self.env, self.task, self.session, text)
         return text
@@ -466,12 +501,25 @@ class _ChatState:
     history: list[dict]
     session: Any
     tools: list[dict]
-    seen: int = 2  # agent-visible messages already mirrored into history (system + opening)
+    seen: int  # agent-visible messages already mirrored into history
 
 
-def _chat_state(env, task, session, opening: str, tools: list[dict]) -> _ChatState:
-    return _ChatState([{"role": "system", "content": user_system_prompt(task, bool(tools))},
-                       {"role": "user", "content": GREETING}, {"role": "assistant", "content": opening}], session, tools)
+def _user_view(env, task, with_tools: bool) -> list[dict]:
+    """What the user has seen before its first message, roles flipped (the agent speaks as `user`): the task's
+    message history without the agent's tool traffic, as tau2 shows it, or else tau2's greeting."""
+    said = [m for m in message_history(env, task) if m["role"] in ("user", "assistant") and not m.get("tool_calls")]
+    flip = {"user": "assistant", "assistant": "user"}
+    return [{"role": "system", "content": user_system_prompt(task, with_tools)}] + [
+        {"role": flip[m["role"]], "content": m.get("content") or ""}
+        for m in said or [{"role": "assistant", "content": GREETING}]]
+
+
+def _chat_state(env, task, session, opening: str | None, tools: list[dict]) -> _ChatState:
+    view = _user_view(env, task, bool(tools))
+    if opening is not None:
+        view.append({"role": "assistant", "content": opening})
+    seen = 1 + len(message_history(env, task)) + (opening is not None)  # system + history + opening
+    return _ChatState(view, session, tools, seen)
 
 
 def _flip_new(state: _ChatState, messages: list[dict]) -> None:
@@ -538,11 +586,11 @@ class OpenAIUserSim(UserSim):
             except openai.OpenAIError as e:
                 raise UserSimError(f"user simulator endpoint failed: {e!r}") from e
 
-    async def opening(self, env, task) -> str:
+    async def opening(self, env, task) -> str | None:
         # Shared by the group before any session exists, so the opening runs no user tools.
-        messages = [{"role": "system", "content": user_system_prompt(task, bool(env.user_tools(task)))},
-                    {"role": "user", "content": GREETING}]
-        return (await self._complete(messages, [])).content or ""
+        if not user_speaks_next(message_history(env, task)):
+            return None
+        return (await self._complete(_user_view(env, task, bool(env.user_tools(task))), [])).content or ""
 
     def start(self, env, task, session, opening):
         return _chat_state(env, task, session, opening, env.user_tools(task))
@@ -561,10 +609,11 @@ class OpenAIUserSim(UserSim):
             for c in calls:
                 try:
                     args = json.loads(c["function"]["arguments"] or "{}")
-                    res = state.session.call_tool(c["function"]["name"], args, requestor="user")
-                    content = res.content
                 except (json.JSONDecodeError, TypeError) as e:
                     content = f"Error: arguments are not a JSON object: {e}"
+                else:  # n_messages: the call's place in the conversation, just before this reply
+                    content = state.session.call_tool(c["function"]["name"], args, requestor="user",
+                                                      n_messages=len(messages)).content
                 state.history.append({"role": "tool", "tool_call_id": c["id"], "content": content})
         raise UserSimError(f"user simulator made more than {self.max_tool_rounds} rounds of tool calls")
 
@@ -593,9 +642,10 @@ class HFUserSim(UserSim):
                                   eos_token_id=end_of_turn_id(self.tok), **sampling)
         return [s.strip() for s in self.tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)]
 
-    async def opening(self, env, task) -> str:
-        return self._generate([[{"role": "system", "content": user_system_prompt(task)},
-                                {"role": "user", "content": GREETING}]])[0]
+    async def opening(self, env, task) -> str | None:
+        if not user_speaks_next(message_history(env, task)):
+            return None
+        return self._generate([_user_view(env, task, False)])[0]
 
     def start(self, env, task, session, opening):
         if env.user_tools(task):

@@ -14,6 +14,11 @@ talking to an agent that makes no sense, so every episode runs to max_turns. A r
 its end-of-turn token, so its output-embedding row is pushed up (`end_turns_sooner`) until turns average ~`--turn`
 tokens. Sampling is seeded per variant; the variants' samples differ, so throughput is reported per generated
 token (tokens/s), with the tokens and context lengths of each run.
+
+Turns are synchronous (see rollout.py): a turn decodes until its longest row ends, so the batch is full only at the
+start of a turn. Each run reports its mean decode batch (rows per decoding step) and the mean cache length a step
+attends over; the last line prices a decode step at that batch and context against batch 1, which bounds what
+batching alone can give over "single" on this device.
 """
 from __future__ import annotations
 
@@ -127,8 +132,19 @@ def main():
     print(f"device {model.device}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
           f"torch threads {torch.get_num_threads()}, {len(tasks)} tasks x {args.group} samples, max_turns {args.turns}")
 
+    decode = dict(steps=0, rows=0, context=0)
+
+    def count_steps(module, args, kwargs):  # a forward of one new token per row is a decoding step
+        if kwargs["input_ids"].shape[1] == 1:
+            decode["steps"] += 1
+            decode["rows"] += kwargs["input_ids"].shape[0]
+            decode["context"] += int(kwargs["attention_mask"].sum())
+
+    model.get_decoder().register_forward_pre_hook(count_steps, with_kwargs=True)
+
     def run(name, cfg, seed):
         gen = torch.Generator(device=model.device).manual_seed(seed)
+        decode.update(steps=0, rows=0, context=0)
         t = time.perf_counter()
         eps = rollout(model, tok, env, tasks, args.group, make_user_sim("scripted"), cfg, generator=gen)
         dt = time.perf_counter() - t
@@ -136,13 +152,14 @@ def main():
         ctx = sorted(len(e.input_ids) for e in eps)
         turns = sorted(e.turns for e in eps)
         return dict(name=name, s=dt, tokens=toks, tps=toks / dt, episodes=len(eps), turns=(turns[0], turns[-1]),
-                    ctx=(ctx[0], ctx[len(ctx) // 2], ctx[-1]), terms=sorted({e.termination for e in eps}))
+                    ctx=(ctx[0], ctx[len(ctx) // 2], ctx[-1]), terms=sorted({e.termination for e in eps}),
+                    batch=decode["rows"] / max(decode["steps"], 1), attended=decode["context"] / max(decode["rows"], 1))
 
     for ctx in (1, 1300):
         costs = {b: step_cost(model, b, ctx) for b in (1, 8, args.tasks * args.group)}
         print(f"decode step at context {ctx}: " + ", ".join(
             f"batch {b} {t * 1e3:.1f} ms ({t / b * 1e3:.2f} ms/token)" for b, t in costs.items())
-              + f" -> batching alone can give at most {costs[1] * max(costs) / costs[max(costs)]:.1f}x")
+              + f" -> {max(costs)} rows decoding together give at most {costs[1] * max(costs) / costs[max(costs)]:.1f}x")
     # warm-up: a small run of each variant (allocator, kernels, paged-out memory)
     for name, cfg in variants.items():
         gen = torch.Generator(device=model.device).manual_seed(0)
@@ -155,7 +172,8 @@ def main():
             results[name].append(res)
             print(f"round {r} {name:9s} {res['s']:7.1f} s  {res['tokens']:6d} tokens  {res['tps']:7.1f} tok/s  "
                   f"episodes {res['episodes']} turns {res['turns']} context min/median/max {res['ctx']} "
-                  f"ends {res['terms']}", flush=True)
+                  f"ends {res['terms']}; mean decode batch {res['batch']:.1f}, attended context {res['attended']:.0f}",
+                  flush=True)
         if "cache" in variants:
             c = results["cache"][-1]["tps"]
             print(f"round {r} ratios: " + ", ".join(f"cache/{k} {c / results[k][-1]['tps']:.2f}x"
@@ -165,6 +183,13 @@ def main():
         print("overall tok/s: " + ", ".join(f"{k} {v:.1f}" for k, v in tot.items()))
         print("overall ratios: " + ", ".join(f"cache/{k} {tot['cache'] / v:.2f}x" for k, v in tot.items() if k != "cache")
               + "   (targets: reencode >= 3x, single >= 5x)")
+        batch = sum(x["batch"] for x in results["cache"]) / args.rounds
+        context = round(sum(x["attended"] for x in results["cache"]) / args.rounds)
+        b = max(1, round(batch))
+        one, many = step_cost(model, 1, context), step_cost(model, b, context)
+        print(f"cache decoded {batch:.1f} rows per step on average (of {args.tasks * args.group}; turns are synchronous) "
+              f"over {context} cached tokens: a step costs {one * 1e3:.1f} ms at batch 1, {many * 1e3:.1f} ms at batch "
+              f"{b} -> batching at that occupancy gives at most {one * b / many:.1f}x over single")
 
 
 if __name__ == "__main__":

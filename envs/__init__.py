@@ -18,6 +18,11 @@ An environment is a set of tasks plus the means to play one episode of a task:
 Tool traffic of the *user* (dual-control domains such as tau2 telecom) never appears there: the agent does not
 see it. A session records the user's tool calls itself (with the number of agent-visible messages at the time
 of each call) so that `reward` can rebuild the full trajectory.
+
+A task may continue an earlier conversation (tau2's `initial_state.message_history`): `message_history(env, task)`
+gives it in this format, the episode starts as [system] + history, and whoever's turn it is speaks next
+(`user_speaks_next`): the user after the agent's text message, otherwise the agent. Without a history the user
+opens. The history is prompt: never trained on, the same for every episode of a task.
 """
 from __future__ import annotations
 
@@ -47,8 +52,9 @@ class ToolResult:
 class ScriptedUser(Protocol):
     """A rule-based user for one episode. Deterministic given the task and the conversation."""
 
-    def opening(self) -> str:
-        """The first user message. Identical for every episode of a task (the group shares it)."""
+    def opening(self) -> str | None:
+        """The first user message. Identical for every episode of a task (the group shares it). None when the
+        task's message history ends on the user's turn, so the agent speaks first."""
 
     def reply(self, messages: list[dict]) -> str:
         """The next user message given the agent-visible conversation so far (ends with the agent's message).
@@ -65,9 +71,12 @@ class ScriptedAgent(Protocol):
 class EnvSession(Protocol):
     """One episode's environment state."""
 
-    def call_tool(self, name: str, arguments: dict, requestor: str = "assistant") -> ToolResult:
+    def call_tool(self, name: str, arguments: dict, requestor: str = "assistant",
+                  n_messages: int | None = None) -> ToolResult:
         """Run a tool against this episode's database. Never raises for bad input: an unknown tool, bad
-        arguments or a tool that raises come back as ToolResult(error text, error=True)."""
+        arguments or a tool that raises come back as ToolResult(error text, error=True). A user's call
+        (requestor="user", dual-control domains) passes `n_messages`: how many agent-visible messages the
+        conversation had when the user made it (its place in the trajectory)."""
 
     def reward(self, messages: list[dict]) -> tuple[float, dict]:
         """The episode's reward and its breakdown (JSON-serializable), computed at the end."""
@@ -88,6 +97,9 @@ class Environment(Protocol):
         """The user's tools (dual-control domains); [] when the user has none."""
 
     def start(self, task: Task) -> EnvSession: ...
+
+    def message_history(self, task: Task) -> list[dict]:
+        """Optional: the conversation the task starts from (OpenAI format, agent-visible); see the module doc."""
 
     def scripted_user(self, task: Task) -> ScriptedUser:
         """A rule-based user for the task; raises NotImplementedError where the domain has none."""
@@ -112,20 +124,37 @@ def make_env(name: str, **options) -> Environment:
                      "or 'package.module:ClassName'")
 
 
+def message_history(env: Environment, task: Task) -> list[dict]:
+    """The earlier conversation `task` continues ([] for most tasks, and for environments without the method)."""
+    get = getattr(env, "message_history", None)
+    return get(task) if get is not None else []
+
+
+def user_speaks_next(messages: list[dict]) -> bool:
+    """Whose turn it is after `messages` (a message history): the user's after the agent's text message (or when
+    nothing was said yet), the agent's after a user message or a tool result. tau2's orchestrator rule."""
+    last = messages[-1] if messages else {"role": "assistant"}
+    return last["role"] == "assistant" and not last.get("tool_calls")
+
+
 def play(env: Environment, task: Task, agent: ScriptedAgent, user: ScriptedUser | None = None,
          max_turns: int = 30, session: EnvSession | None = None) -> tuple[list[dict], float, dict, str]:
     """Play one episode at the text level (no tokens): cold-start data and environment tests.
 
-    A turn is one agent message. Its tool calls run against the session and come back as tool messages; a
-    message without tool calls gets the user's reply. Ends on a user stop marker ("user_stop"), a STOP_TOOLS
-    call ("transfer"), or after max_turns agent messages ("max_turns").
+    The conversation starts as the rollout's does: system prompt, the task's message history, the user's opening
+    (unless the history leaves the agent to speak first). A turn is one agent message. Its tool calls run against
+    the session and come back as tool messages; a message without tool calls gets the user's reply. Ends on a
+    user stop marker ("user_stop"), a STOP_TOOLS call ("transfer"), or after max_turns agent messages ("max_turns").
     Returns (messages, reward, reward info, termination). `session` lets a user simulator with user-side
     tools (rollout.UserSim.sync_user) act on the same episode state."""
     import json
 
     user = user if user is not None else env.scripted_user(task)
     session = session if session is not None else env.start(task)  # pass one to share it with the user
-    messages = [{"role": "system", "content": env.system_prompt(task)}, {"role": "user", "content": user.opening()}]
+    opening = user.opening()  # None when the task's message history leaves the agent to speak first
+    messages = [{"role": "system", "content": env.system_prompt(task)}] + message_history(env, task)
+    if opening is not None:
+        messages.append({"role": "user", "content": opening})
     termination = "max_turns"
     for _ in range(max_turns):
         message = agent.act(messages)

@@ -18,9 +18,15 @@ What this module adds is speed, and the plumbing between OpenAI-format messages 
   calls from the same initial state (and tau2 rejects a trajectory whose replayed results differ).
   tests/test_tau2.py checks the rewards equal tau2's `evaluate_simulation`; bench/reward.py times both.
 * Dual control (telecom): the user's tool calls never reach the agent's messages, so the session records
-  them and `reward` splices them back into the trajectory where they happened.
-* A task with a message history (some mock tasks): the agent's conversation should start with
-  `task.meta["message_history"]` (OpenAI format); `reward` takes the conversation with or without it.
+  each with the number of agent-visible messages at that moment, and `reward` splices them back into the
+  trajectory exactly there. (Their place changes no reward here: the state is read off the live environment and
+  tau2's ACTION check looks for each gold call anywhere in the trajectory. It makes the trajectory the one tau2
+  would have recorded, whose replay, in order, reproduces the episode.)
+* A task with a message history (2 of the 9 mock tasks; none in retail, airline or telecom): as in tau2's
+  orchestrator, its tool calls are replayed into the environment before the first turn, the episode continues
+  the conversation (`message_history(task)`, OpenAI format: the agent's view, the user's tool traffic left out),
+  the speaker whose turn it is goes first, and the history is part of the trajectory tau2 evaluates (its tool
+  calls count for ACTION, its agent messages for COMMUNICATE). `reward` takes the conversation with or without it.
 
 Simplifications, stated where they are made:
 * NL assertions need an LLM judge: they are not evaluated, and `info["nl_assertions"]` says so. (No task of
@@ -42,7 +48,7 @@ import json
 
 from loguru import logger
 
-from envs import Task, ToolResult
+from envs import Task, ToolResult, user_speaks_next
 
 # tau2 logs every tool response at DEBUG level to stderr: megabytes per episode, and most of its run time.
 logger.disable("tau2")
@@ -174,6 +180,10 @@ class Tau2Env:
         guidelines = (DATA_DIR / "tau2" / "user_simulator" / name).read_text()
         return USER_SYSTEM_PROMPT.format(global_user_sim_guidelines=guidelines, instructions=task.user_scenario)
 
+    def message_history(self, task: Task) -> list[dict]:
+        """The conversation the task continues, as the agent sees it (OpenAI format); [] for most tasks."""
+        return copy.deepcopy(task.meta["message_history"])
+
     def tools(self, task: Task) -> list[dict]:
         return copy.deepcopy(self._tools)
 
@@ -218,15 +228,18 @@ class Tau2Session:
 
     def __init__(self, env: Tau2Env, task: Task, environment):
         self.env, self.task, self.environment = env, task, environment
-        self.user_calls: list[dict] = []  # {name, arguments, content, error, n_messages, agent_calls_before}
-        self.n_agent_calls = 0
+        self.user_calls: list[dict] = []  # {name, arguments, content, error, n_messages}
+        self.n_calls = 0
 
     def call_tool(self, name: str, arguments, requestor: str = "assistant",
                   n_messages: int | None = None) -> ToolResult:
         """Run a tool through tau2's Environment.get_response, so results and error texts ("Error: ...") are
-        tau2's own. Never raises. For a user call (requestor="user"), pass `n_messages`, the number of
-        agent-visible messages at that moment (system prompt included), so the reward can put the call back in
-        place; without it the call is placed at the next user message after the agent's last tool call."""
+        tau2's own. Never raises on bad input. A user call (requestor="user") must pass `n_messages`, the number
+        of agent-visible messages when the user made it (system prompt included): the call goes back into the
+        trajectory right there, before messages[n_messages]."""
+        if requestor == "user" and n_messages is None:
+            raise ValueError("a user's tool call needs n_messages, its place in the conversation")
+        self.n_calls += 1
         result = None
         if isinstance(arguments, str):
             try:
@@ -238,18 +251,15 @@ class Tau2Session:
             result = ToolResult(f"Error: tool arguments must be a JSON object, not {kind}", error=True)
         if result is None:
             try:
-                call = ToolCall(id=f"{requestor}_{len(self.user_calls) + self.n_agent_calls}", name=name,
-                                arguments=arguments, requestor=requestor)
+                call = ToolCall(id=f"{requestor}_{self.n_calls}", name=name, arguments=arguments,
+                                requestor=requestor)
                 response = self.environment.get_response(call)
                 result = ToolResult(response.content or "", error=response.error)
             except Exception as e:  # a malformed name or requestor; tool exceptions are caught by get_response
                 result = ToolResult(f"Error: {e}", error=True)
         if requestor == "user":
             self.user_calls.append({"name": name, "arguments": arguments if isinstance(arguments, dict) else {},
-                                    "content": result.content, "error": result.error,
-                                    "n_messages": n_messages, "agent_calls_before": self.n_agent_calls})
-        else:
-            self.n_agent_calls += 1
+                                    "content": result.content, "error": result.error, "n_messages": n_messages})
         return result
 
     def trajectory(self, messages: list[dict]) -> list:
@@ -260,12 +270,9 @@ class Tau2Session:
         start = _history_end(messages, self.task.meta["message_history"])
         slots: dict[int, list] = {}
         for k, call in enumerate(self.user_calls):
-            at = call["n_messages"]
-            if at is None:
-                at = _user_turn_after(messages, start, call["agent_calls_before"])
             tool_call = ToolCall(id=f"user_call_{k}", name=call["name"], arguments=call["arguments"],
                                  requestor="user")
-            slots.setdefault(max(at, start), []).extend([
+            slots.setdefault(max(call["n_messages"], start), []).extend([
                 UserMessage(role="user", tool_calls=[tool_call]),
                 ToolMessage(id=tool_call.id, role="tool", content=call["content"], requestor="user",
                             error=call["error"]),
@@ -356,8 +363,9 @@ def gold_messages(session: Tau2Session, actions=None) -> list[dict]:
     task, criteria = session.task, session.task.data.evaluation_criteria
     actions = (criteria.actions or [] if criteria else []) if actions is None else actions
     messages = [{"role": "system", "content": session.env.system_prompt(task)}]
-    messages += copy.deepcopy(task.meta["message_history"]) or [{"role": "assistant", "content": OPENING}]
-    messages.append({"role": "user", "content": "Hi, I need help."})
+    messages += session.env.message_history(task) or [{"role": "assistant", "content": OPENING}]
+    if user_speaks_next(messages):
+        messages.append({"role": "user", "content": "Hi, I need help."})
     for i, action in enumerate(actions):
         if action.requestor == "user":
             session.call_tool(action.name, action.arguments, requestor="user", n_messages=len(messages))
@@ -405,13 +413,14 @@ def _arguments(raw) -> dict:
 
 def _agent_visible(history: list) -> list[dict]:
     """A tau2 message history in OpenAI format, as the agent sees it (the user's tool traffic left out)."""
-    out = []
+    out, names = [], {}
     for m in history:
         if getattr(m, "requestor", "assistant") == "user" or (m.role == "user" and m.tool_calls):
             continue
         if m.role == "tool":
-            out.append({"role": "tool", "tool_call_id": m.id, "content": m.content})
+            out.append({"role": "tool", "tool_call_id": m.id, "name": names.get(m.id, ""), "content": m.content})
         elif m.role == "assistant" and m.tool_calls:
+            names.update({c.id: c.name for c in m.tool_calls})
             out.append({"role": "assistant", "content": m.content, "tool_calls": [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
                 for c in m.tool_calls]})
@@ -435,16 +444,3 @@ def _history_end(messages: list[dict], history: list[dict]) -> int:
     if history and len(head) == len(history) and all(key(a) == key(b) for a, b in zip(head, history)):
         return start + len(history)
     return start
-
-
-def _user_turn_after(messages: list[dict], start: int, n_agent_calls: int) -> int:
-    """Where a user tool call made after the agent's first `n_agent_calls` tool calls belongs: at the user's next
-    message (users act in their own turn). Only used when the caller did not record `n_messages`."""
-    i, seen = start, 0
-    while i < len(messages) and seen < n_agent_calls:
-        if messages[i].get("role") == "assistant":
-            seen += len(messages[i].get("tool_calls") or [])
-        i += 1
-    while i < len(messages) and messages[i].get("role") != "user":
-        i += 1
-    return i

@@ -23,7 +23,7 @@ class FakeSession:
         self.pad = task.data.get("pad", "")
         self.calls = []  # (name, arguments, requestor)
 
-    def call_tool(self, name, arguments, requestor="assistant"):
+    def call_tool(self, name, arguments, requestor="assistant", n_messages=None):
         self.calls.append((name, arguments, requestor))
         tools = {"get_order": self._get_order, "cancel_order": self._cancel_order, "reset_router": lambda: "ok",
                  "transfer_to_human_agents": lambda: "Transfer successful", "explode": self._explode}
@@ -423,3 +423,22 @@ def test_openai_user_sim_as_text_level_user_for_play():
     assert termination == "user_stop" and messages[-1]["content"] == "Thanks, bye. ###STOP###"
     assert [m["role"] for m in messages] == ["system", "user"] + ["assistant", "user"] * 3
     assert messages[1]["content"] == "user message 0"
+
+
+def test_buffer_cache_keeps_rows_and_drops_padding():
+    """The decode cache's row removal (rows fill holes in place) and left trim equal plain indexing and slicing."""
+    from rollout import _BufferLayer, _fill_holes
+
+    keys, values = torch.randn(6, 2, 10, 4), torch.randn(6, 2, 10, 4)
+    for done in ([1], [0, 5], [2, 3, 4], [5], [0, 1, 2, 3, 4]):
+        order = _fill_holes(6, done)
+        assert sorted(order) == [j for j in range(6) if j not in done]
+        assert sum(p != j for p, j in enumerate(order)) <= len(done)  # at most one row moves per leaver
+        layer = _BufferLayer(keys.clone(), values.clone(), 7)
+        layer.drop_left(2)
+        layer.batch_select_indices(torch.tensor(order))
+        assert torch.equal(layer.keys, keys[order][:, :, 2:7]) and torch.equal(layer.values, values[order][:, :, 2:7])
+        assert layer.get_seq_length() == 5
+    layer = _BufferLayer(keys.clone(), values.clone(), 7)
+    layer.batch_select_indices(torch.tensor([4, 0, 2]))  # any order, not only _fill_holes'
+    assert torch.equal(layer.keys, keys[[4, 0, 2]][:, :, :7])

@@ -9,13 +9,15 @@ and empty episodes; speed is measured by bench/reward.py, never asserted here.
 import ast
 import json
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from bench.reward import tau2_reward
-from envs import Task, ToolResult, make_env
-from envs.tau2 import (AGENT_INSTRUCTION, AGENT_SYSTEM_PROMPT, USER_SYSTEM_PROMPT, Tau2Env, Tau2Session, _databases,
-                       gold_messages, write_tools)
+from envs import Task, ToolResult, make_env, message_history, play
+from envs.tau2 import (AGENT_INSTRUCTION, AGENT_SYSTEM_PROMPT, USER_SYSTEM_PROMPT, Tau2Env, _databases, gold_messages,
+                       write_tools)
+from rollout import OpenAIUserSim, RolloutConfig, rollout
 
 TAU2_SRC = __import__("tau2").__path__[0]
 
@@ -52,7 +54,7 @@ def last_write(env, task):
     actions = task.data.evaluation_criteria.actions or []
     writes = write_tools(session)
     effective = [i for i, a in enumerate(actions)
-                 if not session.call_tool(a.name, a.arguments, a.requestor).error and a.name in writes]
+                 if not session.call_tool(a.name, a.arguments, a.requestor, n_messages=0).error and a.name in writes]
     return actions, (effective[-1] if effective else None)
 
 
@@ -193,12 +195,14 @@ def test_tool_errors_never_raise(retail):
         "bad JSON": ("get_order_details", "{not json"),
         "not an object": ("get_order_details", [1, 2]),
         "none": ("get_order_details", None),
-        "user tool where the user has none": ("get_order_details", {"order_id": "#W0000000"}, "user"),
+        "user tool where the user has none": ("get_order_details", {"order_id": "#W0000000"}, "user", 2),
         "bad requestor": ("get_order_details", {"order_id": "#W0000000"}, "robot"),
     }
     for name, (tool, args, *requestor) in cases.items():
         out = session.call_tool(tool, args, *requestor)
         assert isinstance(out, ToolResult) and out.error and out.content.startswith("Error:"), name
+    with pytest.raises(ValueError, match="n_messages"):  # a caller's bug, not bad model output
+        session.call_tool("get_order_details", {"order_id": "#W0000000"}, "user")
     assert session.call_tool("get_order_details", {"order_id": "#W0000000"}).content == "Error: Order not found"
     ok = session.call_tool("find_user_id_by_name_zip", '{"first_name": "Yusuf", "last_name": "Rossi", "zip": "19122"}')
     assert (ok.content, ok.error) == ("yusuf_rossi_9620", False)
@@ -302,25 +306,157 @@ def test_gold_side_is_computed_once_per_task(retail, monkeypatch):
     assert second.reward(empty)[0] == 0.0 and first.reward(gold)[0] == 1.0
 
 
-def test_user_tool_calls_rebuild_the_trajectory(telecom):
-    """Telecom's gold mixes user and agent actions. The user's calls, recorded with the message count or without
-    it (then placed by inference), are spliced into the trajectory in the order they ran; tau2 agrees on 1.0."""
-    task = next(t for t in telecom.tasks("test")
-                if {a.requestor for a in t.data.evaluation_criteria.actions} == {"user", "assistant"})
+# ---- dual control and message histories, through the real user simulator (its endpoint scripted) and envs.play
+class ScriptedLLMUser(OpenAIUserSim):
+    """OpenAIUserSim with its endpoint replaced by `script(conversation) -> (text, [(tool, arguments)])`; the rest
+    (what the user is shown, its tools run on the session, where their calls are recorded) is the real code."""
+
+    def __init__(self, script):
+        super().__init__(model="script")
+        self.script, self.requests = script, []
+
+    async def _complete(self, messages, tools):
+        self.requests.append(json.loads(json.dumps(messages)))
+        text, calls = self.script(messages)
+        calls = [SimpleNamespace(id=f"u{len(self.requests)}_{k}",
+                                 function=SimpleNamespace(name=name, arguments=json.dumps(arguments)))
+                 for k, (name, arguments) in enumerate(calls)]
+        return SimpleNamespace(content=text, tool_calls=calls or None)
+
+
+class GoldAgent:
+    """Plays the gold actions in order: its own as tool calls, the user's by asking the user to run them."""
+
+    def __init__(self, actions):
+        self.todo = list(actions)
+
+    def act(self, messages):
+        if not self.todo:
+            return {"role": "assistant", "content": "All done."}
+        a = self.todo.pop(0)
+        if a.requestor == "user":
+            return {"role": "assistant", "content": "Please run " + json.dumps([a.name, a.arguments])}
+        call = {"id": f"gold_{len(self.todo)}", "type": "function",
+                "function": {"name": a.name, "arguments": json.dumps(a.arguments)}}
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+def obliging_user(conversation):
+    said = conversation[-1]["content"] or ""
+    if conversation[-1]["role"] == "tool":
+        return "Done.", []
+    if said.startswith("Please run "):
+        return None, [tuple(json.loads(said[len("Please run "):]))]
+    return ("Thanks! ###STOP###", []) if said == "All done." else ("My mobile data is not working.", [])
+
+
+def test_user_tool_calls_go_back_where_they_happened(telecom):
+    """Telecom: the user's tool calls are recorded with their place in the conversation and spliced back right
+    before the user's reply they belong to (two user calls in a row, with no agent call between, included), so the
+    trajectory replays in the order the calls ran; tau2 scores it as we do."""
+    task = next(t for t in telecom.tasks("test") if [a.requestor for a in t.data.evaluation_criteria.actions][:2]
+                == ["user", "user"] and t.data.evaluation_criteria.actions[-1].requestor == "assistant")
+    actions = task.data.evaluation_criteria.actions
     session = telecom.start(task)
-    messages = gold_messages(session)
-    assert len(session.user_calls) == sum(a.requestor == "user" for a in task.data.evaluation_criteria.actions)
-    assert session.reward(messages)[0] == 1.0
-    assert tau2_reward(telecom, task, session.trajectory(messages)).reward == 1.0
-    inferred = Tau2Session(telecom, task, session.environment)  # same state, calls recorded without positions
-    inferred.user_calls = [dict(call, n_messages=None) for call in session.user_calls]
+    messages, reward, info, termination = play(telecom, task, GoldAgent(actions),
+                                               ScriptedLLMUser(obliging_user).sync_user(telecom, task, session),
+                                               session=session)
+    trajectory = session.trajectory(messages)
+    assert termination == "user_stop" and reward == tau2_reward(telecom, task, trajectory).reward == 1.0
+    assert len(session.user_calls) == sum(a.requestor == "user" for a in actions)
+    assert all(messages[call["n_messages"]] == {"role": "user", "content": "Done."} for call in session.user_calls)
+    calls = [(m.role, c.name) for m in trajectory if getattr(m, "tool_calls", None) for c in m.tool_calls]
+    assert calls == [(a.requestor, a.name) for a in actions]
+    for i, m in enumerate(trajectory):
+        if m.role == "user" and m.tool_calls:  # call, its result, then the reply the user wrote after it
+            assert (trajectory[i + 1].role, trajectory[i + 2].content) == ("tool", "Done.")
+    session = telecom.start(task)  # the gold replay puts them at the same places
+    assert tau2_reward(telecom, task, session.trajectory(gold_messages(session))).reward == 1.0
 
-    def calls(trajectory):
-        return [(c.requestor, c.name) for m in trajectory if getattr(m, "tool_calls", None) for c in m.tool_calls]
 
-    expected = [(a.requestor, a.name) for a in task.data.evaluation_criteria.actions]
-    assert calls(session.trajectory(messages)) == calls(inferred.trajectory(messages)) == expected
-    assert inferred.reward(messages)[0] == 1.0
+class CompleteTask:
+    """The mock history tasks' expert: marks task_2 completed (unless `act` is False), then says so."""
+
+    def __init__(self, act=True):
+        self.todo = act
+
+    def act(self, messages):
+        if self.todo:
+            self.todo = False
+            arguments = json.dumps({"task_id": "task_2", "status": "completed"})
+            return {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "done", "type": "function", "function": {"name": "update_task_status", "arguments": arguments}}]}
+        return {"role": "assistant", "content": "Task task_2 is now completed."}
+
+
+def mock_user(conversation):
+    if conversation[-1]["content"].startswith("Task task_2"):
+        return "Thanks! ###STOP###", []
+    return "Please mark task_2 as completed.", []
+
+
+def history_task(env, n=None):
+    """Mock's task with a message history; with `n`, a constructed one keeping only its first n messages."""
+    task = by_id(env, "base", "update_task_with_message_history")
+    if n is None:
+        return task
+    t = task.data.model_copy(deep=True)
+    t.id, t.initial_state.message_history = f"{t.id}[:{n}]", t.initial_state.message_history[:n]
+    return env._task(t)
+
+
+@pytest.mark.parametrize("task_id", ["update_task_with_message_history", "update_task_with_history_and_env_assertions"])
+def test_episode_continues_the_message_history(mock, task_id):
+    """Both packaged histories end with the agent's text: the user speaks next, having seen the history (roles
+    flipped, the agent's tool traffic left out, no greeting). The reward equals tau2's, with and without the work."""
+    task = by_id(mock, "base", task_id)
+    history = mock.message_history(task)
+    assert history == message_history(mock, task) and history[2]["name"] == "create_task"
+    for act, expected in ((True, 1.0), (False, 0.0)):
+        session, sim = mock.start(task), ScriptedLLMUser(mock_user)
+        messages, reward, info, termination = play(mock, task, CompleteTask(act), sim.sync_user(mock, task, session),
+                                                   session=session)
+        assert messages[1:1 + len(history)] == history
+        assert messages[1 + len(history)] == {"role": "user", "content": "Please mark task_2 as completed."}
+        assert sim.requests[0][1:] == [{"role": "assistant", "content": history[0]["content"]},
+                                       {"role": "user", "content": history[-1]["content"]}]
+        trajectory = session.trajectory(messages)
+        assert len(trajectory) == len(messages) - 1  # the history exactly once, no system message
+        assert termination == "user_stop" and reward == tau2_reward(mock, task, trajectory).reward == expected
+
+
+def test_history_ending_on_the_users_turn_lets_the_agent_speak_first(mock):
+    """No packaged history ends there; a constructed one ending with the agent's tool result: no opening, the agent
+    goes first, and the reward still equals tau2's."""
+    task = history_task(mock, 3)  # user, assistant tool call, tool result
+    session, sim = mock.start(task), ScriptedLLMUser(mock_user)
+    assert "task_2" in session.environment.tools.db.tasks  # the history's tool call was replayed
+    messages, reward, info, termination = play(mock, task, CompleteTask(), sim.sync_user(mock, task, session),
+                                               session=session)
+    assert messages[1:4] == mock.message_history(task) and messages[4]["role"] == "assistant"
+    assert sim.requests[0][1:] == [{"role": "assistant", "content": mock.message_history(task)[0]["content"]},
+                                   {"role": "user", "content": "Task task_2 is now completed."}]  # its first reply
+    assert termination == "user_stop" and reward == tau2_reward(mock, task, session.trajectory(messages)).reward == 1.0
+
+
+def test_rollout_starts_from_the_message_history(mock, tiny_lm, tiny_tok):
+    """Token level: the history (and the opening, when the user is next) is the prompt, shared by the group and never
+    trained on; the opening is asked for once per task, not at all when the agent is next."""
+    from muarl import prompt_ids
+
+    sim = ScriptedLLMUser(mock_user)
+    user_next, agent_next = history_task(mock), history_task(mock, 3)
+    eps = rollout(tiny_lm, tiny_tok, mock, [user_next, agent_next], 2, sim,
+                  RolloutConfig(greedy=True, max_new_tokens=8, max_turns=2))
+    for ep, task in zip(eps, [user_next, user_next, agent_next, agent_next]):
+        opening = [{"role": "user", "content": "Please mark task_2 as completed."}] if task is user_next else []
+        head = [{"role": "system", "content": mock.system_prompt(task)}] + mock.message_history(task) + opening
+        prompt = prompt_ids(tiny_tok, head, mock.tools(task))
+        assert ep.messages[:len(head)] == head and ep.messages[len(head)]["role"] == "assistant"
+        assert ep.input_ids[:len(prompt)] == prompt and set(ep.loss_mask[:len(prompt)]) == {0}
+        assert ep.loss_mask[len(prompt)] == 1
+    last_said = mock.message_history(user_next)[-1]["content"]
+    assert sum(len(r) == 3 and r[-1]["content"] == last_said for r in sim.requests) == 1
 
 
 def test_gold_conformance_sample(retail, airline, mock):
