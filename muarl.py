@@ -288,13 +288,15 @@ def delta_ids(tokenizer, new_messages: list[dict], add_generation_prompt: bool =
     return encode_text(tokenizer, after_turn_text(tokenizer) + full[len(base):])
 
 
-def encode_conversation(tokenizer, messages: list[dict], tools=None) -> tuple[list[int], list[int]]:
+def encode_conversation(tokenizer, messages: list[dict], tools=None, prompt_messages: int = 0
+                        ) -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) of a finished conversation, built exactly as a rollout builds it: the opening,
     then each assistant message as its canonical text + end-of-turn (mask 1), then deltas (mask 0). Used for
-    cold-start SFT so that SFT and RL train on identical token layouts."""
-    first_agent = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    cold-start SFT so that SFT and RL train on identical token layouts. The first `prompt_messages` messages are
+    prompt even where they are the assistant's (an earlier conversation the task continues): never trained on."""
+    first_agent = next((i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= prompt_messages), None)
     if first_agent is None:
-        raise ValueError("conversation has no assistant message")
+        raise ValueError("conversation has no assistant message after its prompt")
     ep = Episode(task_id="")
     ep.append(prompt_ids(tokenizer, messages[:first_agent], tools), agent=False)
     eot = end_of_turn_id(tokenizer)

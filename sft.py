@@ -3,7 +3,8 @@
 The paper fine-tunes on ~2,000 multi-turn trajectories before RL. Here the conversations are JSONL lines in
 OpenAI format, {"messages": [...], "tools": [...]}, tokenized exactly as the rollout tokenizes an episode
 (muarl.encode_conversation) so that SFT and RL train on the same layout and the same loss mask: only the
-assistant's tokens (its text, tool calls and end-of-turn token) are trained.
+assistant's tokens (its text, tool calls and end-of-turn token) are trained. An optional "prompt_messages": n
+makes the first n messages prompt (a task that continues an earlier conversation: its agent turns are not trained).
 
     ./run accelerate launch sft.py --data convs.jsonl --model Qwen/Qwen3-8B --out runs/sft-qwen3
     ./run python sft.py --teacher expert --env shop --out runs/coldstart     # make data with the scripted expert
@@ -100,9 +101,13 @@ def load_conversations(path: str) -> list[dict]:
                 assert any(m["role"] == "assistant" for m in msgs), "no assistant message to train on"
                 tools = rec.get("tools") or []
                 assert isinstance(tools, list), "'tools' must be a list"
+                n_prompt = rec.get("prompt_messages", 0)
+                assert isinstance(n_prompt, int) and 0 <= n_prompt < len(msgs), \
+                    "'prompt_messages' must be an int smaller than the number of messages"
+                assert any(m["role"] == "assistant" for m in msgs[n_prompt:]), "no assistant message after the prompt"
             except (json.JSONDecodeError, KeyError, AssertionError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: malformed conversation: {e!r}") from None
-            out.append({"messages": msgs, "tools": tools})
+            out.append({"messages": msgs, "tools": tools, "prompt_messages": n_prompt})
     return out
 
 
@@ -129,7 +134,7 @@ class OpenAIAgent:
 
 def make_cold_start(cfg: SFTConfig) -> list[dict]:
     """Play tasks with the teacher and keep the conversations whose reward is 1."""
-    from envs import make_env, play
+    from envs import make_env, message_history, play, user_speaks_next
 
     env = make_env(cfg.env)
     tasks = env.tasks(cfg.split)
@@ -153,8 +158,10 @@ def make_cold_start(cfg: SFTConfig) -> list[dict]:
             failed += 1
             print(f"[sft] task {task.id}: episode failed ({e!r}); skipped")
             continue
-        if reward == 1.0:
-            kept.append({"messages": messages, "tools": tools, "task_id": task.id})
+        if reward == 1.0:  # system + the task's earlier conversation + the user's opening are prompt
+            history = message_history(env, task)
+            n_prompt = 1 + len(history) + user_speaks_next(history)
+            kept.append({"messages": messages, "tools": tools, "task_id": task.id, "prompt_messages": n_prompt})
     print(f"[sft] teacher {cfg.teacher!r} solved {len(kept)}/{min(len(tasks), cfg.num_tasks)} {cfg.env} tasks "
           f"in {time.time() - t0:.1f}s ({failed} failed episodes); keeping the solved ones")
     return kept
@@ -184,7 +191,7 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
         model.gradient_checkpointing_enable()
     data, skipped = [], 0
     for conv in conversations:
-        ids, mask = muarl.encode_conversation(tok, conv["messages"], conv["tools"])
+        ids, mask = muarl.encode_conversation(tok, conv["messages"], conv["tools"], conv.get("prompt_messages", 0))
         if len(ids) > cfg.max_len:
             skipped += 1
         else:

@@ -53,6 +53,18 @@ def test_deltas_concatenate_to_the_full_render(tiny_tok):
     assert sum(1 for t, m in zip(ids, mask) if not m and t == eot) == len(CONVERSATION) - n_agent
 
 
+def test_prompt_messages_are_never_trained(tiny_tok):
+    """A conversation that continues an earlier one (its first 4 messages are prompt, including the assistant's
+    "Sure. What is your email?"): same ids, and the mask covers only the agent turns after the prompt."""
+    ids, mask = muarl.encode_conversation(tiny_tok, CONVERSATION, TOOLS)
+    ids4, mask4 = muarl.encode_conversation(tiny_tok, CONVERSATION, TOOLS, prompt_messages=4)
+    assert ids4 == ids
+    agent_text = "".join(muarl.format_assistant(m) + "<|im_end|>" for m in CONVERSATION[4:] if m["role"] == "assistant")
+    assert tiny_tok.decode([t for t, m in zip(ids4, mask4) if m]) == agent_text
+    assert sum(mask4) < sum(mask)
+    with pytest.raises(ValueError, match="no assistant message after its prompt"):
+        muarl.encode_conversation(tiny_tok, CONVERSATION, TOOLS, prompt_messages=10)
+
 def test_delta_starts_with_the_newline_after_end_of_turn(tiny_tok):
     d = muarl.delta_ids(tiny_tok, [{"role": "user", "content": "ok"}])
     assert tiny_tok.decode(d) == "\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"

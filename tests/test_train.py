@@ -154,6 +154,11 @@ def test_sft_data_errors_name_file_and_line(tmp_path):
     p.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(ValueError, match=r"d.jsonl:1.*no assistant"):
         sft.load_conversations(str(p))
+    p.write_text(json.dumps({**good, "prompt_messages": 2}) + "\n")  # the only assistant turn is prompt
+    with pytest.raises(ValueError, match=r"d.jsonl:1.*prompt_messages"):
+        sft.load_conversations(str(p))
+    p.write_text(json.dumps({**good, "prompt_messages": 1}) + "\n")
+    assert sft.load_conversations(str(p))[0]["prompt_messages"] == 1
 
 
 def test_sft_lowers_the_loss_on_agent_tokens(tmp_path, tiny_tok, tiny_lm):
