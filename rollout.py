@@ -20,9 +20,12 @@ results or user reply) are prefilled. `reuse_cache=False` re-encodes the whole c
 with greedy decoding both give the same tokens (invariant 5, tested). Only full-attention models are supported
 (a sliding window would count padding slots).
 
-Simplification: turns are synchronous. Every live episode samples its turn, then tools run and the user replies
-(concurrently), then the next turn starts for all. Rows that finish a turn early wait for the longest one; an
-engine with continuous batching (vLLM-style) would refill those slots at once. bench/rollout.py measures the cost.
+Turns are asynchronous per episode (continuous batching): a batch decodes until fewer than half its rows
+(`refill_below`) are still in their turn; the rest are parked mid-turn (cache, partial turn, last sampled token as
+pending input), the rows that ended their turn run their tools and get their user replies (concurrently), and the
+next batch stacks them back together with the parked rows. So the batch stays at least half full instead of
+draining to the longest turn. Simplification: decoding waits while those user replies run (no overlap with an
+LLM user's latency). bench/rollout.py measures batch occupancy.
 """
 from __future__ import annotations
 
@@ -64,6 +67,10 @@ class RolloutConfig:
     """keep each episode's KV cache across turns and prefill only the new tokens; False re-encodes every turn"""
     max_batch: int = 0
     """at most this many episodes decode in one batch (0: all); bounds GPU memory; 1 = one episode at a time"""
+    refill_below: float = 0.5
+    """a decoding batch stops when fewer than this fraction of its rows are still in their turn, parks those
+    mid-turn, and lets the rows that ended their turn rejoin after their tools / user reply (continuous batching;
+    0: turns are synchronous, 1: re-stack whenever a row ends its turn); greedy tokens never depend on it"""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -146,27 +153,42 @@ def _fill_holes(n: int, done: list[int]) -> list[int]:
     return order
 
 
-def _stack_cache(rows: list[_Row], model, capacity: int) -> tuple[Cache, list[int]]:
-    """One cache for a batch of rows: row i's parked cache is right-aligned, zeros left of it (masked out; zeros
-    rather than garbage because 0 * NaN would poison attention). Returns the cache and each row's kv_len."""
+def _stack_cache(model, rows: list[_Row], pending: list[list[int]], room: int, eot: int):
+    """One cache for a batch of rows, and the inputs that feed it each row's pending tokens. Returns the cache, the
+    input ids [B, W], the attention mask [B, L + W] and the positions [B, W]. Batch layout, row i, along the cache
+    axis (positions are explicit, per row, so padding costs no position):
+        [0 .. 0 | parked cache (kv_len_i) | pending (P_i) | pad .. pad | `room` columns for sampled tokens]
+    Zeros rather than garbage left of a parked cache (masked out, but 0 * NaN would poison attention). The pending
+    tokens are right-padded so that a pad slot always sees real tokens of its row (else a NaN query)."""
     cfg = model.config.get_text_config(decoder=True)
     if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
         raise NotImplementedError("rollout's padded KV cache supports full-attention models only")
-    lens = [r.kv_len for r in rows]
-    L = max(lens)
-    param = next(model.parameters())
+    lens, param = [r.kv_len for r in rows], next(model.parameters())
+    L, W, B = max(lens), max(len(p) for p in pending), len(rows)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     layers = []
     for layer in range(cfg.num_hidden_layers):
-        keys = param.new_zeros(len(rows), kv_heads, capacity, head_dim)
+        keys = param.new_zeros(B, kv_heads, L + W + room, head_dim)
         values = torch.zeros_like(keys)
         for i, r in enumerate(rows):
             if lens[i]:
                 keys[i, :, L - lens[i]:L] = r.kv[layer][0]
                 values[i, :, L - lens[i]:L] = r.kv[layer][1]
         layers.append(_BufferLayer(keys, values, L))
-    return Cache(layers=layers), lens
+    ids = torch.full((B, W), eot, dtype=torch.long)
+    mask = torch.zeros(B, L + W, dtype=torch.long)
+    for i, p in enumerate(pending):
+        ids[i, :len(p)] = torch.tensor(p)
+        mask[i, L - lens[i]:L + len(p)] = 1
+    pos = torch.tensor(lens)[:, None] + torch.arange(W)[None, :]
+    return Cache(layers=layers), ids.to(param.device), mask.to(param.device), pos.to(param.device)
+
+
+def _park(row: _Row, cache: Cache, mask: torch.Tensor, j: int) -> None:
+    """Copy batch row j's cache out to the row, without its holes."""
+    real = mask[j].bool()
+    row.kv = [(lay.keys[j][:, real], lay.values[j][:, real]) for lay in cache.layers]
 
 
 def _sample(logits: torch.Tensor, cfg: RolloutConfig, generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,35 +212,34 @@ def _sample(logits: torch.Tensor, cfg: RolloutConfig, generator) -> tuple[torch.
 
 @torch.no_grad()
 def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, eot: int, generator=None) -> None:
-    """Decode one agent turn for every row, together. Fills row.new_ids / new_logprobs / stop and leaves each
-    row's cache (everything but its last sampled token) parked in row.kv.
+    """Decode the current agent turn of every row, together, until fewer than cfg.refill_below of the rows are
+    still decoding. A row whose turn ends gets row.stop; a row still mid-turn keeps stop == "" and its partial
+    new_ids / new_logprobs, and the next call continues it (its last sampled token is its pending input). Either
+    way the row's cache (everything but its last sampled token) is parked in row.kv.
 
-    Batch layout, row i, along the cache axis (positions are explicit, per row, so padding costs no position):
-        [0 .. 0 | parked cache (kv_len_i) | pending (P_i) | pad .. pad | sampled tokens, one column per step]
-    The pending tokens are right-padded so that a pad slot always sees real tokens of its row (a query with
-    nothing to attend to would give NaN). A row that stops leaves the batch (Cache.batch_select_indices)."""
-    dev = next(model.parameters()).device
-    decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
-    pending = [r.ep.input_ids[r.kv_len:] for r in rows]
-    W = max(len(p) for p in pending)
+    The rows with more than one pending token (a new turn: the last sampled token and the tool results or user
+    reply) are prefilled first, all but that last token, in a batch of their own, so that the rows continuing
+    mid-turn (one pending token) pay no padding for them. Then all rows decode together, one column per step;
+    a row that stops leaves the batch (Cache.batch_select_indices)."""
+    dec, lm_head = model.get_decoder(), model.get_output_embeddings()
+    fwd = lambda cache, ids, mask, pos: dec(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                            past_key_values=cache, use_cache=True).last_hidden_state
+    for r in rows:  # a row whose previous turn ended (stop set) starts a new one
+        if r.stop:
+            r.new_ids, r.new_logprobs, r.stop = [], [], ""
+    pending = [(r.ep.input_ids + r.new_ids)[r.kv_len:] for r in rows]
+    new = [(r, p[:-1]) for r, p in zip(rows, pending) if len(p) > 1]
+    if new:
+        cache, ids, mask, pos = _stack_cache(model, [r for r, _ in new], [p for _, p in new], 0, eot)
+        fwd(cache, ids, mask, pos)
+        for j, (r, _) in enumerate(new):
+            _park(r, cache, mask, j)
     budget = [min(cfg.max_new_tokens, cfg.max_context - len(r.ep.input_ids)) for r in rows]
-    cache, lens = _stack_cache(rows, model, max(r.kv_len for r in rows) + W + max(budget))
-    L, B = max(lens), len(rows)
-    ids = torch.full((B, W), eot, dtype=torch.long)
-    mask = torch.zeros(B, L + W, dtype=torch.long)
-    for i, p in enumerate(pending):
-        ids[i, :len(p)] = torch.tensor(p)
-        mask[i, L - lens[i]:L + len(p)] = 1
-    pos = torch.tensor(lens)[:, None] + torch.arange(W)[None, :]
-    ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
-    hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                     use_cache=True).last_hidden_state
-    hidden = hidden[torch.arange(B, device=dev), torch.tensor([len(p) - 1 for p in pending], device=dev)]
-    active = list(range(B))  # batch position -> index into rows
-    for r in rows:
-        r.new_ids, r.new_logprobs, r.stop = [], [], ""
+    room = max(b - len(r.new_ids) for b, r in zip(budget, rows))
+    cache, tok, mask, pos = _stack_cache(model, rows, [p[-1:] for p in pending], room, eot)
+    active, B = list(range(len(rows))), len(rows)  # batch position -> index into rows
     while True:
-        tok, lp = _sample(lm_head(hidden).float(), cfg, generator)
+        tok, lp = _sample(lm_head(fwd(cache, tok, mask, pos)[:, -1]).float(), cfg, generator)
         done = []
         for j, (t, l) in enumerate(zip(tok.tolist(), lp.tolist())):
             r = rows[active[j]]
@@ -230,14 +251,15 @@ def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, eot: int, generat
                 r.stop = "max_new_tokens" if budget[active[j]] == cfg.max_new_tokens else "context"
             if r.stop:
                 done.append(j)
+        still = len(active) - len(done)
+        refill = not still or still < cfg.refill_below * B  # return, parking the rest mid-turn
+        for j in range(len(active)) if refill else done:
+            _park(rows[active[j]], cache, mask, j)
+        if refill:
+            return
         if done:
-            real = mask.bool()
-            for j in done:  # park: copy this row's cache without its holes
-                rows[active[j]].kv = [(lay.keys[j][:, real[j]], lay.values[j][:, real[j]]) for lay in cache.layers]
             keep = _fill_holes(len(active), done)
-            if not keep:
-                return
-            keep_t = torch.tensor(keep, device=dev)
+            keep_t = torch.tensor(keep, device=tok.device)
             cache.batch_select_indices(keep_t)
             mask, tok = mask[keep_t], tok[keep_t]
             active = [active[j] for j in keep]
@@ -246,10 +268,8 @@ def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, eot: int, generat
                 mask = mask[:, first:]
                 for lay in cache.layers:
                     lay.drop_left(first)
-        pos = torch.tensor([len(rows[i].ep.input_ids) + len(rows[i].new_ids) - 1 for i in active], device=dev)
-        mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
-        hidden = decoder(input_ids=tok[:, None], attention_mask=mask, position_ids=pos[:, None],
-                         past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
+        pos = torch.tensor([[len(rows[i].ep.input_ids) + len(rows[i].new_ids) - 1] for i in active], device=tok.device)
+        mask, tok = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1), tok[:, None]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -333,18 +353,19 @@ async def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, generator)
     live = [r for r in rows if not r.ep.termination]
 
     while live:
-        if not cfg.reuse_cache:
-            for r in live:
-                r.kv = None
-        step = cfg.max_batch or len(live)
-        for i in range(0, len(live), step):
-            generate_turn(model, live[i:i + step], cfg, eot, generator)
+        # Continuous batching: the batch decodes until half its rows have ended their turn (refill_below); those
+        # run their tools or get their user's reply and rejoin, next to the rows parked mid-turn, at the next call.
+        batch = live[:cfg.max_batch or len(live)]
+        generate_turn(model, batch, cfg, eot, generator)
+        parked = [r for r in batch if not r.stop]
         to_user, next_live = [], []
-        for r in live:
+        for r in (r for r in batch if r.stop):
             ep = r.ep
             ep.append(r.new_ids, agent=True, logprobs=r.new_logprobs)
             ep.turns += 1
             text = tok.decode(r.new_ids[:-1] if r.stop == "eot" else r.new_ids, skip_special_tokens=False)
+            if not cfg.reuse_cache:
+                r.kv = None  # the next turn re-encodes the whole conversation
             if r.stop != "eot":  # cut off mid-message: keep the text, run nothing
                 ep.messages.append({"role": "assistant", "content": text})
                 _finish(r, "response_truncated" if r.stop == "max_new_tokens" else "context_limit")
@@ -360,7 +381,7 @@ async def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, generator)
                 next_live.append(r)
             else:
                 to_user.append(r)
-        # All user replies of this turn run concurrently (an LLM endpoint is the slow part).
+        # The user replies of the rows that ended their turn run concurrently (an LLM endpoint is the slow part).
         replies = await user_sim.replies([r.user for r in to_user], [r.ep.messages for r in to_user])
         for r, reply in zip(to_user, replies):
             if isinstance(reply, UserSimError):
@@ -377,7 +398,8 @@ async def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, generator)
             else:
                 r.delta = [msg]
                 next_live.append(r)
-        live = []
+        # Next in line: the rows parked mid-turn, those that waited (max_batch), then those starting a new turn.
+        live = parked + live[len(batch):]
         for r in next_live:
             ids = delta_ids(tok, r.delta)
             if len(r.ep.input_ids) + len(ids) >= cfg.max_context:

@@ -8,6 +8,7 @@ memory out and is shared, so absolute speeds drift; ratios within a round are wh
   cache     RolloutConfig(reuse_cache=True)                  all episodes in one batch, only deltas prefilled
   reencode  RolloutConfig(reuse_cache=False)                 all episodes in one batch, whole context each turn
   single    RolloutConfig(reuse_cache=True, max_batch=1)     one episode at a time (same cache reuse)
+  sync      RolloutConfig(refill_below=0)                    (not by default) as cache, with synchronous turns
 
 The model is `muarl.load_model("tiny")` (random weights) on the shop domain with its scripted user, which keeps
 talking to an agent that makes no sense, so every episode runs to max_turns. A random model almost never samples
@@ -15,10 +16,10 @@ its end-of-turn token, so its output-embedding row is pushed up (`end_turns_soon
 tokens. Sampling is seeded per variant; the variants' samples differ, so throughput is reported per generated
 token (tokens/s), with the tokens and context lengths of each run.
 
-Turns are synchronous (see rollout.py): a turn decodes until its longest row ends, so the batch is full only at the
-start of a turn. Each run reports its mean decode batch (rows per decoding step) and the mean cache length a step
-attends over; the last line prices a decode step at that batch and context against batch 1, which bounds what
-batching alone can give over "single" on this device.
+Rows that end their turn rejoin the batch mid-way through the others' turns (continuous batching, see rollout.py),
+so the batch stays at least half full. Each run reports its mean decode batch (rows per decoding step) and the mean
+cache length a step attends over; the last line prices a decode step at that batch and context against batch 1,
+which bounds what batching alone can give over "single" on this device.
 """
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ def main():
     end_turns_sooner(model, tok, prompts, args.turn)
     base = dict(max_new_tokens=512, max_turns=args.turns)
     variants = {"cache": RolloutConfig(**base), "reencode": RolloutConfig(**base, reuse_cache=False),
-                "single": RolloutConfig(**base, max_batch=1)}
+                "single": RolloutConfig(**base, max_batch=1), "sync": RolloutConfig(**base, refill_below=0)}
     variants = {k: variants[k] for k in args.variants.split(",")}
     print(f"device {model.device}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
           f"torch threads {torch.get_num_threads()}, {len(tasks)} tasks x {args.group} samples, max_turns {args.turns}")
@@ -187,7 +188,7 @@ def main():
         context = round(sum(x["attended"] for x in results["cache"]) / args.rounds)
         b = max(1, round(batch))
         one, many = step_cost(model, 1, context), step_cost(model, b, context)
-        print(f"cache decoded {batch:.1f} rows per step on average (of {args.tasks * args.group}; turns are synchronous) "
+        print(f"cache decoded {batch:.1f} rows per step on average (of {args.tasks * args.group}) "
               f"over {context} cached tokens: a step costs {one * 1e3:.1f} ms at batch 1, {many * 1e3:.1f} ms at batch "
               f"{b} -> batching at that occupancy gives at most {one * b / many:.1f}x over single")
 

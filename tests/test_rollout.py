@@ -157,6 +157,40 @@ def test_greedy_cache_reuse_equals_reencoding(lm, tiny_tok):
     assert [e.input_ids for e in a] == [e.input_ids for e in c]
 
 
+@pytest.mark.parametrize("max_batch", [0, 3])
+def test_mid_turn_parking_changes_nothing(lm, tiny_tok, monkeypatch, max_batch):
+    """Continuous batching: with refill_below=1 a batch returns whenever a row ends its turn, parking the others
+    mid-turn, and is re-stacked with the rows that start their next turn (max_batch 3: also with rows waiting).
+    Greedy tokens equal synchronous turns and re-encoding; sampled logprobs still equal a plain forward pass."""
+    import rollout as R
+
+    mid_turn, calls = [], []
+
+    def counting(model, rows, *args, **kwargs):
+        calls.append(len(rows))
+        R_generate(model, rows, *args, **kwargs)
+        mid_turn.append(sum(not r.stop for r in rows))
+
+    R_generate = R.generate_turn
+    monkeypatch.setattr(R, "generate_turn", counting)
+    env = FakeEnv(n_tasks=4)
+    cfg = {**GREEDY.__dict__, "refill_below": 1.0, "max_batch": max_batch}
+    a = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), RolloutConfig(**cfg))
+    assert sum(mid_turn) > 10 and max(calls) == (max_batch or 8)  # rows were parked mid-turn, many times
+    for other in ({"refill_below": 0.0}, {"reuse_cache": False, "refill_below": 0.0}):
+        b = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), RolloutConfig(**{**cfg, **other}))
+        assert [e.input_ids for e in a] == [e.input_ids for e in b]
+        assert [e.loss_mask for e in a] == [e.loss_mask for e in b] and [e.turns for e in a] == [e.turns for e in b]
+    cfg = RolloutConfig(temperature=0.7, max_new_tokens=24, max_turns=4, refill_below=1.0, max_batch=max_batch)
+    for ep in rollout(lm, tiny_tok, env, env.tasks()[:2], 2, make_user_sim("scripted"), cfg,
+                      generator=torch.Generator().manual_seed(1)):
+        ids = torch.tensor([ep.input_ids])
+        with torch.no_grad():
+            ref = torch.log_softmax(lm(ids).logits[0, :-1].float() / 0.7, -1).gather(-1, ids[0, 1:, None])[:, 0]
+        mask = torch.tensor(ep.loss_mask[1:]).bool()
+        assert torch.allclose(torch.tensor(ep.logprobs[1:])[mask], ref[mask], atol=1e-4)
+
+
 def test_episode_layout_and_groups(lm, tiny_tok):
     env = FakeEnv(n_tasks=2)
     tasks = env.tasks()
