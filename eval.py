@@ -114,7 +114,7 @@ def markdown(cfg: EvalConfig, s: dict) -> str:
 
 def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
     """An OpenAI-compatible model as the agent, through the text-level driver (no token-level record)."""
-    from envs import play
+    from envs import message_history, play
     from sft import OpenAIAgent
 
     sim = None
@@ -134,10 +134,11 @@ def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
                 failed = False
             except Exception as e:  # the endpoint failed after its retries: report, don't score
                 messages, reward, info, termination, failed = [], 0.0, {"error": repr(e)}, "infra_error", True
+            new = messages[1 + len(message_history(env, task)):]  # the task's earlier conversation is not this agent's
             ep = muarl.Episode(task_id=task.id, sample=trial, messages=messages, reward=reward, reward_info=info,
                                termination=termination, infra_failed=failed,
-                               turns=sum(m["role"] == "assistant" for m in messages))
-            for m in messages:
+                               turns=sum(m["role"] == "assistant" for m in new))
+            for m in new:
                 for c in m.get("tool_calls") or []:
                     ep.tool_calls[c["function"]["name"]] += 1
             out.append(ep.to_json())

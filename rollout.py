@@ -30,6 +30,7 @@ LLM user's latency). bench/rollout.py measures batch occupancy.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import math
@@ -248,7 +249,8 @@ def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, eot: int, generat
             if t == eot:
                 r.stop = "eot"
             elif len(r.new_ids) >= budget[active[j]]:
-                r.stop = "max_new_tokens" if budget[active[j]] == cfg.max_new_tokens else "context"
+                full = len(r.ep.input_ids) + len(r.new_ids) >= cfg.max_context
+                r.stop = "context" if full else "max_new_tokens"
             if r.stop:
                 done.append(j)
         still = len(active) - len(done)
@@ -345,7 +347,7 @@ async def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, generator)
                 _finish(row, "infra_error", infra=True)
                 ep.reward_info = {"error": str(opening)}
                 continue
-            ep.messages = [dict(m) for m in opening_msgs]
+            ep.messages = copy.deepcopy(opening_msgs)  # the group's episodes share no mutable message
             ep.append(opening_ids, agent=False)
             row.user = user_sim.start(env, task, session, opening)
             if len(ep.input_ids) >= cfg.max_context:

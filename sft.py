@@ -101,8 +101,8 @@ def load_conversations(path: str) -> list[dict]:
                 assert any(m["role"] == "assistant" for m in msgs), "no assistant message to train on"
                 tools = rec.get("tools") or []
                 assert isinstance(tools, list), "'tools' must be a list"
-                n_prompt = rec.get("prompt_messages", 0)
-                assert isinstance(n_prompt, int) and 0 <= n_prompt < len(msgs), \
+                n_prompt = rec.get("prompt_messages") or 0
+                assert type(n_prompt) is int and 0 <= n_prompt < len(msgs), \
                     "'prompt_messages' must be an int smaller than the number of messages"
                 assert any(m["role"] == "assistant" for m in msgs[n_prompt:]), "no assistant message after the prompt"
             except (json.JSONDecodeError, KeyError, AssertionError, TypeError) as e:
@@ -134,7 +134,7 @@ class OpenAIAgent:
 
 def make_cold_start(cfg: SFTConfig) -> list[dict]:
     """Play tasks with the teacher and keep the conversations whose reward is 1."""
-    from envs import make_env, message_history, play, user_speaks_next
+    from envs import make_env, message_history, play
 
     env = make_env(cfg.env)
     tasks = env.tasks(cfg.split)
@@ -159,8 +159,8 @@ def make_cold_start(cfg: SFTConfig) -> list[dict]:
             print(f"[sft] task {task.id}: episode failed ({e!r}); skipped")
             continue
         if reward == 1.0:  # system + the task's earlier conversation + the user's opening are prompt
-            history = message_history(env, task)
-            n_prompt = 1 + len(history) + user_speaks_next(history)
+            n_prompt = 1 + len(message_history(env, task))
+            n_prompt += n_prompt < len(messages) and messages[n_prompt]["role"] == "user"  # the user's opening
             kept.append({"messages": messages, "tools": tools, "task_id": task.id, "prompt_messages": n_prompt})
     print(f"[sft] teacher {cfg.teacher!r} solved {len(kept)}/{min(len(tasks), cfg.num_tasks)} {cfg.env} tasks "
           f"in {time.time() - t0:.1f}s ({failed} failed episodes); keeping the solved ones")
