@@ -528,10 +528,10 @@ class _ChatState:
     seen: int  # agent-visible messages already mirrored into history
 
 
-def _user_view(env, task, with_tools: bool) -> list[dict]:
+def _user_view(task, history: list[dict], with_tools: bool) -> list[dict]:
     """What the user has seen before its first message, roles flipped (the agent speaks as `user`): the task's
     message history without the agent's tool traffic, as tau2 shows it, or else tau2's greeting."""
-    said = [m for m in message_history(env, task) if m["role"] in ("user", "assistant") and not m.get("tool_calls")]
+    said = [m for m in history if m["role"] in ("user", "assistant") and not m.get("tool_calls")]
     flip = {"user": "assistant", "assistant": "user"}
     return [{"role": "system", "content": user_system_prompt(task, with_tools)}] + [
         {"role": flip[m["role"]], "content": m.get("content") or ""}
@@ -539,10 +539,11 @@ def _user_view(env, task, with_tools: bool) -> list[dict]:
 
 
 def _chat_state(env, task, session, opening: str | None, tools: list[dict]) -> _ChatState:
-    view = _user_view(env, task, bool(tools))
+    history = message_history(env, task)
+    view = _user_view(task, history, bool(tools))
     if opening is not None:
         view.append({"role": "assistant", "content": opening})
-    seen = 1 + len(message_history(env, task)) + (opening is not None)  # system + history + opening
+    seen = 1 + len(history) + (opening is not None)  # system + history + opening
     return _ChatState(view, session, tools, seen)
 
 
@@ -612,9 +613,10 @@ class OpenAIUserSim(UserSim):
 
     async def opening(self, env, task) -> str | None:
         # Shared by the group before any session exists, so the opening runs no user tools.
-        if not user_speaks_next(message_history(env, task)):
+        history = message_history(env, task)
+        if not user_speaks_next(history):
             return None
-        return (await self._complete(_user_view(env, task, bool(env.user_tools(task))), [])).content or ""
+        return (await self._complete(_user_view(task, history, bool(env.user_tools(task))), [])).content or ""
 
     def start(self, env, task, session, opening):
         return _chat_state(env, task, session, opening, env.user_tools(task))
@@ -667,9 +669,10 @@ class HFUserSim(UserSim):
         return [s.strip() for s in self.tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)]
 
     async def opening(self, env, task) -> str | None:
-        if not user_speaks_next(message_history(env, task)):
+        history = message_history(env, task)
+        if not user_speaks_next(history):
             return None
-        return self._generate([_user_view(env, task, False)])[0]
+        return self._generate([_user_view(task, history, False)])[0]
 
     def start(self, env, task, session, opening):
         if env.user_tools(task):
