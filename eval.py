@@ -72,8 +72,10 @@ def pass_hat_k(successes: int, trials: int, k: int) -> float:
     return comb(successes, k) / comb(trials, k) if trials >= k else float("nan")
 
 
-def summarize(episodes: list[dict], trials: int) -> dict:
-    """Summary over episode dicts (Episode.to_json()); infra-failed episodes are reported, not scored."""
+def summarize(episodes: list[dict], trials: int, meta: dict[str, dict] | None = None) -> dict:
+    """Summary over episode dicts (Episode.to_json()); infra-failed episodes are reported, not scored.
+    `meta` (task id -> the task's meta dict) adds pass^1 per value of each string-valued meta field ("by_meta":
+    shop's task kinds and changes of mind), which tells where an agent fails."""
     by_task: dict[str, list[dict]] = {}
     for e in episodes:
         by_task.setdefault(e["task_id"], []).append(e)
@@ -95,6 +97,14 @@ def summarize(episodes: list[dict], trials: int) -> dict:
     for k in range(2, trials + 1):
         vals = [pass_hat_k(t["successes"], t["trials"], k) for t in per_task.values() if t["trials"] >= k]
         summary[f"pass^{k}"] = sum(vals) / len(vals) if vals else float("nan")
+    by_meta: dict[str, dict[str, list[float]]] = {}
+    for e in scored:
+        for k, v in ((meta or {}).get(e["task_id"]) or {}).items():
+            if v is None or isinstance(v, str):
+                by_meta.setdefault(k, {}).setdefault(str(v), []).append(e["reward"])
+    if by_meta:
+        summary["by_meta"] = {k: {v: {"pass^1": sum(r) / len(r), "episodes": len(r)} for v, r in sorted(vs.items())}
+                              for k, vs in by_meta.items()}
     summary["per_task"] = per_task
     return summary
 
@@ -108,6 +118,8 @@ def markdown(cfg: EvalConfig, s: dict) -> str:
              f" | {s['avg_turns']:.1f} | {s['infra_failed']} |", "", "Termination: " +
              ", ".join(f"{k} {v}" for k, v in sorted(s["termination"].items())), "",
              "| task | successes / trials | mean reward |", "|---|---|---|"]
+    for k, vs in s.get("by_meta", {}).items():
+        lines[-2:-2] = [f"pass^1 by {k}: " + ", ".join(f"{v} {r['pass^1']:.2f} ({r['episodes']})" for v, r in vs.items()), ""]
     lines += [f"| {t} | {r['successes']} / {r['trials']} | {r['mean_reward']:.2f} |" for t, r in s["per_task"].items()]
     return "\n".join(lines) + "\n"
 
@@ -183,7 +195,7 @@ def main(argv=None):
         with open(out / "episodes.jsonl", "w") as f:
             for e in episodes:
                 f.write(json.dumps(e, ensure_ascii=False, default=str) + "\n")
-        s = summarize(episodes, cfg.trials)
+        s = summarize(episodes, cfg.trials, {t.id: t.meta for t in tasks})
         s["config"], s["seconds"] = asdict(cfg), time.time() - t0
         muarl.write_json_atomic(out / "summary.json", s)
         (out / "results.md").write_text(markdown(cfg, s))

@@ -530,13 +530,18 @@ def validate(cfg: Config, world: int) -> None:
 
 def cold_start(cfg: Config) -> str:
     """The tiny model knows nothing: make (or reuse) its cold-start checkpoint, as the paper's pipeline does:
-    expert conversations on the training split, then SFT. Cached under MUARL_CACHE, keyed by the settings."""
+    expert conversations on the training split, then SFT. Cached under MUARL_CACHE, keyed by the settings and
+    by the code that makes it (tokenizer, environments, SFT): a checkpoint from other code is never reused."""
     import hashlib
 
     import sft
 
-    scfg = sft.SFTConfig(model=cfg.model, env=cfg.env, split=cfg.split, seed=cfg.seed)
-    key = hashlib.sha256(json.dumps(asdict(scfg), sort_keys=True).encode()).hexdigest()[:10]
+    # Same precision as this run: Accelerate keeps one process-wide state, so the SFT inside this process cannot
+    # ask for another mixed precision (a --bf16 run on a GPU crashed here).
+    scfg = sft.SFTConfig(model=cfg.model, env=cfg.env, split=cfg.split, seed=cfg.seed, bf16=cfg.bf16)
+    here = Path(__file__).resolve().parent
+    code = b"".join(p.read_bytes() for p in [here / "muarl.py", here / "sft.py", *sorted((here / "envs").glob("*.py"))])
+    key = hashlib.sha256(json.dumps(asdict(scfg), sort_keys=True).encode() + code).hexdigest()[:10]
     out = muarl.CACHE_DIR / f"coldstart-{cfg.env.replace(':', '-')}-{cfg.model}-{key}"
     if (out / "config.json").exists():
         muarl.main_print(f"[grpo] cold start: using the cached SFT checkpoint {out}")
@@ -714,7 +719,7 @@ def main(argv=None):
     from tqdm.auto import tqdm
 
     from envs import make_env
-    from eval import user_sim_options
+    from eval import summarize, user_sim_options
     from rollout import RolloutConfig, make_user_sim, rollout
 
     cfg = muarl.parse_config(Config, argv, recipes=RECIPES, description=__doc__.split("\n\n")[0])
@@ -785,9 +790,17 @@ def main(argv=None):
         with acc.autocast():
             eps = rollout(acc.unwrap_model(model), tok, env, test[acc.process_index::acc.num_processes], 1,
                           user_sim, replace(sampling, greedy=True))
-        eps = gather_object([episode_summary(e) for e in eps])
-        res = {f"eval/{tag}/pass1": sum(e["reward"] for e in eps) / max(1, len(eps)), f"eval/{tag}/tasks": len(eps)}
-        acc.print(f"[grpo] eval ({tag}) on {len(eps)} test tasks, greedy: pass^1 = {res[f'eval/{tag}/pass1']:.3f}")
+        eps = gather_object([e.to_json() for e in eps])
+        s = summarize(eps, 1, {t.id: t.meta for t in test})
+        res = {f"eval/{tag}/pass1": s["pass^1"], f"eval/{tag}/tasks": s["tasks"],
+               f"eval/{tag}/by_meta": s.get("by_meta", {})}
+        if acc.is_main_process:
+            with open(run_dir / f"eval-{tag}.jsonl", "w") as f:
+                f.writelines(json.dumps(e, ensure_ascii=False, default=str) + "\n" for e in eps)
+        kinds = "; ".join(f"{k}: " + ", ".join(f"{v} {r['pass^1']:.2f}" for v, r in vs.items())
+                          for k, vs in list(s.get("by_meta", {}).items())[:2])
+        acc.print(f"[grpo] eval ({tag}) on {s['tasks']} test tasks, greedy: pass^1 = {s['pass^1']:.3f}"
+                  + (f" ({kinds})" if kinds else ""))
         return res
 
     log_path, ep_path = run_dir / "metrics.jsonl", run_dir / "episodes.jsonl"

@@ -351,26 +351,32 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def tiny_tokenizer(texts: list[str] | None = None, vocab_size: int = 4096, split_digits: bool = True):
+def tiny_tokenizer(texts: list[str] | None = None, vocab_size: int = 4096, split_digits: bool = True,
+                   words: list[str] = ()):
     """A byte-level BPE tokenizer (any text encodes) trained in-process, deterministically, on the small
-    domain's text (policy, tool schemas, expert dialogues), with ChatML special tokens and the tool template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    domain's text (policy, tool schemas, expert dialogues), with ChatML special tokens and the tool template.
+
+    `words` (by default the small domain's identifiers: names, email parts, zips, order and user ids) each become
+    one token, matched wherever they stand as a whole word, so that an id the user types and the same id in a tool
+    call's JSON are one and the same token: the agent copies one token per id, never a run of digits, and a copy
+    is either right or wrong as a whole."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     if texts is None:
-        from envs.shop import ShopEnv
+        from envs.shop import ShopEnv, id_tokens
 
         env = ShopEnv()
         texts = env.corpus()
+        words = id_tokens()
         # Also the chat template's own text (tool preamble, role headers) exactly as the model will see it, so
         # that it merges into few tokens: a first tokenizer renders it, the second one learns it.
-        first = tiny_tokenizer(texts, vocab_size, split_digits)
+        first = tiny_tokenizer(texts, vocab_size, split_digits, words)
         texts = texts + [render(first, [{"role": "system", "content": env.system_prompt(t)},
                                         {"role": "user", "content": "Hi"}], env.tools(t), add_generation_prompt=True)
                          for t in env.tasks("train")[:100]]
     bpe = Tokenizer(models.BPE())
-    # Digits one by one: ids, zips and amounts then use ten frequent tokens instead of hundreds of rare ones,
-    # which a tiny model learns to copy far sooner.
+    # Digits one by one: numbers that are not among `words` use ten frequent tokens, not hundreds of rare ones.
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
                          if split_digits else byte_level)
@@ -381,6 +387,8 @@ def tiny_tokenizer(texts: list[str] | None = None, vocab_size: int = 4096, split
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=None, eos_token="<|im_end|>",
                                   pad_token="<|endoftext|>", unk_token=None)
     tok.add_tokens(TOOL_TAGS)  # not special: they are decoded and parsed like text
+    # An email domain follows its local part directly ("anna.lee@mail.com"), so it cannot be a whole word.
+    tok.add_tokens([AddedToken(w, single_word=not w.startswith("@"), normalized=False) for w in words])
     tok.chat_template = TOOL_CHAT_TEMPLATE
     return tok
 
@@ -495,18 +503,18 @@ def parse_config(cls, argv=None, recipes: dict | None = None, description: str =
     import typing
 
     docs, hints = field_docs(cls), typing.get_type_hints(cls)
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=description)
     if recipes:
         p.add_argument("--recipe", choices=sorted(recipes), help="a preset of settings, applied before the options")
     for f in dataclasses.fields(cls):
         kind, flag = hints[f.name], "--" + f.name.replace("_", "-")
         if kind is bool:
             p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                           help=f"{docs.get(f.name, '')} (default: {f.default})")
+                           help=f"{docs.get(f.name, '')} (default: {f.default})".replace("%", "%%"))
         else:
             base = typing.get_args(kind)[0] if typing.get_origin(kind) in (typing.Union, getattr(__import__('types'), 'UnionType', None)) else kind
             p.add_argument(flag, dest=f.name, type=base, default=None, metavar=base.__name__.upper(),
-                           help=f"{docs.get(f.name, '')} (default: {f.default!r})")
+                           help=f"{docs.get(f.name, '')} (default: {f.default!r})".replace("%", "%%"))
     args = vars(p.parse_args(argv))
     values = dict(recipes[args.pop("recipe")]) if recipes and args.get("recipe") else {}
     args.pop("recipe", None)

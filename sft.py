@@ -59,6 +59,11 @@ class SFTConfig:
     """also write the synthesized conversations here (JSONL)"""
     epochs: float = 1.0
     """passes over the data (0: only synthesize data)"""
+    window_steps: int = -1
+    """steps of the short-window stage before whole conversations (see `windows`); -1: 600 for 'tiny', which
+    is trained from scratch, 0 for any other model"""
+    window_batch_size: int = 32
+    """short windows per optimizer step in that stage, over all processes"""
     lr: float = 4e-3
     """peak learning rate (the paper: 5e-6 for Qwen3; a tiny model from scratch needs far more)"""
     warmup_steps: int = 10
@@ -167,6 +172,36 @@ def make_cold_start(cfg: SFTConfig) -> list[dict]:
     return kept
 
 
+def windows(conversations: list[dict], sizes=(1, 2, 4)) -> list[dict]:
+    """The short-window stage's data: each agent message that carries arguments (a tool call, or text with a
+    digit: "I will cancel order o42") with the last 1, 2 and 4 messages before it, cut to begin at a user
+    message, without the system prompt and tools. Only that agent message is trained.
+
+    Why a model trained from scratch needs it: the agent must copy ids, names and items from the dialogue into
+    its calls. At initialization attention is spread evenly over the context, so in a ~900-token shop episode
+    (two thirds of it the policy and tool schemas) a copy source gets ~1/900 of it, and whole-conversation SFT
+    never learns to copy within a CPU budget: held-out id tokens stayed at chance after 600 steps (8% right).
+    In ~60-token windows the copy is learned within a few hundred steps and carries over to whole conversations
+    (97% of held-out id tokens right after 100 more steps). LLM pretraining also grows the context length over
+    training; a pretrained model (Qwen3) already copies and skips this stage."""
+    out = []
+    for conv in conversations:
+        msgs = conv["messages"]
+        for i in range(max(1, conv.get("prompt_messages", 0)), len(msgs)):
+            m = msgs[i]
+            if m["role"] != "assistant" or not (m.get("tool_calls") or any(c.isdigit() for c in str(m.get("content") or ""))):
+                continue
+            starts = set()
+            for w in sizes:
+                start = max(1, i - w)
+                while start < i and msgs[start]["role"] != "user":
+                    start += 1
+                if start < i and start not in starts:
+                    starts.add(start)
+                    out.append({"messages": msgs[start:i + 1], "tools": [], "prompt_messages": i - start})
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------------------
@@ -179,61 +214,87 @@ def lr_lambda(warmup: int, total: int, floor: float = 0.1):
     return f
 
 
-def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
-    """Fine-tune on the conversations; returns the checkpoint directory."""
-
-    from grpo import token_logprobs
-
-    acc = accelerator or muarl.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
-    muarl.seed_everything(cfg.seed)
-    model, tok = muarl.load_model(cfg.model, device=acc.device, seed=cfg.seed)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+def encode(tok, conversations: list[dict], max_len: int) -> tuple[list[tuple[list[int], list[int]]], int]:
+    """(ids, loss_mask) per conversation, and how many were skipped for being longer than max_len (never cut)."""
     data, skipped = [], 0
     for conv in conversations:
         ids, mask = muarl.encode_conversation(tok, conv["messages"], conv["tools"], conv.get("prompt_messages", 0))
-        if len(ids) > cfg.max_len:
+        if len(ids) > max_len:
             skipped += 1
         else:
             data.append((ids, mask))
-    if not data:
-        raise ValueError(f"no conversation fits --max-len {cfg.max_len} ({skipped} skipped)")
-    steps_per_epoch = max(1, len(data) // cfg.batch_size)
-    total = max(1, int(cfg.epochs * steps_per_epoch))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.warmup_steps, total))
-    model, opt = acc.prepare(model, opt)
-    acc.print(f"[sft] {len(data)} conversations ({skipped} over --max-len skipped), "
-              f"{sum(sum(m) for _, m in data)} trained tokens, {total} steps of {cfg.batch_size}")
-    rng, order, t0 = random.Random(cfg.seed), [], time.time()
+    return data, skipped
+
+
+def fit(acc, model, opt, sched, data, steps: int, batch_size: int, micro_batch_size: int, pad_id: int,
+        seed: int, grad_clip: float, tag: str) -> None:
+    """`steps` optimizer steps of `batch_size` sequences drawn in seeded epochs: token-mean NLL of the masked
+    tokens, one normalizer per step over all micro-batches and processes (invariant 3)."""
+    from grpo import token_logprobs
+
+    rng, order, t0 = random.Random(seed), [], time.time()
     model.train()
-    for step in range(total):
-        if len(order) < cfg.batch_size:
+    for step in range(steps):
+        if len(order) < batch_size:
             perm = list(range(len(data)))
             rng.shuffle(perm)
             order += perm
-        batch, order = [data[i] for i in order[:cfg.batch_size]], order[cfg.batch_size:]
-        # One normalizer for the whole step (invariant 3): trained tokens of the global batch.
+        batch, order = [data[i] for i in order[:batch_size]], order[batch_size:]
         normalizer = sum(sum(m) for _, m in batch)
         mine = batch[acc.process_index::acc.num_processes]
-        micro = [mine[i:i + cfg.micro_batch_size] for i in range(0, len(mine), cfg.micro_batch_size)]
+        micro = [mine[i:i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
         total_loss = torch.zeros((), device=acc.device)
         for k, mb in enumerate(micro):
-            ids, attn, mask = muarl.collate(mb, tok.pad_token_id, acc.device)
+            ids, attn, mask = muarl.collate(mb, pad_id, acc.device)
             with acc.no_sync(model) if k < len(micro) - 1 else contextlib.nullcontext():
                 logp = token_logprobs(model, ids, attn)
                 # DDP averages gradients over processes; scale so the sum over processes is the global mean.
                 loss = -(logp * mask).sum() / normalizer * acc.num_processes
                 acc.backward(loss)
             total_loss += loss.detach() / acc.num_processes
-        grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        grad_norm = acc.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if step % 10 == 0 or step == total - 1:
+        if step % 10 == 0 or step == steps - 1:
             loss_all = acc.reduce(total_loss, reduction="sum").item()
-            acc.print(f"[sft] step {step + 1}/{total} loss {loss_all:.4f} grad_norm {float(grad_norm):.3f} "
+            acc.print(f"[sft] {tag}step {step + 1}/{steps} loss {loss_all:.4f} grad_norm {float(grad_norm):.3f} "
                       f"lr {sched.get_last_lr()[0]:.2e} ({time.time() - t0:.0f}s)")
+
+
+def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
+    """Fine-tune on the conversations (after the short-window stage, if any); returns the checkpoint directory."""
+    acc = accelerator or muarl.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
+    muarl.seed_everything(cfg.seed)
+    model, tok = muarl.load_model(cfg.model, device=acc.device, seed=cfg.seed)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    data, skipped = encode(tok, conversations, cfg.max_len)
+    if not data:
+        raise ValueError(f"no conversation fits --max-len {cfg.max_len} ({skipped} skipped)")
+    window_steps = cfg.window_steps if cfg.window_steps >= 0 else 600 if cfg.model == "tiny" else 0
+    total = max(1, int(cfg.epochs * max(1, len(data) // cfg.batch_size)))
+    # The window stage holds its peak lr after warm-up: copying appears abruptly after a plateau (a few hundred
+    # steps), and a decaying lr delays it. The conversation stage has its own warm-up and cosine decay.
+    first, second = lr_lambda(cfg.warmup_steps, window_steps, floor=1.0), lr_lambda(cfg.warmup_steps, total)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: first(s) if s < window_steps else second(s - window_steps))
+    model, opt = acc.prepare(model, opt)
+    short = encode(tok, windows(conversations), cfg.max_len)[0] if window_steps else []
+    if window_steps and not short:
+        acc.print("[sft] short-window stage skipped: no agent message carries arguments (tool calls, digits)")
+    if short:
+        # As many windows per forward pass as fit in the memory of micro_batch_size whole conversations.
+        per_pass = max(1, cfg.micro_batch_size * max(len(i) for i, _ in data) // max(len(i) for i, _ in short))
+        acc.print(f"[sft] short-window stage: {len(short)} windows of {sum(len(i) for i, _ in short) / len(short):.0f} "
+                  f"tokens on average, {window_steps} steps of {cfg.window_batch_size}")
+        fit(acc, model, opt, sched, short, window_steps, cfg.window_batch_size, per_pass, tok.pad_token_id,
+            cfg.seed, cfg.grad_clip, "windows ")
+        opt.optimizer.state.clear()  # fresh moments for whole conversations: the gradients' scale differs
+    acc.print(f"[sft] {len(data)} conversations ({skipped} over --max-len skipped), "
+              f"{sum(sum(m) for _, m in data)} trained tokens, {total} steps of {cfg.batch_size}")
+    fit(acc, model, opt, sched, data, total, cfg.batch_size, cfg.micro_batch_size, tok.pad_token_id, cfg.seed,
+        cfg.grad_clip, "")
     out = Path(cfg.out)
     save_pretrained(acc, model, tok, out, {"sft": asdict(cfg)})
     acc.print(f"[sft] checkpoint written to {out}")

@@ -38,6 +38,8 @@ ITEMS = [f"{c} {p}" for p in PRODUCTS for c in COLORS]  # every item name any ta
 FIRST = ["Anna", "Ben", "Carla", "David", "Emma", "Felix", "Grace", "Hugo", "Iris", "Jonas", "Kate", "Liam",
          "Mia", "Noah", "Olga", "Paul", "Rosa", "Sam", "Tina", "Victor"]
 LAST = ["Lee", "Smith", "Garcia", "Brown", "Khan", "Novak", "Silva", "Chen", "Weber", "Rossi", "Kim", "Moreau"]
+ZIPS = [str(z) for z in sorted(random.Random(5).sample(range(10000, 100000), 30))]  # the towns customers live in
+MAILS = ["@mail.com", "@post.net", "@inbox.org"]
 WRITE_TOOLS = ("cancel_order", "return_item", "exchange_item")
 OTHER_TOPICS = {"address": "I want to change the shipping address of an order.",
                 "compensation": "My order came late. I want compensation.",
@@ -66,13 +68,20 @@ TOOLS = [{"type": "function", "function": {
                    "required": sets[0] if len(sets) == 1 else []}}}
     for name, (desc, sets) in TOOL_SPECS.items()]
 
-ORDER_RE = re.compile(r"\bo\d{3}\b")
+ORDER_RE = re.compile(r"\bo\d{2}\b")
 HINT_RE = re.compile(r"order with the ([a-z]+ [a-z]+)")
 CONFIRM = " Confirm (yes/no)?"
 
 
 def _json(obj) -> str:
     return json.dumps(obj, separators=(",", ":"))
+
+
+def id_tokens() -> list[str]:
+    """Every identifier the domain can generate that an agent must copy: names, email local parts and
+    domains, zips, order and user ids. The tiny tokenizer makes each one a single token (`muarl.tiny_tokenizer`)."""
+    return (FIRST + LAST + [n.lower() for n in FIRST + LAST] + MAILS + ZIPS
+            + [f"o{n}" for n in range(10, 100)] + [f"u{n}" for n in range(10, 100)])
 
 
 def _items_in(text: str) -> list[str]:
@@ -91,7 +100,7 @@ def make_task(split: str, index: int, seed: int = 0) -> Task:
     catalog = {p: sorted(rng.sample(COLORS, 3)) for p in PRODUCTS}
     pool = [f"{c} {p}" for p, cs in catalog.items() for c in cs]
     rng.shuffle(pool)  # items are drawn from the pool without replacement: no item is in two orders
-    order_ids = iter(f"o{n}" for n in rng.sample(range(100, 1000), 12))
+    order_ids = iter(f"o{n}" for n in rng.sample(range(10, 100), 12))
     user_ids = [f"u{n}" for n in rng.sample(range(10, 100), 3)]
     db = {"users": {}, "orders": {}, "products": catalog, "transfers": []}
 
@@ -129,14 +138,13 @@ def make_task(split: str, index: int, seed: int = 0) -> Task:
 
     first, last = rng.choice(FIRST), rng.choice(LAST)
     same_name = rng.random() < 0.3  # a second customer of the same name: the zip matters
-    email_numbers = rng.sample(range(1, 100), 3)  # emails stay unique even when names are not
+    zips = rng.sample(ZIPS, 3)  # distinct: customers of the same name are told apart by their zip
     for i, u in enumerate(user_ids):
         name = f"{first} {last}" if i == 0 or (i == 1 and same_name) else f"{rng.choice(FIRST)} {rng.choice(LAST)}"
-        email = f"{name.replace(' ', '.').lower()}{email_numbers[i]}@mail.com"
+        taken = {x["email"] for x in db["users"].values()}
+        email = next(e for e in (name.replace(" ", ".").lower() + m for m in rng.sample(MAILS, 3)) if e not in taken)
         orders = mine if i == 0 else [add_order(u, rng.choice(["pending", "delivered"]), 1) for _ in range(rng.randint(1, 2))]
-        db["users"][u] = {"name": name, "email": email, "zip": f"{rng.randint(10000, 99999)}", "orders": orders}
-    if same_name and db["users"][user_ids[1]]["zip"] == db["users"][uid]["zip"]:
-        db["users"][user_ids[1]]["zip"] = str(int(db["users"][uid]["zip"]) % 89999 + 10001)
+        db["users"][u] = {"name": name, "email": email, "zip": zips[i], "orders": orders}
 
     items = db["orders"][target]["items"]
     item = rng.choice(items)
@@ -399,11 +407,17 @@ class ShopUser:
             sorry = "I don't remember my email. " if "email" in t else ""
             parts.append(sorry + self._pick([f"My name is {u['name']} and my zip is {u['zip']}.",
                                              f"I'm {u['name']}, zip code {u['zip']}."], turn))
+        # Answers restate what the user wants ("I want to return an item from order o42"), as people do: every
+        # decision of the agent then rests on the last user message, not on one said several turns before, which
+        # a ~1M-parameter model trained from scratch does not learn to look back for (README "Status").
         if "order id" in t or "which order" in t:
-            parts.append(f"It is order {want['order']}." if d["knows_order_id"] else
-                         f"I don't know the order id. It is the order with the {want['hint']}.")
+            ref = f"order {want['order']}" if d["knows_order_id"] else f"the order with the {want['hint']}"
+            what = {"cancel": f"I want to cancel {ref}.", "return": f"I want to return an item from {ref}.",
+                    "exchange": f"I want to exchange an item from {ref}."}.get(want["action"], f"It is {ref}.")
+            parts.append(what if d["knows_order_id"] else "I don't know the order id. " + what)
         if "which item" in t:
-            parts.append(f"The {want['item']}." if want["item"] else "I want to cancel the whole order.")
+            parts.append({"return": f"I want to return the {want['item']}.", "exchange": f"I want to exchange the "
+                          f"{want['item']}."}.get(want["action"], "I want to cancel the whole order."))
         if "color" in t:
             parts.append(f"I'd like the {want['new']} instead." if want["new"] else "I don't want another color.")
         if parts:

@@ -155,6 +155,34 @@ def test_tiny_tokenizer_is_deterministic_and_encodes_anything():
     assert a.convert_tokens_to_ids("<tool_call>") != a.unk_token_id
 
 
+def test_tiny_tokenizer_words_are_single_tokens_in_prose_and_json():
+    """An id the user types and the same id in a tool call's JSON are one and the same token; a word that
+    only contains an id ("o42x", "samuel") is left to BPE."""
+    words = ["o42", "Sam", "Lee", "sam", "lee", "12345", "@mail.com"]
+    tok = muarl.tiny_tokenizer(["the order o420 is here"] * 20, vocab_size=300, words=words)
+    one = {w: tok.convert_tokens_to_ids(w) for w in words}
+    prose = tok("I'm Sam Lee, zip 12345, email sam.lee@mail.com. Order o42.", add_special_tokens=False)["input_ids"]
+    call_json = tok('{"order_id": "o42", "name": "Sam Lee", "zip": "12345", "email": "sam.lee@mail.com"}',
+                    add_special_tokens=False)["input_ids"]
+    for w, i in one.items():
+        assert i in prose and i in call_json, w
+    for text in ["o42x o420", "samuel", "lee42"]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids) == text and not set(ids) & {one["o42"], one["sam"], one["lee"]}, text
+
+
+def test_entry_points_print_help(capsys):
+    import eval as eval_mod
+    import grpo
+    import sft
+
+    for cls in (grpo.Config, sft.SFTConfig, eval_mod.EvalConfig):
+        with pytest.raises(SystemExit) as e:
+            muarl.parse_config(cls, ["--help"])
+        assert e.value.code == 0
+        assert "--seed" in capsys.readouterr().out
+
+
 def test_episode_append_and_json():
     ep = muarl.Episode(task_id="t")
     ep.append([1, 2, 3], agent=False)

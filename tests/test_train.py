@@ -161,6 +161,33 @@ def test_sft_data_errors_name_file_and_line(tmp_path):
     assert sft.load_conversations(str(p))[0]["prompt_messages"] == 1
 
 
+def test_sft_windows_train_only_the_agent_message_that_ends_them(tiny_tok):
+    import muarl
+
+    call = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "get_order", "arguments": json.dumps({"order_id": "o42"})}}]}
+    msgs = [{"role": "system", "content": "policy"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "Which order?"}, {"role": "user", "content": "Order o42."}, call,
+            {"role": "tool", "tool_call_id": "c1", "name": "get_order", "content": '{"status":"pending"}'},
+            {"role": "assistant", "content": "Cancel order o42?"}, {"role": "user", "content": "yes"},
+            {"role": "assistant", "content": "Done."}]
+    wins = sft.windows([{"messages": msgs, "tools": [{"type": "function", "function": {"name": "get_order"}}],
+                         "prompt_messages": 2}])
+    # The call (index 4) and "Cancel order o42?" (index 6) carry arguments; "Which order?" and "Done." do not.
+    # Sizes 1, 2, 4, cut forward to a user message: the call gets [3:5] (sizes 1 and 2, once) and [1:5]; the
+    # question gets [3:7] (size 4; sizes 1 and 2 hold no user message).
+    assert [[m["content"] for m in w["messages"]] for w in wins] == [
+        ["Order o42.", ""], ["hi", "Which order?", "Order o42.", ""],
+        ["Order o42.", "", '{"status":"pending"}', "Cancel order o42?"]]
+    for w in wins:
+        assert w["messages"][0]["role"] == "user" and w["tools"] == []
+        assert w["prompt_messages"] == len(w["messages"]) - 1
+        ids, mask = muarl.encode_conversation(tiny_tok, w["messages"], w["tools"], w["prompt_messages"])
+        trained = [i for i, m in zip(ids, mask) if m]
+        last = muarl.encode_text(tiny_tok, muarl.format_assistant(w["messages"][-1])) + [muarl.end_of_turn_id(tiny_tok)]
+        assert trained == last and ids[-len(last):] == last
+
+
 def test_sft_lowers_the_loss_on_agent_tokens(tmp_path, tiny_tok, tiny_lm):
     ckpt = tmp_path / "init"
     tiny_lm.save_pretrained(ckpt)
@@ -202,6 +229,8 @@ def test_pass_hat_k():
     eps.append({**eps[0], "infra_failed": True, "reward": 0, "termination": "infra_error"})
     s = evaluation.summarize(eps, 2)
     assert s["pass^1"] == 0.75 and s["pass^2"] == 0.5 and s["infra_failed"] == 1
+    s = evaluation.summarize(eps, 2, {"a": {"kind": "cancel", "seed": 1}, "b": {"kind": "return", "seed": 2}})
+    assert s["by_meta"] == {"kind": {"cancel": {"pass^1": 1.0, "episodes": 2}, "return": {"pass^1": 0.5, "episodes": 2}}}
 
 
 def test_eval_main_writes_summary(tmp_path, ckpt):
