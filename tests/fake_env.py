@@ -71,3 +71,63 @@ class NanEnv(FakeEnv):
 
     def __init__(self, **kw):
         super().__init__(n_tasks=2, nan_task="train-0", **kw)
+
+
+# ---- one learnable choice: the RL loop must find it (tests/test_learning.py) ----
+CHOICE_TOOLS = [{"type": "function", "function": {"name": side, "description": f"Pick the {side} door.",
+                                                   "parameters": {"type": "object", "properties": {}}}}
+                for side in ("left", "right")]
+
+
+class _ChoiceUser:
+    def opening(self):
+        return "Pick a door."
+
+    def reply(self, messages):
+        return "Thanks. ###STOP###"  # the first text message of the agent ends the episode
+
+
+class _ChoiceSession:
+    def __init__(self):
+        self.picked = []
+
+    def call_tool(self, name, arguments, requestor="assistant"):
+        if name not in ("left", "right"):
+            return ToolResult(f"Error: unknown tool {name}", error=True)
+        self.picked.append(name)
+        return ToolResult("opened")
+
+    def reward(self, messages):
+        # 1 only for the left door and nothing else: a right pick, two picks or no pick score 0.
+        return float(self.picked == ["left"]), {"picked": list(self.picked)}
+
+
+class ChoiceEnv(FakeEnv):
+    """The agent calls one of two tools, `left` or `right`, then says it is done; the reward is 1 for `left`.
+    The decision sits mid-episode, between scaffolding the agent does not sample (user and tool messages) and
+    tokens it does (its tool call, its text, its end-of-turn tokens), so learning it needs the loss mask, the
+    episode-to-advantage mapping and the sign of the update all right."""
+
+    name = "choice"
+
+    def system_prompt(self, task):
+        return "Open one door."
+
+    def tools(self, task):
+        return CHOICE_TOOLS
+
+    def start(self, task):
+        return _ChoiceSession()
+
+    def scripted_user(self, task):
+        return _ChoiceUser()
+
+
+def choice_conversation(side: str) -> dict:
+    """An expert conversation of ChoiceEnv that picks `side` (SFT data for a starting policy)."""
+    call = {"id": "c1", "type": "function", "function": {"name": side, "arguments": "{}"}}
+    return {"messages": [{"role": "system", "content": "Open one door."}, {"role": "user", "content": "Pick a door."},
+                         {"role": "assistant", "content": "", "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c1", "name": side, "content": "opened"},
+                         {"role": "assistant", "content": "Done."}],
+            "tools": CHOICE_TOOLS, "prompt_messages": 2}
