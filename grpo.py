@@ -480,7 +480,7 @@ class Config:
     """also log to Accelerate trackers: 'tensorboard', 'wandb', ... (JSONL is always written)"""
     log_episodes: int = 4
     """episodes per step saved as readable conversations (episodes.jsonl)"""
-    eval_tasks: int = 32
+    eval_tasks: int = 64
     """test-split tasks evaluated (greedy, pass^1) before and after training; 0 skips"""
 
 
@@ -529,8 +529,8 @@ def validate(cfg: Config, world: int) -> None:
 
 
 def cold_start(cfg: Config) -> str:
-    """The tiny model knows nothing: make (or reuse) its cold-start checkpoint, as the paper's pipeline does:
-    expert conversations on the training split, then SFT. Cached under MUARL_CACHE, keyed by the settings and
+    """The tiny model starts from its pretrained base (sft.pretrain_tiny, made once and cached): make (or reuse)
+    its cold-start checkpoint, as the paper's pipeline does: expert conversations on the training split, then SFT. Cached under MUARL_CACHE, keyed by the settings and
     by the code that makes it (tokenizer, environments, SFT): a checkpoint from other code is never reused."""
     import hashlib
 
@@ -547,7 +547,7 @@ def cold_start(cfg: Config) -> str:
         muarl.main_print(f"[grpo] cold start: using the cached SFT checkpoint {out}")
         return str(out)
     muarl.main_print(f"[grpo] cold start: no --init-from given, so making one: {scfg.num_tasks} expert conversations "
-              f"on {cfg.env}:{cfg.split}, then SFT of '{cfg.model}' ({scfg.epochs:g} epochs) -> {out}")
+              f"on {cfg.env}:{cfg.split}, then SFT of the pretrained '{cfg.model}' base ({scfg.epochs:g} epochs) -> {out}")
     scfg.out = str(out)
     sft.train(scfg, sft.make_cold_start(scfg))  # its own Accelerator: GRPO's checkpoints hold GRPO's state only
     return str(out)

@@ -59,11 +59,14 @@ class SFTConfig:
     """also write the synthesized conversations here (JSONL)"""
     epochs: float = 1.0
     """passes over the data (0: only synthesize data)"""
-    window_steps: int = -1
-    """steps of the short-window stage before whole conversations (see `windows`); -1: 600 for 'tiny', which
-    is trained from scratch, 0 for any other model"""
-    window_batch_size: int = 32
-    """short windows per optimizer step in that stage, over all processes"""
+    pretrain_only: bool = False
+    """only make (or find) the pretrained 'tiny' base (`pretrain_tiny`) and exit"""
+    pretrain_target: float = 0.1
+    """'tiny' pretraining stops when the held-out copy loss (nats per copied value) falls below this"""
+    pretrain_max_steps: int = 3000
+    """'tiny' pretraining stops here at the latest (and says that it missed the target)"""
+    pretrain_batch_size: int = 32
+    """drills per pretraining step, over all processes"""
     lr: float = 4e-3
     """peak learning rate (the paper: 5e-6 for Qwen3; a tiny model from scratch needs far more)"""
     warmup_steps: int = 10
@@ -173,7 +176,7 @@ def make_cold_start(cfg: SFTConfig) -> list[dict]:
 
 
 def windows(conversations: list[dict], sizes=(1, 2, 4)) -> list[dict]:
-    """The short-window stage's data: each agent message that carries arguments (a tool call, or text with a
+    """The pretraining drills of 'tiny' (`pretrain_tiny`): each agent message that carries arguments (a tool call, or text with a
     digit: "I will cancel order o42") with the last 1, 2 and 4 messages before it, cut to begin at a user
     message, without the system prompt and tools. Only that agent message is trained.
 
@@ -227,12 +230,13 @@ def encode(tok, conversations: list[dict], max_len: int) -> tuple[list[tuple[lis
 
 
 def fit(acc, model, opt, sched, data, steps: int, batch_size: int, micro_batch_size: int, pad_id: int,
-        seed: int, grad_clip: float, tag: str) -> None:
+        seed: int, grad_clip: float, tag: str, log_every: int = 10) -> float:
     """`steps` optimizer steps of `batch_size` sequences drawn in seeded epochs: token-mean NLL of the masked
-    tokens, one normalizer per step over all micro-batches and processes (invariant 3)."""
+    tokens, one normalizer per step over all micro-batches and processes (invariant 3). Returns the mean loss."""
     from grpo import token_logprobs
 
     rng, order, t0 = random.Random(seed), [], time.time()
+    run_loss = torch.zeros((), device=acc.device)
     model.train()
     for step in range(steps):
         if len(order) < batch_size:
@@ -256,41 +260,29 @@ def fit(acc, model, opt, sched, data, steps: int, batch_size: int, micro_batch_s
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if step % 10 == 0 or step == steps - 1:
+        run_loss += total_loss
+        if log_every and (step % log_every == 0 or step == steps - 1):
             loss_all = acc.reduce(total_loss, reduction="sum").item()
             acc.print(f"[sft] {tag}step {step + 1}/{steps} loss {loss_all:.4f} grad_norm {float(grad_norm):.3f} "
                       f"lr {sched.get_last_lr()[0]:.2e} ({time.time() - t0:.0f}s)")
+    return acc.reduce(run_loss, reduction="sum").item() / max(1, steps)
 
 
 def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
-    """Fine-tune on the conversations (after the short-window stage, if any); returns the checkpoint directory."""
+    """Fine-tune on the conversations; returns the checkpoint directory. 'tiny' starts from its pretrained base."""
+    start = str(pretrain_tiny(cfg)) if cfg.model == "tiny" else cfg.model
     acc = accelerator or muarl.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
     muarl.seed_everything(cfg.seed)
-    model, tok = muarl.load_model(cfg.model, device=acc.device, seed=cfg.seed)
+    model, tok = muarl.load_model(start, device=acc.device, seed=cfg.seed)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     data, skipped = encode(tok, conversations, cfg.max_len)
     if not data:
         raise ValueError(f"no conversation fits --max-len {cfg.max_len} ({skipped} skipped)")
-    window_steps = cfg.window_steps if cfg.window_steps >= 0 else 600 if cfg.model == "tiny" else 0
     total = max(1, int(cfg.epochs * max(1, len(data) // cfg.batch_size)))
-    # The window stage holds its peak lr after warm-up: copying appears abruptly after a plateau (a few hundred
-    # steps), and a decaying lr delays it. The conversation stage has its own warm-up and cosine decay.
-    first, second = lr_lambda(cfg.warmup_steps, window_steps, floor=1.0), lr_lambda(cfg.warmup_steps, total)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: first(s) if s < window_steps else second(s - window_steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.warmup_steps, total))
     model, opt = acc.prepare(model, opt)
-    short = encode(tok, windows(conversations), cfg.max_len)[0] if window_steps else []
-    if window_steps and not short:
-        acc.print("[sft] short-window stage skipped: no agent message carries arguments (tool calls, digits)")
-    if short:
-        # As many windows per forward pass as fit in the memory of micro_batch_size whole conversations.
-        per_pass = max(1, cfg.micro_batch_size * max(len(i) for i, _ in data) // max(len(i) for i, _ in short))
-        acc.print(f"[sft] short-window stage: {len(short)} windows of {sum(len(i) for i, _ in short) / len(short):.0f} "
-                  f"tokens on average, {window_steps} steps of {cfg.window_batch_size}")
-        fit(acc, model, opt, sched, short, window_steps, cfg.window_batch_size, per_pass, tok.pad_token_id,
-            cfg.seed, cfg.grad_clip, "windows ")
-        opt.optimizer.state.clear()  # fresh moments for whole conversations: the gradients' scale differs
     acc.print(f"[sft] {len(data)} conversations ({skipped} over --max-len skipped), "
               f"{sum(sum(m) for _, m in data)} trained tokens, {total} steps of {cfg.batch_size}")
     fit(acc, model, opt, sched, data, total, cfg.batch_size, cfg.micro_batch_size, tok.pad_token_id, cfg.seed,
@@ -298,6 +290,85 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     out = Path(cfg.out)
     save_pretrained(acc, model, tok, out, {"sft": asdict(cfg)})
     acc.print(f"[sft] checkpoint written to {out}")
+    return out
+
+
+def copy_loss(model, tok, data, copy_ids: set[int], micro_batch_size: int = 32) -> tuple[float, float]:
+    """(copy loss, other loss) on (ids, loss_mask) pairs: mean NLL of the trained tokens that copy a value from
+    earlier in the same sequence (a token of `copy_ids` that already appeared before it), and of the other trained
+    tokens. A value that is not in the sequence yet (the next order to look up when the window does not show the
+    order list) is not a copy and counts as "other": no model can get it right from the drill alone."""
+    from grpo import token_logprobs
+
+    device = next(model.parameters()).device
+    sums = torch.zeros(4, dtype=torch.float64)
+    with torch.no_grad():
+        for k in range(0, len(data), micro_batch_size):
+            ids, attn, mask = muarl.collate(data[k:k + micro_batch_size], tok.pad_token_id, device)
+            nll = -token_logprobs(model, ids, attn).double()
+            seen = ((ids[:, :, None] == ids[:, None, :]) & attn.bool()[:, None, :]).tril(-1).any(-1)  # [b, T]
+            is_copy = torch.isin(ids, torch.tensor(sorted(copy_ids), device=device)) & mask.bool() & seen
+            other = mask.bool() & ~is_copy
+            sums += torch.stack([(nll * is_copy).sum(), is_copy.sum(), (nll * other).sum(), other.sum()]).cpu()
+    return (sums[0] / sums[1].clamp(min=1)).item(), (sums[2] / sums[3].clamp(min=1)).item()
+
+
+def pretrain_tiny(cfg: SFTConfig) -> Path:
+    """The 'tiny' base the cold start starts from, as Qwen3 is the paper's: a model that can already copy.
+
+    A model trained from scratch learns to copy a value (an id, a name, an item) from the conversation only after
+    hundreds of steps of dense copying, abruptly, after a plateau whose length varies from run to run; Qwen3
+    arrives able to do it. So before the cold start, 'tiny' is trained on dense drills in the domain's own format
+    (`windows`: the user states values, the agent uses them in a tool call or a confirmation) at a constant
+    learning rate until the held-out copy loss (drills from tasks it never trains on) is below `pretrain_target`
+    nats per copied value, checked every 25 steps. Made once and cached under MUARL_CACHE, keyed by the settings
+    and by the code that makes it (`./run python sft.py --pretrain-only` makes it ahead of time). Small domain
+    ('shop') only: the tiny tokenizer is built from its text."""
+    import hashlib
+    from dataclasses import replace
+
+    from envs.shop import id_tokens
+
+    if cfg.env != "shop":
+        raise SystemExit(f"sft.py: --model tiny: the tiny base is pretrained on the 'shop' domain only, not {cfg.env!r}")
+    settings = {k: getattr(cfg, k) for k in ("seed", "num_tasks", "lr", "warmup_steps", "grad_clip", "pretrain_target",
+                                             "pretrain_max_steps", "pretrain_batch_size")}
+    here = Path(__file__).resolve().parent
+    code = b"".join(p.read_bytes() for p in [here / "muarl.py", here / "sft.py", *sorted((here / "envs").glob("*.py"))])
+    out = muarl.CACHE_DIR / f"tiny-base-{hashlib.sha256(json.dumps(settings, sort_keys=True).encode() + code).hexdigest()[:10]}"
+    if (out / "config.json").exists():
+        return out
+    held_out = 64
+    conversations = make_cold_start(replace(cfg, env="shop", teacher="expert", user_sim="scripted",
+                                            num_tasks=cfg.num_tasks + held_out))
+    acc = muarl.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
+    muarl.seed_everything(cfg.seed)
+    model, tok = muarl.load_model("tiny", device=acc.device, seed=cfg.seed)
+    drills = encode(tok, windows(conversations[:-held_out]), cfg.max_len)[0]
+    test = encode(tok, windows(conversations[-held_out:]), cfg.max_len)[0]
+    copy_ids = {tok.convert_tokens_to_ids(w) for w in id_tokens()}
+    # Constant lr after warm-up: copying appears abruptly after a plateau, and a decaying lr delays it.
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.warmup_steps, cfg.pretrain_max_steps, floor=1.0))
+    model, opt = acc.prepare(model, opt)
+    acc.print(f"[pretrain] tiny: {len(drills)} drills of {sum(len(i) for i, _ in drills) / len(drills):.0f} tokens on "
+              f"average, {cfg.pretrain_batch_size} a step, until the copy loss on {len(test)} held-out drills is "
+              f"< {cfg.pretrain_target} (at most {cfg.pretrain_max_steps} steps) -> {out}")
+    every, step, t0, loss = 25, 0, time.time(), float("inf")
+    while step < cfg.pretrain_max_steps and loss >= cfg.pretrain_target:
+        n = min(every, cfg.pretrain_max_steps - step)
+        train_loss = fit(acc, model, opt, sched, drills, n, cfg.pretrain_batch_size, cfg.pretrain_batch_size,
+                         tok.pad_token_id, cfg.seed * 1_000_003 + step, cfg.grad_clip, "", log_every=0)
+        step += n
+        model.eval()
+        loss, other = copy_loss(acc.unwrap_model(model), tok, test, copy_ids)
+        acc.print(f"[pretrain] step {step} train loss {train_loss:.3f} | held-out copy loss {loss:.3f} "
+                  f"(chance {math.log(len(copy_ids)):.1f}), other agent tokens {other:.3f} ({time.time() - t0:.0f}s)")
+    if loss >= cfg.pretrain_target:
+        acc.print(f"[pretrain] stopped at --pretrain-max-steps {cfg.pretrain_max_steps} with copy loss {loss:.3f} "
+                  f"above the target {cfg.pretrain_target}: the cold start will copy values badly")
+    save_pretrained(acc, model, tok, out, {"pretrain": {**settings, "steps": step, "copy_loss": loss,
+                                                        "seconds": time.time() - t0}})
     return out
 
 
@@ -320,6 +391,11 @@ def save_pretrained(acc, model, tok, out: Path, run_config: dict) -> None:
 
 def main(argv=None):
     cfg = muarl.parse_config(SFTConfig, argv, description=__doc__.split("\n\n")[0])
+    if cfg.pretrain_only:
+        if cfg.model != "tiny":
+            raise SystemExit("sft.py: --pretrain-only: only the 'tiny' model is pretrained here (--model tiny)")
+        print(f"[pretrain] the tiny base: {pretrain_tiny(cfg)}")
+        return
     conversations = load_conversations(cfg.data) if cfg.data else make_cold_start(cfg)
     if cfg.data_out:
         Path(cfg.data_out).parent.mkdir(parents=True, exist_ok=True)

@@ -35,9 +35,9 @@ from envs import Task, ToolResult, play
 PRODUCTS = ["mug", "lamp", "pen", "shirt", "bag", "hat", "clock", "kettle", "scarf", "chair"]
 COLORS = ["red", "blue", "green", "black", "white", "gray"]
 ITEMS = [f"{c} {p}" for p in PRODUCTS for c in COLORS]  # every item name any task can contain
-FIRST = ["Anna", "Ben", "Carla", "David", "Emma", "Felix", "Grace", "Hugo", "Iris", "Jonas", "Kate", "Liam",
-         "Mia", "Noah", "Olga", "Paul", "Rosa", "Sam", "Tina", "Victor"]
-LAST = ["Lee", "Smith", "Garcia", "Brown", "Khan", "Novak", "Silva", "Chen", "Weber", "Rossi", "Kim", "Moreau"]
+# Few enough names that each full name ("Hugo Silva", one token of the tiny tokenizer) is seen often in training.
+FIRST = ["Anna", "Ben", "Carla", "David", "Emma", "Felix", "Grace", "Hugo", "Iris", "Jonas"]
+LAST = ["Lee", "Smith", "Garcia", "Khan", "Novak", "Silva"]
 ZIPS = [str(z) for z in sorted(random.Random(5).sample(range(10000, 100000), 30))]  # the towns customers live in
 MAILS = ["@mail.com", "@post.net", "@inbox.org"]
 WRITE_TOOLS = ("cancel_order", "return_item", "exchange_item")
@@ -78,9 +78,15 @@ def _json(obj) -> str:
 
 
 def id_tokens() -> list[str]:
-    """Every identifier the domain can generate that an agent must copy: names, email local parts and
-    domains, zips, order and user ids. The tiny tokenizer makes each one a single token (`muarl.tiny_tokenizer`)."""
-    return (FIRST + LAST + [n.lower() for n in FIRST + LAST] + MAILS + ZIPS
+    """Every value the domain can generate that an agent must copy: full names, item names, names and email
+    parts, zips, order and user ids. The tiny tokenizer makes each one a single token (`muarl.tiny_tokenizer`).
+
+    Full names ("Jonas Silva") and items ("white shirt") are one token each because a model trained from scratch
+    copies a single token by its content long before it learns to copy the token *after* the one it just copied
+    (an induction head): with names and items as two tokens, the cold-started agent copied the first name and
+    wrote the most frequent last name ("Jonas Lee"), and wrote "red bag" for every item."""
+    return ([f"{a} {b}" for a in FIRST for b in LAST] + ITEMS
+            + FIRST + LAST + [n.lower() for n in FIRST + LAST] + MAILS + ZIPS
             + [f"o{n}" for n in range(10, 100)] + [f"u{n}" for n in range(10, 100)])
 
 

@@ -240,3 +240,37 @@ def test_eval_main_writes_summary(tmp_path, ckpt):
     assert s["tasks"] == 3 and s["episodes"] == 6 and "pass^2" in s
     assert (tmp_path / "ev" / "results.md").read_text().startswith("# ")
     assert len((tmp_path / "ev" / "episodes.jsonl").read_text().splitlines()) == 6
+
+
+def test_pretrain_tiny_stops_at_the_copy_target_and_is_cached(tmp_path, monkeypatch):
+    import muarl
+
+    monkeypatch.setattr(muarl, "CACHE_DIR", tmp_path)
+    cfg = sft.SFTConfig(num_tasks=8, pretrain_target=100.0, pretrain_max_steps=50, pretrain_batch_size=8)
+    out = sft.pretrain_tiny(cfg)
+    info = json.loads((out / "muarl_config.json").read_text())["pretrain"]
+    assert info["steps"] == 25 and info["copy_loss"] < 100.0  # the first check (every 25 steps) met the target
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert sft.pretrain_tiny(cfg) == out and (out / "model.safetensors").stat().st_mtime_ns == stamp  # cached
+    with pytest.raises(SystemExit, match="shop"):
+        sft.pretrain_tiny(sft.SFTConfig(env="tau2:retail"))
+
+
+def test_copy_loss_matches_a_loop(tiny_tok, tiny_lm):
+    ids = [tiny_tok("the order o123, for the order o123", add_special_tokens=False)["input_ids"],
+           tiny_tok("Which order? yes please", add_special_tokens=False)["input_ids"]]
+    data = [(x, [0] + [1] * (len(x) - 1)) for x in ids]
+    twice = {i for i in ids[0] if ids[0].count(i) == 2}
+    assert twice
+    copy_ids = twice | {ids[1][2]}  # copies at their second occurrence only; ids[1][2] never repeats
+    got = sft.copy_loss(tiny_lm, tiny_tok, data, copy_ids, micro_batch_size=1)
+    nll = {True: [], False: []}
+    with torch.no_grad():
+        for x, m in data:
+            logp = tiny_lm(input_ids=torch.tensor([x])).logits[0].log_softmax(-1)
+            for t in range(1, len(x)):
+                if m[t]:
+                    nll[x[t] in copy_ids and x[t] in x[:t]].append(-logp[t - 1, x[t]].item())
+    assert len(nll[True]) >= 2
+    want = (sum(nll[True]) / len(nll[True]), sum(nll[False]) / len(nll[False]))
+    assert got == pytest.approx(want, rel=1e-5)
