@@ -124,6 +124,88 @@ def markdown(cfg: EvalConfig, s: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---- the learning-curve picture, with no plotting library: a numpy canvas, a 3x5 pixel font, a PNG encoder ----
+_GLYPHS = dict(zip("0123456789.-^/:ABCDEFGHIJKLMNOPQRSTUVWXYZ ", """
+111101101101111 010110010010111 111001111100111 111001111001111 101101111001001 111100111001111 111100111101111
+111001001001001 111101111101111 111101111001111 000000000000010 000000111000000 010101000000000 001001010100100
+000010000010000 010101111101101 110101110101110 011100100100011 110101101101110 111100110100111 111100110100100
+011100101101011 101101111101101 111010010010111 001001001101010 101101110101101 100100100100111 101111111101101
+110101101101101 010101101101010 110101110100100 010101101110011 110101110110101 011100010001110 111010010010010
+101101101101111 101101101101010 101101111111101 101101010101101 101101010010010 111001010100111 000000000000000
+""".split()))
+
+
+def _text(img, x: int, y: int, text: str, color, scale: int = 2) -> None:
+    for i, ch in enumerate(text.upper()):
+        bits = _GLYPHS.get(ch, _GLYPHS[" "])
+        for r in range(5):
+            for c in range(3):
+                if bits[r * 3 + c] == "1":
+                    x0, y0 = x + (i * 4 + c) * scale, y + r * scale
+                    img[y0:y0 + scale, x0:x0 + scale] = color
+
+
+def _line(img, x0, y0, x1, y1, color, width: int = 2) -> None:
+    import numpy as np
+
+    n = int(max(abs(x1 - x0), abs(y1 - y0))) + 1
+    for x, y in zip(np.linspace(x0, x1, n).round().astype(int), np.linspace(y0, y1, n).round().astype(int)):
+        img[max(0, y - width // 2):y + (width + 1) // 2, max(0, x - width // 2):x + (width + 1) // 2] = color
+
+
+def write_png(path, img) -> None:
+    """An RGB uint8 array [H, W, 3] as a PNG file (zlib + the PNG chunk layout, no image library)."""
+    import struct
+    import zlib
+
+    h, w, _ = img.shape
+    raw = b"".join(b"\x00" + img[r].tobytes() for r in range(h))  # filter type 0 on every row
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    Path(path).write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+                           + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+
+
+CURVE_COLORS = {"reward_mean": (31, 119, 180), "all_correct_ratio": (44, 160, 44), "all_wrong_ratio": (214, 39, 40),
+                "turns_mean": (148, 103, 189), "before": (127, 127, 127), "after": (255, 127, 14)}
+
+
+def plot_curves(rows: list[dict], path, before: float | None = None, after: float | None = None) -> None:
+    """The run's learning curve as a PNG: per step, the reward (with greedy test pass^1 before and after training as
+    flat lines), the all-correct and all-wrong group ratios, and the turns per episode. rows: metrics.jsonl lines."""
+    import numpy as np
+
+    W, H, pad = 720, 170, 44
+    panels = [("reward per step - dashed: greedy test pass^1 before gray / after orange", ["reward_mean"], 1.0),
+              ("groups all correct green / all wrong red", ["all_correct_ratio", "all_wrong_ratio"], 1.0),
+              ("turns per episode", ["turns_mean"], max([r.get("turns_mean", 0) for r in rows] + [1.0]))]
+    img = np.full((H * len(panels), W, 3), 255, dtype=np.uint8)
+    steps = [r["step"] for r in rows] or [1]
+    x_of = lambda s: pad + (s - steps[0]) / max(1, steps[-1] - steps[0]) * (W - 2 * pad)
+    for k, (title, keys, top) in enumerate(panels):
+        y0 = k * H
+        y_of = lambda v: y0 + H - pad + (-(v / top) * (H - 2 * pad) if top else 0)
+        img[y0 + pad - 4:y0 + H - pad + 1, pad - 1] = 0
+        img[y0 + H - pad, pad - 1:W - pad + 1] = 0
+        _text(img, pad, y0 + 10, title, CURVE_COLORS[keys[0]])
+        _text(img, 4, int(y_of(top)) - 4, f"{top:.3g}", (0, 0, 0))
+        _text(img, 4, int(y_of(0)) - 4, "0", (0, 0, 0))
+        _text(img, pad, y0 + H - pad + 8, f"step {steps[0]}", (0, 0, 0))
+        _text(img, W - pad - 64, y0 + H - pad + 8, f"step {steps[-1]}", (0, 0, 0))
+        if k == 0:
+            for v, name in ((before, "before"), (after, "after")):
+                if v is not None:
+                    for x in range(pad, W - pad, 12):  # dashed
+                        _line(img, x, y_of(v), min(x + 6, W - pad), y_of(v), CURVE_COLORS[name])
+                    _text(img, W - pad + 4, int(y_of(v)) - 4, f"{v:.2f}", CURVE_COLORS[name])
+        for key in keys:
+            pts = [(x_of(r["step"]), y_of(r[key])) for r in rows if key in r]
+            for (xa, ya), (xb, yb) in zip(pts, pts[1:]):
+                _line(img, xa, ya, xb, yb, CURVE_COLORS[key])
+    write_png(path, img)
+
+
 def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
     """An OpenAI-compatible model as the agent, through the text-level driver (no token-level record)."""
     from envs import message_history, play

@@ -719,7 +719,7 @@ def main(argv=None):
     from tqdm.auto import tqdm
 
     from envs import make_env
-    from eval import summarize, user_sim_options
+    from eval import plot_curves, summarize, user_sim_options
     from rollout import RolloutConfig, make_user_sim, rollout
 
     cfg = muarl.parse_config(Config, argv, recipes=RECIPES, description=__doc__.split("\n\n")[0])
@@ -848,8 +848,12 @@ def main(argv=None):
         results.update(evaluate("after"))
     if acc.is_main_process:
         muarl.write_json_atomic(run_dir / "summary.json", {"steps": cfg.steps, **results})
+        if log_path.exists():
+            plot_curves([json.loads(line) for line in open(log_path)], run_dir / "curves.png",
+                        results.get("eval/before/pass1"), results.get("eval/after/pass1"))
     acc.end_training()
-    acc.print(f"[grpo] done. Run directory: {run_dir} (metrics.jsonl, episodes.jsonl, checkpoints/, summary.json)")
+    acc.print(f"[grpo] done. Run directory: {run_dir} (metrics.jsonl, curves.png, episodes.jsonl, checkpoints/, "
+              "summary.json)")
     return SimpleNamespace(run_dir=run_dir, model=acc.unwrap_model(model), results=results)
 
 

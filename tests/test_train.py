@@ -274,3 +274,23 @@ def test_copy_loss_matches_a_loop(tiny_tok, tiny_lm):
     assert len(nll[True]) >= 2
     want = (sum(nll[True]) / len(nll[True]), sum(nll[False]) / len(nll[False]))
     assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_plot_curves_writes_a_png_with_each_curve(tmp_path):
+    import struct
+    import zlib
+
+    import numpy as np
+
+    rows = [{"step": i + 1, "reward_mean": i / 9, "all_correct_ratio": 0.1, "all_wrong_ratio": 0.5, "turns_mean": 7.0}
+            for i in range(10)]
+    evaluation.plot_curves(rows, tmp_path / "c.png", before=0.2, after=0.6)
+    data = (tmp_path / "c.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    w, h = struct.unpack(">II", data[16:24])
+    idat = data[data.index(b"IDAT") + 4:data.index(b"IEND") - 8]
+    raw = np.frombuffer(zlib.decompress(idat), dtype=np.uint8).reshape(h, 1 + w * 3)
+    assert (raw[:, 0] == 0).all()
+    pixels = {tuple(p) for p in raw[:, 1:].reshape(-1, 3)}
+    for name, color in evaluation.CURVE_COLORS.items():
+        assert color in pixels, name
