@@ -194,11 +194,15 @@ def plot_curves(rows: list[dict], path, before: float | None = None, after: floa
         _text(img, pad, y0 + H - pad + 8, f"step {steps[0]}", (0, 0, 0))
         _text(img, W - pad - 64, y0 + H - pad + 8, f"step {steps[-1]}", (0, 0, 0))
         if k == 0:
+            label_y = []
             for v, name in ((before, "before"), (after, "after")):
                 if v is not None:
                     for x in range(pad, W - pad, 12):  # dashed
                         _line(img, x, y_of(v), min(x + 6, W - pad), y_of(v), CURVE_COLORS[name])
-                    _text(img, W - pad + 4, int(y_of(v)) - 4, f"{v:.2f}", CURVE_COLORS[name])
+                    y = int(y_of(v)) - 4
+                    y = y - 12 if any(abs(y - o) < 12 for o in label_y) else y  # keep close labels apart
+                    label_y.append(y)
+                    _text(img, W - pad + 4, y, f"{v:.2f}", CURVE_COLORS[name])
         for key in keys:
             pts = [(x_of(r["step"]), y_of(r[key])) for r in rows if key in r]
             for (xa, ya), (xb, yb) in zip(pts, pts[1:]):
