@@ -421,11 +421,12 @@ class ShopUser:
             what = {"cancel": f"I want to cancel {ref}.", "return": f"I want to return an item from {ref}.",
                     "exchange": f"I want to exchange an item from {ref}."}.get(want["action"], f"It is {ref}.")
             parts.append(what if d["knows_order_id"] else "I don't know the order id. " + what)
-        if "which item" in t:
-            parts.append({"return": f"I want to return the {want['item']}.", "exchange": f"I want to exchange the "
-                          f"{want['item']}."}.get(want["action"], "I want to cancel the whole order."))
-        if "color" in t:
-            parts.append(f"I'd like the {want['new']} instead." if want["new"] else "I don't want another color.")
+        if ("which item" in t or "color" in t) and want["action"] in ("return", "exchange"):
+            parts.append(self._restate(want))
+        elif "which item" in t:
+            parts.append("I want to cancel the whole order.")
+        elif "color" in t:
+            parts.append("I don't want another color.")
         if parts:
             return " ".join(parts)
         if not state["told"]:  # the first open question gets only the kind of request, no details
