@@ -529,20 +529,15 @@ def validate(cfg: Config, world: int) -> None:
 
 
 def cold_start(cfg: Config) -> str:
-    """The tiny model starts from its pretrained base (sft.pretrain_tiny, made once and cached): make (or reuse)
-    its cold-start checkpoint, as the paper's pipeline does: expert conversations on the training split, then SFT. Cached under MUARL_CACHE, keyed by the settings and
-    by the code that makes it (tokenizer, environments, SFT): a checkpoint from other code is never reused."""
-    import hashlib
-
+    """Make (or reuse) the tiny model's cold-start checkpoint, as the paper's pipeline does: expert conversations on
+    the training split, then SFT from its pretrained base (sft.pretrain_tiny). Cached under MUARL_CACHE, keyed by
+    the settings and the code that makes it (sft.cache_key)."""
     import sft
 
     # Same precision as this run: Accelerate keeps one process-wide state, so the SFT inside this process cannot
     # ask for another mixed precision (a --bf16 run on a GPU crashed here).
     scfg = sft.SFTConfig(model=cfg.model, env=cfg.env, split=cfg.split, seed=cfg.seed, bf16=cfg.bf16)
-    here = Path(__file__).resolve().parent
-    code = b"".join(p.read_bytes() for p in [here / "muarl.py", here / "sft.py", *sorted((here / "envs").glob("*.py"))])
-    key = hashlib.sha256(json.dumps(asdict(scfg), sort_keys=True).encode() + code).hexdigest()[:10]
-    out = muarl.CACHE_DIR / f"coldstart-{cfg.env.replace(':', '-')}-{cfg.model}-{key}"
+    out = muarl.CACHE_DIR / f"coldstart-{cfg.env.replace(':', '-')}-{cfg.model}-{sft.cache_key(asdict(scfg))}"
     if (out / "config.json").exists():
         muarl.main_print(f"[grpo] cold start: using the cached SFT checkpoint {out}")
         return str(out)

@@ -183,10 +183,9 @@ def windows(conversations: list[dict], sizes=(1, 2, 4)) -> list[dict]:
     Why a model trained from scratch needs it: the agent must copy ids, names and items from the dialogue into
     its calls. At initialization attention is spread evenly over the context, so in a ~900-token shop episode
     (two thirds of it the policy and tool schemas) a copy source gets ~1/900 of it, and whole-conversation SFT
-    never learns to copy within a CPU budget: held-out id tokens stayed at chance after 600 steps (8% right).
-    In ~60-token windows the copy is learned within a few hundred steps and carries over to whole conversations
-    (97% of held-out id tokens right after 100 more steps). LLM pretraining also grows the context length over
-    training; a pretrained model (Qwen3) already copies and skips this stage."""
+    alone did not learn to copy within a CPU budget; in ~60-token windows copying appears after a few hundred
+    steps and carries over to whole conversations. LLM pretraining also grows the context length over training;
+    a pretrained model (Qwen3) already copies and skips this stage."""
     out = []
     for conv in conversations:
         msgs = conv["messages"]
@@ -313,6 +312,16 @@ def copy_loss(model, tok, data, copy_ids: set[int], micro_batch_size: int = 32) 
     return (sums[0] / sums[1].clamp(min=1)).item(), (sums[2] / sums[3].clamp(min=1)).item()
 
 
+def cache_key(settings: dict) -> str:
+    """A key for a cached checkpoint: its settings and the code that makes it (muarl.py, sft.py, envs/), so that a
+    checkpoint made by other code or other settings is never reused."""
+    import hashlib
+
+    here = Path(__file__).resolve().parent
+    code = b"".join(p.read_bytes() for p in [here / "muarl.py", here / "sft.py", *sorted((here / "envs").glob("*.py"))])
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode() + code).hexdigest()[:10]
+
+
 def pretrain_tiny(cfg: SFTConfig) -> Path:
     """The 'tiny' base the cold start starts from, as Qwen3 is the paper's: a model that can already copy.
 
@@ -324,7 +333,6 @@ def pretrain_tiny(cfg: SFTConfig) -> Path:
     nats per copied value, checked every 25 steps. Made once and cached under MUARL_CACHE, keyed by the settings
     and by the code that makes it (`./run python sft.py --pretrain-only` makes it ahead of time). Small domain
     ('shop') only: the tiny tokenizer is built from its text."""
-    import hashlib
     from dataclasses import replace
 
     from envs.shop import id_tokens
@@ -333,9 +341,7 @@ def pretrain_tiny(cfg: SFTConfig) -> Path:
         raise SystemExit(f"sft.py: --model tiny: the tiny base is pretrained on the 'shop' domain only, not {cfg.env!r}")
     settings = {k: getattr(cfg, k) for k in ("seed", "num_tasks", "lr", "warmup_steps", "grad_clip", "pretrain_target",
                                              "pretrain_max_steps", "pretrain_batch_size")}
-    here = Path(__file__).resolve().parent
-    code = b"".join(p.read_bytes() for p in [here / "muarl.py", here / "sft.py", *sorted((here / "envs").glob("*.py"))])
-    out = muarl.CACHE_DIR / f"tiny-base-{hashlib.sha256(json.dumps(settings, sort_keys=True).encode() + code).hexdigest()[:10]}"
+    out = muarl.CACHE_DIR / f"tiny-base-{cache_key(settings)}"
     if (out / "config.json").exists():
         return out
     held_out = 64
