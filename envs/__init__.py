@@ -2,7 +2,7 @@
 
 An environment is a set of tasks plus the means to play one episode of a task:
 
-    env = make_env("tau2:retail")            # or "tau2:airline", "tau2:telecom", "tau2:mock", "shop"
+    env = make_env("tau2:retail")            # or "tau2:airline", "tau2:telecom", "tau2:mock", "shop", "bfcl:multi_turn"
     task = env.tasks("train")[0]
     session = env.start(task)                # fresh state: its own copy of the database (invariant 4)
     env.system_prompt(task), env.tools(task) # what the agent is shown (policy text, OpenAI tool schemas)
@@ -106,7 +106,8 @@ class Environment(Protocol):
 
 
 def make_env(name: str, **options) -> Environment:
-    """Build an environment from its command-line name: "shop", "tau2:<domain>", or "package.module:Class"."""
+    """Build an environment from its command-line name: "shop", "tau2:<domain>", "bfcl:<category>" (BFCL-V3
+    multi-turn), or "package.module:Class"."""
     if name == "shop":
         from envs.shop import ShopEnv
 
@@ -115,13 +116,17 @@ def make_env(name: str, **options) -> Environment:
         from envs.tau2 import Tau2Env
 
         return Tau2Env(name.split(":", 1)[1], **options)
+    if name.startswith("bfcl:"):
+        from envs.bfcl import BfclEnv
+
+        return BfclEnv(name.split(":", 1)[1], **options)
     if ":" in name and not name.startswith("tau2"):  # your own: "package.module:ClassName"
         import importlib
 
         module, cls = name.split(":", 1)
         return getattr(importlib.import_module(module), cls)(**options)
-    raise ValueError(f"unknown environment {name!r}: use 'shop', 'tau2:<retail|airline|telecom|mock>' "
-                     "or 'package.module:ClassName'")
+    raise ValueError(f"unknown environment {name!r}: use 'shop', 'tau2:<retail|airline|telecom|mock>', "
+                     "'bfcl:<multi_turn|multi_turn_base|...>' or 'package.module:ClassName'")
 
 
 def message_history(env: Environment, task: Task) -> list[dict]:
