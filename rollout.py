@@ -690,9 +690,49 @@ class HFUserSim(UserSim):
         return texts
 
 
+class DataUserSim(UserSim):
+    """`sim` for most tasks, but env.scripted_user for tasks whose user is written in the data
+    (task.meta["user_sim"]["scripted"]: BFCL's questions, ACEBench's multi-step entries, which have no user)."""
+
+    def __init__(self, sim: UserSim):
+        self.sim, self.scripted = sim, ScriptedUserSim()
+
+    def __getattr__(self, name):  # the wrapped simulator's own attributes (model, _generate, ...)
+        if name == "sim":
+            raise AttributeError(name)
+        return getattr(self.sim, name)
+
+    def _pick(self, task) -> UserSim:
+        return self.scripted if (task.meta.get("user_sim") or {}).get("scripted") else self.sim
+
+    async def opening(self, env, task):
+        return await self._pick(task).opening(env, task)
+
+    def start(self, env, task, session, opening):
+        sim = self._pick(task)
+        return sim, sim.start(env, task, session, opening)
+
+    async def reply(self, state, messages):
+        out = (await self.replies([state], [messages]))[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    async def replies(self, states, conversations):
+        out = [None] * len(states)
+        for sim in (self.scripted, self.sim):
+            mine = [i for i, (s, _) in enumerate(states) if s is sim]
+            if mine:
+                got = await sim.replies([states[i][1] for i in mine], [conversations[i] for i in mine])
+                for i, text in zip(mine, got):
+                    out[i] = text
+        return out
+
+
 def make_user_sim(name: str, **options) -> UserSim:
-    """"scripted" (env.scripted_user), "openai" (any OpenAI-compatible endpoint), "hf" (a local model)."""
+    """"scripted" (env.scripted_user), "openai" (any OpenAI-compatible endpoint), "hf" (a local model). An LLM user
+    leaves the tasks whose user is the data to the environment's script (DataUserSim)."""
     sims = {"scripted": ScriptedUserSim, "openai": OpenAIUserSim, "hf": HFUserSim}
     if name not in sims:
         raise ValueError(f"unknown user simulator {name!r}: use one of {sorted(sims)}")
-    return sims[name](**options)
+    return sims[name](**options) if name == "scripted" else DataUserSim(sims[name](**options))
