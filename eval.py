@@ -4,9 +4,13 @@ results, termination reasons, turns. Writes episodes.jsonl, summary.json and res
     ./run python eval.py --agent runs/grpo-shop-.../checkpoints/step-000040/model --env shop --split test
     ./run accelerate launch eval.py --agent Qwen/Qwen3-8B --env tau2:retail --user-sim openai --user-model gpt-4.1 --trials 4
     ./run python eval.py --agent openai:gpt-4o --env tau2:airline --user-sim openai     # an API model as the agent
+    ./run python eval.py --agent openai:gpt-4o --env bfcl:multi_turn --max-turns 100    # BFCL-V3 multi-turn
 
-The agent is a checkpoint directory, a hub id, 'smollm2-135m', or 'openai:<model>' for an OpenAI-compatible
-model (baselines). tau2 environments score with tau2's own reward (envs/tau2.py).
+The agent is a checkpoint directory, a hub id, 'smollm2-135m', 'openai:<model>' for an OpenAI-compatible
+model (baselines), or 'expert' for the environment's scripted expert (shop; BFCL's ground truth), which checks the
+pipeline. tau2 environments score with tau2's own reward (envs/tau2.py), BFCL with its checker (envs/bfcl.py).
+Where tasks carry a category (BFCL's four, ACEBench's two), the summary adds pass^1 per category and their
+unweighted mean (`category_mean`), the benchmark's headline.
 """
 from __future__ import annotations
 
@@ -23,11 +27,12 @@ import muarl
 @dataclass
 class EvalConfig:
     agent: str = ""
-    """checkpoint directory, hub id, 'smollm2-135m', or 'openai:<model>' (OpenAI-compatible endpoint)"""
+    """checkpoint directory, hub id, 'smollm2-135m', 'openai:<model>' (OpenAI-compatible endpoint), or 'expert'
+    (the environment's scripted expert)"""
     agent_base_url: str = ""
     """endpoint for an 'openai:' agent (default: OPENAI_BASE_URL)"""
     env: str = "shop"
-    """environment: 'shop' or 'tau2:<retail|airline|telecom|mock>'"""
+    """environment: 'shop', 'tau2:<retail|airline|telecom|mock>', 'bfcl:<multi_turn|multi_turn_base|...>'"""
     split: str = "test"
     """task split"""
     env_reward: str = ""
@@ -105,6 +110,9 @@ def summarize(episodes: list[dict], trials: int, meta: dict[str, dict] | None = 
     if by_meta:
         summary["by_meta"] = {k: {v: {"pass^1": sum(r) / len(r), "episodes": len(r)} for v, r in sorted(vs.items())}
                               for k, vs in by_meta.items()}
+    if "category" in by_meta:  # BFCL / ACEBench: the headline is the unweighted mean over categories
+        cats = summary["by_meta"]["category"]
+        summary["category_mean"] = sum(c["pass^1"] for c in cats.values()) / len(cats)
     summary["per_task"] = per_task
     return summary
 
@@ -119,7 +127,13 @@ def markdown(cfg: EvalConfig, s: dict) -> str:
              ", ".join(f"{k} {v}" for k, v in sorted(s["termination"].items())), "",
              "| task | successes / trials | mean reward |", "|---|---|---|"]
     for k, vs in s.get("by_meta", {}).items():
+        if k == "category" and "category_mean" in s:
+            continue  # a table of its own, below
         lines[-2:-2] = [f"pass^1 by {k}: " + ", ".join(f"{v} {r['pass^1']:.2f} ({r['episodes']})" for v, r in vs.items()), ""]
+    if "category_mean" in s:
+        rows = ["| category | pass^1 | episodes |", "|---|---|---|"] + [
+            f"| {c} | {r['pass^1']:.3f} | {r['episodes']} |" for c, r in s["by_meta"]["category"].items()]
+        lines[-2:-2] = rows + [f"| **mean over categories** | **{s['category_mean']:.3f}** | |", ""]
     lines += [f"| {t} | {r['successes']} / {r['trials']} | {r['mean_reward']:.2f} |" for t, r in s["per_task"].items()]
     return "\n".join(lines) + "\n"
 
@@ -210,8 +224,20 @@ def plot_curves(rows: list[dict], path, before: float | None = None, after: floa
     write_png(path, img)
 
 
+class _ToolsAt:
+    """An API agent whose tool list follows the conversation (env.tools_at: BFCL miss_func reveals tools later)."""
+
+    def __init__(self, agent, env, task):
+        self.agent, self.env, self.task = agent, env, task
+
+    def act(self, messages: list[dict]) -> dict:
+        self.agent.tools = self.env.tools_at(self.task, messages)
+        return self.agent.act(messages)
+
+
 def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
-    """An OpenAI-compatible model as the agent, through the text-level driver (no token-level record)."""
+    """An OpenAI-compatible model (or the env's scripted expert) as the agent, through the text-level driver (no
+    token-level record)."""
     from envs import message_history, play
     from sft import OpenAIAgent
 
@@ -223,7 +249,11 @@ def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
     out = []
     for task in tasks:
         for trial in range(cfg.trials):
-            agent = OpenAIAgent(cfg.agent.split(":", 1)[1], env.tools(task), cfg.agent_base_url, cfg.temperature)
+            if cfg.agent == "expert":
+                agent = env.expert(task)
+            else:
+                agent = OpenAIAgent(cfg.agent.split(":", 1)[1], env.tools(task), cfg.agent_base_url, cfg.temperature)
+                agent = _ToolsAt(agent, env, task) if hasattr(env, "tools_at") else agent
             session = env.start(task)
             try:
                 messages, reward, info, termination = play(env, task, agent,
@@ -259,7 +289,7 @@ def main(argv=None):
     tasks = env.tasks(cfg.split)
     tasks = tasks[:cfg.num_tasks] if cfg.num_tasks else tasks
     t0 = time.time()
-    if cfg.agent.startswith("openai:"):
+    if cfg.agent.startswith("openai:") or cfg.agent == "expert":
         episodes = run_api_agent(cfg, env, tasks[acc.process_index::acc.num_processes])
     else:
         from rollout import RolloutConfig, make_user_sim, rollout
@@ -285,7 +315,7 @@ def main(argv=None):
         s["config"], s["seconds"] = asdict(cfg), time.time() - t0
         muarl.write_json_atomic(out / "summary.json", s)
         (out / "results.md").write_text(markdown(cfg, s))
-        ks = " ".join(f"{k} {s[k]:.3f}" for k in s if k.startswith("pass^"))
+        ks = " ".join(f"{k} {s[k]:.3f}" for k in s if k.startswith("pass^") or k == "category_mean")
         print(f"[eval] {cfg.agent} on {cfg.env}:{cfg.split}: {s['tasks']} tasks x {cfg.trials}: {ks}, "
               f"avg turns {s['avg_turns']:.1f}, infra failed {s['infra_failed']}. Written to {out}")
 
