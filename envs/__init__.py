@@ -26,6 +26,7 @@ opens. The history is prompt: never trained on, the same for every episode of a 
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -107,7 +108,8 @@ class Environment(Protocol):
 
 def make_env(name: str, **options) -> Environment:
     """Build an environment from its command-line name: "shop", "tau2:<domain>", "bfcl:<category>" (BFCL-V3
-    multi-turn), or "package.module:Class"."""
+    multi-turn), "acebench:<agent|multi_turn|multi_step>" (ACEBench, from a checkout: root=, or ACEBENCH_ROOT),
+    or "package.module:Class"."""
     if name == "shop":
         from envs.shop import ShopEnv
 
@@ -120,13 +122,46 @@ def make_env(name: str, **options) -> Environment:
         from envs.bfcl import BfclEnv
 
         return BfclEnv(name.split(":", 1)[1], **options)
+    if name.startswith("acebench:"):
+        from envs.acebench import AceBenchEnv
+
+        return AceBenchEnv(name.split(":", 1)[1], **options)
     if ":" in name and not name.startswith("tau2"):  # your own: "package.module:ClassName"
         import importlib
 
         module, cls = name.split(":", 1)
         return getattr(importlib.import_module(module), cls)(**options)
     raise ValueError(f"unknown environment {name!r}: use 'shop', 'tau2:<retail|airline|telecom|mock>', "
-                     "'bfcl:<multi_turn|multi_turn_base|...>' or 'package.module:ClassName'")
+                     "'bfcl:<multi_turn|multi_turn_base|...>', 'acebench:agent' or 'package.module:ClassName'")
+
+
+# Parameter type names of BFCL-style function docs (BFCL, ACEBench) -> JSON Schema's, which OpenAI tools use.
+JSON_TYPES = {"dict": "object", "float": "number", "tuple": "array", "list": "array", "any": "string",
+              "bool": "boolean", "int": "integer", "str": "string"}
+
+
+def openai_schema(doc: dict) -> dict:
+    """A BFCL-style function doc ({"name", "description", "parameters": {"type": "dict", ...}, "response"?}) as an
+    OpenAI tool: parameters in JSON Schema's type names; "response" left out (an OpenAI function has no such field)."""
+    def convert(schema):
+        if not isinstance(schema, dict):
+            return schema
+        out = {}
+        for k, v in schema.items():
+            if k == "type" and isinstance(v, str):
+                out[k] = JSON_TYPES.get(v, v)
+            elif k == "properties" and isinstance(v, dict):
+                out[k] = {name: convert(p) for name, p in v.items()}
+            elif k == "items":
+                out[k] = convert(v)
+            else:
+                out[k] = copy.deepcopy(v)
+        return out
+
+    parameters = convert(doc.get("parameters") or {"type": "object", "properties": {}})
+    parameters["type"] = "object"
+    return {"type": "function", "function": {"name": doc["name"], "description": doc.get("description", ""),
+                                             "parameters": parameters}}
 
 
 def message_history(env: Environment, task: Task) -> list[dict]:

@@ -49,7 +49,7 @@ import uuid
 import weakref
 from pathlib import Path
 
-from envs import USER_STOP_MARKERS, Task, ToolResult
+from envs import USER_STOP_MARKERS, Task, ToolResult, openai_schema
 
 # Importing bfcl_eval creates result/, score/ and .file_locks/ under its project root, which defaults to the
 # package's own directory inside site-packages.
@@ -67,9 +67,6 @@ from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils  # noqa: E40
 from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import multi_turn_checker  # noqa: E402
 
 CATEGORIES = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context")
-# BFCL's parameter type names -> JSON Schema's (what an OpenAI tool schema and a chat template expect).
-JSON_TYPES = {"dict": "object", "float": "number", "tuple": "array", "list": "array", "any": "string",
-              "bool": "boolean", "int": "integer", "str": "string"}
 # No system prompt comes with BFCL's multi-turn entries, and its function-calling handlers add none; muarl's
 # episodes open with one, so it says what a turn is: BFCL's own words for prompting models, without the part about
 # the output format (the tools here are native).
@@ -86,30 +83,6 @@ def category_of(name: str) -> list[str]:
         raise ValueError(f"unknown BFCL category {name!r}: use 'multi_turn' or one of {', '.join(CATEGORIES)} "
                          "(the 'multi_turn_' prefix may be left out)")
     return [full]
-
-
-def openai_schema(doc: dict) -> dict:
-    """A BFCL function doc as an OpenAI tool: its parameters as JSON Schema; BFCL's "response" doc is left out (an
-    OpenAI function has no such field)."""
-    def convert(schema):
-        if not isinstance(schema, dict):
-            return schema
-        out = {}
-        for k, v in schema.items():
-            if k == "type" and isinstance(v, str):
-                out[k] = JSON_TYPES.get(v, v)
-            elif k == "properties" and isinstance(v, dict):
-                out[k] = {name: convert(p) for name, p in v.items()}
-            elif k == "items":
-                out[k] = convert(v)
-            else:
-                out[k] = copy.deepcopy(v)
-        return out
-
-    parameters = convert(doc.get("parameters") or {"type": "object", "properties": {}})
-    parameters["type"] = "object"
-    return {"type": "function", "function": {"name": doc["name"], "description": doc.get("description", ""),
-                                             "parameters": parameters}}
 
 
 def _json_data(value) -> bool:
