@@ -462,7 +462,10 @@ def user_guidelines(with_tools: bool = False) -> str:
 
 
 def user_system_prompt(task, with_tools: bool = False) -> str:
-    return f"{user_guidelines(with_tools)}\n\n<scenario>\n{task.user_scenario}\n</scenario>"
+    """tau2's guidelines and the task's scenario; or the benchmark's own user prompt where the task carries one
+    (task.meta["user_sim"]["system_prompt"]: ACEBench's)."""
+    own = (task.meta.get("user_sim") or {}).get("system_prompt")
+    return own or f"{user_guidelines(with_tools)}\n\n<scenario>\n{task.user_scenario}\n</scenario>"
 
 
 class UserSim:
@@ -526,16 +529,25 @@ class _ChatState:
     session: Any
     tools: list[dict]
     seen: int  # agent-visible messages already mirrored into history
+    stop: str = ""  # the benchmark's own way for the user to end (ACEBench: "finish conversation")
+
+    def said(self, text: str) -> str:
+        """The user's message as the episode records it: a stop marker added when it ends the benchmark's way."""
+        if self.stop and self.stop in text and not any(m in text for m in USER_STOP_MARKERS):
+            return f"{text} {USER_STOP_MARKERS[0]}"
+        return text
 
 
 def _user_view(task, history: list[dict], with_tools: bool) -> list[dict]:
     """What the user has seen before its first message, roles flipped (the agent speaks as `user`): the task's
-    message history without the agent's tool traffic, as tau2 shows it, or else tau2's greeting."""
+    message history without the agent's tool traffic, as tau2 shows it, or else the greeting (tau2's, or the
+    benchmark's own: task.meta["user_sim"]["greeting"])."""
     said = [m for m in history if m["role"] in ("user", "assistant") and not m.get("tool_calls")]
     flip = {"user": "assistant", "assistant": "user"}
+    greeting = (task.meta.get("user_sim") or {}).get("greeting") or GREETING
     return [{"role": "system", "content": user_system_prompt(task, with_tools)}] + [
         {"role": flip[m["role"]], "content": m.get("content") or ""}
-        for m in said or [{"role": "assistant", "content": GREETING}]]
+        for m in said or [{"role": "assistant", "content": greeting}]]
 
 
 def _chat_state(env, task, session, opening: str | None, tools: list[dict]) -> _ChatState:
@@ -544,7 +556,7 @@ def _chat_state(env, task, session, opening: str | None, tools: list[dict]) -> _
     if opening is not None:
         view.append({"role": "assistant", "content": opening})
     seen = 1 + len(history) + (opening is not None)  # system + history + opening
-    return _ChatState(view, session, tools, seen)
+    return _ChatState(view, session, tools, seen, (task.meta.get("user_sim") or {}).get("stop", ""))
 
 
 def _flip_new(state: _ChatState, messages: list[dict]) -> None:
@@ -627,7 +639,7 @@ class OpenAIUserSim(UserSim):
             msg = await self._complete(state.history, state.tools)
             if not (state.tools and msg.tool_calls):
                 state.history.append({"role": "assistant", "content": msg.content or ""})
-                return msg.content or ""
+                return state.said(msg.content or "")
             # User-side tools (tau2 telecom): run them on the episode's session, loop until the user talks.
             calls = [{"id": c.id, "type": "function",
                       "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in msg.tool_calls]
@@ -687,7 +699,7 @@ class HFUserSim(UserSim):
         texts = self._generate([s.history for s in states])
         for s, t in zip(states, texts):
             s.history.append({"role": "assistant", "content": t})
-        return texts
+        return [s.said(t) for s, t in zip(states, texts)]
 
 
 class DataUserSim(UserSim):
