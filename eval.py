@@ -5,6 +5,7 @@ results, termination reasons, turns. Writes episodes.jsonl, summary.json and res
     ./run accelerate launch eval.py --agent Qwen/Qwen3-8B --env tau2:retail --user-sim openai --user-model gpt-4.1 --trials 4
     ./run python eval.py --agent openai:gpt-4o --env tau2:airline --user-sim openai     # an API model as the agent
     ./run python eval.py --agent openai:gpt-4o --env bfcl:multi_turn --max-turns 100    # BFCL-V3 multi-turn
+    ./run python eval.py --agent openai:gpt-4o --env acebench:agent --acebench-root ACEBench --user-sim openai
 
 The agent is a checkpoint directory, a hub id, 'smollm2-135m', 'openai:<model>' for an OpenAI-compatible
 model (baselines), or 'expert' for the environment's scripted expert (shop; BFCL's ground truth), which checks the
@@ -32,7 +33,10 @@ class EvalConfig:
     agent_base_url: str = ""
     """endpoint for an 'openai:' agent (default: OPENAI_BASE_URL)"""
     env: str = "shop"
-    """environment: 'shop', 'tau2:<retail|airline|telecom|mock>', 'bfcl:<multi_turn|multi_turn_base|...>'"""
+    """environment: 'shop', 'tau2:<retail|airline|telecom|mock>', 'bfcl:<multi_turn|multi_turn_base|...>',
+    'acebench:agent'"""
+    acebench_root: str = ""
+    """acebench only: the ACEBench checkout (default: ACEBENCH_ROOT)"""
     split: str = "test"
     """task split"""
     env_reward: str = ""
@@ -285,7 +289,10 @@ def main(argv=None):
     if cfg.trials < 1:
         raise SystemExit("eval.py: --trials must be >= 1")
     acc = muarl.make_accelerator()
-    env = make_env(cfg.env, **({"reward": cfg.env_reward} if cfg.env_reward else {}))
+    options = {"reward": cfg.env_reward} if cfg.env_reward else {}
+    if cfg.env.startswith("acebench:") and cfg.acebench_root:
+        options["root"] = cfg.acebench_root
+    env = make_env(cfg.env, **options)
     tasks = env.tasks(cfg.split)
     tasks = tasks[:cfg.num_tasks] if cfg.num_tasks else tasks
     t0 = time.time()
