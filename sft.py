@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 import muarl
+from loss import token_logprobs
 
 
 @dataclass
@@ -232,8 +233,6 @@ def fit(acc, model, opt, sched, data, steps: int, batch_size: int, micro_batch_s
         seed: int, grad_clip: float, tag: str, log_every: int = 10) -> float:
     """`steps` optimizer steps of `batch_size` sequences drawn in seeded epochs: token-mean NLL of the masked
     tokens, one normalizer per step over all micro-batches and processes (invariant 3). Returns the mean loss."""
-    from grpo import token_logprobs
-
     rng, order, t0 = random.Random(seed), [], time.time()
     run_loss = torch.zeros((), device=acc.device)
     model.train()
@@ -297,8 +296,6 @@ def copy_loss(model, tok, data, copy_ids: set[int], micro_batch_size: int = 32) 
     earlier in the same sequence (a token of `copy_ids` that already appeared before it), and of the other trained
     tokens. A value that is not in the sequence yet (the next order to look up when the window does not show the
     order list) is not a copy and counts as "other": no model can get it right from the drill alone."""
-    from grpo import token_logprobs
-
     device = next(model.parameters()).device
     sums = torch.zeros(4, dtype=torch.float64)
     with torch.no_grad():
@@ -313,12 +310,14 @@ def copy_loss(model, tok, data, copy_ids: set[int], micro_batch_size: int = 32) 
 
 
 def cache_key(settings: dict) -> str:
-    """A key for a cached checkpoint: its settings and the code that makes it (muarl.py, sft.py, envs/), so that a
-    checkpoint made by other code or other settings is never reused."""
+    """A key for a cached checkpoint: its settings and the code that makes it (muarl.py: the tokenizer and the model;
+    envs/: the shop domain; sft.py: the drills and the SFT loop; loss.py: the log-probabilities that loop trains),
+    so that a checkpoint made by other code or other settings is never reused."""
     import hashlib
 
     here = Path(__file__).resolve().parent
-    code = b"".join(p.read_bytes() for p in [here / "muarl.py", here / "sft.py", *sorted((here / "envs").glob("*.py"))])
+    code = b"".join(p.read_bytes() for p in [here / "muarl.py", here / "sft.py", here / "loss.py",
+                                              *sorted((here / "envs").glob("*.py"))])
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode() + code).hexdigest()[:10]
 
 
