@@ -58,15 +58,6 @@ class EvalConfig:
     """output directory (default: runs/eval-<env>-<time>)"""
 
 
-def user_sim_options(cfg) -> dict:
-    """Options of the user simulator named by cfg.user_sim, from the user_* fields (grpo.py and eval.py)."""
-    if cfg.user_sim == "openai":
-        return dict(model=cfg.user_model, base_url=cfg.user_base_url or None, max_concurrency=cfg.user_concurrency)
-    if cfg.user_sim == "hf":
-        return dict(model=cfg.user_model)
-    return {}
-
-
 def pass_hat_k(successes: int, trials: int, k: int) -> float:
     """tau-bench's pass^k for one task: the chance that k trials drawn from the n run all succeed, C(c,k)/C(n,k)."""
     return comb(successes, k) / comb(trials, k) if trials >= k else float("nan")
@@ -213,12 +204,10 @@ def plot_curves(rows: list[dict], path, before: float | None = None, after: floa
 def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
     """An OpenAI-compatible model as the agent, through the text-level driver (no token-level record)."""
     from envs import message_history, play
-    from sft import OpenAIAgent
+    from rollout import OpenAIAgent, make_user_sim, user_sim_options
 
     sim = None
     if cfg.user_sim != "scripted":
-        from rollout import make_user_sim
-
         sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
     out = []
     for task in tasks:
@@ -229,7 +218,7 @@ def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
                 messages, reward, info, termination = play(env, task, agent,
                                                            sim.sync_user(env, task, session) if sim else None,
                                                            max_turns=cfg.max_turns, session=session)
-                failed = False
+                failed = termination == "infra_error"  # the evaluator failed (envs.score)
             except Exception as e:  # the endpoint failed after its retries: report, don't score
                 messages, reward, info, termination, failed = [], 0.0, {"error": repr(e)}, "infra_error", True
             new = messages[1 + len(message_history(env, task)):]  # the task's earlier conversation is not this agent's
@@ -262,7 +251,7 @@ def main(argv=None):
     if cfg.agent.startswith("openai:"):
         episodes = run_api_agent(cfg, env, tasks[acc.process_index::acc.num_processes])
     else:
-        from rollout import RolloutConfig, make_user_sim, rollout
+        from rollout import RolloutConfig, make_user_sim, rollout, user_sim_options
 
         model, tok = muarl.load_model(cfg.agent, device=acc.device)  # bf16 on GPU, fp32 on CPU
         model.eval()

@@ -16,7 +16,6 @@ never the reverse (tests/test_layout.py).
 
 import contextlib
 import json
-import math
 import os
 import random
 import sys
@@ -265,10 +264,6 @@ def find_checkpoint(path: str) -> Path:
 def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, pad_id: int) -> dict:
     """One rollout batch -> `updates_per_batch` optimizer steps. Returns loss metrics (over all processes)."""
     G = cfg.group_size
-    for ep in episodes:  # a broken reward is the environment's failure, not the agent's: leave it out, loudly
-        if not math.isfinite(ep.reward):
-            ep.reward_info = {**ep.reward_info, "error": f"non-finite reward {ep.reward}"}
-            ep.reward, ep.infra_failed, ep.termination = 0.0, True, "infra_error"
     rewards = torch.tensor([ep.reward for ep in episodes], dtype=torch.float32)
     valid = torch.tensor([not ep.infra_failed for ep in episodes])
     adv = group_advantages(rewards, G, scale=cfg.scale_advantages, valid=valid)
@@ -349,8 +344,8 @@ def main(argv=None):
     from tqdm.auto import tqdm
 
     from envs import make_env
-    from eval import plot_curves, summarize, user_sim_options
-    from rollout import RolloutConfig, make_user_sim, rollout
+    from eval import plot_curves, summarize
+    from rollout import RolloutConfig, make_user_sim, rollout, user_sim_options
 
     cfg = muarl.parse_config(Config, argv, recipes=RECIPES, description=__doc__.split("\n\n")[0])
     resume_from = find_checkpoint(cfg.resume) if cfg.resume else None

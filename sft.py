@@ -28,6 +28,7 @@ import torch
 
 import muarl
 from loss import token_logprobs
+from rollout import OpenAIAgent, make_user_sim, user_sim_options
 
 
 @dataclass
@@ -120,27 +121,6 @@ def load_conversations(path: str) -> list[dict]:
     return out
 
 
-class OpenAIAgent:
-    """A teacher agent behind an OpenAI-compatible endpoint, for muarl's envs.play driver."""
-
-    def __init__(self, model: str, tools: list[dict], base_url: str = "", temperature: float = 0.0):
-        from openai import OpenAI
-
-        self.client = OpenAI(base_url=base_url or None, max_retries=5)
-        self.model, self.tools, self.temperature = model, tools, temperature
-
-    def act(self, messages: list[dict]) -> dict:
-        r = self.client.chat.completions.create(model=self.model, messages=messages, tools=self.tools or None,
-                                                temperature=self.temperature)
-        m = r.choices[0].message
-        msg = {"role": "assistant", "content": m.content or ""}
-        if m.tool_calls:
-            msg["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                                 for c in m.tool_calls]
-        return msg
-
-
 def make_cold_start(cfg: SFTConfig) -> list[dict]:
     """Play tasks with the teacher and keep the conversations whose reward is 1."""
     from envs import make_env, message_history, play
@@ -151,9 +131,6 @@ def make_cold_start(cfg: SFTConfig) -> list[dict]:
     kept, t0 = [], time.time()
     sim = None
     if cfg.user_sim != "scripted":
-        from eval import user_sim_options
-        from rollout import make_user_sim
-
         sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
     failed = 0
     for task in tasks[:cfg.num_tasks]:

@@ -2,11 +2,9 @@
 reasons, tool-call errors, and the three user simulators (openai against a real local HTTP server)."""
 import copy
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from conftest import chatty
+from conftest import ChatServer
 import torch
 
 import muarl
@@ -106,19 +104,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_tok):
-    """The conftest's tiny Qwen3 shape with larger random weights (initializer_range 0.3): its greedy text varies
-    with the context instead of repeating one token, so greedy turns have different lengths."""
-    from transformers import Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = muarl.tiny_config(len(tiny_tok), arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.3,
-                            pad_token_id=tiny_tok.pad_token_id, eos_token_id=muarl.end_of_turn_id(tiny_tok))
-    return chatty(Qwen3ForCausalLM(cfg).eval(), tiny_tok, rate=0.2)
 
 
 GREEDY = RolloutConfig(greedy=True, max_new_tokens=64, max_turns=8)
@@ -296,45 +281,6 @@ def test_tool_calls_and_errors():
 # ---------------------------------------------------------------------------------------------------------
 # User simulators
 # ---------------------------------------------------------------------------------------------------------
-class ChatServer:
-    """A real OpenAI-compatible HTTP endpoint on 127.0.0.1: POST /v1/chat/completions. `script` decides each
-    answer: a function (request body, request number) -> (status, message dict)."""
-
-    def __init__(self, script):
-        self.requests, self.script, lock = [], script, threading.Lock()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with lock:
-                    server.requests.append((self.path, body))
-                    n = len(server.requests)
-                status, message = server.script(body, n)
-                payload = ({"id": f"c{n}", "object": "chat.completion", "created": 0, "model": body["model"],
-                            "choices": [{"index": 0, "message": {"role": "assistant", **message},
-                                         "finish_reason": "tool_calls" if message.get("tool_calls") else "stop"}],
-                            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
-                           if status == 200 else {"error": {"message": "boom", "type": "server_error"}})
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 def _user_replies(body, n):
     said = sum(m["role"] == "assistant" for m in body["messages"])
     return 200, {"content": "Thanks, bye. ###STOP###" if said >= 3 else f"user message {said}"}
