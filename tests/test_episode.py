@@ -48,4 +48,3 @@ def test_every_way_of_playing_an_episode_scores_it_alike(name, expected, lm, tin
                 assert info["env_reward"] == 1.0 and info["ended_early"] == "max_turns", path
     kept = sft.make_cold_start(sft.SFTConfig(env=f"tests.fake_env:{name}", num_tasks=2))
     assert len(kept) == (2 if expected[0] == 1.0 else 0)  # only finished episodes are cold-start data
-
