@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from math import comb
 from pathlib import Path
 
+import cli
 import muarl
 
 
@@ -238,12 +239,12 @@ def main(argv=None):
 
     from envs import make_env
 
-    cfg = muarl.parse_config(EvalConfig, argv, description=__doc__.split("\n\n")[0])
+    cfg = cli.parse_config(EvalConfig, argv, description=__doc__.split("\n\n")[0])
     if not cfg.agent:
         raise SystemExit("eval.py: --agent is required (a checkpoint directory, hub id, smollm2-135m or openai:<model>)")
     if cfg.trials < 1:
         raise SystemExit("eval.py: --trials must be >= 1")
-    acc = muarl.make_accelerator()
+    acc = cli.make_accelerator()
     env = make_env(cfg.env, **({"reward": cfg.env_reward} if cfg.env_reward else {}))
     tasks = env.tasks(cfg.split)
     tasks = tasks[:cfg.num_tasks] if cfg.num_tasks else tasks
@@ -272,7 +273,7 @@ def main(argv=None):
                 f.write(json.dumps(e, ensure_ascii=False, default=str) + "\n")
         s = summarize(episodes, cfg.trials, {t.id: t.meta for t in tasks})
         s["config"], s["seconds"] = asdict(cfg), time.time() - t0
-        muarl.write_json_atomic(out / "summary.json", s)
+        cli.write_json_atomic(out / "summary.json", s)
         (out / "results.md").write_text(markdown(cfg, s))
         ks = " ".join(f"{k} {s[k]:.3f}" for k in s if k.startswith("pass^"))
         print(f"[eval] {cfg.agent} on {cfg.env}:{cfg.split}: {s['tasks']} tasks x {cfg.trials}: {ks}, "

@@ -26,6 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
+import cli
 import muarl
 from loss import (AGGS, DEFAULT_CHUNK_SIZE, LOG_RATIO_CLAMP, group_advantages, grpo_loss, kl_k3,  # noqa: F401
                   logprobs_from_hidden, masked_token_entropy, token_logprobs)
@@ -173,9 +174,9 @@ def cold_start(cfg: Config) -> str:
     scfg = sft.SFTConfig(model=cfg.model, env=cfg.env, split=cfg.split, seed=cfg.seed, bf16=cfg.bf16)
     out = muarl.CACHE_DIR / f"coldstart-{cfg.env.replace(':', '-')}-{cfg.model}-{sft.cache_key(asdict(scfg))}"
     if (out / "config.json").exists():
-        muarl.main_print(f"[grpo] cold start: using the cached SFT checkpoint {out}")
+        cli.main_print(f"[grpo] cold start: using the cached SFT checkpoint {out}")
         return str(out)
-    muarl.main_print(f"[grpo] cold start: no --init-from given, so making one: {scfg.num_tasks} expert conversations "
+    cli.main_print(f"[grpo] cold start: no --init-from given, so making one: {scfg.num_tasks} expert conversations "
               f"on {cfg.env}:{cfg.split}, then SFT of the pretrained '{cfg.model}' base ({scfg.epochs:g} epochs) -> {out}")
     scfg.out = str(out)
     sft.train(scfg, sft.make_cold_start(scfg))  # its own Accelerator: GRPO's checkpoints hold GRPO's state only
@@ -243,10 +244,10 @@ def save_checkpoint(acc, model, tok, cfg: Config, run_dir: Path, step: int) -> P
     acc.save_state(str(tmp / "accelerate"))
     sft.save_pretrained(acc, model, tok, tmp / "model", {"grpo": asdict(cfg)})
     if acc.is_main_process:
-        muarl.write_json_atomic(tmp / "trainer_state.json", {"step": step, "data_position": step * cfg.tasks_per_step})
+        cli.write_json_atomic(tmp / "trainer_state.json", {"step": step, "data_position": step * cfg.tasks_per_step})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        muarl.write_json_atomic(run_dir / "checkpoints" / "latest.json", {"checkpoint": final.name})
+        cli.write_json_atomic(run_dir / "checkpoints" / "latest.json", {"checkpoint": final.name})
     acc.wait_for_everyone()
     return final
 
@@ -347,7 +348,7 @@ def main(argv=None):
     from eval import plot_curves, summarize
     from rollout import RolloutConfig, make_user_sim, rollout, user_sim_options
 
-    cfg = muarl.parse_config(Config, argv, recipes=RECIPES, description=__doc__.split("\n\n")[0])
+    cfg = cli.parse_config(Config, argv, recipes=RECIPES, description=__doc__.split("\n\n")[0])
     resume_from = find_checkpoint(cfg.resume) if cfg.resume else None
     if resume_from:  # continue the run with its own settings; --steps may extend it
         saved = json.loads((resume_from / "model" / "muarl_config.json").read_text())["grpo"]
@@ -355,7 +356,7 @@ def main(argv=None):
         cfg = Config(**{**saved, "steps": cfg.steps if "--steps" in given else saved["steps"], "resume": cfg.resume})
         if set(given) - {"--resume", "--steps"}:
             print(f"[grpo] --resume continues with the run's saved settings; ignoring {sorted(set(given) - {'--resume', '--steps'})}")
-    acc = muarl.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no", log_with=cfg.report_to or None)
+    acc = cli.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no", log_with=cfg.report_to or None)
     validate(cfg, acc.num_processes)
     muarl.seed_everything(cfg.seed)
     run_dir = Path(cfg.out_dir or resume_from and resume_from.parents[1] or
@@ -364,7 +365,7 @@ def main(argv=None):
         cfg.out_dir = str(run_dir)
     if acc.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
-        muarl.write_json_atomic(run_dir / "config.json", asdict(cfg))
+        cli.write_json_atomic(run_dir / "config.json", asdict(cfg))
     if cfg.report_to:
         acc.init_trackers(run_dir.name, config=asdict(cfg))
 
@@ -472,7 +473,7 @@ def main(argv=None):
     if first_step < cfg.steps:
         results.update(evaluate("after"))
     if acc.is_main_process:
-        muarl.write_json_atomic(run_dir / "summary.json", {"steps": cfg.steps, **results})
+        cli.write_json_atomic(run_dir / "summary.json", {"steps": cfg.steps, **results})
         if log_path.exists():
             plot_curves([json.loads(line) for line in open(log_path)], run_dir / "curves.png",
                         results.get("eval/before/pass1"), results.get("eval/after/pass1"))

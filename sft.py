@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+import cli
 import muarl
 from loss import token_logprobs
 from rollout import OpenAIAgent, make_user_sim, user_sim_options
@@ -246,7 +247,7 @@ def fit(acc, model, opt, sched, data, steps: int, batch_size: int, micro_batch_s
 def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     """Fine-tune on the conversations; returns the checkpoint directory. 'tiny' starts from its pretrained base."""
     start = str(pretrain_tiny(cfg)) if cfg.model == "tiny" else cfg.model
-    acc = accelerator or muarl.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
+    acc = accelerator or cli.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
     muarl.seed_everything(cfg.seed)
     model, tok = muarl.load_model(start, device=acc.device, seed=cfg.seed)
     if cfg.gradient_checkpointing:
@@ -288,12 +289,12 @@ def copy_loss(model, tok, data, copy_ids: set[int], micro_batch_size: int = 32) 
 
 def cache_key(settings: dict) -> str:
     """A key for a cached checkpoint: its settings and the code that makes it (muarl.py: the tokenizer and the model;
-    envs/: the shop domain; sft.py: the drills and the SFT loop; loss.py: the log-probabilities that loop trains),
-    so that a checkpoint made by other code or other settings is never reused."""
+    envs/: the shop domain; sft.py: the drills and the SFT loop; loss.py: the log-probabilities that loop trains;
+    cli.py: its Accelerator), so that a checkpoint made by other code or other settings is never reused."""
     import hashlib
 
     here = Path(__file__).resolve().parent
-    code = b"".join(p.read_bytes() for p in [here / "muarl.py", here / "sft.py", here / "loss.py",
+    code = b"".join(p.read_bytes() for p in [here / "muarl.py", here / "sft.py", here / "loss.py", here / "cli.py",
                                               *sorted((here / "envs").glob("*.py"))])
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode() + code).hexdigest()[:10]
 
@@ -323,7 +324,7 @@ def pretrain_tiny(cfg: SFTConfig) -> Path:
     held_out = 64
     conversations = make_cold_start(replace(cfg, env="shop", teacher="expert", user_sim="scripted",
                                             num_tasks=cfg.num_tasks + held_out))
-    acc = muarl.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
+    acc = cli.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
     muarl.seed_everything(cfg.seed)
     model, tok = muarl.load_model("tiny", device=acc.device, seed=cfg.seed)
     drills = encode(tok, windows(conversations[:-held_out]), cfg.max_len)[0]
@@ -365,14 +366,14 @@ def save_pretrained(acc, model, tok, out: Path, run_config: dict) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         acc.unwrap_model(model).save_pretrained(tmp, state_dict=state, safe_serialization=True)
         tok.save_pretrained(tmp)
-        muarl.write_json_atomic(tmp / "muarl_config.json", run_config)
+        cli.write_json_atomic(tmp / "muarl_config.json", run_config)
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
     acc.wait_for_everyone()
 
 
 def main(argv=None):
-    cfg = muarl.parse_config(SFTConfig, argv, description=__doc__.split("\n\n")[0])
+    cfg = cli.parse_config(SFTConfig, argv, description=__doc__.split("\n\n")[0])
     if cfg.pretrain_only:
         if cfg.model != "tiny":
             raise SystemExit("sft.py: --pretrain-only: only the 'tiny' model is pretrained here (--model tiny)")

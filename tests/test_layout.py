@@ -2,6 +2,7 @@
 
     envs/      the world: tasks, tools, databases, rewards, the episode rule, the simulated users
     loss.py    the GRPO math, pure functions on tensors
+    cli.py     the entry points' plumbing: config dataclass as command line, Accelerator, atomic JSON
     muarl.py   the floor of the agent's side: Episode, tokenization, tool-call format, model loading
     rollout.py the agent playing episodes (reference and fast engine)
     sft.py, eval.py    cold start and evaluation, on the rollout
@@ -17,11 +18,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALLOWED = {  # module -> the project modules it may import
     "envs": {"envs"},
     "loss": set(),
-    "muarl": {"envs"},
+    "cli": set(),
+    "muarl": {"envs", "cli"},
     "rollout": {"envs", "muarl"},
-    "sft": {"envs", "muarl", "loss", "rollout"},
-    "eval": {"envs", "muarl", "rollout"},
-    "grpo": {"envs", "muarl", "loss", "rollout", "sft", "eval"},
+    "sft": {"envs", "cli", "muarl", "loss", "rollout"},
+    "eval": {"envs", "cli", "muarl", "rollout"},
+    "grpo": {"envs", "cli", "muarl", "loss", "rollout", "sft", "eval"},
 }
 
 
