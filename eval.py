@@ -19,6 +19,7 @@ from pathlib import Path
 
 import cli
 import muarl
+from rollout import user_sim_options  # noqa: F401  (re-exported: it was defined here)
 
 
 @dataclass
@@ -205,7 +206,7 @@ def plot_curves(rows: list[dict], path, before: float | None = None, after: floa
 def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
     """An OpenAI-compatible model as the agent, through the text-level driver (no token-level record)."""
     from envs import message_history, play
-    from rollout import OpenAIAgent, make_user_sim, user_sim_options
+    from rollout import OpenAIAgent, make_user_sim
 
     sim = None
     if cfg.user_sim != "scripted":
@@ -252,7 +253,7 @@ def main(argv=None):
     if cfg.agent.startswith("openai:"):
         episodes = run_api_agent(cfg, env, tasks[acc.process_index::acc.num_processes])
     else:
-        from rollout import RolloutConfig, make_user_sim, rollout, user_sim_options
+        from rollout import RolloutConfig, make_user_sim, rollout
 
         model, tok = muarl.load_model(cfg.agent, device=acc.device)  # bf16 on GPU, fp32 on CPU
         model.eval()

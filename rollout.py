@@ -74,6 +74,52 @@ class RolloutConfig:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The reference rollout: one episode, HF generate
+# ---------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def reference_rollout(model, tokenizer, env, task, user_sim: UserSim, cfg: RolloutConfig | None = None) -> Episode:
+    """Play one episode of `task` the plain way; the oracle the engine (`rollout`) is held to.
+
+    Each agent turn is one `model.generate` call over the whole conversation so far (HF's KV cache lives within
+    the turn). What the agent sampled enters the episode verbatim, never re-tokenized from its text; everything
+    else enters as a chat-template delta (the turn helpers below). Same Episode record, masks, episode rule and reward as `rollout`; a user simulator
+    that fails raises here (the engine records infra_error). Sampling is HF's (temperature, top_p); the engine's
+    recorded logprob, log_softmax(logits / temperature) of the drawn token, is recorded here too."""
+    cfg = cfg or RolloutConfig()
+    eot = end_of_turn_id(tokenizer)
+    session = env.start(task)
+    user = user_sim.sync_user(env, task, session)
+    ep = Episode(task_id=task.id, tools=env.tools(task), messages=opening_messages(env, task, user.opening()))
+    ep.append(prompt_ids(tokenizer, ep.messages, ep.tools), agent=False)
+    status = "agent" if len(ep.input_ids) < cfg.max_context else "context_limit"
+    while status == "agent":
+        ids, logprobs = _generate(model, ep.input_ids, cfg, eot, tokenizer.pad_token_id)
+        stop = ("eot" if ids[-1] == eot else
+                "context" if len(ep.input_ids) + len(ids) >= cfg.max_context else "max_new_tokens")
+        status = agent_turn(ep, session, tokenizer, ids, logprobs, stop, cfg.max_turns)
+        if status == "user":
+            ep.messages.append({"role": "user", "content": user.reply(ep.messages)})
+            status = next_turn(ep.messages, ep.turns, cfg.max_turns)
+        if status == "agent" and not append_delta(ep, tokenizer, cfg.max_context):
+            status = "context_limit"
+    end_episode(ep, session, status)
+    return ep
+
+
+def _generate(model, input_ids: list[int], cfg: RolloutConfig, eot: int, pad: int) -> tuple[list[int], list[float]]:
+    """One agent turn by `model.generate`: (sampled ids, ending with eot unless cut off; their logprobs)."""
+    ids = torch.tensor([input_ids], device=model.device)
+    sampling = dict(do_sample=False) if cfg.greedy else dict(do_sample=True, temperature=cfg.temperature,
+                                                            top_p=cfg.top_p, top_k=0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), eos_token_id=eot, pad_token_id=pad,
+                         max_new_tokens=min(cfg.max_new_tokens, cfg.max_context - len(input_ids)),
+                         output_logits=True, return_dict_in_generate=True, **sampling)
+    new = out.sequences[0, len(input_ids):]
+    logp = torch.log_softmax(torch.cat(out.logits).float() / cfg.temperature, -1)   # [new tokens, V]
+    return new.tolist(), logp.gather(-1, new[:, None])[:, 0].tolist()
+
+
+# ---------------------------------------------------------------------------------------------------------
 # One turn of the agent, shared by both rollouts
 # ---------------------------------------------------------------------------------------------------------
 def run_tool_calls(ep: Episode, session, text: str) -> tuple[dict, list[dict], bool]:
@@ -138,52 +184,6 @@ def end_episode(ep: Episode, session, termination: str) -> None:
         if termination == "infra_error":
             log.warning("reward failed for task %s: %s", ep.task_id, ep.reward_info.get("error"))
     ep.termination, ep.infra_failed = termination, termination == "infra_error"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The reference rollout: one episode, HF generate
-# ---------------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def reference_rollout(model, tokenizer, env, task, user_sim: UserSim, cfg: RolloutConfig | None = None) -> Episode:
-    """Play one episode of `task` the plain way; the oracle the engine (`rollout`) is held to.
-
-    Each agent turn is one `model.generate` call over the whole conversation so far (HF's KV cache lives within
-    the turn). What the agent sampled enters the episode verbatim and is never re-encoded; everything else enters
-    as a chat-template delta. Same Episode record, masks, episode rule and reward as `rollout`; a user simulator
-    that fails raises here (the engine records infra_error). Sampling is HF's (temperature, top_p); the engine's
-    recorded logprob, log_softmax(logits / temperature) of the drawn token, is recorded here too."""
-    cfg = cfg or RolloutConfig()
-    eot = end_of_turn_id(tokenizer)
-    session = env.start(task)
-    user = user_sim.sync_user(env, task, session)
-    ep = Episode(task_id=task.id, tools=env.tools(task), messages=opening_messages(env, task, user.opening()))
-    ep.append(prompt_ids(tokenizer, ep.messages, ep.tools), agent=False)
-    status = "agent" if len(ep.input_ids) < cfg.max_context else "context_limit"
-    while status == "agent":
-        ids, logprobs = _generate(model, ep.input_ids, cfg, eot, tokenizer.pad_token_id)
-        stop = ("eot" if ids[-1] == eot else
-                "context" if len(ep.input_ids) + len(ids) >= cfg.max_context else "max_new_tokens")
-        status = agent_turn(ep, session, tokenizer, ids, logprobs, stop, cfg.max_turns)
-        if status == "user":
-            ep.messages.append({"role": "user", "content": user.reply(ep.messages)})
-            status = next_turn(ep.messages, ep.turns, cfg.max_turns)
-        if status == "agent" and not append_delta(ep, tokenizer, cfg.max_context):
-            status = "context_limit"
-    end_episode(ep, session, status)
-    return ep
-
-
-def _generate(model, input_ids: list[int], cfg: RolloutConfig, eot: int, pad: int) -> tuple[list[int], list[float]]:
-    """One agent turn by `model.generate`: (sampled ids, ending with eot unless cut off; their logprobs)."""
-    ids = torch.tensor([input_ids], device=model.device)
-    sampling = dict(do_sample=False) if cfg.greedy else dict(do_sample=True, temperature=cfg.temperature,
-                                                            top_p=cfg.top_p, top_k=0)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), eos_token_id=eot, pad_token_id=pad,
-                         max_new_tokens=min(cfg.max_new_tokens, cfg.max_context - len(input_ids)),
-                         output_logits=True, return_dict_in_generate=True, **sampling)
-    new = out.sequences[0, len(input_ids):]
-    logp = torch.log_softmax(torch.cat(out.logits).float() / cfg.temperature, -1)   # [new tokens, V]
-    return new.tolist(), logp.gather(-1, new[:, None])[:, 0].tolist()
 
 
 # ---------------------------------------------------------------------------------------------------------

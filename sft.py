@@ -51,7 +51,7 @@ class SFTConfig:
     num_tasks: int = 1200
     """how many tasks the teacher plays (episodes with reward 1 are kept)"""
     user_sim: str = "scripted"
-    """user simulator for the teacher: 'scripted', 'openai', 'hf' (see rollout.py)"""
+    """user simulator for the teacher: 'scripted', 'openai', 'hf' (see envs/users.py)"""
     user_model: str = "gpt-4o"
     """user simulator model: the endpoint's model name ('openai') or a checkpoint/hub id ('hf')"""
     user_base_url: str = ""
