@@ -22,7 +22,9 @@ from dataclasses import asdict, dataclass
 from math import comb
 from pathlib import Path
 
+import cli
 import muarl
+from rollout import user_sim_options  # noqa: F401  (re-exported: it was defined here)
 
 
 @dataclass
@@ -65,15 +67,6 @@ class EvalConfig:
     """sampling seed"""
     out_dir: str = ""
     """output directory (default: runs/eval-<env>-<time>)"""
-
-
-def user_sim_options(cfg) -> dict:
-    """Options of the user simulator named by cfg.user_sim, from the user_* fields (grpo.py and eval.py)."""
-    if cfg.user_sim == "openai":
-        return dict(model=cfg.user_model, base_url=cfg.user_base_url or None, max_concurrency=cfg.user_concurrency)
-    if cfg.user_sim == "hf":
-        return dict(model=cfg.user_model)
-    return {}
 
 
 def pass_hat_k(successes: int, trials: int, k: int) -> float:
@@ -243,12 +236,10 @@ def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
     """An OpenAI-compatible model (or the env's scripted expert) as the agent, through the text-level driver (no
     token-level record)."""
     from envs import message_history, play
-    from sft import OpenAIAgent
+    from rollout import OpenAIAgent, make_user_sim
 
     sim = None
     if cfg.user_sim != "scripted":
-        from rollout import make_user_sim
-
         sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
     out = []
     for task in tasks:
@@ -263,7 +254,7 @@ def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
                 messages, reward, info, termination = play(env, task, agent,
                                                            sim.sync_user(env, task, session) if sim else None,
                                                            max_turns=cfg.max_turns, session=session)
-                failed = False
+                failed = termination == "infra_error"  # the evaluator failed (envs.score)
             except Exception as e:  # the endpoint failed after its retries: report, don't score
                 messages, reward, info, termination, failed = [], 0.0, {"error": repr(e)}, "infra_error", True
             new = messages[1 + len(message_history(env, task)):]  # the task's earlier conversation is not this agent's
@@ -283,12 +274,12 @@ def main(argv=None):
 
     from envs import make_env
 
-    cfg = muarl.parse_config(EvalConfig, argv, description=__doc__.split("\n\n")[0])
+    cfg = cli.parse_config(EvalConfig, argv, description=__doc__.split("\n\n")[0])
     if not cfg.agent:
         raise SystemExit("eval.py: --agent is required (a checkpoint directory, hub id, smollm2-135m or openai:<model>)")
     if cfg.trials < 1:
         raise SystemExit("eval.py: --trials must be >= 1")
-    acc = muarl.make_accelerator()
+    acc = cli.make_accelerator()
     options = {"reward": cfg.env_reward} if cfg.env_reward else {}
     if cfg.env.startswith("acebench:") and cfg.acebench_root:
         options["root"] = cfg.acebench_root
@@ -320,7 +311,7 @@ def main(argv=None):
                 f.write(json.dumps(e, ensure_ascii=False, default=str) + "\n")
         s = summarize(episodes, cfg.trials, {t.id: t.meta for t in tasks})
         s["config"], s["seconds"] = asdict(cfg), time.time() - t0
-        muarl.write_json_atomic(out / "summary.json", s)
+        cli.write_json_atomic(out / "summary.json", s)
         (out / "results.md").write_text(markdown(cfg, s))
         ks = " ".join(f"{k} {s[k]:.3f}" for k in s if k.startswith("pass^") or k == "category_mean")
         print(f"[eval] {cfg.agent} on {cfg.env}:{cfg.split}: {s['tasks']} tasks x {cfg.trials}: {ks}, "

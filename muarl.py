@@ -1,5 +1,6 @@
-"""Shared pieces: the Episode record, chat-template delta tokenization, tool-call parsing and formatting,
-model/tokenizer loading, seeding.
+"""The floor of the agent's side: what an episode is in tokens. The Episode record, tool-call parsing and
+formatting, chat-template delta tokenization, the models and tokenizers that read them (loading, seeding), and the
+padded training batch. rollout.py builds episodes from these; sft.py and grpo.py train on them.
 
 Token in, token out (invariant 1). An episode is one growing list of token ids. The agent's turns enter it
 verbatim as the ids the sampler produced (loss_mask 1). Everything else -- system prompt, user replies, tool
@@ -29,6 +30,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+# The entry points' plumbing moved to cli.py; re-exported for code that used it from here.
+from cli import field_docs, main_print, make_accelerator, parse_config, write_json_atomic  # noqa: F401
 
 CACHE_DIR = Path(os.environ.get("MUARL_CACHE", Path.home() / ".cache" / "muarl"))
 
@@ -474,65 +478,8 @@ def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, 
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Config dataclass -> command line (each field's docstring is its --help), and run bookkeeping
+# Episodes to a training batch
 # ---------------------------------------------------------------------------------------------------------
-def field_docs(cls) -> dict[str, str]:
-    """The docstring written under each field of a dataclass (CleanRL style), read from its source."""
-    import ast
-    import inspect
-    import textwrap
-
-    docs = {}
-    for klass in reversed(cls.__mro__):
-        try:
-            body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
-        except (OSError, TypeError, IndexError, AttributeError):
-            continue
-        for node, nxt in zip(body, body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and \
-                    isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
-                docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
-
-
-def parse_config(cls, argv=None, recipes: dict | None = None, description: str = ""):
-    """Parse --field value options into `cls` (a dataclass). `--recipe NAME` applies a preset first; options
-    given on the command line win. Unknown options and bad values fail at start, naming the option."""
-    import argparse
-    import dataclasses
-    import typing
-
-    docs, hints = field_docs(cls), typing.get_type_hints(cls)
-    p = argparse.ArgumentParser(description=description)
-    if recipes:
-        p.add_argument("--recipe", choices=sorted(recipes), help="a preset of settings, applied before the options")
-    for f in dataclasses.fields(cls):
-        kind, flag = hints[f.name], "--" + f.name.replace("_", "-")
-        if kind is bool:
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                           help=f"{docs.get(f.name, '')} (default: {f.default})".replace("%", "%%"))
-        else:
-            base = typing.get_args(kind)[0] if typing.get_origin(kind) in (typing.Union, getattr(__import__('types'), 'UnionType', None)) else kind
-            p.add_argument(flag, dest=f.name, type=base, default=None, metavar=base.__name__.upper(),
-                           help=f"{docs.get(f.name, '')} (default: {f.default!r})".replace("%", "%%"))
-    args = vars(p.parse_args(argv))
-    values = dict(recipes[args.pop("recipe")]) if recipes and args.get("recipe") else {}
-    args.pop("recipe", None)
-    unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
-    if unknown:
-        raise ValueError(f"recipe sets unknown options {sorted(unknown)}")
-    values.update({k: v for k, v in args.items() if v is not None})
-    return cls(**values)
-
-
-def write_json_atomic(path, obj) -> None:
-    """Write JSON so that a crash mid-write never leaves a truncated file (write a temp file, then rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
-
-
 def collate(seqs: list[tuple[list[int], list[int]]], pad_id: int, device=None):
     """Right-pad (ids, loss_mask) pairs. Returns input_ids, attention_mask, loss_mask: [B, T] each. The masks
     come from the sequences' lengths and the episodes' structure, never from token values (pad may equal eos)."""
@@ -545,23 +492,3 @@ def collate(seqs: list[tuple[list[int], list[int]]], pad_id: int, device=None):
         attention_mask[i, :len(ids)] = 1
         loss_mask[i, :len(mask)] = torch.tensor(mask, dtype=torch.float32)
     return tuple(t.to(device) if device is not None else t for t in (input_ids, attention_mask, loss_mask))
-
-
-def make_accelerator(**kwargs):
-    """An Accelerator that also joins CPU-only processes started by torchrun (over gloo): Accelerate only
-    treats a CPU run as distributed when told `cpu=True`, otherwise each process trains alone."""
-    from accelerate import Accelerator
-
-    acc = Accelerator(cpu=not torch.cuda.is_available(), **kwargs)
-    if acc.device.type == "cpu":
-        # `accelerate launch` sets OMP_NUM_THREADS=1 when it has no config, which halves a 2-core machine:
-        # share the cores among this machine's processes instead (MUARL_THREADS overrides).
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes))
-        torch.set_num_threads(int(os.environ.get("MUARL_THREADS", 0)) or max(1, (os.cpu_count() or 1) // local))
-    return acc
-
-
-def main_print(*args) -> None:
-    """print on the main process only (before an Accelerator exists, from torchrun's RANK)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(*args, flush=True)

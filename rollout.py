@@ -1,24 +1,28 @@
-"""The multi-turn rollout engine: G episodes per task, the agent talking to a simulated user and to tools.
+"""The multi-turn rollout: the agent talking to a simulated user and to tools, token in, token out.
 
-    from rollout import RolloutConfig, make_user_sim, rollout
-    episodes = rollout(model, tokenizer, env, tasks, group_size=8, user_sim=make_user_sim("scripted"),
+    from rollout import RolloutConfig, make_user_sim, reference_rollout, rollout
+    sim = make_user_sim("scripted")
+    episode = reference_rollout(model, tokenizer, env, task, sim, RolloutConfig())     # one episode: read this first
+    episodes = rollout(model, tokenizer, env, tasks, group_size=8, user_sim=sim,
                        cfg=RolloutConfig())          # len(episodes) == 8 * len(tasks), a task's 8 consecutive
 
 Turn order (as in the paper and tau2): the system prompt (with the tools, rendered by the chat template) and the
 user's first message open an episode. The agent speaks. A message with tool calls runs them against the episode's
 own environment session and the agent speaks again on the results; a message without tool calls goes to the user
-simulator, whose reply comes back. The episode ends when the user says a USER_STOP_MARKER, the agent calls a
-STOP_TOOLS tool, after `max_turns` agent messages, at the context cap, when an agent turn hits `max_new_tokens`
-without its end-of-turn token, or when the user simulator's endpoint keeps failing (then `infra_failed`, which
-training leaves out instead of scoring as 0).
+simulator (envs/users.py), whose reply comes back. The episode rule (envs.next_turn, envs.score) ends it: the user
+says a USER_STOP_MARKER, the agent calls a STOP_TOOLS tool, or `max_turns` agent messages were said. Two caps are
+the engine's own: the context (`max_context`) and an agent turn that hits `max_new_tokens` without its end-of-turn
+token. A user simulator whose endpoint keeps failing ends the episode as infra_error (`infra_failed`: training
+leaves it out instead of scoring it 0).
 
-Generation is hand-written batched decoding over the model's forward with a transformers KV Cache. All live
-episodes decode together; a row that ends its turn leaves the batch at once (its cache rows are copied out, minus
-padding holes, and parked on the episode), so a long turn never makes short ones pay. The cache is kept across
-turns: at the next turn only the tokens not yet in it (the agent's last sampled token and the delta of tool
-results or user reply) are prefilled. `reuse_cache=False` re-encodes the whole conversation every turn instead;
-with greedy decoding both give the same tokens (invariant 5, tested). Only full-attention models are supported
-(a sliding window would count padding slots).
+`reference_rollout` plays one episode with HF's `model.generate`, a few dozen lines. `rollout` is the fast engine,
+tested to give the reference's tokens and masks under greedy decoding (tests/test_rollout.py). It is hand-written
+batched decoding over the model's forward with a transformers KV Cache. All live episodes decode together; a row
+that ends its turn leaves the batch at once (its cache rows are copied out, minus padding holes, and parked on the
+episode), so a long turn never makes short ones pay. The cache is kept across turns: at the next turn only the
+tokens not yet in it (the agent's last sampled token and the delta of tool results or user reply) are prefilled.
+`reuse_cache=False` re-encodes the whole conversation every turn instead; with greedy decoding both give the same
+tokens (invariant 5, tested). Only full-attention models are supported (a sliding window would count padding slots).
 
 Turns are asynchronous per episode (continuous batching): a batch decodes until fewer than half its rows
 (`refill_below`) are still in their turn; the rest are parked mid-turn (cache, partial turn, last sampled token as
@@ -30,24 +34,20 @@ LLM user's latency). bench/rollout.py measures batch occupancy.
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
-import math
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from envs import STOP_TOOLS, USER_STOP_MARKERS, message_history, user_speaks_next
-from muarl import Episode, delta_ids, end_of_turn_id, parse_assistant, prompt_ids, template_kwargs
+from envs import STOP_TOOLS, next_turn, opening_messages, score
+from envs.users import (GREETING, DataUserSim, HFUserSim, OpenAIUserSim, ScriptedUserSim, UserSim,  # noqa: F401
+                        UserSimError)
+from muarl import Episode, delta_ids, end_of_turn_id, load_model, parse_assistant, prompt_ids, template_kwargs
 
 log = logging.getLogger("muarl.rollout")
-# Terminations that count as the dialogue ending normally; any other ending scores 0.
-DONE = ("user_stop", "transfer")
 
 
 @dataclass
@@ -75,6 +75,119 @@ class RolloutConfig:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The reference rollout: one episode, HF generate
+# ---------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def reference_rollout(model, tokenizer, env, task, user_sim: UserSim, cfg: RolloutConfig | None = None) -> Episode:
+    """Play one episode of `task` the plain way; the oracle the engine (`rollout`) is held to.
+
+    Each agent turn is one `model.generate` call over the whole conversation so far (HF's KV cache lives within
+    the turn). What the agent sampled enters the episode verbatim, never re-tokenized from its text; everything
+    else enters as a chat-template delta (the turn helpers below). Same Episode record, masks, episode rule and reward as `rollout`; a user simulator
+    that fails raises here (the engine records infra_error). Sampling is HF's (temperature, top_p); the engine's
+    recorded logprob, log_softmax(logits / temperature) of the drawn token, is recorded here too."""
+    cfg = cfg or RolloutConfig()
+    eot = end_of_turn_id(tokenizer)
+    session = env.start(task)
+    user = user_sim.sync_user(env, task, session)
+    ep = Episode(task_id=task.id, tools=env.tools(task), messages=opening_messages(env, task, user.opening()))
+    ep.append(prompt_ids(tokenizer, ep.messages, ep.tools), agent=False)
+    status = "agent" if len(ep.input_ids) < cfg.max_context else "context_limit"
+    while status == "agent":
+        ids, logprobs = _generate(model, ep.input_ids, cfg, eot, tokenizer.pad_token_id)
+        stop = ("eot" if ids[-1] == eot else
+                "context" if len(ep.input_ids) + len(ids) >= cfg.max_context else "max_new_tokens")
+        status = agent_turn(ep, session, tokenizer, ids, logprobs, stop, cfg.max_turns)
+        if status == "user":
+            ep.messages.append({"role": "user", "content": user.reply(ep.messages)})
+            status = next_turn(ep.messages, ep.turns, cfg.max_turns)
+        if status == "agent" and not append_delta(ep, tokenizer, cfg.max_context):
+            status = "context_limit"
+    end_episode(ep, session, status)
+    return ep
+
+
+def _generate(model, input_ids: list[int], cfg: RolloutConfig, eot: int, pad: int) -> tuple[list[int], list[float]]:
+    """One agent turn by `model.generate`: (sampled ids, ending with eot unless cut off; their logprobs)."""
+    ids = torch.tensor([input_ids], device=model.device)
+    sampling = dict(do_sample=False) if cfg.greedy else dict(do_sample=True, temperature=cfg.temperature,
+                                                            top_p=cfg.top_p, top_k=0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), eos_token_id=eot, pad_token_id=pad,
+                         max_new_tokens=min(cfg.max_new_tokens, cfg.max_context - len(input_ids)),
+                         output_logits=True, return_dict_in_generate=True, **sampling)
+    new = out.sequences[0, len(input_ids):]
+    logp = torch.log_softmax(torch.cat(out.logits).float() / cfg.temperature, -1)   # [new tokens, V]
+    return new.tolist(), logp.gather(-1, new[:, None])[:, 0].tolist()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One turn of the agent, shared by both rollouts
+# ---------------------------------------------------------------------------------------------------------
+def run_tool_calls(ep: Episode, session, text: str) -> tuple[dict, list[dict], bool]:
+    """Parse the agent's decoded turn and run its tool calls.
+    Returns (assistant message, tool messages, whether a STOP_TOOLS tool ran).
+
+    Never raises on model output: a malformed call (parse error) or a failing call (unknown tool, bad arguments,
+    a tool that raised: the env's ToolResult(error=True)) becomes an error tool message the agent can read and
+    recover from, counted in ep.tool_errors. Call ids carry the turn number, so they are unique in the episode."""
+    parsed = parse_assistant(text, call_id_prefix=f"call_{ep.turns}")
+    msg = {"role": "assistant", "content": parsed.content}
+    if parsed.tool_calls:
+        msg["tool_calls"] = parsed.tool_calls
+    results, stop = [], False
+    for i, call in enumerate(parsed.tool_calls):
+        name = call["function"]["name"]
+        if i in parsed.errors:
+            content, error = parsed.errors[i], True
+        else:
+            res = session.call_tool(name, json.loads(call["function"]["arguments"]))
+            content, error = res.content, res.error
+            ep.tool_calls[name] += 1
+            stop = stop or name in STOP_TOOLS
+        ep.tool_errors += int(error)
+        results.append({"role": "tool", "tool_call_id": call["id"], "name": name, "content": content})
+    return msg, results, stop
+
+
+def agent_turn(ep: Episode, session, tokenizer, ids: list[int], logprobs: list[float], stop: str,
+               max_turns: int) -> str:
+    """Record a sampled agent turn and act on it. `ids` enter the episode verbatim (loss mask 1, with the sampler's
+    logprobs); their text becomes the assistant message and its tool calls run. `stop` is why decoding stopped:
+    eot | max_new_tokens | context. Returns what follows: "agent" (to read its tool results), "user", or why
+    the episode ended."""
+    ep.append(ids, agent=True, logprobs=logprobs)
+    ep.turns += 1
+    text = tokenizer.decode(ids[:-1] if stop == "eot" else ids, skip_special_tokens=False)
+    if stop != "eot":  # cut off mid-message: keep the text, run nothing
+        ep.messages.append({"role": "assistant", "content": text})
+        return "response_truncated" if stop == "max_new_tokens" else "context_limit"
+    msg, results, ran_stop_tool = run_tool_calls(ep, session, text)
+    ep.messages += [msg] + results
+    return next_turn(ep.messages, ep.turns, max_turns, ran_stop_tool)
+
+
+def append_delta(ep: Episode, tokenizer, max_context: int) -> bool:
+    """Append what was said since the agent's last message (tool results or the user's reply) as a chat-template
+    delta (loss mask 0) ending with the generation prompt. False, appending nothing, when that would leave the
+    agent no room to answer: the episode then ends as context_limit."""
+    last = max(i for i, m in enumerate(ep.messages) if m["role"] == "assistant")
+    ids = delta_ids(tokenizer, ep.messages[last + 1:])
+    if len(ep.input_ids) + len(ids) >= max_context:
+        return False
+    ep.append(ids, agent=False)
+    return True
+
+
+def end_episode(ep: Episode, session, termination: str) -> None:
+    """Score the ended episode by the episode rule (envs.score); an episode lost to infrastructure is not scored."""
+    if termination != "infra_error":
+        ep.reward, ep.reward_info, termination = score(session, ep.messages, termination)
+        if termination == "infra_error":
+            log.warning("reward failed for task %s: %s", ep.task_id, ep.reward_info.get("error"))
+    ep.termination, ep.infra_failed = termination, termination == "infra_error"
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Batched decoding with a per-episode KV cache
 # ---------------------------------------------------------------------------------------------------------
 @dataclass
@@ -88,7 +201,6 @@ class _Row:
     new_ids: list[int] = field(default_factory=list)  # this turn's sampled tokens
     new_logprobs: list[float] = field(default_factory=list)
     stop: str = ""  # why this turn's decoding stopped: eot | max_new_tokens | context
-    delta: list = field(default_factory=list)  # non-agent messages to append before the next turn
 
     @property
     def kv_len(self) -> int:
@@ -277,34 +389,8 @@ def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, eot: int, generat
 # ---------------------------------------------------------------------------------------------------------
 # The episode loop
 # ---------------------------------------------------------------------------------------------------------
-def run_tool_calls(ep: Episode, session, text: str) -> tuple[dict, list[dict], bool]:
-    """Parse the agent's decoded turn and run its tool calls.
-    Returns (assistant message, tool messages, whether a STOP_TOOLS tool ran).
-
-    Never raises on model output: a malformed call (parse error) or a failing call (unknown tool, bad arguments,
-    a tool that raised: the env's ToolResult(error=True)) becomes an error tool message the agent can read and
-    recover from, counted in ep.tool_errors. Call ids carry the turn number, so they are unique in the episode."""
-    parsed = parse_assistant(text, call_id_prefix=f"call_{ep.turns}")
-    msg = {"role": "assistant", "content": parsed.content}
-    if parsed.tool_calls:
-        msg["tool_calls"] = parsed.tool_calls
-    results, stop = [], False
-    for i, call in enumerate(parsed.tool_calls):
-        name = call["function"]["name"]
-        if i in parsed.errors:
-            content, error = parsed.errors[i], True
-        else:
-            res = session.call_tool(name, json.loads(call["function"]["arguments"]))
-            content, error = res.content, res.error
-            ep.tool_calls[name] += 1
-            stop = stop or name in STOP_TOOLS
-        ep.tool_errors += int(error)
-        results.append({"role": "tool", "tool_call_id": call["id"], "name": name, "content": content})
-    return msg, results, stop
-
-
-def _finish(row: _Row, termination: str, infra: bool = False) -> None:
-    row.ep.termination, row.ep.infra_failed = termination, infra
+def _finish(row: _Row, termination: str) -> None:
+    end_episode(row.ep, row.session, termination)
     row.kv = None  # free its cache now
 
 
@@ -334,20 +420,18 @@ async def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, generator)
         if isinstance(opening, BaseException) and not isinstance(opening, UserSimError):
             raise opening
         tools = env.tools(task)
-        opening_msgs = [{"role": "system", "content": env.system_prompt(task)}] + message_history(env, task)
-        if isinstance(opening, str):
-            opening_msgs.append({"role": "user", "content": opening})
-        opening_ids = [] if isinstance(opening, UserSimError) else prompt_ids(tok, opening_msgs, tools)
+        failed = isinstance(opening, UserSimError)
+        opening_ids = [] if failed else prompt_ids(tok, opening_messages(env, task, opening), tools)
         for g in range(group_size):
             ep = Episode(task_id=task.id, sample=g, tools=tools)
             session = env.start(task)  # fresh state per episode (invariant 4)
             row = _Row(ep, session, None)
             rows.append(row)
-            if isinstance(opening, UserSimError):
-                _finish(row, "infra_error", infra=True)
+            if failed:
                 ep.reward_info = {"error": str(opening)}
+                _finish(row, "infra_error")
                 continue
-            ep.messages = copy.deepcopy(opening_msgs)  # the group's episodes share no mutable message
+            ep.messages = opening_messages(env, task, opening)  # the group's episodes share no mutable message
             ep.append(opening_ids, agent=False)
             row.user = user_sim.start(env, task, session, opening)
             if len(ep.input_ids) >= cfg.max_context:
@@ -362,389 +446,86 @@ async def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, generator)
         parked = [r for r in batch if not r.stop]
         to_user, next_live = [], []
         for r in (r for r in batch if r.stop):
-            ep = r.ep
-            ep.append(r.new_ids, agent=True, logprobs=r.new_logprobs)
-            ep.turns += 1
-            text = tok.decode(r.new_ids[:-1] if r.stop == "eot" else r.new_ids, skip_special_tokens=False)
+            status = agent_turn(r.ep, r.session, tok, r.new_ids, r.new_logprobs, r.stop, cfg.max_turns)
             if not cfg.reuse_cache:
                 r.kv = None  # the next turn re-encodes the whole conversation
-            if r.stop != "eot":  # cut off mid-message: keep the text, run nothing
-                ep.messages.append({"role": "assistant", "content": text})
-                _finish(r, "response_truncated" if r.stop == "max_new_tokens" else "context_limit")
-                continue
-            msg, results, stop = run_tool_calls(ep, r.session, text)
-            ep.messages += [msg] + results
-            if stop:
-                _finish(r, "transfer")
-            elif ep.turns >= cfg.max_turns:
-                _finish(r, "max_turns")
-            elif results:
-                r.delta = results
+            if status == "agent":
                 next_live.append(r)
-            else:
+            elif status == "user":
                 to_user.append(r)
+            else:
+                _finish(r, status)
         # The user replies of the rows that ended their turn run concurrently (an LLM endpoint is the slow part).
         replies = await user_sim.replies([r.user for r in to_user], [r.ep.messages for r in to_user])
         for r, reply in zip(to_user, replies):
             if isinstance(reply, UserSimError):
                 log.warning("user simulator failed for task %s: %s", r.ep.task_id, reply)
                 r.ep.reward_info = {"error": str(reply)}
-                _finish(r, "infra_error", infra=True)
+                _finish(r, "infra_error")
                 continue
             if isinstance(reply, BaseException):
                 raise reply
-            msg = {"role": "user", "content": reply}
-            r.ep.messages.append(msg)
-            if any(m in reply for m in USER_STOP_MARKERS):
-                _finish(r, "user_stop")
-            else:
-                r.delta = [msg]
+            r.ep.messages.append({"role": "user", "content": reply})
+            status = next_turn(r.ep.messages, r.ep.turns, cfg.max_turns)
+            if status == "agent":
                 next_live.append(r)
+            else:
+                _finish(r, status)
         # Next in line: the rows parked mid-turn, those that waited (max_batch), then those starting a new turn.
         live = parked + live[len(batch):]
         for r in next_live:
-            ids = delta_ids(tok, r.delta)
-            if len(r.ep.input_ids) + len(ids) >= cfg.max_context:
-                _finish(r, "context_limit")  # no room left to answer: nothing more to append
-            else:
-                r.ep.append(ids, agent=False)
+            if append_delta(r.ep, tok, cfg.max_context):
                 live.append(r)
-
-    for r in rows:
-        if r.ep.infra_failed:
-            continue
-        try:
-            r.ep.reward, r.ep.reward_info = r.session.reward(r.ep.messages)
-        except Exception as e:  # a broken evaluator is not the policy's fault: leave the episode out
-            log.warning("reward failed for task %s: %r", r.ep.task_id, e)
-            r.ep.reward, r.ep.reward_info, r.ep.infra_failed = 0.0, {"error": repr(e)}, True
-            continue
-        if not math.isfinite(r.ep.reward):  # a broken evaluator, not the policy's doing: leave it out, loudly
-            r.ep.reward_info = {**r.ep.reward_info, "error": f"non-finite reward {r.ep.reward}"}
-            r.ep.reward, r.ep.infra_failed, r.ep.termination = 0.0, True, "infra_error"
-        elif r.ep.termination not in DONE:
-            # As tau2 scores it: an episode cut off (turn, context or response cap) did not finish its task,
-            # whatever state the database happens to be in.
-            r.ep.reward_info = {**r.ep.reward_info, "env_reward": r.ep.reward, "ended_early": r.ep.termination}
-            r.ep.reward = 0.0
+            else:
+                _finish(r, "context_limit")
     return [r.ep for r in rows]
 
 
 # ---------------------------------------------------------------------------------------------------------
-# User simulators: one interface, three backends
+# The other participants by name, for the entry points (sft.py, eval.py, grpo.py)
 # ---------------------------------------------------------------------------------------------------------
-class UserSimError(RuntimeError):
-    """The user simulator could not answer (endpoint down after retries): an infrastructure failure."""
-
-
-# tau2's orchestrator opens with this agent greeting; an LLM user needs something to answer to.
-GREETING = "Hi! How can I help you today?"
-_GUIDELINES = """# User Simulation Guidelines
-You are playing the role of a customer contacting a customer service agent. Follow the scenario below.
-- Write one message at a time, as the customer would; never act as the agent.
-- Reveal information only when the agent asks for it; never make up information the scenario does not give.
-- When the task is complete, write ###STOP### to end the conversation. If you are transferred to another
-  agent, write ###TRANSFER###. If the scenario does not cover what is happening, write ###OUT-OF-SCOPE###."""
-
-
-def user_guidelines(with_tools: bool = False) -> str:
-    """tau2's simulation guidelines when the tau2 package is installed (read as data: importing its user
-    simulator pulls litellm), else a short built-in version of them."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("tau2")
-    if spec and spec.submodule_search_locations:
-        name = "simulation_guidelines_tools.md" if with_tools else "simulation_guidelines.md"
-        path = Path(list(spec.submodule_search_locations)[0]) / "data" / "tau2" / "user_simulator" / name
-        if path.exists():
-            return path.read_text()
-    return _GUIDELINES
-
-
-def user_system_prompt(task, with_tools: bool = False) -> str:
-    """tau2's guidelines and the task's scenario; or the benchmark's own user prompt where the task carries one
-    (task.meta["user_sim"]["system_prompt"]: ACEBench's)."""
-    own = (task.meta.get("user_sim") or {}).get("system_prompt")
-    return own or f"{user_guidelines(with_tools)}\n\n<scenario>\n{task.user_scenario}\n</scenario>"
-
-
-class UserSim:
-    """The interface. `opening` runs once per task; `start` makes one episode's state; `replies` answers every
-    episode waiting on its user at once (list in, list out; a failure comes back as a UserSimError in its slot)."""
-
-    async def opening(self, env, task) -> str | None:
-        """The user's first message; None when the task's message history leaves the agent to speak first."""
-        raise NotImplementedError
-
-    def start(self, env, task, session, opening: str | None) -> Any:
-        raise NotImplementedError
-
-    async def reply(self, state, messages: list[dict]) -> str:
-        raise NotImplementedError
-
-    def sync_user(self, env, task, session):
-        """This simulator as a ScriptedUser (opening() / reply(messages)) for the text-level driver envs.play,
-        which cold-start synthesis and API-model evaluation use. Failures raise UserSimError."""
-        return _SyncUser(self, env, task, session)
-
-    async def replies(self, states: list, conversations: list[list[dict]]) -> list:
-        out = await asyncio.gather(*(self.reply(s, m) for s, m in zip(states, conversations)),
-                                   return_exceptions=True)
-        return list(out)
-
-
-class _SyncUser:
-    def __init__(self, sim, env, task, session):
-        self.sim, self.env, self.task, self.session, self.state = sim, env, task, session, None
-
-    def opening(self) -> str | None:
-        text = asyncio.run(self.sim.opening(self.env, self.task))
-        self.state = self.sim.start(self.env, self.task, self.session, text)
-        return text
-
-    def reply(self, messages: list[dict]) -> str:
-        return asyncio.run(self.sim.reply(self.state, messages))
-
-
-class ScriptedUserSim(UserSim):
-    """The environment's rule-based user (env.scripted_user): deterministic, free, for tests and tiny runs."""
-
-    async def opening(self, env, task) -> str:
-        return env.scripted_user(task).opening()
-
-    def start(self, env, task, session, opening):
-        user = env.scripted_user(task)
-        user.opening()  # a scripted user may keep state; its opening equals the shared one by contract
-        return user
-
-    async def reply(self, user, messages):
-        return user.reply(messages)
-
-
-@dataclass
-class _ChatState:
-    """An LLM user's side of one episode: its own conversation, roles flipped, including its own tool traffic."""
-
-    history: list[dict]
-    session: Any
-    tools: list[dict]
-    seen: int  # agent-visible messages already mirrored into history
-    stop: str = ""  # the benchmark's own way for the user to end (ACEBench: "finish conversation")
-
-    def said(self, text: str) -> str:
-        """The user's message as the episode records it: a stop marker added when it ends the benchmark's way."""
-        if self.stop and self.stop in text and not any(m in text for m in USER_STOP_MARKERS):
-            return f"{text} {USER_STOP_MARKERS[0]}"
-        return text
-
-
-def _user_view(task, history: list[dict], with_tools: bool) -> list[dict]:
-    """What the user has seen before its first message, roles flipped (the agent speaks as `user`): the task's
-    message history without the agent's tool traffic, as tau2 shows it, or else the greeting (tau2's, or the
-    benchmark's own: task.meta["user_sim"]["greeting"])."""
-    said = [m for m in history if m["role"] in ("user", "assistant") and not m.get("tool_calls")]
-    flip = {"user": "assistant", "assistant": "user"}
-    greeting = (task.meta.get("user_sim") or {}).get("greeting") or GREETING
-    return [{"role": "system", "content": user_system_prompt(task, with_tools)}] + [
-        {"role": flip[m["role"]], "content": m.get("content") or ""}
-        for m in said or [{"role": "assistant", "content": greeting}]]
-
-
-def _chat_state(env, task, session, opening: str | None, tools: list[dict]) -> _ChatState:
-    history = message_history(env, task)
-    view = _user_view(task, history, bool(tools))
-    if opening is not None:
-        view.append({"role": "assistant", "content": opening})
-    seen = 1 + len(history) + (opening is not None)  # system + history + opening
-    return _ChatState(view, session, tools, seen, (task.meta.get("user_sim") or {}).get("stop", ""))
-
-
-def _flip_new(state: _ChatState, messages: list[dict]) -> None:
-    """Mirror what the agent said to the user since the last reply: its text messages, as `user`. The agent's
-    tool calls and tool results are not the user's business and are never shown."""
-    for m in messages[state.seen:]:
-        if m["role"] == "assistant" and not m.get("tool_calls"):
-            state.history.append({"role": "user", "content": m.get("content") or ""})
-    state.seen = len(messages)
-
-
-class OpenAIUserSim(UserSim):
-    """An LLM user behind any OpenAI-compatible chat endpoint (the paper: GPT-4o for training, temperature 0).
-
-    Retries timeouts, connection errors, 408/409/429 and 5xx with exponential backoff (backoff * 2**attempt
-    seconds), itself: the client's own retries are off so that the policy is visible here and testable. After
-    `max_retries` retries the episode ends as infra_error."""
-
-    RETRY_STATUS = {408, 409, 429}
-
-    def __init__(self, model: str | None = None, base_url: str | None = None, api_key: str | None = None,
-                 temperature: float = 0.0, max_tokens: int | None = None, max_concurrency: int = 32,
-                 max_retries: int = 5, backoff: float = 1.0, timeout: float = 120.0, max_tool_rounds: int = 10):
-        self.model = model or os.environ.get("MUARL_USER_MODEL", "gpt-4o")
-        self.base_url = base_url or os.environ.get("OPENAI_BASE_URL")
-        self.api_key = api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"  # local servers ignore it
-        self.temperature, self.max_tokens = temperature, max_tokens
-        self.max_concurrency, self.max_retries, self.backoff, self.timeout = max_concurrency, max_retries, backoff, timeout
-        self.max_tool_rounds = max_tool_rounds
-        self._loop = None
-
-    def _client(self):
-        # An async client (and semaphore) belongs to the event loop it first ran on; each rollout() is its own
-        # asyncio.run, so make them per loop.
-        loop = asyncio.get_running_loop()
-        if self._loop is not loop:
-            from openai import AsyncOpenAI
-
-            self._openai = AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0,
-                                       timeout=self.timeout)
-            self._sem, self._loop = asyncio.Semaphore(self.max_concurrency), loop
-        return self._openai
-
-    async def _complete(self, messages: list[dict], tools: list[dict]):
-        import openai
-
-        client = self._client()
-        kwargs = dict(model=self.model, messages=messages, temperature=self.temperature)
-        if self.max_tokens:
-            kwargs["max_tokens"] = self.max_tokens
-        if tools:
-            kwargs["tools"] = tools
-        for attempt in range(self.max_retries + 1):
-            try:
-                async with self._sem:
-                    resp = await client.chat.completions.create(**kwargs)
-                return resp.choices[0].message
-            except (openai.APIConnectionError, openai.APIStatusError) as e:  # timeouts are connection errors
-                status = getattr(e, "status_code", None)
-                retriable = status is None or status >= 500 or status in self.RETRY_STATUS
-                if not retriable or attempt == self.max_retries:
-                    raise UserSimError(f"user simulator endpoint failed after {attempt + 1} attempts: {e!r}") from e
-                await asyncio.sleep(self.backoff * 2 ** attempt)
-            except openai.OpenAIError as e:
-                raise UserSimError(f"user simulator endpoint failed: {e!r}") from e
-
-    async def opening(self, env, task) -> str | None:
-        # Shared by the group before any session exists, so the opening runs no user tools.
-        history = message_history(env, task)
-        if not user_speaks_next(history):
-            return None
-        return (await self._complete(_user_view(task, history, bool(env.user_tools(task))), [])).content or ""
-
-    def start(self, env, task, session, opening):
-        return _chat_state(env, task, session, opening, env.user_tools(task))
-
-    async def reply(self, state: _ChatState, messages):
-        _flip_new(state, messages)
-        for _ in range(self.max_tool_rounds + 1):
-            msg = await self._complete(state.history, state.tools)
-            if not (state.tools and msg.tool_calls):
-                state.history.append({"role": "assistant", "content": msg.content or ""})
-                return state.said(msg.content or "")
-            # User-side tools (tau2 telecom): run them on the episode's session, loop until the user talks.
-            calls = [{"id": c.id, "type": "function",
-                      "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in msg.tool_calls]
-            state.history.append({"role": "assistant", "content": msg.content or "", "tool_calls": calls})
-            for c in calls:
-                try:
-                    args = json.loads(c["function"]["arguments"] or "{}")
-                except (json.JSONDecodeError, TypeError) as e:
-                    content = f"Error: arguments are not a JSON object: {e}"
-                else:  # n_messages: the call's place in the conversation, just before this reply
-                    content = state.session.call_tool(c["function"]["name"], args, requestor="user",
-                                                      n_messages=len(messages)).content
-                state.history.append({"role": "tool", "tool_call_id": c["id"], "content": content})
-        raise UserSimError(f"user simulator made more than {self.max_tool_rounds} rounds of tool calls")
-
-
-class HFUserSim(UserSim):
-    """A local transformers chat model as the user, for offline runs: plain HF generate over the flipped
-    conversations of all waiting episodes in one left-padded batch. User-side tools are not supported."""
-
-    def __init__(self, model="smollm2-135m", tokenizer=None, max_new_tokens: int = 256, temperature: float = 0.0,
-                 device=None):
-        if isinstance(model, str):
-            from muarl import load_model
-
-            model, tokenizer = load_model(model, device=device)
-        self.model, self.tok = model.eval(), tokenizer
-        self.max_new_tokens, self.temperature = max_new_tokens, temperature
-
-    @torch.no_grad()
-    def _generate(self, conversations: list[list[dict]]) -> list[str]:
-        texts = [self.tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **template_kwargs(self.tok))
-                 for c in conversations]
-        batch = self.tok(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-        batch = batch.to(next(self.model.parameters()).device)
-        sampling = dict(do_sample=True, temperature=self.temperature) if self.temperature > 0 else dict(do_sample=False)
-        out = self.model.generate(**batch, max_new_tokens=self.max_new_tokens, pad_token_id=self.tok.pad_token_id,
-                                  eos_token_id=end_of_turn_id(self.tok), **sampling)
-        return [s.strip() for s in self.tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)]
-
-    async def opening(self, env, task) -> str | None:
-        history = message_history(env, task)
-        if not user_speaks_next(history):
-            return None
-        return self._generate([_user_view(task, history, False)])[0]
-
-    def start(self, env, task, session, opening):
-        if env.user_tools(task):
-            raise NotImplementedError("the hf user simulator does not run user-side tools; use openai")
-        return _chat_state(env, task, session, opening, [])
-
-    async def replies(self, states, conversations):
-        if not states:
-            return []
-        for s, m in zip(states, conversations):
-            _flip_new(s, m)
-        texts = self._generate([s.history for s in states])
-        for s, t in zip(states, texts):
-            s.history.append({"role": "assistant", "content": t})
-        return [s.said(t) for s, t in zip(states, texts)]
-
-
-class DataUserSim(UserSim):
-    """`sim` for most tasks, but env.scripted_user for tasks whose user is written in the data
-    (task.meta["user_sim"]["scripted"]: BFCL's questions, ACEBench's multi-step entries, which have no user)."""
-
-    def __init__(self, sim: UserSim):
-        self.sim, self.scripted = sim, ScriptedUserSim()
-
-    def __getattr__(self, name):  # the wrapped simulator's own attributes (model, _generate, ...)
-        if name == "sim":
-            raise AttributeError(name)
-        return getattr(self.sim, name)
-
-    def _pick(self, task) -> UserSim:
-        return self.scripted if (task.meta.get("user_sim") or {}).get("scripted") else self.sim
-
-    async def opening(self, env, task):
-        return await self._pick(task).opening(env, task)
-
-    def start(self, env, task, session, opening):
-        sim = self._pick(task)
-        return sim, sim.start(env, task, session, opening)
-
-    async def reply(self, state, messages):
-        out = (await self.replies([state], [messages]))[0]
-        if isinstance(out, BaseException):
-            raise out
-        return out
-
-    async def replies(self, states, conversations):
-        out = [None] * len(states)
-        for sim in (self.scripted, self.sim):
-            mine = [i for i, (s, _) in enumerate(states) if s is sim]
-            if mine:
-                got = await sim.replies([states[i][1] for i in mine], [conversations[i] for i in mine])
-                for i, text in zip(mine, got):
-                    out[i] = text
-        return out
-
-
 def make_user_sim(name: str, **options) -> UserSim:
-    """"scripted" (env.scripted_user), "openai" (any OpenAI-compatible endpoint), "hf" (a local model). An LLM user
-    leaves the tasks whose user is the data to the environment's script (DataUserSim)."""
+    """"scripted" (env.scripted_user), "openai" (any OpenAI-compatible endpoint), "hf" (a local model: `model` is
+    a loaded model, with `tokenizer`, or a name for muarl.load_model, with an optional `device`). An LLM user
+    leaves the tasks whose user is the data to the environment's script (envs.users.DataUserSim)."""
     sims = {"scripted": ScriptedUserSim, "openai": OpenAIUserSim, "hf": HFUserSim}
     if name not in sims:
         raise ValueError(f"unknown user simulator {name!r}: use one of {sorted(sims)}")
+    if name == "hf":
+        model, tok = options.pop("model", "smollm2-135m"), options.pop("tokenizer", None)
+        if isinstance(model, str):
+            model, tok = load_model(model, device=options.pop("device", None))
+        options = dict(model=model, tokenizer=tok, end_of_turn=end_of_turn_id(tok),
+                       template_kwargs=template_kwargs(tok), **options)
     return sims[name](**options) if name == "scripted" else DataUserSim(sims[name](**options))
+
+
+def user_sim_options(cfg) -> dict:
+    """Options of the user simulator named by cfg.user_sim, from the user_* fields of an entry point's config."""
+    if cfg.user_sim == "openai":
+        return dict(model=cfg.user_model, base_url=cfg.user_base_url or None, max_concurrency=cfg.user_concurrency)
+    if cfg.user_sim == "hf":
+        return dict(model=cfg.user_model)
+    return {}
+
+
+class OpenAIAgent:
+    """An agent behind an OpenAI-compatible endpoint, for the text-level driver envs.play: a cold-start teacher
+    (sft.py) or an API baseline (eval.py)."""
+
+    def __init__(self, model: str, tools: list[dict], base_url: str = "", temperature: float = 0.0):
+        from openai import OpenAI
+
+        self.client = OpenAI(base_url=base_url or None, max_retries=5)
+        self.model, self.tools, self.temperature = model, tools, temperature
+
+    def act(self, messages: list[dict]) -> dict:
+        r = self.client.chat.completions.create(model=self.model, messages=messages, tools=self.tools or None,
+                                                temperature=self.temperature)
+        m = r.choices[0].message
+        msg = {"role": "assistant", "content": m.content or ""}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in m.tool_calls]
+        return msg

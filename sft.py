@@ -26,7 +26,10 @@ from pathlib import Path
 
 import torch
 
+import cli
 import muarl
+from loss import token_logprobs
+from rollout import OpenAIAgent, make_user_sim, user_sim_options
 
 
 @dataclass
@@ -48,7 +51,7 @@ class SFTConfig:
     num_tasks: int = 1200
     """how many tasks the teacher plays (episodes with reward 1 are kept)"""
     user_sim: str = "scripted"
-    """user simulator for the teacher: 'scripted', 'openai', 'hf' (see rollout.py)"""
+    """user simulator for the teacher: 'scripted', 'openai', 'hf' (see envs/users.py)"""
     user_model: str = "gpt-4o"
     """user simulator model: the endpoint's model name ('openai') or a checkpoint/hub id ('hf')"""
     user_base_url: str = ""
@@ -119,27 +122,6 @@ def load_conversations(path: str) -> list[dict]:
     return out
 
 
-class OpenAIAgent:
-    """A teacher agent behind an OpenAI-compatible endpoint, for muarl's envs.play driver."""
-
-    def __init__(self, model: str, tools: list[dict], base_url: str = "", temperature: float = 0.0):
-        from openai import OpenAI
-
-        self.client = OpenAI(base_url=base_url or None, max_retries=5)
-        self.model, self.tools, self.temperature = model, tools, temperature
-
-    def act(self, messages: list[dict]) -> dict:
-        r = self.client.chat.completions.create(model=self.model, messages=messages, tools=self.tools or None,
-                                                temperature=self.temperature)
-        m = r.choices[0].message
-        msg = {"role": "assistant", "content": m.content or ""}
-        if m.tool_calls:
-            msg["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                                 for c in m.tool_calls]
-        return msg
-
-
 def make_cold_start(cfg: SFTConfig) -> list[dict]:
     """Play tasks with the teacher and keep the conversations whose reward is 1."""
     from envs import make_env, message_history, play
@@ -150,9 +132,6 @@ def make_cold_start(cfg: SFTConfig) -> list[dict]:
     kept, t0 = [], time.time()
     sim = None
     if cfg.user_sim != "scripted":
-        from eval import user_sim_options
-        from rollout import make_user_sim
-
         sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
     failed = 0
     for task in tasks[:cfg.num_tasks]:
@@ -232,8 +211,6 @@ def fit(acc, model, opt, sched, data, steps: int, batch_size: int, micro_batch_s
         seed: int, grad_clip: float, tag: str, log_every: int = 10) -> float:
     """`steps` optimizer steps of `batch_size` sequences drawn in seeded epochs: token-mean NLL of the masked
     tokens, one normalizer per step over all micro-batches and processes (invariant 3). Returns the mean loss."""
-    from grpo import token_logprobs
-
     rng, order, t0 = random.Random(seed), [], time.time()
     run_loss = torch.zeros((), device=acc.device)
     model.train()
@@ -270,7 +247,7 @@ def fit(acc, model, opt, sched, data, steps: int, batch_size: int, micro_batch_s
 def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     """Fine-tune on the conversations; returns the checkpoint directory. 'tiny' starts from its pretrained base."""
     start = str(pretrain_tiny(cfg)) if cfg.model == "tiny" else cfg.model
-    acc = accelerator or muarl.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
+    acc = accelerator or cli.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
     muarl.seed_everything(cfg.seed)
     model, tok = muarl.load_model(start, device=acc.device, seed=cfg.seed)
     if cfg.gradient_checkpointing:
@@ -297,8 +274,6 @@ def copy_loss(model, tok, data, copy_ids: set[int], micro_batch_size: int = 32) 
     earlier in the same sequence (a token of `copy_ids` that already appeared before it), and of the other trained
     tokens. A value that is not in the sequence yet (the next order to look up when the window does not show the
     order list) is not a copy and counts as "other": no model can get it right from the drill alone."""
-    from grpo import token_logprobs
-
     device = next(model.parameters()).device
     sums = torch.zeros(4, dtype=torch.float64)
     with torch.no_grad():
@@ -313,12 +288,14 @@ def copy_loss(model, tok, data, copy_ids: set[int], micro_batch_size: int = 32) 
 
 
 def cache_key(settings: dict) -> str:
-    """A key for a cached checkpoint: its settings and the code that makes it (muarl.py, sft.py, envs/), so that a
-    checkpoint made by other code or other settings is never reused."""
+    """A key for a cached checkpoint: its settings and the code that makes it (muarl.py: the tokenizer and the model;
+    envs/: the shop domain; sft.py: the drills and the SFT loop; loss.py: the log-probabilities that loop trains;
+    cli.py: its Accelerator), so that a checkpoint made by other code or other settings is never reused."""
     import hashlib
 
     here = Path(__file__).resolve().parent
-    code = b"".join(p.read_bytes() for p in [here / "muarl.py", here / "sft.py", *sorted((here / "envs").glob("*.py"))])
+    code = b"".join(p.read_bytes() for p in [here / "muarl.py", here / "sft.py", here / "loss.py", here / "cli.py",
+                                              *sorted((here / "envs").glob("*.py"))])
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode() + code).hexdigest()[:10]
 
 
@@ -347,7 +324,7 @@ def pretrain_tiny(cfg: SFTConfig) -> Path:
     held_out = 64
     conversations = make_cold_start(replace(cfg, env="shop", teacher="expert", user_sim="scripted",
                                             num_tasks=cfg.num_tasks + held_out))
-    acc = muarl.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
+    acc = cli.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
     muarl.seed_everything(cfg.seed)
     model, tok = muarl.load_model("tiny", device=acc.device, seed=cfg.seed)
     drills = encode(tok, windows(conversations[:-held_out]), cfg.max_len)[0]
@@ -389,14 +366,14 @@ def save_pretrained(acc, model, tok, out: Path, run_config: dict) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         acc.unwrap_model(model).save_pretrained(tmp, state_dict=state, safe_serialization=True)
         tok.save_pretrained(tmp)
-        muarl.write_json_atomic(tmp / "muarl_config.json", run_config)
+        cli.write_json_atomic(tmp / "muarl_config.json", run_config)
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
     acc.wait_for_everyone()
 
 
 def main(argv=None):
-    cfg = muarl.parse_config(SFTConfig, argv, description=__doc__.split("\n\n")[0])
+    cfg = cli.parse_config(SFTConfig, argv, description=__doc__.split("\n\n")[0])
     if cfg.pretrain_only:
         if cfg.model != "tiny":
             raise SystemExit("sft.py: --pretrain-only: only the 'tiny' model is pretrained here (--model tiny)")

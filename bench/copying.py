@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 import muarl  # noqa: E402
 from envs.shop import FIRST, ITEMS, LAST  # noqa: E402
-from grpo import token_logprobs  # noqa: E402
+from loss import token_logprobs  # noqa: E402
 
 SYMBOLS = 200  # random-token alphabet of the offset and induction probes
 

@@ -23,10 +23,19 @@ A task may continue an earlier conversation (tau2's `initial_state.message_histo
 gives it in this format, the episode starts as [system] + history, and whoever's turn it is speaks next
 (`user_speaks_next`): the user after the agent's text message, otherwise the agent. Without a history the user
 opens. The history is prompt: never trained on, the same for every episode of a task.
+
+The episode rule (`next_turn`, `score`): an episode ends when the user says a stop marker, the agent runs a
+STOP_TOOLS tool, or a cap cuts it off; only the first two can score, as in tau2. Every way of playing an episode
+uses it: the rollouts (rollout.py) and `play`, the text-level driver of scripted experts, API agents and
+cold-start synthesis. The simulated users live in envs/users.py: they are part of the world the agent talks to.
+
+This package is the world; it imports nothing of the agent's side (muarl.py and up; tests/test_layout.py).
 """
 from __future__ import annotations
 
 import copy
+import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -177,30 +186,80 @@ def user_speaks_next(messages: list[dict]) -> bool:
     return last["role"] == "assistant" and not last.get("tool_calls")
 
 
-def play(env: Environment, task: Task, agent: ScriptedAgent, user: ScriptedUser | None = None,
-         max_turns: int = 30, session: EnvSession | None = None) -> tuple[list[dict], float, dict, str]:
-    """Play one episode at the text level (no tokens): cold-start data and environment tests.
-
-    The conversation starts as the rollout's does: system prompt, the task's message history, the user's opening
-    (unless the history leaves the agent to speak first). A turn is one agent message. Its tool calls run against
-    the session and come back as tool messages; a message without tool calls gets the user's reply. Ends on a
-    user stop marker ("user_stop"), a STOP_TOOLS call ("transfer"), or after max_turns agent messages ("max_turns").
-    Returns (messages, reward, reward info, termination). `session` lets a user simulator with user-side
-    tools (rollout.UserSim.sync_user) act on the same episode state."""
-    import json
-
-    user = user if user is not None else env.scripted_user(task)
-    session = session if session is not None else env.start(task)  # pass one to share it with the user
-    opening = user.opening()  # None when the task's message history leaves the agent to speak first
-    messages = [{"role": "system", "content": env.system_prompt(task)}] + message_history(env, task)
+def opening_messages(env: Environment, task: Task, opening: str | None) -> list[dict]:
+    """How every episode of `task` starts: the system prompt, the task's message history, then the user's opening
+    (None when the history leaves the agent to speak first). Fresh objects: episodes share no mutable message."""
+    messages = [{"role": "system", "content": env.system_prompt(task)}] + copy.deepcopy(message_history(env, task))
     if opening is not None:
         messages.append({"role": "user", "content": opening})
-    termination = "max_turns"
-    for _ in range(max_turns):
+    return messages
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The episode rule: when an episode ends, and what it scores. Every way of playing an episode uses these two
+# functions: the batched rollout and its reference (rollout.py), and `play` below (scripted experts, API agents,
+# cold-start synthesis), so a reward means the same thing whoever played the episode.
+# ---------------------------------------------------------------------------------------------------------
+# The endings where the dialogue finished. Any other (the turn, context or response cap, an infrastructure
+# failure) scores 0 whatever the database says, as in tau2: an episode cut off did not finish its task.
+FINISHED = ("user_stop", "transfer")
+
+
+def next_turn(messages: list[dict], turns: int, max_turns: int, stop_tool_ran: bool = False) -> str:
+    """Who speaks after `messages`, or why the episode ends there (tau2's orchestrator rules):
+      after a user message: "user_stop" when it carries a USER_STOP_MARKER, else "agent";
+      after the agent's turn (its message, then its tool results if it called tools): "transfer" when a
+      STOP_TOOLS tool ran, "max_turns" when that was its `max_turns`-th message, else "agent" (it reads its tool
+      results) or "user" (the user answers its text).
+    `turns` counts the agent's messages so far."""
+    last = messages[-1]
+    if last["role"] == "user":
+        return "user_stop" if any(m in (last.get("content") or "") for m in USER_STOP_MARKERS) else "agent"
+    if stop_tool_ran:
+        return "transfer"
+    if turns >= max_turns:
+        return "max_turns"
+    return "agent" if last["role"] == "tool" else "user"
+
+
+def score(session: EnvSession, messages: list[dict], termination: str) -> tuple[float, dict, str]:
+    """(reward, its breakdown, termination) of an ended episode. The environment scores the conversation
+    (session.reward); an episode that did not end FINISHED gets 0, the environment's verdict kept in
+    info["env_reward"]. An evaluator that raises or returns a non-finite number is not the agent's doing: the
+    episode ends "infra_error" (training leaves it out rather than scoring it 0)."""
+    try:
+        reward, info = session.reward(messages)
+    except Exception as e:
+        return 0.0, {"error": repr(e)}, "infra_error"
+    if not math.isfinite(reward):
+        return 0.0, {**info, "error": f"non-finite reward {reward}"}, "infra_error"
+    if termination not in FINISHED:
+        return 0.0, {**info, "env_reward": reward, "ended_early": termination}, termination
+    return reward, info, termination
+
+
+def play(env: Environment, task: Task, agent: ScriptedAgent, user: ScriptedUser | None = None,
+         max_turns: int = 30, session: EnvSession | None = None) -> tuple[list[dict], float, dict, str]:
+    """Play one episode at the text level (no tokens): cold-start data, API-model evaluation, environment tests.
+
+    The conversation starts as the rollout's does: system prompt, the task's message history, the user's opening
+    (unless the history leaves the agent to speak first). A turn is one agent message; its tool calls run against
+    the session and come back as tool messages. The episode ends and is scored by the episode rule above
+    (`next_turn`, `score`). Returns (messages, reward, reward info, termination). `session` lets a user simulator
+    with user-side tools (envs.users.UserSim.sync_user) act on the same episode state."""
+    user = user if user is not None else env.scripted_user(task)
+    session = session if session is not None else env.start(task)  # pass one to share it with the user
+    messages = opening_messages(env, task, user.opening())
+    turns, status = 0, "agent"
+    while status in ("agent", "user"):
+        if status == "user":
+            messages.append({"role": "user", "content": user.reply(messages)})
+            status = next_turn(messages, turns, max_turns)
+            continue
         message = agent.act(messages)
         messages.append(message)
-        calls = message.get("tool_calls") or []
-        for call in calls:
+        turns, stop = turns + 1, False
+        for call in message.get("tool_calls") or []:
             name, arguments = call["function"]["name"], call["function"].get("arguments") or "{}"
             try:
                 arguments = arguments if isinstance(arguments, dict) else json.loads(arguments)
@@ -208,15 +267,8 @@ def play(env: Environment, task: Task, agent: ScriptedAgent, user: ScriptedUser 
                 result = ToolResult("Error: arguments are not valid JSON", error=True)
             else:
                 result = session.call_tool(name, arguments)
+                stop = stop or name in STOP_TOOLS
             messages.append({"role": "tool", "tool_call_id": call["id"], "name": name, "content": result.content})
-        if any(call["function"]["name"] in STOP_TOOLS for call in calls):
-            termination = "transfer"
-            break
-        if not calls:
-            text = user.reply(messages)
-            messages.append({"role": "user", "content": text})
-            if any(marker in text for marker in USER_STOP_MARKERS):
-                termination = "user_stop"
-                break
-    reward, info = session.reward(messages)
+        status = next_turn(messages, turns, max_turns, stop)
+    reward, info, termination = score(session, messages, status)
     return messages, reward, info, termination

@@ -49,6 +49,8 @@ import json
 from loguru import logger
 
 from envs import Task, ToolResult, user_speaks_next
+# The user-simulator prompt and the greeting a conversation opens with: tau2's, defined once with the users.
+from envs.users import GREETING, USER_SYSTEM_PROMPT, user_system_prompt  # noqa: F401  (re-exported)
 
 # tau2 logs every tool response at DEBUG level to stderr: megabytes per episode, and most of its run time.
 logger.disable("tau2")
@@ -58,7 +60,6 @@ from tau2.data_model.tasks import RewardType  # noqa: E402
 from tau2.environment.toolkit import ToolType  # noqa: E402
 from tau2.evaluator.evaluator_action import ActionEvaluator  # noqa: E402
 from tau2.evaluator.evaluator_communicate import CommunicateEvaluator  # noqa: E402
-from tau2.utils import DATA_DIR  # noqa: E402
 
 DOMAINS = ("retail", "airline", "telecom", "mock")
 REWARDS = ("tau2", "db")
@@ -82,16 +83,6 @@ AGENT_SYSTEM_PROMPT = """
 {domain_policy}
 </policy>
 """.strip()
-# tau2's UserSimulator system prompt (tau2/user/user_simulator.py, which imports litellm as well).
-USER_SYSTEM_PROMPT = """
-{global_user_sim_guidelines}
-
-<scenario>
-{instructions}
-</scenario>
-""".strip()
-# The first agent message of every tau2 conversation without a message history (the orchestrator's default).
-OPENING = "Hi! How can I help you today?"
 
 _DATABASES: dict[str, dict] = {}  # domain -> parsed databases, keyed like get_environment's arguments
 
@@ -174,11 +165,9 @@ class Tau2Env:
         return AGENT_SYSTEM_PROMPT.format(agent_instruction=AGENT_INSTRUCTION, domain_policy=self.policy)
 
     def user_system_prompt(self, task: Task) -> str:
-        """tau2's full user-simulator system prompt: its global guidelines (the tool-using variant where the user
-        has tools) followed by the task's scenario."""
-        name = "simulation_guidelines_tools.md" if self._user_tools else "simulation_guidelines.md"
-        guidelines = (DATA_DIR / "tau2" / "user_simulator" / name).read_text()
-        return USER_SYSTEM_PROMPT.format(global_user_sim_guidelines=guidelines, instructions=task.user_scenario)
+        """tau2's full user-simulator system prompt (envs.users.user_system_prompt): its global guidelines (the
+        tool-using variant where the user has tools) followed by the task's scenario."""
+        return user_system_prompt(task, bool(self._user_tools))
 
     def message_history(self, task: Task) -> list[dict]:
         """The conversation the task continues, as the agent sees it (OpenAI format); [] for most tasks."""
@@ -363,7 +352,7 @@ def gold_messages(session: Tau2Session, actions=None) -> list[dict]:
     task, criteria = session.task, session.task.data.evaluation_criteria
     actions = (criteria.actions or [] if criteria else []) if actions is None else actions
     messages = [{"role": "system", "content": session.env.system_prompt(task)}]
-    messages += session.env.message_history(task) or [{"role": "assistant", "content": OPENING}]
+    messages += session.env.message_history(task) or [{"role": "assistant", "content": GREETING}]
     if user_speaks_next(messages):
         messages.append({"role": "user", "content": "Hi, I need help."})
     for i, action in enumerate(actions):

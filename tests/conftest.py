@@ -7,6 +7,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import copy  # noqa: E402
+import json  # noqa: E402
+import threading  # noqa: E402
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -45,6 +48,20 @@ def tiny_lm(tiny_tok):
     return Qwen3ForCausalLM(cfg).eval()
 
 
+@pytest.fixture(scope="session")
+def lm(tiny_tok):
+    """tiny_lm's shape with larger random weights (initializer_range 0.3), ending its turns at ~20% of positions:
+    its greedy text varies with the context instead of repeating one token, so greedy turns have different lengths
+    and dialogues go several turns (the rollout tests)."""
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = muarl.tiny_config(len(tiny_tok), arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.3,
+                            pad_token_id=tiny_tok.pad_token_id, eos_token_id=muarl.end_of_turn_id(tiny_tok))
+    return chatty(Qwen3ForCausalLM(cfg).eval(), tiny_tok, rate=0.2)
+
+
 def chatty(model, tokenizer, rate=0.15, seed=0):
     """A copy of a random model that ends its turn at roughly `rate` of positions (greedy), so conversations go
     several turns: the end-of-turn row of the output embedding is pushed along the mean hidden state."""
@@ -77,3 +94,42 @@ def ends_turns(model, tokenizer, gap=3.5, seed=0):
         now = (h @ w[eot] - (h @ w.T).mean(-1)).mean()
         w[eot] += (gap - now) * u / (u @ u) / (h @ u / (u @ u)).mean()
     return model
+
+
+class ChatServer:
+    """A real OpenAI-compatible HTTP endpoint on 127.0.0.1: POST /v1/chat/completions. `script` decides each
+    answer: a function (request body, request number) -> (status, message dict)."""
+
+    def __init__(self, script):
+        self.requests, self.script, lock = [], script, threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with lock:
+                    server.requests.append((self.path, body))
+                    n = len(server.requests)
+                status, message = server.script(body, n)
+                payload = ({"id": f"c{n}", "object": "chat.completion", "created": 0, "model": body["model"],
+                            "choices": [{"index": 0, "message": {"role": "assistant", **message},
+                                         "finish_reason": "tool_calls" if message.get("tool_calls") else "stop"}],
+                            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+                           if status == 200 else {"error": {"message": "boom", "type": "server_error"}})
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()

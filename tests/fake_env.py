@@ -131,3 +131,39 @@ def choice_conversation(side: str) -> dict:
                          {"role": "tool", "tool_call_id": "c1", "name": side, "content": "opened"},
                          {"role": "assistant", "content": "Done."}],
             "tools": CHOICE_TOOLS, "prompt_messages": 2}
+
+
+# ---- an episode the database calls right but a cap cuts off (tests/test_episode.py) ----
+class _RightSession(_Session):
+    def reward(self, messages):
+        return 1.0, {"db_match": True}  # the database is right from the start: only the ending decides
+
+
+class _TalkingExpert:
+    """Calls `echo` once, then talks: it finishes only when the user stops."""
+
+    def act(self, messages):
+        if not any(m["role"] == "tool" for m in messages):
+            return {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "echo", "arguments": '{"text": "hi"}'}}]}
+        return {"role": "assistant", "content": "Anything else?"}
+
+
+class RightEnv(FakeEnv):
+    """Every episode's database is right; the user stops after `user_turns` replies. With user_turns beyond the
+    turn cap, every way of playing an episode must score it 0 (cut off: it did not finish its task)."""
+
+    name = "right"
+
+    def start(self, task):
+        return _RightSession(task, nan=False)
+
+    def expert(self, task):
+        return _TalkingExpert()
+
+
+class CappedEnv(RightEnv):
+    """RightEnv whose user never stops within the default turn cap (30)."""
+
+    def __init__(self, n_tasks=64, user_turns=100, nan_task=""):
+        super().__init__(n_tasks, user_turns, nan_task)

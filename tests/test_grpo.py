@@ -1,4 +1,4 @@
-"""The GRPO math (grpo.py, section "the math") against plain Python loops and finite differences."""
+"""The GRPO math (loss.py, imported here through grpo.py as users do) against plain Python loops and finite differences."""
 
 import math
 

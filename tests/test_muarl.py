@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 
+import cli
 import muarl
 
 TOOLS = [{"type": "function", "function": {
@@ -178,7 +179,7 @@ def test_entry_points_print_help(capsys):
 
     for cls in (grpo.Config, sft.SFTConfig, eval_mod.EvalConfig):
         with pytest.raises(SystemExit) as e:
-            muarl.parse_config(cls, ["--help"])
+            cli.parse_config(cls, ["--help"])
         assert e.value.code == 0
         assert "--seed" in capsys.readouterr().out
 

@@ -2,16 +2,15 @@
 reasons, tool-call errors, and the three user simulators (openai against a real local HTTP server)."""
 import copy
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from conftest import chatty
+from conftest import ChatServer
 import torch
 
 import muarl
 from envs import Task, ToolResult
-from rollout import (GREETING, RolloutConfig, UserSimError, make_user_sim, rollout, run_tool_calls)
+from rollout import (GREETING, RolloutConfig, UserSimError, make_user_sim, reference_rollout, rollout,
+                     run_tool_calls)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -108,19 +107,6 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-@pytest.fixture(scope="module")
-def lm(tiny_tok):
-    """The conftest's tiny Qwen3 shape with larger random weights (initializer_range 0.3): its greedy text varies
-    with the context instead of repeating one token, so greedy turns have different lengths."""
-    from transformers import Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = muarl.tiny_config(len(tiny_tok), arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.3,
-                            pad_token_id=tiny_tok.pad_token_id, eos_token_id=muarl.end_of_turn_id(tiny_tok))
-    return chatty(Qwen3ForCausalLM(cfg).eval(), tiny_tok, rate=0.2)
-
-
 GREEDY = RolloutConfig(greedy=True, max_new_tokens=64, max_turns=8)
 
 
@@ -155,6 +141,24 @@ def test_greedy_cache_reuse_equals_reencoding(lm, tiny_tok):
     c = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"),
                 RolloutConfig(**{**GREEDY.__dict__, "max_batch": 1}))
     assert [e.input_ids for e in a] == [e.input_ids for e in c]
+
+
+def test_engine_plays_the_reference_episodes(lm, tiny_tok):
+    """The oracle: under greedy decoding the engine (cross-turn KV cache, continuous batching, padded batches) gives
+    exactly the token ids, loss masks, messages, endings and rewards of reference_rollout (HF generate, one episode
+    at a time, re-encoding each turn), and the same sampler logprobs up to float error. `lm`'s logits are far
+    enough from ties that greedy choices do not flip between the two numerically different paths."""
+    env, endings = FakeEnv(n_tasks=4), set()
+    for cfg in (GREEDY, RolloutConfig(greedy=True, max_new_tokens=30, max_turns=3, max_context=720, max_batch=3),
+                RolloutConfig(greedy=True, max_new_tokens=64, max_turns=8, max_context=700)):
+        fast = rollout(lm, tiny_tok, env, env.tasks(), 1, make_user_sim("scripted"), cfg)
+        slow = [reference_rollout(lm, tiny_tok, env, t, make_user_sim("scripted"), cfg) for t in env.tasks()]
+        for a, b in zip(fast, slow):
+            assert a.input_ids == b.input_ids and a.loss_mask == b.loss_mask and a.messages == b.messages
+            assert (a.termination, a.turns, a.reward, a.tool_calls) == (b.termination, b.turns, b.reward, b.tool_calls)
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+        endings |= {e.termination for e in fast}
+    assert endings == {"user_stop", "max_turns", "response_truncated", "context_limit"}
 
 
 @pytest.mark.parametrize("max_batch", [0, 3])
@@ -296,45 +300,6 @@ def test_tool_calls_and_errors():
 # ---------------------------------------------------------------------------------------------------------
 # User simulators
 # ---------------------------------------------------------------------------------------------------------
-class ChatServer:
-    """A real OpenAI-compatible HTTP endpoint on 127.0.0.1: POST /v1/chat/completions. `script` decides each
-    answer: a function (request body, request number) -> (status, message dict)."""
-
-    def __init__(self, script):
-        self.requests, self.script, lock = [], script, threading.Lock()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with lock:
-                    server.requests.append((self.path, body))
-                    n = len(server.requests)
-                status, message = server.script(body, n)
-                payload = ({"id": f"c{n}", "object": "chat.completion", "created": 0, "model": body["model"],
-                            "choices": [{"index": 0, "message": {"role": "assistant", **message},
-                                         "finish_reason": "tool_calls" if message.get("tool_calls") else "stop"}],
-                            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
-                           if status == 200 else {"error": {"message": "boom", "type": "server_error"}})
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 def _user_replies(body, n):
     said = sum(m["role"] == "assistant" for m in body["messages"])
     return 200, {"content": "Thanks, bye. ###STOP###" if said >= 3 else f"user message {said}"}

@@ -1,0 +1,126 @@
+"""The shop domain's scripted expert: it follows the policy and reads everything it knows from the conversation.
+It writes the cold-start data (sft.make_cold_start) and the text the tiny tokenizer is trained on (ShopEnv.corpus).
+
+Its own file, apart from envs/shop.py (the domain: tasks, tools, database, reward, scripted user), because it is
+a player of the domain rather than part of it: the agent's expert counterpart of the scripted user. It reads the
+domain's formats (order ids, item names, the confirmation question) from envs/shop.py; ShopEnv.expert imports it.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from envs.shop import CONFIRM, HINT_RE, ORDER_RE, WRITE_TOOLS, _items_in
+
+
+class ShopExpert:
+    """The cold-start teacher. It never peeks at the task: every decision is re-derived from the messages
+    (what the user said, what the tools returned), so its dialogues are ones a model could produce.
+    Its phrasing is fixed and short because a tiny model imitates it."""
+
+    def act(self, messages: list[dict]) -> dict:
+        s = _read(messages)
+        n_calls = sum(len(m.get("tool_calls") or []) for m in messages)
+
+        def call(tool, **args):
+            return {"role": "assistant", "content": "", "tool_calls": [{"id": f"call_{n_calls + 1}", "type": "function",
+                    "function": {"name": tool, "arguments": json.dumps(args)}}]}
+
+        def say(text):
+            return {"role": "assistant", "content": text}
+
+        if s["user"] is None:
+            if s["email"] and s["email"] not in s["tried"]:
+                return call("find_user", email=s["email"])
+            if s["name"] and s["zip"] and (s["name"], s["zip"]) not in s["tried"]:
+                return call("find_user", name=s["name"], zip=s["zip"])
+            return say("Sure. First, what is your email, or your name and zip code?")
+        if s["last_write"]:
+            return say("Done. Anything else?")
+        action = s["action"]
+        if action is None:
+            return say("Thanks. How can I help you today?")
+        if action == "other":
+            return call("transfer_to_human_agents")
+        order = s["order"]
+        if order is None and s["hint"]:
+            order = next((o for o in s["orders"] if s["hint"] in s["fetched"].get(o, {}).get("items", [])), None)
+            unfetched = [o for o in s["orders"] if o not in s["fetched"]]
+            if order is None and unfetched:
+                return call("get_order", order_id=unfetched[0])
+        if order is None:
+            return say("What is the order id?")
+        if order not in s["fetched"]:
+            return call("get_order", order_id=order)
+        o = s["fetched"][order]
+        if o["status"] != ("pending" if action == "cancel" else "delivered"):
+            return call("transfer_to_human_agents")
+        mine = [x for x in s["mentions"] if x in o["items"]]
+        item = mine[-1] if mine and action != "cancel" else None
+        news = [x for x in s["mentions"] if item and x not in o["items"] and x.split()[1] == item.split()[1]]
+        new = news[-1] if news else None
+        if action == "return" and item is None:
+            return say("Which item do you want to return?")
+        if action == "exchange" and item is None:
+            return say("Which item do you want to exchange, and for which color?")
+        if action == "exchange" and new is None:
+            return say("Which color do you want instead?")
+        tool, args, text = {
+            "cancel": ("cancel_order", {"order_id": order}, f"I will cancel order {order}."),
+            "return": ("return_item", {"order_id": order, "item": item}, f"I will return the {item} from order {order}."),
+            "exchange": ("exchange_item", {"order_id": order, "item": item, "new_item": new},
+                         f"I will exchange the {item} for the {new} in order {order}."),
+        }[action]
+        if s["said_yes"] and s["last_agent_text"] == text + CONFIRM:
+            return call(tool, **args)
+        return say(text + CONFIRM)
+
+
+def _read(messages: list[dict]) -> dict:
+    """What the expert knows: identity details, the user's current request, and what the tools returned."""
+    s = {"email": None, "name": None, "zip": None, "user": None, "orders": [], "fetched": {}, "tried": set(),
+         "action": None, "order": None, "hint": None, "mentions": [], "last_write": False, "said_yes": False,
+         "last_agent_text": None}
+    calls = {}
+    for m in messages:
+        role, text = m.get("role"), str(m.get("content") or "")
+        s["last_write"] = False
+        if role == "user":
+            s["said_yes"] = text.lower().startswith("yes")
+            if e := re.search(r"[\w.]+@[\w.]+\w", text):
+                s["email"] = e.group(0)
+            if z := re.search(r"\b\d{5}\b", text):
+                s["zip"] = z.group(0)
+                if n := re.search(r"\b[A-Z][a-z]+ [A-Z][a-z]+\b", text):
+                    s["name"] = n.group(0)
+            low = text.lower()
+            for action, words in (("cancel", ["cancel"]), ("return", ["return"]), ("exchange", ["exchange"]),
+                                  ("other", ["address", "compensation", "card"])):
+                if any(w in low for w in words):
+                    s["action"] = action
+            if h := HINT_RE.search(low):
+                s["hint"], s["order"] = h.group(1), None
+                low = low.replace(h.group(0), "")
+            if ids := ORDER_RE.findall(low):
+                s["order"], s["hint"] = ids[-1], None
+            s["mentions"] += _items_in(low)
+        elif role == "assistant":
+            if not m.get("tool_calls"):
+                s["last_agent_text"] = text
+            for c in m.get("tool_calls") or []:
+                f = c.get("function") or {}
+                try:
+                    args = json.loads(f.get("arguments") or "{}")
+                except (TypeError, ValueError):
+                    args = {}
+                calls[c.get("id")] = f.get("name")
+                if f.get("name") == "find_user" and isinstance(args, dict):
+                    s["tried"].add(args.get("email") or (args.get("name"), args.get("zip")))
+        elif role == "tool" and not text.startswith("Error"):
+            name, result = calls.get(m.get("tool_call_id")), json.loads(text)
+            if name == "find_user":
+                s["user"], s["orders"] = result["user_id"], result["orders"]
+            elif name == "get_order":
+                s["fetched"][result["order_id"]] = result
+            s["last_write"] = name in WRITE_TOOLS
+    return s

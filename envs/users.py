@@ -1,0 +1,355 @@
+"""The simulated user: one interface, three backends (scripted rules, an OpenAI-compatible LLM, a local HF model).
+
+    sim = ScriptedUserSim()                                  # or OpenAIUserSim(model="gpt-4o"), HFUserSim(model, tok)
+    opening = await sim.opening(env, task)                   # once per task, shared by the task's G episodes
+    state = sim.start(env, task, session, opening)           # one episode's side of the conversation
+    replies = await sim.replies(states, conversations)       # every episode waiting on its user, at once
+    user = sim.sync_user(env, task, session)                 # the same user, text level, for envs.play
+
+Why here, in envs/: the user is part of the world the agent talks to, not of the agent's machinery. It reads the
+task's scenario and message history, it ends the dialogue with tau2's stop markers, and in dual-control domains
+(tau2 telecom) it calls its own tools on the episode's environment session. The rollout engine (rollout.py) and
+the text-level driver (envs.play) only ask it for messages. Like the rest of envs/ it imports nothing of the
+agent side: the hf backend is handed a loaded model (rollout.make_user_sim loads one by name).
+
+The user-simulator prompt (tau2's guidelines + the task's scenario) and tau2's opening greeting are defined here
+once; envs/tau2.py uses them.
+
+A benchmark may bring its own user, in task.meta["user_sim"]: its prompt, greeting and end phrase ("system_prompt",
+"greeting", "stop": ACEBench's), or "scripted": the data is the user (BFCL's questions), which DataUserSim leaves to
+env.scripted_user whichever LLM user was chosen.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from envs import USER_STOP_MARKERS, message_history, user_speaks_next
+
+
+class UserSimError(RuntimeError):
+    """The user simulator could not answer (endpoint down after retries): an infrastructure failure."""
+
+
+# tau2's orchestrator opens with this agent greeting; an LLM user needs something to answer to.
+GREETING = "Hi! How can I help you today?"
+# tau2's UserSimulator system prompt (tau2/user/user_simulator.py, which imports litellm, so it is restated here;
+# tests/test_tau2.py checks it is verbatim).
+USER_SYSTEM_PROMPT = """
+{global_user_sim_guidelines}
+
+<scenario>
+{instructions}
+</scenario>
+""".strip()
+_GUIDELINES = """# User Simulation Guidelines
+You are playing the role of a customer contacting a customer service agent. Follow the scenario below.
+- Write one message at a time, as the customer would; never act as the agent.
+- Reveal information only when the agent asks for it; never make up information the scenario does not give.
+- When the task is complete, write ###STOP### to end the conversation. If you are transferred to another
+  agent, write ###TRANSFER###. If the scenario does not cover what is happening, write ###OUT-OF-SCOPE###."""
+
+
+def user_guidelines(with_tools: bool = False) -> str:
+    """tau2's simulation guidelines (the tool-using variant where the user has tools) when the tau2 package is
+    installed (read as data: importing its user simulator pulls litellm), else a short built-in version of them."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("tau2")
+    if spec and spec.submodule_search_locations:
+        name = "simulation_guidelines_tools.md" if with_tools else "simulation_guidelines.md"
+        path = Path(list(spec.submodule_search_locations)[0]) / "data" / "tau2" / "user_simulator" / name
+        if path.exists():
+            return path.read_text()
+    return _GUIDELINES
+
+
+def user_system_prompt(task, with_tools: bool = False) -> str:
+    """The LLM user's system prompt, as tau2 builds it: the guidelines, then the task's scenario; or the benchmark's
+    own user prompt where the task carries one (task.meta["user_sim"]["system_prompt"]: ACEBench's)."""
+    own = (task.meta.get("user_sim") or {}).get("system_prompt")
+    return own or USER_SYSTEM_PROMPT.format(global_user_sim_guidelines=user_guidelines(with_tools),
+                                            instructions=task.user_scenario)
+
+
+class UserSim:
+    """The interface. `opening` runs once per task; `start` makes one episode's state; `replies` answers every
+    episode waiting on its user at once (list in, list out; a failure comes back as a UserSimError in its slot)."""
+
+    async def opening(self, env, task) -> str | None:
+        """The user's first message; None when the task's message history leaves the agent to speak first."""
+        raise NotImplementedError
+
+    def start(self, env, task, session, opening: str | None) -> Any:
+        raise NotImplementedError
+
+    async def reply(self, state, messages: list[dict]) -> str:
+        raise NotImplementedError
+
+    def sync_user(self, env, task, session):
+        """This simulator as a ScriptedUser (opening() / reply(messages)) for the text-level driver envs.play,
+        which cold-start synthesis and API-model evaluation use. Failures raise UserSimError."""
+        return _SyncUser(self, env, task, session)
+
+    async def replies(self, states: list, conversations: list[list[dict]]) -> list:
+        out = await asyncio.gather(*(self.reply(s, m) for s, m in zip(states, conversations)),
+                                   return_exceptions=True)
+        return list(out)
+
+
+class _SyncUser:
+    def __init__(self, sim, env, task, session):
+        self.sim, self.env, self.task, self.session, self.state = sim, env, task, session, None
+
+    def opening(self) -> str | None:
+        text = asyncio.run(self.sim.opening(self.env, self.task))
+        self.state = self.sim.start(self.env, self.task, self.session, text)
+        return text
+
+    def reply(self, messages: list[dict]) -> str:
+        return asyncio.run(self.sim.reply(self.state, messages))
+
+
+class ScriptedUserSim(UserSim):
+    """The environment's rule-based user (env.scripted_user): deterministic, free, for tests and tiny runs."""
+
+    async def opening(self, env, task) -> str:
+        return env.scripted_user(task).opening()
+
+    def start(self, env, task, session, opening):
+        user = env.scripted_user(task)
+        user.opening()  # a scripted user may keep state; its opening equals the shared one by contract
+        return user
+
+    async def reply(self, user, messages):
+        return user.reply(messages)
+
+
+@dataclass
+class _ChatState:
+    """An LLM user's side of one episode: its own conversation, roles flipped, including its own tool traffic."""
+
+    history: list[dict]
+    session: Any
+    tools: list[dict]
+    seen: int  # agent-visible messages already mirrored into history
+    stop: str = ""  # the benchmark's own way for the user to end (ACEBench: "finish conversation")
+
+    def said(self, text: str) -> str:
+        """The user's message as the episode records it: a stop marker added when it ends the benchmark's way, so
+        that the episode rule (envs.next_turn) sees the end."""
+        if self.stop and self.stop in text and not any(m in text for m in USER_STOP_MARKERS):
+            return f"{text} {USER_STOP_MARKERS[0]}"
+        return text
+
+
+def _user_view(task, history: list[dict], with_tools: bool) -> list[dict]:
+    """What the user has seen before its first message, roles flipped (the agent speaks as `user`): the task's
+    message history without the agent's tool traffic, as tau2 shows it, or else the greeting (tau2's, or the
+    benchmark's own: task.meta["user_sim"]["greeting"])."""
+    said = [m for m in history if m["role"] in ("user", "assistant") and not m.get("tool_calls")]
+    flip = {"user": "assistant", "assistant": "user"}
+    greeting = (task.meta.get("user_sim") or {}).get("greeting") or GREETING
+    return [{"role": "system", "content": user_system_prompt(task, with_tools)}] + [
+        {"role": flip[m["role"]], "content": m.get("content") or ""}
+        for m in said or [{"role": "assistant", "content": greeting}]]
+
+
+def _chat_state(env, task, session, opening: str | None, tools: list[dict]) -> _ChatState:
+    history = message_history(env, task)
+    view = _user_view(task, history, bool(tools))
+    if opening is not None:
+        view.append({"role": "assistant", "content": opening})
+    seen = 1 + len(history) + (opening is not None)  # system + history + opening
+    return _ChatState(view, session, tools, seen, (task.meta.get("user_sim") or {}).get("stop", ""))
+
+
+def _flip_new(state: _ChatState, messages: list[dict]) -> None:
+    """Mirror what the agent said to the user since the last reply: its text messages, as `user`. The agent's
+    tool calls and tool results are not the user's business and are never shown."""
+    for m in messages[state.seen:]:
+        if m["role"] == "assistant" and not m.get("tool_calls"):
+            state.history.append({"role": "user", "content": m.get("content") or ""})
+    state.seen = len(messages)
+
+
+class OpenAIUserSim(UserSim):
+    """An LLM user behind any OpenAI-compatible chat endpoint (the paper: GPT-4o for training, temperature 0).
+
+    Retries timeouts, connection errors, 408/409/429 and 5xx with exponential backoff (backoff * 2**attempt
+    seconds), itself: the client's own retries are off so that the policy is visible here and testable. After
+    `max_retries` retries the episode ends as infra_error."""
+
+    RETRY_STATUS = {408, 409, 429}
+
+    def __init__(self, model: str | None = None, base_url: str | None = None, api_key: str | None = None,
+                 temperature: float = 0.0, max_tokens: int | None = None, max_concurrency: int = 32,
+                 max_retries: int = 5, backoff: float = 1.0, timeout: float = 120.0, max_tool_rounds: int = 10):
+        self.model = model or os.environ.get("MUARL_USER_MODEL", "gpt-4o")
+        self.base_url = base_url or os.environ.get("OPENAI_BASE_URL")
+        self.api_key = api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"  # local servers ignore it
+        self.temperature, self.max_tokens = temperature, max_tokens
+        self.max_concurrency, self.max_retries, self.backoff, self.timeout = max_concurrency, max_retries, backoff, timeout
+        self.max_tool_rounds = max_tool_rounds
+        self._loop = None
+
+    def _client(self):
+        # An async client (and semaphore) belongs to the event loop it first ran on; each rollout() is its own
+        # asyncio.run, so make them per loop.
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            from openai import AsyncOpenAI
+
+            self._openai = AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0,
+                                       timeout=self.timeout)
+            self._sem, self._loop = asyncio.Semaphore(self.max_concurrency), loop
+        return self._openai
+
+    async def _complete(self, messages: list[dict], tools: list[dict]):
+        import openai
+
+        client = self._client()
+        kwargs = dict(model=self.model, messages=messages, temperature=self.temperature)
+        if self.max_tokens:
+            kwargs["max_tokens"] = self.max_tokens
+        if tools:
+            kwargs["tools"] = tools
+        for attempt in range(self.max_retries + 1):
+            try:
+                async with self._sem:
+                    resp = await client.chat.completions.create(**kwargs)
+                return resp.choices[0].message
+            except (openai.APIConnectionError, openai.APIStatusError) as e:  # timeouts are connection errors
+                status = getattr(e, "status_code", None)
+                retriable = status is None or status >= 500 or status in self.RETRY_STATUS
+                if not retriable or attempt == self.max_retries:
+                    raise UserSimError(f"user simulator endpoint failed after {attempt + 1} attempts: {e!r}") from e
+                await asyncio.sleep(self.backoff * 2 ** attempt)
+            except openai.OpenAIError as e:
+                raise UserSimError(f"user simulator endpoint failed: {e!r}") from e
+
+    async def opening(self, env, task) -> str | None:
+        # Shared by the group before any session exists, so the opening runs no user tools.
+        history = message_history(env, task)
+        if not user_speaks_next(history):
+            return None
+        return (await self._complete(_user_view(task, history, bool(env.user_tools(task))), [])).content or ""
+
+    def start(self, env, task, session, opening):
+        return _chat_state(env, task, session, opening, env.user_tools(task))
+
+    async def reply(self, state: _ChatState, messages):
+        _flip_new(state, messages)
+        for _ in range(self.max_tool_rounds + 1):
+            msg = await self._complete(state.history, state.tools)
+            if not (state.tools and msg.tool_calls):
+                state.history.append({"role": "assistant", "content": msg.content or ""})
+                return state.said(msg.content or "")
+            # User-side tools (tau2 telecom): run them on the episode's session, loop until the user talks.
+            calls = [{"id": c.id, "type": "function",
+                      "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in msg.tool_calls]
+            state.history.append({"role": "assistant", "content": msg.content or "", "tool_calls": calls})
+            for c in calls:
+                try:
+                    args = json.loads(c["function"]["arguments"] or "{}")
+                except (json.JSONDecodeError, TypeError) as e:
+                    content = f"Error: arguments are not a JSON object: {e}"
+                else:  # n_messages: the call's place in the conversation, just before this reply
+                    content = state.session.call_tool(c["function"]["name"], args, requestor="user",
+                                                      n_messages=len(messages)).content
+                state.history.append({"role": "tool", "tool_call_id": c["id"], "content": content})
+        raise UserSimError(f"user simulator made more than {self.max_tool_rounds} rounds of tool calls")
+
+
+class HFUserSim(UserSim):
+    """A local transformers chat model as the user, for offline runs: plain HF generate over the flipped
+    conversations of all waiting episodes in one left-padded batch. User-side tools are not supported.
+
+    model, tokenizer: loaded (rollout.make_user_sim("hf", model=NAME) loads one by name). end_of_turn: the token
+    that ends the user's message (default: the tokenizer's eos); template_kwargs: extra chat-template variables
+    (Qwen3's enable_thinking=False)."""
+
+    def __init__(self, model, tokenizer, max_new_tokens: int = 256, temperature: float = 0.0,
+                 end_of_turn: int | None = None, template_kwargs: dict | None = None):
+        self.model, self.tok = model.eval(), tokenizer
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.end_of_turn = tokenizer.eos_token_id if end_of_turn is None else end_of_turn
+        self.template_kwargs = template_kwargs or {}
+
+    def _generate(self, conversations: list[list[dict]]) -> list[str]:
+        import torch
+
+        texts = [self.tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
+                 for c in conversations]
+        batch = self.tok(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+        batch = batch.to(next(self.model.parameters()).device)
+        sampling = dict(do_sample=True, temperature=self.temperature) if self.temperature > 0 else dict(do_sample=False)
+        with torch.no_grad():
+            out = self.model.generate(**batch, max_new_tokens=self.max_new_tokens, pad_token_id=self.tok.pad_token_id,
+                                      eos_token_id=self.end_of_turn, **sampling)
+        return [s.strip() for s in self.tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)]
+
+    async def opening(self, env, task) -> str | None:
+        history = message_history(env, task)
+        if not user_speaks_next(history):
+            return None
+        return self._generate([_user_view(task, history, False)])[0]
+
+    def start(self, env, task, session, opening):
+        if env.user_tools(task):
+            raise NotImplementedError("the hf user simulator does not run user-side tools; use openai")
+        return _chat_state(env, task, session, opening, [])
+
+    async def replies(self, states, conversations):
+        if not states:
+            return []
+        for s, m in zip(states, conversations):
+            _flip_new(s, m)
+        texts = self._generate([s.history for s in states])
+        for s, t in zip(states, texts):
+            s.history.append({"role": "assistant", "content": t})
+        return [s.said(t) for s, t in zip(states, texts)]
+
+
+class DataUserSim(UserSim):
+    """`sim` for most tasks, but env.scripted_user for tasks whose user is written in the data
+    (task.meta["user_sim"]["scripted"]: BFCL's questions, ACEBench's multi-step entries, which have no user).
+    rollout.make_user_sim wraps every LLM user in one."""
+
+    def __init__(self, sim: UserSim):
+        self.sim, self.scripted = sim, ScriptedUserSim()
+
+    def __getattr__(self, name):  # the wrapped simulator's own attributes (model, _generate, ...)
+        if name == "sim":
+            raise AttributeError(name)
+        return getattr(self.sim, name)
+
+    def _pick(self, task) -> UserSim:
+        return self.scripted if (task.meta.get("user_sim") or {}).get("scripted") else self.sim
+
+    async def opening(self, env, task):
+        return await self._pick(task).opening(env, task)
+
+    def start(self, env, task, session, opening):
+        sim = self._pick(task)
+        return sim, sim.start(env, task, session, opening)
+
+    async def reply(self, state, messages):
+        out = (await self.replies([state], [messages]))[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    async def replies(self, states, conversations):
+        out = [None] * len(states)
+        for sim in (self.scripted, self.sim):
+            mine = [i for i, (s, _) in enumerate(states) if s is sim]
+            if mine:
+                got = await sim.replies([states[i][1] for i in mine], [conversations[i] for i in mine])
+                for i, text in zip(mine, got):
+                    out[i] = text
+        return out

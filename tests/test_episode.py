@@ -1,0 +1,50 @@
+"""One episode, every way of playing it. The episode rule (envs.next_turn, envs.score) ends and scores the episodes
+of the batched rollout, the reference rollout, envs.play (scripted experts), API agents (eval.py) and cold-start
+synthesis (sft.py); an episode a cap cut off scores 0 whichever of them played it, as tau2 scores it."""
+import pytest
+import torch
+
+import eval as evaluation
+import sft
+from conftest import ChatServer
+from envs import make_env, play
+from rollout import RolloutConfig, make_user_sim, rollout
+
+MAX_TURNS = 4  # cold-start synthesis plays with envs.play's default, 30: CappedEnv's user outlasts both
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("name, expected", [("RightEnv", (1.0, "user_stop")), ("CappedEnv", (0.0, "max_turns"))])
+def test_every_way_of_playing_an_episode_scores_it_alike(name, expected, lm, tiny_tok, monkeypatch):
+    """tests/fake_env.py: the database is right from the start; RightEnv's user stops after two replies, CappedEnv's
+    never does, so its episodes end at the turn cap (MAX_TURNS; envs.play's 30 for the cold start). The environment says 1 for all of them; the rule says 0 for the
+    cut-off ones, on every path."""
+    env = make_env(f"tests.fake_env:{name}", n_tasks=2)
+    tasks = env.tasks("train")
+    cfg = RolloutConfig(greedy=True, max_new_tokens=256, max_turns=MAX_TURNS, max_context=4096)
+    outcomes = {"rollout": [(e.reward, e.termination, e.reward_info)
+                            for e in rollout(lm, tiny_tok, env, tasks, 2, make_user_sim("scripted"), cfg)],
+                "expert (envs.play)": [(r, term, info) for _, r, info, term in
+                                       (play(env, t, env.expert(t), max_turns=MAX_TURNS) for t in tasks)]}
+    monkeypatch.setenv("OPENAI_API_KEY", "k")
+    server = ChatServer(lambda body, n: (200, {"content": "Anything else?"}))  # an API model that never stops
+    try:
+        api = evaluation.run_api_agent(evaluation.EvalConfig(agent="openai:m", agent_base_url=server.url,
+                                                             max_turns=MAX_TURNS), env, tasks)
+    finally:
+        server.close()
+    outcomes["API agent (eval.py)"] = [(e["reward"], e["termination"], e["reward_info"]) for e in api]
+    for path, results in outcomes.items():
+        for reward, termination, info in results:
+            assert (reward, termination) == expected, path
+            if termination == "max_turns":
+                assert info["env_reward"] == 1.0 and info["ended_early"] == "max_turns", path
+    kept = sft.make_cold_start(sft.SFTConfig(env=f"tests.fake_env:{name}", num_tasks=2))
+    assert len(kept) == (2 if expected[0] == 1.0 else 0)  # only finished episodes are cold-start data

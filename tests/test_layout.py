@@ -1,0 +1,57 @@
+"""The modules import one way, so a reader can start at the bottom and read up:
+
+    envs/      the world: tasks, tools, databases, rewards, the episode rule, the simulated users
+    loss.py    the GRPO math, pure functions on tensors
+    cli.py     the entry points' plumbing: config dataclass as command line, Accelerator, atomic JSON
+    muarl.py   the floor of the agent's side: Episode, tokenization, tool-call format, model loading
+    rollout.py the agent playing episodes (reference and fast engine)
+    sft.py, eval.py    cold start and evaluation, on the rollout
+    grpo.py    the pipeline, on all of the above
+
+Checked on the source (every import statement, function-local ones included), so a lazy import cannot hide a
+dependency that runs later. muarl.py reads the shop domain (envs/shop.py) to train the tiny tokenizer on its text;
+envs/ import nothing of the agent's side."""
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALLOWED = {  # module -> the project modules it may import
+    "envs": {"envs"},
+    "loss": set(),
+    "cli": set(),
+    "muarl": {"envs", "cli"},
+    "rollout": {"envs", "muarl"},
+    "sft": {"envs", "cli", "muarl", "loss", "rollout"},
+    "eval": {"envs", "cli", "muarl", "rollout"},
+    "grpo": {"envs", "cli", "muarl", "loss", "rollout", "sft", "eval"},
+}
+
+
+def imports(path: str) -> set[str]:
+    """The top-level names of every module `path` imports, anywhere in the file."""
+    out = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_imports_flow_one_way():
+    files = sorted(f for f in os.listdir(ROOT) if f.endswith(".py"))
+    files += sorted(os.path.join("envs", f) for f in os.listdir(os.path.join(ROOT, "envs")) if f.endswith(".py"))
+    wrong = []
+    for f in files:
+        module = f.split(os.sep)[0].removesuffix(".py")
+        assert module in ALLOWED, f"{f}: a new module; give it its place in ALLOWED (and in the README's file table)"
+        project = imports(os.path.join(ROOT, f)) & set(ALLOWED)
+        wrong += [f"{f} imports {m}" for m in sorted(project - ALLOWED[module] - {module})]
+    assert not wrong, "imports against the layering: " + "; ".join(wrong)
+    assert len(files) >= 10
+
+
+def test_the_check_sees_function_local_imports(tmp_path):
+    p = tmp_path / "m.py"
+    p.write_text("import os\n\ndef f():\n    from grpo import token_logprobs\n    import sft.x\n")
+    assert imports(str(p)) == {"os", "grpo", "sft"}
