@@ -109,6 +109,11 @@ class Config:
     """run directory (default: runs/grpo-<env>-<time>)"""
     save_every: int = 20
     """steps between checkpoints (the last step is always saved)"""
+    keep_checkpoints: int = 0
+    """keep only the newest N checkpoints of the run (0: keep all); the one `latest` names is never removed"""
+    save_weights_only: bool = False
+    """checkpoints hold the model and tokenizer only: no optimizer, scheduler or RNG state (a quarter of the size
+    with AdamW in fp32), so they start new runs (--init-from) but cannot be resumed"""
     resume: str = ""
     """run directory or checkpoint to continue from exactly (weights, optimizer, scheduler, RNG, data position)"""
     report_to: str = ""
@@ -125,7 +130,7 @@ RECIPES = {
     "paper": dict(model="Qwen/Qwen3-8B", env="tau2:retail", env_reward="db", user_sim="openai", user_model="gpt-4o",
                   tasks_per_step=32, group_size=8, lr=1e-6, max_new_tokens=1024, max_context=32768,
                   micro_batch_size=1, bf16=True, gradient_checkpointing=True, steps=200, eval_tasks=0,
-                  save_every=10, temperature=1.0),
+                  save_every=10, keep_checkpoints=2, temperature=1.0),
 }
 
 
@@ -145,7 +150,7 @@ def validate(cfg: Config, world: int) -> None:
                 "save_every"):
         if getattr(cfg, opt) < 1:
             bad(opt, "must be >= 1")
-    for opt in ("warmup_steps", "eval_tasks", "log_episodes", "rollout_batch", "kl_coef", "grad_clip"):
+    for opt in ("warmup_steps", "eval_tasks", "log_episodes", "rollout_batch", "kl_coef", "grad_clip", "keep_checkpoints"):
         if getattr(cfg, opt) < 0:
             bad(opt, "must be >= 0")
     for opt in ("clip_low", "clip_high"):
@@ -241,24 +246,33 @@ def save_checkpoint(acc, model, tok, cfg: Config, run_dir: Path, step: int) -> P
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     acc.wait_for_everyone()
-    acc.save_state(str(tmp / "accelerate"))
+    if not cfg.save_weights_only:
+        acc.save_state(str(tmp / "accelerate"))
     sft.save_pretrained(acc, model, tok, tmp / "model", {"grpo": asdict(cfg)})
     if acc.is_main_process:
         cli.write_json_atomic(tmp / "trainer_state.json", {"step": step, "data_position": step * cfg.tasks_per_step})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         cli.write_json_atomic(run_dir / "checkpoints" / "latest.json", {"checkpoint": final.name})
+        if cfg.keep_checkpoints:
+            older = sorted(p for p in final.parent.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+            for p in older[:-cfg.keep_checkpoints]:
+                if p != final:
+                    shutil.rmtree(p, ignore_errors=True)
     acc.wait_for_everyone()
     return final
 
 
 def find_checkpoint(path: str) -> Path:
     p = Path(path)
-    if (p / "trainer_state.json").exists():
-        return p
     latest = p / "checkpoints" / "latest.json"
-    if latest.exists():
-        return p / "checkpoints" / json.loads(latest.read_text())["checkpoint"]
+    if not (p / "trainer_state.json").exists() and latest.exists():
+        p = p / "checkpoints" / json.loads(latest.read_text())["checkpoint"]
+    if (p / "trainer_state.json").exists():
+        if not (p / "accelerate").is_dir():
+            raise SystemExit(f"grpo.py: --resume: {p} was saved with --save-weights-only (no optimizer, scheduler or "
+                             f"RNG state), so it cannot continue the run exactly; start a new run with --init-from {p / 'model'}")
+        return p
     raise SystemExit(f"grpo.py: --resume: no checkpoint in {path} (expected trainer_state.json or checkpoints/latest.json)")
 
 

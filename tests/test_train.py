@@ -66,6 +66,17 @@ def test_grpo_moves_every_parameter_and_logs(tmp_path, ckpt, start_lm):
     assert episodes and episodes[0]["messages"][0]["role"] == "system"
 
 
+def test_checkpoints_pruned_and_weights_only(tmp_path, ckpt):
+    grpo.main(grpo_args(ckpt, tmp_path / "a", "--steps", "3", "--save-every", "1", "--keep-checkpoints", "2"))
+    kept = sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir())
+    assert kept == ["latest.json", "step-000002", "step-000003"]
+    grpo.main(grpo_args(ckpt, tmp_path / "b", "--save-weights-only"))
+    ck = tmp_path / "b" / "checkpoints" / "step-000002"
+    assert (ck / "model" / "model.safetensors").exists() and not (ck / "accelerate").exists()
+    with pytest.raises(SystemExit, match="save-weights-only"):
+        grpo.main(["--resume", str(tmp_path / "b"), "--steps", "4"])
+
+
 def test_resume_continues_exactly(tmp_path, ckpt):
     full = grpo.main(grpo_args(ckpt, tmp_path / "a", "--steps", "4", "--save-every", "2"))
     grpo.main(grpo_args(ckpt, tmp_path / "b", "--steps", "2", "--save-every", "2"))
