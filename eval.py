@@ -235,8 +235,8 @@ class _ToolsAt:
 def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
     """An OpenAI-compatible model (or the env's scripted expert) as the agent, through the text-level driver (no
     token-level record)."""
-    from envs import message_history, play
-    from rollout import OpenAIAgent, make_user_sim
+    from envs import OpenAIAgent, message_history, play
+    from rollout import make_user_sim
 
     sim = None
     if cfg.user_sim != "scripted":

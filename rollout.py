@@ -507,25 +507,3 @@ def user_sim_options(cfg) -> dict:
     if cfg.user_sim == "hf":
         return dict(model=cfg.user_model)
     return {}
-
-
-class OpenAIAgent:
-    """An agent behind an OpenAI-compatible endpoint, for the text-level driver envs.play: a cold-start teacher
-    (sft.py) or an API baseline (eval.py)."""
-
-    def __init__(self, model: str, tools: list[dict], base_url: str = "", temperature: float = 0.0):
-        from openai import OpenAI
-
-        self.client = OpenAI(base_url=base_url or None, max_retries=5)
-        self.model, self.tools, self.temperature = model, tools, temperature
-
-    def act(self, messages: list[dict]) -> dict:
-        r = self.client.chat.completions.create(model=self.model, messages=messages, tools=self.tools or None,
-                                                temperature=self.temperature)
-        m = r.choices[0].message
-        msg = {"role": "assistant", "content": m.content or ""}
-        if m.tool_calls:
-            msg["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                                 for c in m.tool_calls]
-        return msg

@@ -28,8 +28,9 @@ import torch
 
 import cli
 import muarl
+from envs import OpenAIAgent
 from loss import token_logprobs
-from rollout import OpenAIAgent, make_user_sim, user_sim_options
+from rollout import make_user_sim, user_sim_options
 
 
 @dataclass
