@@ -228,12 +228,22 @@ def _acc_dtype(t):
     return torch.promote_types(t.dtype, torch.float32)
 
 
+def _compute_dtype(weight):
+    """The dtype the output layer's matmul runs in: autocast's (bf16 under `accelerator.autocast()` on fp32
+    master weights, as F.linear would run) when autocast is on for the weight's device, else the weight's own
+    (fp32 as before; float64 for gradcheck stays float64, which autocast never casts)."""
+    device = weight.device.type
+    if weight.dtype != torch.float64 and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
 def _chunk_logits(h, weight, bias, temperature, buf):
     """h: [c, H] -> [c, V] logits / temperature, written into buf[:c] (float32; float64 for gradcheck).
 
-    The matmul runs in the weight's dtype and is cast to float32 before the division, as transformers'
-    sampler does. buf is one [chunk, V] buffer reused by every chunk: a fresh 100+ MB tensor per chunk
-    would cost page faults (CPU) or allocator churn (GPU) each time.
+    The matmul runs in h's and the weight's dtype (the compute dtype: bf16 under autocast) and is cast to
+    float32 before the division, as transformers' sampler does. buf is one [chunk, V] buffer reused by every
+    chunk: a fresh 100+ MB tensor per chunk would cost page faults (CPU) or allocator churn (GPU) each time.
     """
     z = buf[:h.shape[0]]
     if weight.dtype == z.dtype:
@@ -252,31 +262,40 @@ class _ChunkedLogprobs(torch.autograd.Function):
     time: d logp / d z = onehot(target) - softmax(z), so with upstream g [N]:
         dz = g * (onehot - softmax(z)) / temperature,  dh = dz @ W,  dW += dz.T @ h,  db += dz.sum(0)
     Extra memory is one [chunk, V] buffer, in forward and backward alike (plus a float32 dW accumulator
-    when W is bf16/fp16). Cost: one more [N, H] x [H, V] matmul than autograd on the full logits (the
+    when W or the compute dtype is bf16/fp16, and under autocast one bf16 copy of h and of W). Cost: one more [N, H] x [H, V] matmul than autograd on the full logits (the
     recompute), i.e. 4 matmuls instead of 3 for forward + backward; the forward alone costs the same.
     (torch.utils.checkpoint per chunk gives a similar memory bound, but also recomputes the log_softmax
     and keeps its output and gradient alive in each chunk's backward.)
+
+    Precision follows autocast as a plain `F.linear` head would: under autocast (bf16) the three matmuls run
+    in bf16 (h, W and b cast once per call), while the log-softmax, logsumexp, softmax and the dW / db sums
+    stay float32. The autocast state is read in forward and replayed in backward (which autograd runs outside
+    the autocast region), and autocast itself is off inside both so that every cast here is explicit. Without
+    autocast nothing is cast: float32 weights take exactly the float32 path.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, want_entropy):
-        n, acc = hidden.shape[0], _acc_dtype(weight)
-        logp = torch.empty(n, dtype=acc, device=hidden.device)
-        lse = torch.empty_like(logp)
-        entropy = torch.empty_like(logp) if want_entropy else logp.new_empty(0)
-        buf = torch.empty(min(chunk_size, n), weight.shape[0], dtype=acc, device=hidden.device)
-        for s in range(0, n, chunk_size):
-            e = s + chunk_size
-            z = _chunk_logits(hidden[s:e], weight, bias, temperature, buf)              # [c, V]
-            logp[s:e] = z.gather(1, targets[s:e, None]).squeeze(1)
-            if want_entropy:
-                entropy[s:e] = _entropy(z)
-            # logsumexp in place, so the chunk needs no second [c, V] buffer
-            peak = z.amax(1, keepdim=True)
-            lse[s:e] = z.sub_(peak).exp_().sum(1).log_().add_(peak.squeeze(1))
-        logp -= lse
+        n, acc, cd = hidden.shape[0], _acc_dtype(weight), _compute_dtype(weight)
+        with torch.autocast(hidden.device.type, enabled=False):
+            h, w = hidden.to(cd), weight.to(cd)
+            b = None if bias is None else bias.to(cd)
+            logp = torch.empty(n, dtype=acc, device=hidden.device)
+            lse = torch.empty_like(logp)
+            entropy = torch.empty_like(logp) if want_entropy else logp.new_empty(0)
+            buf = torch.empty(min(chunk_size, n), weight.shape[0], dtype=acc, device=hidden.device)
+            for s in range(0, n, chunk_size):
+                e = s + chunk_size
+                z = _chunk_logits(h[s:e], w, b, temperature, buf)                      # [c, V]
+                logp[s:e] = z.gather(1, targets[s:e, None]).squeeze(1)
+                if want_entropy:
+                    entropy[s:e] = _entropy(z)
+                # logsumexp in place, so the chunk needs no second [c, V] buffer
+                peak = z.amax(1, keepdim=True)
+                lse[s:e] = z.sub_(peak).exp_().sum(1).log_().add_(peak.squeeze(1))
+            logp -= lse
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.compute_dtype = temperature, chunk_size, cd
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -285,31 +304,38 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, _grad_entropy):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        # dW is accumulated over chunks in float32 even for bf16 weights (one [V, H] buffer), so the
-        # sum over thousands of tokens does not lose precision chunk after chunk.
-        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=lse.dtype, device=bias.device) if need_b else None
-        buf = torch.empty(min(ctx.chunk_size, hidden.shape[0]), weight.shape[0], dtype=lse.dtype,
-                          device=hidden.device)
-        for s in range(0, hidden.shape[0], ctx.chunk_size):
-            e = s + ctx.chunk_size
-            h, g = hidden[s:e], grad_logp[s:e].to(lse.dtype)
-            z = _chunk_logits(h, weight, bias, ctx.temperature, buf)
-            dz = z.sub_(lse[s:e, None]).exp_().mul_(-g[:, None])             # -g * softmax(z)
-            dz.scatter_add_(1, targets[s:e, None], g[:, None])               # + g * onehot(target)
-            if ctx.temperature != 1.0:
-                dz.div_(ctx.temperature)
-            if need_b:
-                grad_b += dz.sum(0)
-            dz = dz.to(weight.dtype)
-            if need_h:
-                torch.mm(dz, weight, out=grad_h[s:e])
-            if need_w:
-                if weight.dtype == grad_w.dtype:
-                    grad_w.addmm_(dz.t(), h)
-                else:
-                    grad_w += torch.mm(dz.t(), h).float()
+        cd = ctx.compute_dtype
+        with torch.autocast(hidden.device.type, enabled=False):
+            h_all, w = hidden.to(cd), weight.to(cd)
+            b = None if bias is None else bias.to(cd)
+            grad_h = torch.empty_like(hidden) if need_h else None
+            # dW is accumulated over chunks in float32 even for bf16 weights or a bf16 compute dtype (one [V, H]
+            # buffer), so the sum over thousands of tokens does not lose precision chunk after chunk.
+            grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
+            grad_b = torch.zeros(bias.shape, dtype=lse.dtype, device=bias.device) if need_b else None
+            buf = torch.empty(min(ctx.chunk_size, hidden.shape[0]), weight.shape[0], dtype=lse.dtype,
+                              device=hidden.device)
+            for s in range(0, hidden.shape[0], ctx.chunk_size):
+                e = s + ctx.chunk_size
+                h, g = h_all[s:e], grad_logp[s:e].to(lse.dtype)
+                z = _chunk_logits(h, w, b, ctx.temperature, buf)
+                dz = z.sub_(lse[s:e, None]).exp_().mul_(-g[:, None])             # -g * softmax(z)
+                dz.scatter_add_(1, targets[s:e, None], g[:, None])               # + g * onehot(target)
+                if ctx.temperature != 1.0:
+                    dz.div_(ctx.temperature)
+                if need_b:
+                    grad_b += dz.sum(0)
+                dz = dz.to(cd)
+                if need_h:
+                    if grad_h.dtype == cd:
+                        torch.mm(dz, w, out=grad_h[s:e])
+                    else:
+                        grad_h[s:e] = torch.mm(dz, w)
+                if need_w:
+                    if cd == grad_w.dtype:
+                        grad_w.addmm_(dz.t(), h)
+                    else:
+                        grad_w += torch.mm(dz.t(), h).float()
         return (grad_h, grad_w.to(weight.dtype) if need_w else None,
                 grad_b.to(bias.dtype) if need_b else None, None, None, None, None)
 

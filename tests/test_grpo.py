@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from grpo import (AGGS, group_advantages, grpo_loss, kl_k3, logprobs_from_hidden, masked_token_entropy,
                   token_logprobs)
@@ -409,3 +410,47 @@ def test_logprobs_from_hidden_bf16_and_frozen_head():
     h3 = h.clone().requires_grad_()
     (logprobs_from_hidden(h3, w, y, 0.9, chunk_size=7) * up).sum().backward()
     assert torch.equal(h3.grad, h2.grad)
+
+
+def test_logprobs_from_hidden_follows_autocast():
+    """fp32 master weights under autocast(bf16), as GRPO and SFT train with --bf16: the head's matmuls run in bf16 like
+    a plain F.linear head (logits rounded to bf16), the log-softmax in float32, gradients come back float32 for the
+    float32 weights; without autocast the float32 path is untouched. CPU autocast runs bf16 too."""
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(3, 10, 16, generator=g)
+    w = torch.randn(40, 16, generator=g) / 4
+    b = torch.randn(40, generator=g) / 4
+    y = torch.randint(0, 40, (3, 10), generator=g)
+    up = torch.randn(3, 10, generator=g)
+
+    def run(fn, autocast):
+        hh, ww, bb = h.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = fn(hh, ww, bb)
+        (out * up).sum().backward()
+        return out.detach(), hh.grad, ww.grad, bb.grad
+
+    def naive(hh, ww, bb):  # what a model's own lm_head gives under autocast: bf16 logits, float32 softmax
+        return torch.log_softmax(F.linear(hh, ww, bb).float() / 0.9, -1).gather(-1, y[..., None]).squeeze(-1)
+
+    chunked = lambda hh, ww, bb: logprobs_from_hidden(hh, ww, y, 0.9, chunk_size=7, bias=bb)
+    want, got = run(naive, True), run(chunked, True)
+    assert got[0].dtype == torch.float32 and all(x.dtype == torch.float32 for x in got[1:])
+    assert torch.allclose(got[0], want[0], atol=1e-5)  # the same bf16 logits; dW, db are summed in float32 here
+    for a, e in zip(got[1:], want[1:]):
+        assert torch.allclose(a, e, rtol=2e-2, atol=2e-2)
+    fp32_want, fp32_got = run(naive, False), run(chunked, False)
+    for a, e in zip(fp32_got, fp32_want):
+        assert torch.allclose(a, e, atol=1e-5)
+    assert (got[0] - fp32_got[0]).abs().max() > 1e-3  # the bf16 path really ran in bf16
+
+
+def test_token_logprobs_under_autocast_matches_model_logits():
+    model = tiny_model(torch.float32)
+    ids = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(7))
+    attn = torch.ones_like(ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, _ = naive_logprobs(model, ids, attn)
+        got = token_logprobs(model, ids, attn, chunk_size=5)
+    assert got.dtype == torch.float32 and torch.allclose(got, want.float(), atol=2e-2)
+    assert (got - token_logprobs(model, ids, attn, chunk_size=5)).abs().max() > 1e-4
