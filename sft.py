@@ -86,7 +86,7 @@ class SFTConfig:
     grad_clip: float = 1.0
     """gradient-norm clip"""
     bf16: bool = False
-    """bf16 mixed precision (GPU)"""
+    """bf16 mixed precision: fp32 master weights, forward passes under bf16 autocast (GPU)"""
     gradient_checkpointing: bool = False
     """trade compute for memory on long conversations"""
     seed: int = 0
@@ -228,7 +228,10 @@ def fit(acc, model, opt, sched, data, steps: int, batch_size: int, micro_batch_s
         for k, mb in enumerate(micro):
             ids, attn, mask = muarl.collate(mb, pad_id, acc.device)
             with acc.no_sync(model) if k < len(micro) - 1 else contextlib.nullcontext():
-                logp = token_logprobs(model, ids, attn)
+                # token_logprobs runs the model's body, not model.forward, which is what Accelerate's prepare wraps
+                # in autocast: ask for it here, as grpo.train_on_episodes does.
+                with acc.autocast():
+                    logp = token_logprobs(model, ids, attn)
                 # DDP averages gradients over processes; scale so the sum over processes is the global mean.
                 loss = -(logp * mask).sum() / normalizer * acc.num_processes
                 acc.backward(loss)
@@ -250,7 +253,10 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     start = str(pretrain_tiny(cfg)) if cfg.model == "tiny" else cfg.model
     acc = accelerator or cli.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
     muarl.seed_everything(cfg.seed)
-    model, tok = muarl.load_model(start, device=acc.device, seed=cfg.seed)
+    # fp32 master weights, as grpo.main keeps the policy's; --bf16 runs the passes under autocast (fit). AdamW on
+    # bf16 weights rounds a step of lr 5e-6 away for most weights (measured: 7.5% of them moved in 10 steps). The
+    # checkpoint is saved in fp32 too: rounding it to bf16 would drop those small updates all the same.
+    model, tok = muarl.load_model(start, device=acc.device, seed=cfg.seed, dtype=torch.float32)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     data, skipped = encode(tok, conversations, cfg.max_len)
@@ -327,7 +333,7 @@ def pretrain_tiny(cfg: SFTConfig) -> Path:
                                             num_tasks=cfg.num_tasks + held_out))
     acc = cli.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
     muarl.seed_everything(cfg.seed)
-    model, tok = muarl.load_model("tiny", device=acc.device, seed=cfg.seed)
+    model, tok = muarl.load_model("tiny", device=acc.device, seed=cfg.seed, dtype=torch.float32)  # as in train
     drills = encode(tok, windows(conversations[:-held_out]), cfg.max_len)[0]
     test = encode(tok, windows(conversations[-held_out:]), cfg.max_len)[0]
     copy_ids = {tok.convert_tokens_to_ids(w) for w in id_tokens()}

@@ -133,3 +133,20 @@ class ChatServer:
     def close(self):
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+@pytest.fixture
+def bf16_accelerator():
+    """An Accelerator with bf16 mixed precision on the CPU (CPU autocast runs bf16). Accelerate keeps one
+    process-wide state and refuses a second precision, so the state is reset before and after."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    import cli
+
+    threads = torch.get_num_threads()
+    AcceleratorState._reset_state(True)
+    acc = cli.make_accelerator(mixed_precision="bf16")
+    yield acc
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    torch.set_num_threads(threads)

@@ -11,6 +11,7 @@ import torch
 
 import eval as evaluation
 import grpo
+import muarl
 import sft
 from conftest import ends_turns
 
@@ -199,21 +200,22 @@ def test_sft_windows_train_only_the_agent_message_that_ends_them(tiny_tok):
         assert trained == last and ids[-len(last):] == last
 
 
-def test_sft_lowers_the_loss_on_agent_tokens(tmp_path, tiny_tok, tiny_lm):
-    ckpt = tmp_path / "init"
-    tiny_lm.save_pretrained(ckpt)
-    tiny_tok.save_pretrained(ckpt)
+def fake_conversations(n=4):
     from envs import play
     from tests.fake_env import FakeEnv
 
     class Agent:
         def act(self, messages):
             return {"role": "assistant", "content": "Sure, done."}
-    env = FakeEnv(n_tasks=4)
-    convs = []
-    for t in env.tasks("train"):
-        messages, *_ = play(env, t, Agent())
-        convs.append({"messages": messages, "tools": env.tools(t)})
+    env = FakeEnv(n_tasks=n)
+    return [{"messages": play(env, t, Agent())[0], "tools": env.tools(t)} for t in env.tasks("train")]
+
+
+def test_sft_lowers_the_loss_on_agent_tokens(tmp_path, tiny_tok, tiny_lm):
+    ckpt = tmp_path / "init"
+    tiny_lm.save_pretrained(ckpt)
+    tiny_tok.save_pretrained(ckpt)
+    convs = fake_conversations()
     p = tmp_path / "c.jsonl"
     p.write_text("".join(json.dumps(c) + "\n" for c in convs))
     out = sft.train(sft.SFTConfig(model=str(ckpt), out=str(tmp_path / "sft"), epochs=10, batch_size=4,
@@ -229,6 +231,52 @@ def test_sft_lowers_the_loss_on_agent_tokens(tmp_path, tiny_tok, tiny_lm):
             losses.append(-(token_logprobs(model, ids, attn) * mask).sum().item() / mask.sum().item())
     assert losses[1] < 0.4 * losses[0]
     assert json.loads((out / "muarl_config.json").read_text())["sft"]["epochs"] == 10
+
+
+def test_sft_bf16_keeps_small_updates_in_fp32_master_weights(tmp_path, tiny_tok, tiny_lm, bf16_accelerator, monkeypatch):
+    """--bf16 SFT trains fp32 master weights under bf16 autocast, as GRPO does: three AdamW steps of lr 1e-5 move
+    nearly every weight (and the checkpoint keeps them in fp32), where the same steps on bf16 weights round most
+    updates away (a weight of 0.02 has a bf16 spacing of 1.2e-4, far above a step of ~1e-5)."""
+    import copy
+
+    from safetensors.torch import load_file
+
+    ckpt = tmp_path / "init"
+    tiny_lm.save_pretrained(ckpt)
+    tiny_tok.save_pretrained(ckpt)
+    convs = fake_conversations()
+    seen = []
+
+    def spy(model, *args, **kwargs):  # the passes run under bf16 autocast, on fp32 weights
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+                     next(model.parameters()).dtype))
+        return grpo.token_logprobs(model, *args, **kwargs)
+    monkeypatch.setattr(sft, "token_logprobs", spy)
+    lr, steps = 1e-5, 3
+    out = sft.train(sft.SFTConfig(model=str(ckpt), out=str(tmp_path / "sft"), epochs=steps, batch_size=4,
+                                  micro_batch_size=4, warmup_steps=1, lr=lr, bf16=True), convs,
+                    accelerator=bf16_accelerator)
+    assert seen and set(seen) == {(True, torch.bfloat16, torch.float32)}
+    start = tiny_lm.state_dict()
+    end = load_file(str(out / "model.safetensors"))
+    assert {v.dtype for v in end.values()} == {torch.float32}
+
+    def moved(before, after):
+        n = sum((after[k] != before[k]).sum().item() for k in after)
+        return n / sum(after[k].numel() for k in after)
+    assert moved(start, end) > 0.95
+
+    # the old way: the same steps on bf16 weights (AdamW's first steps have size ~lr whatever the gradient)
+    bf16 = copy.deepcopy(tiny_lm).bfloat16().train()
+    start = {k: v.clone() for k, v in bf16.state_dict().items() if k in end}
+    opt = torch.optim.AdamW(bf16.parameters(), lr=lr, weight_decay=0.0)
+    ids, attn, mask = muarl.collate([muarl.encode_conversation(tiny_tok, c["messages"], c["tools"]) for c in convs],
+                                    tiny_tok.pad_token_id)
+    for _ in range(steps):
+        (-(grpo.token_logprobs(bf16, ids, attn) * mask).sum() / mask.sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    assert moved(start, {k: v for k, v in bf16.state_dict().items() if k in end}) < 0.5
 
 
 def test_pass_hat_k():
