@@ -353,3 +353,29 @@ def test_plot_curves_writes_a_png_with_each_curve(tmp_path):
     pixels = {tuple(p) for p in raw[:, 1:].reshape(-1, 3)}
     for name, color in evaluation.CURVE_COLORS.items():
         assert color in pixels, name
+
+
+def test_reference_kl_is_zero_at_step_one_under_bf16(ckpt, tiny_tok, bf16_accelerator):
+    """The reference runs the policy's precision path (fp32 weights under the same bf16 autocast): before the
+    policy moves, the kl metric is 0 to rounding. A bf16 reference, as it was, is a different function."""
+    acc = bf16_accelerator
+    g = torch.Generator().manual_seed(0)
+    episodes = []
+    for i in range(4):
+        n = 30 + 7 * i
+        ids = torch.randint(0, len(tiny_tok), (n,), generator=g).tolist()
+        mask = [0] * 10 + [1] * (n - 10)
+        episodes.append(muarl.Episode(task_id=f"t{i // 2}", input_ids=ids, loss_mask=mask, logprobs=[-1.0] * n,
+                                      reward=float(i % 2)))
+    cfg = grpo.Config(group_size=2, micro_batch_size=2, kl_coef=0.001, lr=1e-3)
+
+    def step_one_kl(ref):
+        policy, tok = muarl.load_model(str(ckpt), device="cpu", dtype=torch.float32)
+        opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        policy, opt = acc.prepare(policy, opt)
+        return grpo.train_on_episodes(episodes, policy, ref, opt, sched, acc, cfg, tok.pad_token_id)["kl"]
+
+    assert step_one_kl(grpo.load_reference(str(ckpt), "cpu")) < 1e-6
+    bf16_ref, _ = muarl.load_model(str(ckpt), device="cpu", dtype=torch.bfloat16)
+    assert step_one_kl(bf16_ref.eval()) > 5e-6  # 1.9e-5 here
