@@ -247,6 +247,15 @@ def end_of_turn_id(tokenizer) -> int:
     return tokenizer.eos_token_id
 
 
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """Every token that ends an agent turn: the end-of-turn token first, then each `eos_token_id` of the model's
+    generation config (an int or a list; Qwen3's lists <|im_end|> and <|endoftext|>), as HF's generate stops on
+    them. The one the sampler drew ends the turn, is kept verbatim and trained on, like the end-of-turn token."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return list(dict.fromkeys([end_of_turn_id(tokenizer), *eos]))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Chat-template delta tokenization (invariant 1)
 # ---------------------------------------------------------------------------------------------------------
@@ -279,9 +288,28 @@ def after_turn_text(tokenizer) -> str:
     return cached
 
 
-def delta_ids(tokenizer, new_messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Ids to append after an agent turn that ended with its end-of-turn token, for the non-agent messages
-    that follow it (tool results, user replies), ending with the generation prompt for the agent's next turn.
+def closing_text(tokenizer) -> str:
+    """What the template writes after an assistant message's content: its end-of-turn token, then
+    after_turn_text (ChatML: "<|im_end|>\n"). Checked on a render, so a template that puts anything between the
+    content and the end-of-turn token is refused rather than mis-tokenized."""
+    eot = tokenizer.convert_ids_to_tokens(end_of_turn_id(tokenizer))
+    closing = eot + after_turn_text(tokenizer)
+    text = render(tokenizer, _BASE + [{"role": "assistant", "content": "A"}])
+    if not text.endswith("A" + closing):
+        raise ValueError(f"chat template does not close an assistant message with {closing!r}: {text[-80:]!r}")
+    return closing
+
+
+def delta_ids(tokenizer, new_messages: list[dict], add_generation_prompt: bool = True,
+              ended_with: int | None = None) -> list[int]:
+    """Ids to append after an agent turn that ended on a stop token, for the non-agent messages that follow it
+    (tool results, user replies), ending with the generation prompt for the agent's next turn.
+
+    ended_with: the stop token the turn ended on (None: the end-of-turn token). A turn that ended on another stop
+    token (Qwen3's <|endoftext|>, from its generation config) never wrote the template's end-of-turn token, so the
+    delta starts with it (not trained): nothing the template writes is dropped, nothing the agent sampled is
+    written twice, and the next turn reads the conversation as the template lays it out, with the sampled stop
+    token inside the agent's turn:  ...Sure.<|endoftext|> | <|im_end|>\n<|im_start|>user\n...
     """
     assert new_messages and all(m["role"] != "assistant" for m in new_messages), "deltas carry no agent text"
     base = render(tokenizer, _BASE)
@@ -289,7 +317,12 @@ def delta_ids(tokenizer, new_messages: list[dict], add_generation_prompt: bool =
     if not full.startswith(base):
         raise ValueError("chat template is not prefix-stable for appended messages: "
                          f"{base[-80:]!r} is not a prefix of {full[:len(base) + 80]!r}")
-    return encode_text(tokenizer, after_turn_text(tokenizer) + full[len(base):])
+    eot = end_of_turn_id(tokenizer)
+    if ended_with is None or ended_with == eot:
+        return encode_text(tokenizer, after_turn_text(tokenizer) + full[len(base):])
+    ids = encode_text(tokenizer, closing_text(tokenizer) + full[len(base):])
+    assert ids[0] == eot, "the end-of-turn token's text must encode to the end-of-turn token"
+    return ids
 
 
 def encode_conversation(tokenizer, messages: list[dict], tools=None, prompt_messages: int = 0

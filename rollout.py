@@ -45,7 +45,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 from envs import STOP_TOOLS, next_turn, opening_messages, score
 from envs.users import (GREETING, DataUserSim, HFUserSim, OpenAIUserSim, ScriptedUserSim, UserSim,  # noqa: F401
                         UserSimError)
-from muarl import Episode, delta_ids, end_of_turn_id, load_model, parse_assistant, prompt_ids, template_kwargs
+from muarl import (Episode, delta_ids, end_of_turn_id, load_model, parse_assistant, prompt_ids, stop_token_ids,
+                   template_kwargs)
 
 log = logging.getLogger("muarl.rollout")
 
@@ -87,15 +88,15 @@ def reference_rollout(model, tokenizer, env, task, user_sim: UserSim, cfg: Rollo
     that fails raises here (the engine records infra_error). Sampling is HF's (temperature, top_p); the engine's
     recorded logprob, log_softmax(logits / temperature) of the drawn token, is recorded here too."""
     cfg = cfg or RolloutConfig()
-    eot = end_of_turn_id(tokenizer)
+    stops = stop_token_ids(model, tokenizer)
     session = env.start(task)
     user = user_sim.sync_user(env, task, session)
     ep = Episode(task_id=task.id, tools=env.tools(task), messages=opening_messages(env, task, user.opening()))
     ep.append(prompt_ids(tokenizer, ep.messages, ep.tools), agent=False)
     status = "agent" if len(ep.input_ids) < cfg.max_context else "context_limit"
     while status == "agent":
-        ids, logprobs = _generate(model, ep.input_ids, cfg, eot, tokenizer.pad_token_id)
-        stop = ("eot" if ids[-1] == eot else
+        ids, logprobs = _generate(model, ep.input_ids, cfg, stops, tokenizer.pad_token_id)
+        stop = ("eot" if ids[-1] in stops else
                 "context" if len(ep.input_ids) + len(ids) >= cfg.max_context else "max_new_tokens")
         status = agent_turn(ep, session, tokenizer, ids, logprobs, stop, cfg.max_turns)
         if status == "user":
@@ -107,12 +108,13 @@ def reference_rollout(model, tokenizer, env, task, user_sim: UserSim, cfg: Rollo
     return ep
 
 
-def _generate(model, input_ids: list[int], cfg: RolloutConfig, eot: int, pad: int) -> tuple[list[int], list[float]]:
-    """One agent turn by `model.generate`: (sampled ids, ending with eot unless cut off; their logprobs)."""
+def _generate(model, input_ids: list[int], cfg: RolloutConfig, stops: list[int], pad: int
+              ) -> tuple[list[int], list[float]]:
+    """One agent turn by `model.generate`: (sampled ids, ending with a stop token unless cut off; their logprobs)."""
     ids = torch.tensor([input_ids], device=model.device)
     sampling = dict(do_sample=False) if cfg.greedy else dict(do_sample=True, temperature=cfg.temperature,
                                                             top_p=cfg.top_p, top_k=0)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), eos_token_id=eot, pad_token_id=pad,
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), eos_token_id=stops, pad_token_id=pad,
                          max_new_tokens=min(cfg.max_new_tokens, cfg.max_context - len(input_ids)),
                          output_logits=True, return_dict_in_generate=True, **sampling)
     new = out.sequences[0, len(input_ids):]
@@ -153,7 +155,8 @@ def agent_turn(ep: Episode, session, tokenizer, ids: list[int], logprobs: list[f
                max_turns: int) -> str:
     """Record a sampled agent turn and act on it. `ids` enter the episode verbatim (loss mask 1, with the sampler's
     logprobs); their text becomes the assistant message and its tool calls run. `stop` is why decoding stopped:
-    eot | max_new_tokens | context. Returns what follows: "agent" (to read its tool results), "user", or why
+    eot (on any stop token: the end-of-turn token or another eos of the model's generation config, dropped from the
+    text) | max_new_tokens | context. Returns what follows: "agent" (to read its tool results), "user", or why
     the episode ended."""
     ep.append(ids, agent=True, logprobs=logprobs)
     ep.turns += 1
@@ -171,7 +174,8 @@ def append_delta(ep: Episode, tokenizer, max_context: int) -> bool:
     delta (loss mask 0) ending with the generation prompt. False, appending nothing, when that would leave the
     agent no room to answer: the episode then ends as context_limit."""
     last = max(i for i, m in enumerate(ep.messages) if m["role"] == "assistant")
-    ids = delta_ids(tokenizer, ep.messages[last + 1:])
+    # the turn's last token is the stop token it ended on: the delta closes the turn as the template would
+    ids = delta_ids(tokenizer, ep.messages[last + 1:], ended_with=ep.input_ids[-1])
     if len(ep.input_ids) + len(ids) >= max_context:
         return False
     ep.append(ids, agent=False)
@@ -200,7 +204,7 @@ class _Row:
     kv: list | None = None  # per layer (keys, values), each [kv_heads, kv_len, head_dim], no padding holes
     new_ids: list[int] = field(default_factory=list)  # this turn's sampled tokens
     new_logprobs: list[float] = field(default_factory=list)
-    stop: str = ""  # why this turn's decoding stopped: eot | max_new_tokens | context
+    stop: str = ""  # why this turn's decoding stopped: eot (any stop token) | max_new_tokens | context
 
     @property
     def kv_len(self) -> int:
@@ -324,7 +328,7 @@ def _sample(logits: torch.Tensor, cfg: RolloutConfig, generator) -> tuple[torch.
 
 
 @torch.no_grad()
-def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, eot: int, generator=None) -> None:
+def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, eot: int, generator=None, stops=()) -> None:
     """Decode the current agent turn of every row, together, until fewer than cfg.refill_below of the rows are
     still decoding. A row whose turn ends gets row.stop; a row still mid-turn keeps stop == "" and its partial
     new_ids / new_logprobs, and the next call continues it (its last sampled token is its pending input). Either
@@ -333,7 +337,9 @@ def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, eot: int, generat
     The rows with more than one pending token (a new turn: the last sampled token and the tool results or user
     reply) are prefilled first, all but that last token, in a batch of their own, so that the rows continuing
     mid-turn (one pending token) pay no padding for them. Then all rows decode together, one column per step;
-    a row that stops leaves the batch (Cache.batch_select_indices)."""
+    a row that stops leaves the batch (Cache.batch_select_indices). A turn ends on eot or any token of `stops`
+    (muarl.stop_token_ids: the model's generation-config eos ids); eot also fills padding slots."""
+    stops = {eot, *stops}
     dec, lm_head = model.get_decoder(), model.get_output_embeddings()
     fwd = lambda cache, ids, mask, pos: dec(input_ids=ids, attention_mask=mask, position_ids=pos,
                                             past_key_values=cache, use_cache=True).last_hidden_state
@@ -358,7 +364,7 @@ def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, eot: int, generat
             r = rows[active[j]]
             r.new_ids.append(t)
             r.new_logprobs.append(l)
-            if t == eot:
+            if t in stops:
                 r.stop = "eot"
             elif len(r.new_ids) >= budget[active[j]]:
                 full = len(r.ep.input_ids) + len(r.new_ids) >= cfg.max_context
@@ -410,7 +416,7 @@ def rollout(model, tokenizer, env, tasks: list, group_size: int, user_sim, cfg: 
 
 
 async def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, generator) -> list[Episode]:
-    eot = end_of_turn_id(tok)
+    eot, stops = end_of_turn_id(tok), stop_token_ids(model, tok)
     # The first user message is generated once per task and shared by its group: the G episodes differ only by
     # the agent's samples, which is what the group-relative advantage compares. A task that continues an earlier
     # conversation (tau2's message history) starts from it, as prompt; the opening is None when the agent is next.
@@ -442,7 +448,7 @@ async def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, generator)
         # Continuous batching: the batch decodes until half its rows have ended their turn (refill_below); those
         # run their tools or get their user's reply and rejoin, next to the rows parked mid-turn, at the next call.
         batch = live[:cfg.max_batch or len(live)]
-        generate_turn(model, batch, cfg, eot, generator)
+        generate_turn(model, batch, cfg, eot, generator, stops)
         parked = [r for r in batch if not r.stop]
         to_user, next_live = [], []
         for r in (r for r in batch if r.stop):
@@ -495,7 +501,7 @@ def make_user_sim(name: str, **options) -> UserSim:
         model, tok = options.pop("model", "smollm2-135m"), options.pop("tokenizer", None)
         if isinstance(model, str):
             model, tok = load_model(model, device=options.pop("device", None))
-        options = dict(model=model, tokenizer=tok, end_of_turn=end_of_turn_id(tok),
+        options = dict(model=model, tokenizer=tok, end_of_turn=stop_token_ids(model, tok),
                        template_kwargs=template_kwargs(tok), **options)
     return sims[name](**options) if name == "scripted" else DataUserSim(sims[name](**options))
 

@@ -269,15 +269,20 @@ class HFUserSim(UserSim):
     """A local transformers chat model as the user, for offline runs: plain HF generate over the flipped
     conversations of all waiting episodes in one left-padded batch. User-side tools are not supported.
 
-    model, tokenizer: loaded (rollout.make_user_sim("hf", model=NAME) loads one by name). end_of_turn: the token
-    that ends the user's message (default: the tokenizer's eos); template_kwargs: extra chat-template variables
-    (Qwen3's enable_thinking=False)."""
+    model, tokenizer: loaded (rollout.make_user_sim("hf", model=NAME) loads one by name). end_of_turn: the token, or
+    list of tokens, that end the user's message (default: the tokenizer's eos and every eos_token_id of the model's
+    generation config, as Qwen3 lists two); template_kwargs: extra chat-template variables (Qwen3's
+    enable_thinking=False)."""
 
     def __init__(self, model, tokenizer, max_new_tokens: int = 256, temperature: float = 0.0,
                  end_of_turn: int | None = None, template_kwargs: dict | None = None):
         self.model, self.tok = model.eval(), tokenizer
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
-        self.end_of_turn = tokenizer.eos_token_id if end_of_turn is None else end_of_turn
+        if end_of_turn is None:
+            eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+            eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+            end_of_turn = [t for t in dict.fromkeys([tokenizer.eos_token_id, *eos]) if t is not None]
+        self.end_of_turn = end_of_turn
         self.template_kwargs = template_kwargs or {}
 
     def _generate(self, conversations: list[list[dict]]) -> list[str]:

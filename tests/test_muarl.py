@@ -73,6 +73,30 @@ def test_delta_starts_with_the_newline_after_end_of_turn(tiny_tok):
     assert tiny_tok.decode(d) == "\n<|im_start|>user\nbye<|im_end|>\n"
 
 
+def test_delta_after_another_stop_token_closes_the_turn(tiny_tok):
+    """A turn that ended on a stop token other than <|im_end|> (Qwen3's <|endoftext|>): the delta writes the
+    template's <|im_end|> first (untrained), then exactly what follows it after an <|im_end|>-ended turn."""
+    eot, other = muarl.end_of_turn_id(tiny_tok), tiny_tok.convert_tokens_to_ids("<|endoftext|>")
+    msgs = [{"role": "user", "content": "ok"}]
+    assert muarl.delta_ids(tiny_tok, msgs, ended_with=eot) == muarl.delta_ids(tiny_tok, msgs)
+    d = muarl.delta_ids(tiny_tok, msgs, ended_with=other)
+    assert d == [eot] + muarl.delta_ids(tiny_tok, msgs)
+    assert tiny_tok.decode(d) == "<|im_end|>\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"
+    assert muarl.closing_text(tiny_tok) == "<|im_end|>\n"
+
+
+def test_stop_token_ids_read_the_generation_config(tiny_tok, tiny_lm):
+    import copy
+
+    eot, other = muarl.end_of_turn_id(tiny_tok), tiny_tok.convert_tokens_to_ids("<|endoftext|>")
+    assert muarl.stop_token_ids(tiny_lm, tiny_tok) == [eot]  # generation config eos == eot: listed once
+    model = copy.deepcopy(tiny_lm)
+    model.generation_config.eos_token_id = [other, eot]
+    assert muarl.stop_token_ids(model, tiny_tok) == [eot, other]
+    model.generation_config.eos_token_id = None
+    assert muarl.stop_token_ids(model, tiny_tok) == [eot]
+
+
 def test_delta_refuses_agent_messages(tiny_tok):
     with pytest.raises(AssertionError):
         muarl.delta_ids(tiny_tok, [{"role": "assistant", "content": "x"}])

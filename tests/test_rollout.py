@@ -161,6 +161,45 @@ def test_engine_plays_the_reference_episodes(lm, tiny_tok):
     assert endings == {"user_stop", "max_turns", "response_truncated", "context_limit"}
 
 
+def test_a_second_stop_token_from_the_generation_config_ends_the_turn(lm, tiny_tok):
+    """Qwen3's generation config lists two eos ids (<|im_end|>, <|endoftext|>). A model with two stop tokens whose
+    output rows nearly tie, so greedy turns end on either: a turn ends on the first one drawn, the token is kept and
+    trained (mask 1, out of the message text), the next delta closes the turn with the template's <|im_end|> (mask
+    0), the episode goes on, and the engine still plays the reference's episodes token for token."""
+    eot, other = muarl.end_of_turn_id(tiny_tok), tiny_tok.convert_tokens_to_ids("<|endoftext|>")
+    model = copy.deepcopy(lm)
+    with torch.no_grad():
+        w = model.get_output_embeddings().weight
+        w[other] = w[eot] + 0.05 * torch.randn(w.shape[1], generator=torch.Generator().manual_seed(0))
+    model.generation_config.eos_token_id = [eot, other]
+    env = FakeEnv(n_tasks=4)
+    fast = rollout(model, tiny_tok, env, env.tasks(), 1, make_user_sim("scripted"), GREEDY)
+    slow = [reference_rollout(model, tiny_tok, env, t, make_user_sim("scripted"), GREEDY) for t in env.tasks()]
+    ends = []
+    for a, b in zip(fast, slow):
+        assert a.input_ids == b.input_ids and a.loss_mask == b.loss_mask and a.messages == b.messages
+        assert (a.termination, a.turns) == (b.termination, b.turns)
+        segs = _segments(a)
+        agent = [i for i, s in enumerate(segs) if s[0] == 1]
+        said = [i for i, m in enumerate(a.messages) if m["role"] == "assistant"]
+        for k, (i, mi) in enumerate(zip(agent[:-1], said[:-1])):  # a turn followed by more conversation
+            stop = segs[i][1][-1]
+            ends.append(stop)
+            assert stop in (eot, other) and segs[i][2][-1] <= 0  # sampled, with its logprob, trained
+            new = a.messages[mi + 1:said[k + 1]]
+            delta = muarl.delta_ids(tiny_tok, new, ended_with=stop)
+            assert segs[i + 1][:2] == (0, delta)
+            assert delta == ([eot] if stop == other else []) + muarl.delta_ids(tiny_tok, new)
+        assert not any("<|endoftext|>" in (m.get("content") or "") for m in a.messages)
+    assert ends.count(other) >= 2 and ends.count(eot) >= 2
+    assert sum(e.turns for e in fast) >= 10 and {e.termination for e in fast} <= {"user_stop", "max_turns"}
+    b = rollout(model, tiny_tok, env, env.tasks(), 1, make_user_sim("scripted"),
+                RolloutConfig(**{**GREEDY.__dict__, "reuse_cache": False}))
+    assert [e.input_ids for e in fast] == [e.input_ids for e in b]
+    sim = make_user_sim("hf", model=model, tokenizer=tiny_tok)
+    assert sim.end_of_turn == [eot, other]
+
+
 @pytest.mark.parametrize("max_batch", [0, 3])
 def test_mid_turn_parking_changes_nothing(lm, tiny_tok, monkeypatch, max_batch):
     """Continuous batching: with refill_below=1 a batch returns whenever a row ends its turn, parking the others
