@@ -21,7 +21,7 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -79,8 +79,9 @@ class SFTConfig:
     """conversations per optimizer step, over all processes (the paper: 128)"""
     micro_batch_size: int = 4
     """conversations per forward/backward pass on one process"""
-    max_len: int = 2048
-    """conversations longer than this many tokens are skipped (and counted), never cut"""
+    max_len: int = 0
+    """conversations longer than this many tokens are skipped (and counted), never cut; 0: the model's context
+    (max_position_embeddings), so every conversation the model can read is kept (a tau2 retail opening alone is ~4.7k)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     grad_clip: float = 1.0
@@ -196,16 +197,34 @@ def lr_lambda(warmup: int, total: int, floor: float = 0.1):
     return f
 
 
-def encode(tok, conversations: list[dict], max_len: int) -> tuple[list[tuple[list[int], list[int]]], int]:
-    """(ids, loss_mask) per conversation, and how many were skipped for being longer than max_len (never cut)."""
-    data, skipped = [], 0
+def encode(tok, conversations: list[dict], max_len: int) -> tuple[list[tuple[list[int], list[int]]], list[int]]:
+    """(ids, loss_mask) per conversation no longer than max_len, and the lengths of those skipped (never cut)."""
+    data, skipped = [], []
     for conv in conversations:
         ids, mask = muarl.encode_conversation(tok, conv["messages"], conv["tools"], conv.get("prompt_messages", 0))
         if len(ids) > max_len:
-            skipped += 1
+            skipped.append(len(ids))
         else:
             data.append((ids, mask))
     return data, skipped
+
+
+def length_limit(cfg: SFTConfig, model) -> int:
+    """--max-len, or with 0 the model's context: the longest conversation it can read."""
+    return cfg.max_len or getattr(model.config.get_text_config(), "max_position_embeddings", None) or 1 << 31
+
+
+def nothing_fits(cfg: SFTConfig, model, skipped: list[int]) -> str:
+    """Why no conversation is left, and which option to change by how much."""
+    context, shortest = length_limit(replace(cfg, max_len=0), model), min(skipped, default=0)
+    if not skipped:
+        return "no conversation to train on"
+    if shortest > context:
+        return (f"all {len(skipped)} conversations are longer than the model's context ({context} tokens, "
+                f"max_position_embeddings; the shortest has {shortest}): use a model with a longer context")
+    return (f"no conversation fits --max-len {cfg.max_len}: all {len(skipped)} are longer (the shortest has {shortest} "
+            f"tokens, the longest {max(skipped)}); raise --max-len by at least {shortest - cfg.max_len} to {shortest}, "
+            f"or give --max-len 0 to keep all that fit the model's context ({context})")
 
 
 def fit(acc, model, opt, sched, data, steps: int, batch_size: int, micro_batch_size: int, pad_id: int,
@@ -259,15 +278,17 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     model, tok = muarl.load_model(start, device=acc.device, seed=cfg.seed, dtype=torch.float32)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    data, skipped = encode(tok, conversations, cfg.max_len)
+    max_len = length_limit(cfg, model)
+    data, skipped = encode(tok, conversations, max_len)
     if not data:
-        raise ValueError(f"no conversation fits --max-len {cfg.max_len} ({skipped} skipped)")
+        raise ValueError(f"sft.py: --max-len: {nothing_fits(cfg, model, skipped)}")
     total = max(1, int(cfg.epochs * max(1, len(data) // cfg.batch_size)))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.warmup_steps, total))
     model, opt = acc.prepare(model, opt)
-    acc.print(f"[sft] {len(data)} conversations ({skipped} over --max-len skipped), "
-              f"{sum(sum(m) for _, m in data)} trained tokens, {total} steps of {cfg.batch_size}")
+    acc.print(f"[sft] {len(data)} conversations of {min(len(i) for i, _ in data)}-{max(len(i) for i, _ in data)} tokens "
+              f"({len(skipped)} longer than {max_len} skipped: --max-len), {sum(sum(m) for _, m in data)} trained "
+              f"tokens, {total} steps of {cfg.batch_size}")
     fit(acc, model, opt, sched, data, total, cfg.batch_size, cfg.micro_batch_size, tok.pad_token_id, cfg.seed,
         cfg.grad_clip, "")
     out = Path(cfg.out)
@@ -317,8 +338,6 @@ def pretrain_tiny(cfg: SFTConfig) -> Path:
     nats per copied value, checked every 25 steps. Made once and cached under MUARL_CACHE, keyed by the settings
     and by the code that makes it (`./run python sft.py --pretrain-only` makes it ahead of time). Small domain
     ('shop') only: the tiny tokenizer is built from its text."""
-    from dataclasses import replace
-
     from envs.shop import id_tokens
 
     if cfg.env != "shop":
@@ -334,8 +353,8 @@ def pretrain_tiny(cfg: SFTConfig) -> Path:
     acc = cli.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
     muarl.seed_everything(cfg.seed)
     model, tok = muarl.load_model("tiny", device=acc.device, seed=cfg.seed, dtype=torch.float32)  # as in train
-    drills = encode(tok, windows(conversations[:-held_out]), cfg.max_len)[0]
-    test = encode(tok, windows(conversations[-held_out:]), cfg.max_len)[0]
+    drills = encode(tok, windows(conversations[:-held_out]), length_limit(cfg, model))[0]
+    test = encode(tok, windows(conversations[-held_out:]), length_limit(cfg, model))[0]
     copy_ids = {tok.convert_tokens_to_ids(w) for w in id_tokens()}
     # Constant lr after warm-up: copying appears abruptly after a plateau, and a decaying lr delays it.
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)

@@ -233,6 +233,30 @@ def test_sft_lowers_the_loss_on_agent_tokens(tmp_path, tiny_tok, tiny_lm):
     assert json.loads((out / "muarl_config.json").read_text())["sft"]["epochs"] == 10
 
 
+def test_sft_max_len_defaults_to_the_model_context_and_says_how_much_to_raise_it(tmp_path, tiny_tok, tiny_lm):
+    """--max-len 0 (the default) keeps every conversation the model's context holds; when nothing fits, the error
+    names the option and the length needed (the README's tau2 cold start used 2048, below a retail opening)."""
+    import copy
+
+    ckpt = tmp_path / "init"
+    tiny_lm.save_pretrained(ckpt)
+    tiny_tok.save_pretrained(ckpt)
+    convs = fake_conversations(2)
+    shortest = min(len(muarl.encode_conversation(tiny_tok, c["messages"], c["tools"])[0]) for c in convs)
+    cfg = sft.SFTConfig(model=str(ckpt), out=str(tmp_path / "sft"), max_len=shortest - 1, epochs=0.5)
+    with pytest.raises(ValueError, match=f"--max-len: no conversation fits --max-len {shortest - 1}.*"
+                                         f"raise --max-len by at least 1 to {shortest}"):
+        sft.train(cfg, convs)
+    short = copy.deepcopy(tiny_lm)
+    short.config.max_position_embeddings = shortest - 1
+    short.save_pretrained(tmp_path / "short")
+    tiny_tok.save_pretrained(tmp_path / "short")
+    with pytest.raises(ValueError, match=f"longer than the model's context \\({shortest - 1} tokens"):
+        sft.train(sft.SFTConfig(model=str(tmp_path / "short"), out=str(tmp_path / "sft")), convs)
+    assert sft.SFTConfig().max_len == 0
+    assert sft.length_limit(sft.SFTConfig(), tiny_lm) == tiny_lm.config.max_position_embeddings
+
+
 def test_sft_bf16_keeps_small_updates_in_fp32_master_weights(tmp_path, tiny_tok, tiny_lm, bf16_accelerator, monkeypatch):
     """--bf16 SFT trains fp32 master weights under bf16 autocast, as GRPO does: three AdamW steps of lr 1e-5 move
     nearly every weight (and the checkpoint keeps them in fp32), where the same steps on bf16 weights round most
