@@ -214,6 +214,10 @@ def length_limit(cfg: SFTConfig, model) -> int:
     return cfg.max_len or getattr(model.config.get_text_config(), "max_position_embeddings", None) or 1 << 31
 
 
+class NothingFits(ValueError):
+    """No conversation is short enough to train on (sft.main says so without a traceback)."""
+
+
 def nothing_fits(cfg: SFTConfig, model, skipped: list[int]) -> str:
     """Why no conversation is left, and which option to change by how much."""
     context, shortest = length_limit(replace(cfg, max_len=0), model), min(skipped, default=0)
@@ -281,7 +285,7 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     max_len = length_limit(cfg, model)
     data, skipped = encode(tok, conversations, max_len)
     if not data:
-        raise ValueError(f"sft.py: --max-len: {nothing_fits(cfg, model, skipped)}")
+        raise NothingFits(f"sft.py: --max-len: {nothing_fits(cfg, model, skipped)}")
     total = max(1, int(cfg.epochs * max(1, len(data) // cfg.batch_size)))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.warmup_steps, total))
@@ -412,7 +416,10 @@ def main(argv=None):
             for c in conversations:
                 f.write(json.dumps(c, ensure_ascii=False) + "\n")
     if cfg.epochs > 0:
-        train(cfg, conversations)
+        try:
+            train(cfg, conversations)
+        except NothingFits as e:
+            raise SystemExit(str(e)) from None
 
 
 if __name__ == "__main__":
