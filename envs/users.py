@@ -275,7 +275,7 @@ class HFUserSim(UserSim):
     enable_thinking=False)."""
 
     def __init__(self, model, tokenizer, max_new_tokens: int = 256, temperature: float = 0.0,
-                 end_of_turn: int | None = None, template_kwargs: dict | None = None):
+                 end_of_turn: int | list[int] | None = None, template_kwargs: dict | None = None):
         self.model, self.tok = model.eval(), tokenizer
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         if end_of_turn is None:
