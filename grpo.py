@@ -28,6 +28,7 @@ import torch
 
 import cli
 import muarl
+import shard
 from loss import (AGGS, DEFAULT_CHUNK_SIZE, LOG_RATIO_CLAMP, group_advantages, grpo_loss, kl_k3,  # noqa: F401
                   logprobs_from_hidden, masked_token_entropy, token_logprobs)
 
@@ -122,6 +123,9 @@ class Config:
     """episodes per step saved as readable conversations (episodes.jsonl)"""
     eval_tasks: int = 64
     """test-split tasks evaluated (greedy, pass^1) before and after training; 0 skips"""
+    memory_check: bool = True
+    """on a GPU, stop at start when the estimated memory per GPU (printed) exceeds it; its KV-cache term assumes
+    every episode reaches --max-context, a worst case"""
 
 
 RECIPES = {
@@ -322,9 +326,12 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
         with torch.no_grad(), acc.autocast():  # the policy's precision path (load_reference)
             ref = [token_logprobs(ref_model, ids, attn, temperature=cfg.temperature) for ids, attn, _, _ in batches]
     skipped, ratio_max = 0, 0.0
+    # no_sync skips DDP's all-reduce on all but the last micro-batch; under FSDP2 it would keep full-size
+    # gradients on every process instead of reduce-scattering each micro-batch's into 1/N shards.
+    sync_each = shard.is_sharded(model)
     for update in range(cfg.updates_per_batch):
         for k, (mb, (ids, attn, mask, sampler)) in enumerate(zip(micro, batches)):
-            with acc.no_sync(model) if k < len(micro) - 1 else contextlib.nullcontext():
+            with acc.no_sync(model) if k < len(micro) - 1 and not sync_each else contextlib.nullcontext():
                 with acc.autocast():
                     logp, ent = token_logprobs(model, ids, attn, temperature=cfg.temperature, return_entropy=True)
                 old_logp = old[k] if old else logp.detach()
@@ -332,7 +339,7 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
                                       clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                       dual_clip=cfg.dual_clip or None, kl_coef=cfg.kl_coef, agg=cfg.agg,
                                       normalizer=normalizer, max_len=max_len)
-                # DDP averages gradients over processes; the normalizer is already global, so undo the mean.
+                # DDP and FSDP2 average gradients over processes; the normalizer is already global, so undo the mean.
                 acc.backward(loss * acc.num_processes)
             n_tok = float(mask.sum())
             loss_total += loss.item()  # micro-batch shares of the step loss sum to it
@@ -344,7 +351,8 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
                 if update == 0:  # sampler vs trainer on the same weights: should be ~0 (numerics only)
                     add("entropy", (ent * mask).sum().item() / n_tok, n_tok)
                     add("logprob_gap", ((sampler - logp.detach()).abs() * mask).sum().item() / n_tok, n_tok)
-        grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        # Accelerate clips FSDP2's DTensor gradients by the norm over all shards (a DTensor: made plain here).
+        grad_norm = shard.plain(acc.clip_grad_norm_(model.parameters(), cfg.grad_clip))
         # Every process must agree to step (or not). Accelerate's reduce knows only sum and max: count the bad.
         bad = float(not torch.isfinite(torch.as_tensor(grad_norm)).all().item())
         if acc.reduce(torch.tensor(bad, device=acc.device), reduction="sum").item() == 0:
@@ -382,6 +390,8 @@ def main(argv=None):
             print(f"[grpo] --resume continues with the run's saved settings; ignoring {sorted(set(given) - {'--resume', '--steps'})}")
     acc = cli.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no", log_with=cfg.report_to or None)
     validate(cfg, acc.num_processes)
+    fsdp = getattr(acc.state, "fsdp_plugin", None)  # set only under FSDP
+    shard.check_backend(acc.distributed_type, fsdp.fsdp_version if fsdp is not None else None)
     muarl.seed_everything(cfg.seed)
     run_dir = Path(cfg.out_dir or resume_from and resume_from.parents[1] or
                    f"runs/grpo-{cfg.env.replace(':', '-')}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -405,9 +415,22 @@ def main(argv=None):
     if not cfg.init_from and cfg.model == "tiny":
         cfg.init_from = cold_start(cfg)
     start = cfg.init_from or cfg.model
+
+    def check_memory(config):
+        per_process = cfg.tasks_per_step // acc.num_processes * cfg.group_size
+        live = max(per_process, -(-cfg.eval_tasks // acc.num_processes))
+        shard.check_memory(config, world=acc.num_processes, sharded=bool(getattr(acc, "is_fsdp2", False)),
+                           bf16=cfg.bf16, reference=cfg.kl_coef > 0, max_context=cfg.max_context,
+                           episodes=live if cfg.reuse_cache else min(live, cfg.rollout_batch or live),
+                           device=acc.device, check=cfg.memory_check)
+    config = shard.read_config(start)  # before loading, when the start names a config (directory, hub id)
+    if config is not None:
+        check_memory(config)
     # The trained policy keeps fp32 master weights (a bf16 AdamW step of lr 1e-6 rounds to nothing); --bf16
     # runs its forward passes under autocast.
     model, tok = muarl.load_model(start, device=acc.device, seed=cfg.seed, dtype=torch.float32)
+    if config is None:
+        check_memory(model.config)
     ref_model = load_reference(start, acc.device, cfg.seed) if cfg.kl_coef > 0 else None
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -415,6 +438,8 @@ def main(argv=None):
     # Stepped by hand once per update (Accelerate's prepared scheduler steps once per process).
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
     model, opt = acc.prepare(model, opt)
+    if ref_model is not None and shard.is_sharded(model):
+        shard.shard_like(ref_model, model)
     acc.register_for_checkpointing(sched)
     first_step = 0
     if resume_from:
@@ -433,7 +458,7 @@ def main(argv=None):
         if not cfg.eval_tasks:
             return {}
         test = env.tasks("test")[:cfg.eval_tasks]
-        with acc.autocast():
+        with shard.full_weights(model, acc.device), acc.autocast():
             eps = rollout(acc.unwrap_model(model), tok, env, test[acc.process_index::acc.num_processes], 1,
                           user_sim, replace(sampling, greedy=True))
         eps = gather_object([e.to_json() for e in eps])
@@ -459,7 +484,7 @@ def main(argv=None):
         model.eval()
         # Sampling seeded by (run seed, step, process): a resumed run draws exactly what it would have drawn.
         gen = torch.Generator(acc.device).manual_seed(cfg.seed * 1_000_003 + step * 1_009 + acc.process_index)
-        with acc.autocast():
+        with shard.full_weights(model, acc.device), acc.autocast():
             episodes = rollout(acc.unwrap_model(model), tok, env, my_tasks, cfg.group_size, user_sim, sampling, gen)
         t_roll = time.time() - t0
         model.train()

@@ -8,6 +8,7 @@ What a fork edits and what tests/test_grpo.py checks against plain Python loops 
                       aggregated with one normalizer per optimizer step
     token_logprobs    log p(token) of a causal LM without ever holding a float32 [B, T, V] log-softmax
     logprobs_from_hidden   the chunked output layer that token_logprobs (and bench/logprobs.py) use
+    call_as_forward   how token_logprobs runs body and head inside a wrapped (DDP) or sharded (FSDP2) forward
 
 Its own module, apart from the training loop in grpo.py, for two reasons: the math is pure (tensors in, tensors
 out, no side effects) and is read and tested on its own, as in tiny-grpo; and the cold start (sft.py), which
@@ -378,6 +379,9 @@ def token_logprobs(model, input_ids, attention_mask, *, temperature=1.0, chunk_s
     position_ids default to the running count of attended tokens (cumsum(mask) - 1), as
     transformers' generate() does, so left- and right-padded rows score like their unpadded selves.
     Works for any causal LM whose logits are exactly lm_head(hidden) (Llama, Qwen, SmolLM, ...).
+
+    `model` may be wrapped (DDP) or sharded (FSDP2): body and head run as the model's forward
+    (call_as_forward), so the wrapper's hooks see every parameter they use.
     """
     inner = getattr(model, "module", model)  # DDP (and other wrappers) keep the model in .module
     config = getattr(inner, "config", None)
@@ -386,25 +390,42 @@ def token_logprobs(model, input_ids, attention_mask, *, temperature=1.0, chunk_s
         if value is not None and value != plain:
             raise NotImplementedError(f"{type(model).__name__} post-processes its logits "
                                       f"({attr}={value}); token_logprobs assumes logits = lm_head(hidden)")
-    head = inner.get_output_embeddings()
     if position_ids is None:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    if inner is model:
-        body = model.get_decoder()
-        out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+
+    def body_then_head(input_ids, attention_mask, position_ids):
+        out = inner.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  use_cache=False)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]      # [B, T, H]
-    else:
-        # A wrapped model must run its own forward: DDP only reduces the gradients of a forward it ran. Ask
-        # for the final hidden states and only the last position's logits (logits_to_keep=1), so the full
-        # [B, T, V] logits are still never built.
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    use_cache=False, output_hidden_states=True, logits_to_keep=1)
-        hidden = out.hidden_states[-1]  # after the final norm, as lm_head sees it
-    # hidden[:, t] predicts input_ids[:, t + 1]
-    result = logprobs_from_hidden(hidden[:, :-1], head.weight, input_ids[:, 1:], temperature, chunk_size,
-                                  bias=getattr(head, "bias", None), return_entropy=return_entropy)
-    logp = result[0] if return_entropy else result
-    pad = logp.new_zeros(input_ids.shape[0], 1)
-    if return_entropy:
-        return torch.cat([pad, result[0]], 1), torch.cat([pad, result[1]], 1)
-    return torch.cat([pad, logp], 1)
+        head = inner.get_output_embeddings()
+        # hidden[:, t] predicts input_ids[:, t + 1]; position 0 gets 0. The padding is done in here, so the forward
+        # returns fresh tensors, not views (FSDP2 warns that an in-place op on a view would skip its backward hook).
+        result = logprobs_from_hidden(hidden[:, :-1], head.weight, input_ids[:, 1:], temperature, chunk_size,
+                                      bias=getattr(head, "bias", None), return_entropy=return_entropy)
+        def pad(x):
+            return torch.cat([x.new_zeros(x.shape[0], 1), x], 1)
+        return (pad(result[0]), pad(result[1])) if return_entropy else pad(result)
+
+    return call_as_forward(model, inner, body_then_head, input_ids=input_ids, attention_mask=attention_mask,
+                           position_ids=position_ids)
+
+
+def call_as_forward(model, inner, fn, **inputs):
+    """fn(**inputs), run as `inner`'s forward by calling `model`, the wrapper around it (or `inner` itself).
+
+    Why: a wrapper only does its work around a forward it runs. DDP reduces the gradients of the parameters its
+    forward used; FSDP2 gathers a module's parameters in that module's forward and frees them after. Calling the
+    decoder and then reading lm_head.weight outside the model's forward fails under sharding (FSDP2: "mixed
+    torch.Tensor and DTensor"; DeepSpeed ZeRO-3: a 0-element weight). So the model's forward is replaced, for
+    this one call, by `fn` (decoder body, then the chunked head), and the wrapper runs it with its hooks around.
+    Whatever stood in the instance's `forward` before (Accelerate's autocast wrapper, or nothing) is put back.
+    """
+    saved = inner.__dict__.get("forward")
+    inner.forward = fn
+    try:
+        return model(**inputs)
+    finally:
+        if saved is None:
+            del inner.forward
+        else:
+            inner.forward = saved

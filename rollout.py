@@ -280,13 +280,13 @@ def _stack_cache(model, rows: list[_Row], pending: list[list[int]], room: int, e
     cfg = model.config.get_text_config(decoder=True)
     if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
         raise NotImplementedError("rollout's padded KV cache supports full-attention models only")
-    lens, param = [r.kv_len for r in rows], next(model.parameters())
+    lens, (dtype, device) = [r.kv_len for r in rows], _compute_dtype_device(model)
     L, W, B = max(lens), max(len(p) for p in pending), len(rows)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     layers = []
     for layer in range(cfg.num_hidden_layers):
-        keys = param.new_zeros(B, kv_heads, L + W + room, head_dim)
+        keys = torch.zeros(B, kv_heads, L + W + room, head_dim, dtype=dtype, device=device)
         values = torch.zeros_like(keys)
         for i, r in enumerate(rows):
             if lens[i]:
@@ -299,7 +299,17 @@ def _stack_cache(model, rows: list[_Row], pending: list[list[int]], room: int, e
         ids[i, :len(p)] = torch.tensor(p)
         mask[i, L - lens[i]:L + len(p)] = 1
     pos = torch.tensor(lens)[:, None] + torch.arange(W)[None, :]
-    return Cache(layers=layers), ids.to(param.device), mask.to(param.device), pos.to(param.device)
+    return Cache(layers=layers), ids.to(device), mask.to(device), pos.to(device)
+
+
+def _compute_dtype_device(model) -> tuple[torch.dtype, torch.device]:
+    """The dtype attention's keys and values are used in, and the device: autocast's dtype when it is on (a --bf16
+    run keeps fp32 master weights and computes in bf16, so a parameter's dtype would make its cache fp32, twice the
+    memory), else the weights' dtype as the forward sees them (under FSDP2, gathered in the mixed-precision dtype)."""
+    weight = model.get_input_embeddings().weight
+    if torch.is_autocast_enabled(weight.device.type):
+        return torch.get_autocast_dtype(weight.device.type), weight.device
+    return weight.dtype, weight.device
 
 
 def _park(row: _Row, cache: Cache, mask: torch.Tensor, j: int) -> None:
@@ -404,7 +414,8 @@ def rollout(model, tokenizer, env, tasks: list, group_size: int, user_sim, cfg: 
             generator: torch.Generator | None = None) -> list[Episode]:
     """Play `group_size` episodes of every task; returns them task by task, a group's episodes consecutive.
 
-    Pass the unwrapped model (under Accelerate each process rolls out its own share of tasks). `generator`
+    Pass the unwrapped model (under Accelerate each process rolls out its own share of tasks; a sharded model
+    only inside shard.full_weights, since processes decode different numbers of steps). `generator`
     (on the model's device) makes sampling reproducible; None uses torch's global RNG (seed_everything)."""
     cfg = cfg or RolloutConfig()
     was_training = model.training

@@ -3,6 +3,7 @@
     envs/      the world: tasks, tools, databases, rewards, the episode rule, the simulated users
     loss.py    the GRPO math, pure functions on tensors
     cli.py     the entry points' plumbing: config dataclass as command line, Accelerator, atomic JSON
+    shard.py   how the model is spread over GPUs: backends refused, the rollout's gathered weights, memory
     muarl.py   the floor of the agent's side: Episode, tokenization, tool-call format, model loading
     rollout.py the agent playing episodes (reference and fast engine)
     sft.py, eval.py    cold start and evaluation, on the rollout
@@ -23,7 +24,8 @@ ALLOWED = {  # module -> the project modules it may import
     "rollout": {"envs", "muarl"},
     "sft": {"envs", "cli", "muarl", "loss", "rollout"},
     "eval": {"envs", "cli", "muarl", "rollout"},
-    "grpo": {"envs", "cli", "muarl", "loss", "rollout", "sft", "eval"},
+    "shard": set(),
+    "grpo": {"envs", "cli", "muarl", "loss", "rollout", "sft", "eval", "shard"},
 }
 
 

@@ -1,0 +1,218 @@
+"""shard.py: what training needs to know about how the model is spread over the GPUs. grpo.py uses it.
+
+    check_backend     refuse, at start, a distributed setup the loop does not implement (DeepSpeed, FSDP1, ...)
+    is_sharded        whether a model is sharded by FSDP2 (`fully_shard`)
+    shard_like        shard the frozen reference model by hand, as the policy is
+    full_weights      gather a sharded policy's full weights once for a rollout, so decoding needs no collectives
+    plain             a gradient norm as a plain tensor (FSDP2 gives a DTensor)
+    memory_estimate   bytes per GPU, by what holds them, for DDP or FSDP2 over N GPUs (a pure function)
+    check_memory      print it at start; stop on a GPU it cannot fit
+
+Backends. DDP (and one process): every GPU holds the whole model, its gradients and its AdamW state. FSDP2
+(`accelerate config`: distributed_type FSDP, fsdp_version 2): each of N GPUs holds 1/N of them; a layer's full
+weights are gathered for its forward and backward only. The training forward runs body and head inside the
+model's forward (loss.call_as_forward), so those gathers happen. Not implemented, and refused at start:
+DeepSpeed (its engine steps itself inside backward and clips through its own config, and ZeRO-3's rollout
+needs its hooks removed around the gathered decoding), FSDP1 (its nested units still communicate at every
+decoding step, so processes that decode different numbers of steps hang), Megatron-LM, XLA.
+
+Why the rollout gathers everything: with sharding hooks on, every decoding step is a collective, so all
+processes would have to decode the same number of steps; muarl's per-process continuous batching almost never
+does. The price: the full weights (in the compute dtype) on every GPU while rolling out, ~16 GB at 8B in bf16.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+# Accelerate's distributed types whose prepared model is a DDP replica on each device: the loop runs as written.
+DATA_PARALLEL = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA",
+                 "MULTI_SDAA", "MULTI_HPU")
+
+
+def check_backend(distributed_type: str, fsdp_version: int | None = None, program: str = "grpo.py") -> None:
+    """SystemExit naming the backend unless the training loop implements it: data parallel (DDP) or FSDP2."""
+    kind = str(getattr(distributed_type, "value", distributed_type))
+    use = ("use FSDP2 (accelerate config: distributed_type FSDP, fsdp_version 2) to shard the model, "
+           "or DDP (multi-GPU) when it fits")
+    if kind in DATA_PARALLEL or (kind == "FSDP" and fsdp_version == 2):
+        return
+    if kind == "FSDP":
+        raise SystemExit(f"{program}: FSDP version {fsdp_version} (FSDP1) is not supported: its nested units "
+                         "communicate at every decoding step, so processes that decode different numbers of steps "
+                         "hang in the rollout. Set fsdp_version: 2 in the accelerate config (FSDP2).")
+    if kind == "DEEPSPEED":
+        raise SystemExit(f"{program}: DeepSpeed (distributed type DEEPSPEED) is not supported: its engine steps and "
+                         "clips inside backward, which this loop's one-normalizer accumulation does not drive, and "
+                         f"ZeRO-3 needs its hooks removed around the rollout; {use}.")
+    raise SystemExit(f"{program}: distributed type {kind} is not supported; {use}.")
+
+
+def fsdp_modules(model) -> list:
+    """The FSDP2 modules of `model`, root first (the same order on every process), or [] when not sharded."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def is_sharded(model) -> bool:
+    return bool(fsdp_modules(model))
+
+
+def shard_like(ref_model, policy) -> None:
+    """Shard the frozen reference model as the policy is: each decoder layer its own unit, then the root, over the
+    policy's device mesh. By hand, because Accelerate's FSDP2 prepares one model (with its optimizer) per call.
+    Its scores go through the same redirected forward as the policy's (loss.token_logprobs)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    mesh = next(p for p in policy.parameters() if isinstance(p, DTensor)).device_mesh
+    layers = set(getattr(ref_model, "_no_split_modules", None) or [])
+    for module in ref_model.modules():
+        if type(module).__name__ in layers:
+            fully_shard(module, mesh=mesh)
+    fully_shard(ref_model, mesh=mesh)
+
+
+@contextlib.contextmanager
+def full_weights(model, device):
+    """Inside: every parameter of a sharded `model` is whole on this process and stays so through forwards, so the
+    rollout's decoding runs no collective and processes may decode different numbers of steps. A no-op when the
+    model is not sharded. All processes must enter it together (the gathers are collectives).
+
+    FSDP2 recipe: one forward through the root (its lazy initialization must happen there), unshard every FSDP
+    module in the same order on all processes, stop resharding after forward; after the rollout, the settings
+    are restored and the parameters resharded."""
+    modules = fsdp_modules(model)
+    if not modules:
+        yield
+        return
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    # Each module's reshard-after-forward setting, restored exactly afterwards: the root's is specially off
+    # (FSDP2's default) and accelerate may set the others either way. torch has no getter, hence the private fields.
+    saved = []
+    for m in modules:
+        state = m._get_fsdp_state()
+        saved.append((state, state._auto_reshard_after_forward,
+                      [g.post_forward_mesh_info for g in state._fsdp_param_groups]))
+    for m in modules:
+        m.unshard()
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for state, auto, infos in saved:
+            state._auto_reshard_after_forward = auto
+            for group, info in zip(state._fsdp_param_groups, infos):
+                group.post_forward_mesh_info = info
+        for m in modules:
+            m.reshard()
+
+
+def plain(t):
+    """A gradient norm as a plain tensor: under FSDP2 clipping returns a DTensor (already reduced over the mesh)."""
+    full = getattr(t, "full_tensor", None)
+    return full() if full is not None else t
+
+
+def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf16: bool = False,
+                    reference: bool = True, kv_bytes_per_token: int = 0, max_context: int = 0,
+                    episodes: int = 0) -> dict:
+    """Bytes per GPU, by what holds them, for a policy of n_params parameters trained with AdamW.
+
+    sharded: FSDP2 over `world` GPUs (else DDP: each GPU holds everything). bf16: compute in bf16 (master weights
+    stay fp32). kv_bytes_per_token: 2 (keys, values) x layers x kv_heads x head_dim x compute bytes.
+    episodes: episodes one process keeps live in a rollout (each holds its KV cache across turns).
+
+      weights         the full weights in the compute dtype, as the forward uses them: FSDP2 gathers them for the
+                      rollout; DDP keeps them (in fp32 these are the master weights themselves, counted there;
+                      in bf16, autocast's cached bf16 copies during the rollout)
+      master_weights  fp32 weights the optimizer updates (/ N under FSDP2)
+      gradients       fp32 (/ N under FSDP2; twice under multi-process DDP, whose reduction buckets are a copy);
+                      freed before each rollout (zero_grad(set_to_none=True))
+      optimizer       AdamW's two fp32 moments (/ N under FSDP2)
+      reference       the frozen reference, fp32 like the policy's master weights (grpo.load_reference: the same
+                      precision path, so kl is 0 until the policy moves) (/ N under FSDP2); 0 without a KL term
+      kv_cache        kv_bytes_per_token x max_context x episodes: the worst case, every episode at the context cap
+    The rollout holds weights + master_weights + optimizer + reference + kv_cache; the update holds master_weights +
+    gradients + optimizer + reference (+ weights under DDP); loading holds the whole fp32 policy and the whole
+    reference on every GPU (grpo.main loads them onto the device before sharding); `peak` is the largest.
+    Activations, logits chunks and the allocator's slack are not counted: leave room for them.
+    """
+    shards = world if sharded else 1
+    compute = 2 if bf16 else 4
+    grads = 2 if (not sharded and world > 1) else 1  # DDP keeps its reduction buckets beside param.grad
+    est = {
+        "weights": n_params * compute if (sharded or bf16) else 0,
+        "master_weights": n_params * 4 // shards,
+        "gradients": grads * n_params * 4 // shards,
+        "optimizer": n_params * 8 // shards,
+        "reference": n_params * 4 // shards if reference else 0,
+        "kv_cache": kv_bytes_per_token * max_context * episodes,
+    }
+    held = est["master_weights"] + est["optimizer"] + est["reference"]
+    est["rollout_peak"] = held + est["weights"] + est["kv_cache"]
+    est["update_peak"] = held + est["gradients"] + (0 if sharded else est["weights"])
+    est["load_peak"] = n_params * 4 * (2 if reference else 1)
+    est["peak"] = max(est["rollout_peak"], est["update_peak"], est["load_peak"])
+    return est
+
+
+def read_config(name: str):
+    """The transformers config of a checkpoint directory or hub id; None for a name only muarl knows (smollm2-135m)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name)
+    except (OSError, ValueError):
+        return None
+
+
+def count_params(config) -> int:
+    """Parameters of the causal LM a transformers config describes, built on the meta device (no memory used)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bool, max_context: int,
+                 episodes: int, device, check: bool = True, program: str = "grpo.py") -> dict:
+    """Print memory_estimate for this run; on a CUDA device, SystemExit when its peak exceeds the device's memory
+    (unless check is False), naming the options that change it."""
+    est = memory_estimate(count_params(config), world=world, sharded=sharded, bf16=bf16, reference=reference,
+                          kv_bytes_per_token=kv_bytes_per_token(config, bf16), max_context=max_context,
+                          episodes=episodes)
+    backend = f"FSDP2 over {world}" if sharded else ("DDP" if world > 1 else "one process")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[{program.removesuffix('.py')}] estimated memory per GPU ({backend}): "
+              + ", ".join(f"{k} {gib(v)}" for k, v in est.items()) + " (activations not counted)", flush=True)
+    device = torch.device(device)
+    if check and device.type == "cuda":
+        have = torch.cuda.get_device_properties(device).total_memory
+        if est["peak"] > have:
+            raise SystemExit(
+                f"{program}: the estimated peak of {gib(est['peak'])} per GPU exceeds this GPU's {gib(have)} "
+                f"({backend}; the KV cache term, {gib(est['kv_cache'])}, assumes {episodes} live episodes per "
+                f"process at --max-context {max_context}). Lower --max-context or --tasks-per-step (episodes per "
+                "process), add GPUs, shard with FSDP2 (fsdp_version 2), or set --kl-coef 0 (no reference); "
+                "--no-memory-check runs anyway.")
+    return est
+
+
+def kv_bytes_per_token(config, bf16: bool) -> int:
+    """2 (keys and values) x layers x kv_heads x head_dim x bytes of the compute dtype, from a transformers config."""
+    cfg = config.get_text_config(decoder=True)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * (2 if bf16 else 4)
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

@@ -1,0 +1,190 @@
+"""One process of tests/test_sharding.py's two-process FSDP2 runs (started by torchrun; see that file).
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/fsdp2_worker.py grads|rollout OUT_JSON
+
+Each process builds the same tiny model in-process (nothing downloaded), keeps an unsharded copy as the oracle,
+shards the other with raw `fully_shard` over a CPU mesh, and writes what it measured; rank 0 writes OUT_JSON.
+"""
+import copy
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from transformers import Qwen3ForCausalLM  # noqa: E402
+
+import cli  # noqa: E402
+import grpo  # noqa: E402
+import muarl  # noqa: E402
+import shard  # noqa: E402
+from conftest import TEST_CORPUS, chatty  # noqa: E402
+from fake_env import FakeEnv  # noqa: E402
+from loss import grpo_loss, token_logprobs  # noqa: E402
+from rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
+
+
+def tiny_model(tok, tied, init=0.02):
+    torch.manual_seed(0)
+    cfg = muarl.tiny_config(len(tok), arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=init,
+                            tie_word_embeddings=tied, pad_token_id=tok.pad_token_id,
+                            eos_token_id=muarl.end_of_turn_id(tok))
+    return Qwen3ForCausalLM(cfg)
+
+
+def perturbed(model, seed=1, scale=0.02):
+    """A frozen reference a little away from the policy, so the KL term has a gradient."""
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return ref
+
+
+def fsdp2(model, mesh):
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def max_diff(a, b):
+    return max(float((full(x) - y).abs().max()) for x, y in zip(a, b))
+
+
+def grads(acc, mesh, tok, tied):
+    """The GRPO loss's gradients, FSDP2 over 2 processes (each half the rows, two micro-batches, the loss times the
+    number of processes and one global normalizer, as grpo.train_on_episodes) vs one process on all rows; twice,
+    with an optimizer step between."""
+    rank, world = acc.process_index, acc.num_processes
+    policy = tiny_model(tok, tied)
+    ref = perturbed(policy)
+    plain, plain_ref = copy.deepcopy(policy), copy.deepcopy(ref)
+    fsdp2(policy, mesh)
+    shard.shard_like(ref, policy)
+    g = torch.Generator().manual_seed(2)
+    B, T = 2 * world, 14
+    ids = torch.randint(0, len(tok), (B, T), generator=g)
+    attn = (torch.arange(T)[None] < torch.tensor([14, 9, 12, 6])[:, None]).long()
+    mask = attn * (torch.rand(B, T, generator=g) < 0.7).long()
+    mask[:, 0] = 0
+    adv = torch.tensor([1.0, -0.5, -1.2, 0.8])
+    with torch.no_grad():
+        old = token_logprobs(plain, ids, attn, temperature=0.7) + 0.3 * torch.randn(B, T, generator=g)
+    N = float(mask.sum())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0) for m in (plain, policy)]
+    out = {}
+    for it in range(2):
+        logp = token_logprobs(plain, ids, attn, temperature=0.7)
+        with torch.no_grad():
+            ref_lp = token_logprobs(plain_ref, ids, attn, temperature=0.7)
+        loss, _ = grpo_loss(logp, old, ref_lp, adv, mask, kl_coef=0.1, normalizer=N)
+        loss.backward()
+        want_norm = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9))
+        want = [p.grad for p in plain.parameters()]
+        ref_diff = 0.0
+        for r in (2 * rank, 2 * rank + 1):  # this process's rows, one micro-batch each
+            sl = slice(r, r + 1)
+            logp = token_logprobs(policy, ids[sl], attn[sl], temperature=0.7)
+            with torch.no_grad():
+                ref_lp_sharded = token_logprobs(ref, ids[sl], attn[sl], temperature=0.7)
+            ref_diff = max(ref_diff, float(((ref_lp_sharded - ref_lp[sl]) * attn[sl]).abs().max()))
+            loss, _ = grpo_loss(logp, old[sl], ref_lp_sharded, adv[sl], mask[sl], kl_coef=0.1, normalizer=N)
+            (loss * world).backward()
+        got_norm = float(shard.plain(acc.clip_grad_norm_(policy.parameters(), 1e9)))
+        out[f"iter{it}"] = {"grad_diff": max_diff([p.grad for p in policy.parameters()], want),
+                            "grad_scale": max(float(w.abs().max()) for w in want),
+                            "norm": [got_norm, want_norm], "ref_logp_diff": ref_diff,
+                            "grads_are_dtensors": all(hasattr(p.grad, "full_tensor") for p in policy.parameters())}
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+    return out
+
+
+def episode_steps(model):
+    """Count the decoder's forward passes (one per decoding step or prefill) on this process."""
+    calls = [0]
+    model.model.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def rollout_then_train(acc, mesh, tok):
+    """A greedy rollout of a sharded model inside shard.full_weights, where the processes decode different numbers
+    of steps, vs the unsharded copy; then grpo.train_on_episodes on those episodes vs one process on all of them."""
+    rank, world = acc.process_index, acc.num_processes
+    policy = chatty(tiny_model(tok, tied=True, init=0.3), tok, rate=0.2).train()
+    ref = perturbed(policy, scale=0.05)
+    plain, plain_ref = copy.deepcopy(policy), copy.deepcopy(ref)
+    fsdp2(policy, mesh)
+    shard.shard_like(ref, policy)
+    env, G = FakeEnv(n_tasks=4), 2
+    tasks = env.tasks("train")[rank::world]
+    sampling = RolloutConfig(greedy=True, max_new_tokens=(8, 24)[rank], max_context=400)
+    steps = episode_steps(policy)
+    with shard.full_weights(policy, "cpu"):
+        eps = rollout(policy, tok, env, tasks, G, make_user_sim("scripted"), sampling)
+    want = rollout(plain, tok, env, tasks, G, make_user_sim("scripted"), sampling)
+    all_steps = [None] * world
+    dist.all_gather_object(all_steps, steps[0])
+    same = all(a.input_ids == b.input_ids and a.loss_mask == b.loss_mask for a, b in zip(eps, want))
+    lp_diff = max(abs(x - y) for a, b in zip(eps, want) for x, y in zip(a.logprobs, b.logprobs))
+
+    cfg = grpo.Config(group_size=G, micro_batch_size=1, kl_coef=0.1, lr=1.0, grad_clip=0.5, max_context=400)
+    opt = torch.optim.SGD(policy.parameters(), lr=cfg.lr)  # SGD: the step is the clipped gradient itself
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    policy.train()
+    met = grpo.train_on_episodes(eps, policy, ref, opt, sched, acc, cfg, tok.pad_token_id)
+
+    # The oracle: one process, every process's episodes in one batch, one backward, clip, SGD step.
+    mine = [(e.input_ids, e.loss_mask, e.reward, e.infra_failed) for e in eps]
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    every = [e for part in every for e in part]
+    ids, attn, mask = muarl.collate([(i, m) for i, m, _, _ in every], tok.pad_token_id)
+    adv = grpo.group_advantages(torch.tensor([r for _, _, r, _ in every]), G,
+                                valid=torch.tensor([not f for *_, f in every]))
+    logp = token_logprobs(plain, ids, attn)
+    with torch.no_grad():
+        ref_lp = token_logprobs(plain_ref, ids, attn)
+    loss, _ = grpo_loss(logp, logp.detach(), ref_lp, adv, mask, kl_coef=cfg.kl_coef, normalizer=float(mask.sum()))
+    loss.backward()
+    want_norm = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.grad_clip))
+    with torch.no_grad():
+        for p in plain.parameters():
+            p -= cfg.lr * p.grad
+    return {"steps": all_steps, "same_tokens": same, "episodes": len(eps), "logprob_diff": lp_diff,
+            "grad_norm": [met["grad_norm"], want_norm], "loss": [met["loss"], float(loss.detach())],
+            "weight_diff": max_diff(list(policy.parameters()), list(plain.parameters())),
+            "skipped": met["skipped_updates"]}
+
+
+def main():
+    mode, out_path = sys.argv[1], sys.argv[2]
+    acc = cli.make_accelerator()  # joins torchrun's processes over gloo, as grpo.main does
+    mesh = init_device_mesh("cpu", (acc.num_processes,))
+    tok = muarl.tiny_tokenizer(TEST_CORPUS, vocab_size=512, split_digits=False)
+    if mode == "grads":
+        result = {f"tied={t}": grads(acc, mesh, tok, t) for t in (True, False)}
+    else:
+        result = rollout_then_train(acc, mesh, tok)
+    if acc.is_main_process:
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=1)
+    acc.wait_for_everyone()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
