@@ -71,6 +71,11 @@ TOOLS = [{"type": "function", "function": {
 ORDER_RE = re.compile(r"\bo\d{2}\b")
 HINT_RE = re.compile(r"order with the ([a-z]+ [a-z]+)")
 CONFIRM = " Confirm (yes/no)?"
+# Wrong proposals ("I will return the red mug from order o12", when the user wants another item or order) the user
+# corrects before giving up. Without a limit, a policy that keeps proposing the same wrong action talked until the
+# context cap: such episodes were 40% of the cold start's samples, ~16 turns each, and their repeated proposals
+# pushed GRPO's gradient against the confirmation phrasing itself (bench/README.md).
+PATIENCE = 2
 
 
 def _json(obj) -> str:
@@ -342,7 +347,8 @@ def unconfirmed_writes(messages: list[dict]) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------
 class ShopUser:
     """Dynamic like the paper's simulated user: vague opening, details only when asked, an optional change of
-    mind at the first confirmation request, truthful yes/no, ###STOP### when done or transferred.
+    mind at the first confirmation request, truthful yes/no, ###STOP### when done or transferred, or when the agent
+    proposes a wrong action for the third time (it corrects the first two).
 
     Stateless: `reply` replays the user's rules over every agent text message of the conversation, so the
     answer depends only on the task and the conversation. Phrasing varies per task and turn (seeded)."""
@@ -359,7 +365,7 @@ class ShopUser:
                           "Hi there, I have a problem with an order."], 0)
 
     def reply(self, messages: list[dict]) -> str:
-        state = {"changed": False, "accepted": False, "told": False}
+        state = {"changed": False, "accepted": False, "told": False, "wrong": 0}
         text, turn = "", 0
         for m in messages:
             if m.get("role") == "assistant" and not m.get("tool_calls"):
@@ -405,6 +411,9 @@ class ShopUser:
             if self._matches(t, want):
                 state["accepted"] = True
                 return self._pick(["Yes, please.", "Yes.", "Yes, go ahead."], turn)
+            state["wrong"] += 1
+            if state["wrong"] > PATIENCE:
+                return "No, that is still wrong. I will call back later. ###STOP###"
             return "No. " + self._restate(want)
         parts = []
         if "email" in t and d["knows_email"]:
