@@ -99,7 +99,8 @@ class Config:
     reuse_cache: bool = True
     """keep the KV cache across turns (off: re-encode the conversation every turn; same tokens, slower)"""
     rollout_batch: int = 0
-    """at most this many episodes decode together on one process (0: all); bounds GPU memory"""
+    """at most this many episodes decode together on one process (0: all); bounds GPU memory: on a GPU the other
+    episodes' KV caches wait in host memory"""
     bf16: bool = False
     """bf16 mixed precision (GPU)"""
     gradient_checkpointing: bool = False
@@ -421,7 +422,7 @@ def main(argv=None):
         live = max(per_process, -(-cfg.eval_tasks // acc.num_processes))
         shard.check_memory(config, world=acc.num_processes, sharded=bool(getattr(acc, "is_fsdp2", False)),
                            bf16=cfg.bf16, reference=cfg.kl_coef > 0, max_context=cfg.max_context,
-                           episodes=live if cfg.reuse_cache else min(live, cfg.rollout_batch or live),
+                           episodes=min(live, cfg.rollout_batch or live),
                            device=acc.device, check=cfg.memory_check)
     config = shard.read_config(start)  # before loading, when the start names a config (directory, hub id)
     if config is not None:
@@ -452,7 +453,8 @@ def main(argv=None):
         acc.print(f"[grpo] resumed from {resume_from} at step {first_step}")
     sampling = RolloutConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                              max_context=cfg.max_context, max_turns=cfg.max_turns, reuse_cache=cfg.reuse_cache,
-                             max_batch=cfg.rollout_batch)
+                             max_batch=cfg.rollout_batch,
+                             park_device="cpu" if cfg.rollout_batch and acc.device.type != "cpu" else "")
 
     def evaluate(tag):
         if not cfg.eval_tasks:

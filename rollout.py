@@ -69,6 +69,10 @@ class RolloutConfig:
     """keep each episode's KV cache across turns and prefill only the new tokens; False re-encodes every turn"""
     max_batch: int = 0
     """at most this many episodes decode in one batch (0: all); bounds GPU memory; 1 = one episode at a time"""
+    park_device: str = ""
+    """where an episode's KV cache waits between its decoding batches (tools, the user's reply, its place in line):
+    '' on the model's device; 'cpu' in host memory, so that with max_batch only the decoding batch's caches are
+    on the GPU (each episode's cache crosses the bus twice a turn)"""
     refill_below: float = 0.5
     """a decoding batch stops when fewer than this fraction of its rows are still in their turn, parks those
     mid-turn, and lets the rows that ended their turn rejoin after their tools / user reply (continuous batching;
@@ -312,10 +316,11 @@ def _compute_dtype_device(model) -> tuple[torch.dtype, torch.device]:
     return weight.dtype, weight.device
 
 
-def _park(row: _Row, cache: Cache, mask: torch.Tensor, j: int) -> None:
-    """Copy batch row j's cache out to the row, without its holes."""
+def _park(row: _Row, cache: Cache, mask: torch.Tensor, j: int, device: str = "") -> None:
+    """Copy batch row j's cache out to the row, without its holes (onto `device` when given: RolloutConfig.park_device)."""
     real = mask[j].bool()
-    row.kv = [(lay.keys[j][:, real], lay.values[j][:, real]) for lay in cache.layers]
+    move = (lambda t: t.to(device)) if device else (lambda t: t)
+    row.kv = [(move(lay.keys[j][:, real]), move(lay.values[j][:, real])) for lay in cache.layers]
 
 
 def _sample(logits: torch.Tensor, cfg: RolloutConfig, generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -384,7 +389,7 @@ def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, eot: int, generat
         still = len(active) - len(done)
         refill = not still or still < cfg.refill_below * B  # return, parking the rest mid-turn
         for j in range(len(active)) if refill else done:
-            _park(rows[active[j]], cache, mask, j)
+            _park(rows[active[j]], cache, mask, j, cfg.park_device)
         if refill:
             return
         if done:

@@ -199,9 +199,9 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
         if est["peak"] > have:
             raise SystemExit(
                 f"{program}: the estimated peak of {gib(est['peak'])} per GPU exceeds this GPU's {gib(have)} "
-                f"({backend}; the KV cache term, {gib(est['kv_cache'])}, assumes {episodes} live episodes per "
-                f"process at --max-context {max_context}). Lower --max-context or --tasks-per-step (episodes per "
-                "process), add GPUs, shard with FSDP2 (fsdp_version 2), or set --kl-coef 0 (no reference); "
+                f"({backend}; the KV cache term, {gib(est['kv_cache'])}, assumes {episodes} decoding episodes per "
+                f"process at --max-context {max_context}). Set --rollout-batch (episodes decoding at once; the "
+                "others' caches wait in host memory), lower --max-context or --tasks-per-step, add GPUs, shard with FSDP2 (fsdp_version 2), or set --kl-coef 0 (no reference); "
                 "--no-memory-check runs anyway.")
     return est
 
