@@ -28,6 +28,7 @@ import torch
 
 import cli
 import muarl
+import shard
 from envs import OpenAIAgent
 from loss import token_logprobs
 from rollout import make_user_sim, user_sim_options
@@ -250,7 +251,9 @@ def fit(acc, model, opt, sched, data, steps: int, batch_size: int, micro_batch_s
         total_loss = torch.zeros((), device=acc.device)
         for k, mb in enumerate(micro):
             ids, attn, mask = muarl.collate(mb, pad_id, acc.device)
-            with acc.no_sync(model) if k < len(micro) - 1 else contextlib.nullcontext():
+            # no_sync under FSDP2 would keep full-size gradients on every process (grpo.train_on_episodes)
+            sync = k == len(micro) - 1 or shard.is_sharded(model)
+            with contextlib.nullcontext() if sync else acc.no_sync(model):
                 # token_logprobs runs the model's body, not model.forward, which is what Accelerate's prepare wraps
                 # in autocast: ask for it here, as grpo.train_on_episodes does.
                 with acc.autocast():
@@ -271,10 +274,17 @@ def fit(acc, model, opt, sched, data, steps: int, batch_size: int, micro_batch_s
     return acc.reduce(run_loss, reduction="sum").item() / max(1, steps)
 
 
+def check_backend(acc) -> None:
+    """Refuse at start what the loop does not implement (DeepSpeed, FSDP1, ...), as grpo.py does."""
+    fsdp = getattr(acc.state, "fsdp_plugin", None)
+    shard.check_backend(acc.distributed_type, fsdp.fsdp_version if fsdp is not None else None, program="sft.py")
+
+
 def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     """Fine-tune on the conversations; returns the checkpoint directory. 'tiny' starts from its pretrained base."""
     start = str(pretrain_tiny(cfg)) if cfg.model == "tiny" else cfg.model
     acc = accelerator or cli.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
+    check_backend(acc)
     muarl.seed_everything(cfg.seed)
     # fp32 master weights, as grpo.main keeps the policy's; --bf16 runs the passes under autocast (fit). AdamW on
     # bf16 weights rounds a step of lr 5e-6 away for most weights (measured: 7.5% of them moved in 10 steps). The
@@ -355,6 +365,7 @@ def pretrain_tiny(cfg: SFTConfig) -> Path:
     conversations = make_cold_start(replace(cfg, env="shop", teacher="expert", user_sim="scripted",
                                             num_tasks=cfg.num_tasks + held_out))
     acc = cli.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
+    check_backend(acc)
     muarl.seed_everything(cfg.seed)
     model, tok = muarl.load_model("tiny", device=acc.device, seed=cfg.seed, dtype=torch.float32)  # as in train
     drills = encode(tok, windows(conversations[:-held_out]), length_limit(cfg, model))[0]

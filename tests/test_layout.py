@@ -22,7 +22,7 @@ ALLOWED = {  # module -> the project modules it may import
     "cli": set(),
     "muarl": {"envs", "cli"},
     "rollout": {"envs", "muarl"},
-    "sft": {"envs", "cli", "muarl", "loss", "rollout"},
+    "sft": {"envs", "cli", "muarl", "loss", "rollout", "shard"},
     "eval": {"envs", "cli", "muarl", "rollout"},
     "shard": set(),
     "grpo": {"envs", "cli", "muarl", "loss", "rollout", "sft", "eval", "shard"},

@@ -68,6 +68,21 @@ def test_unsupported_backends_fail_at_start_naming_them(kind, version, named):
     assert "fsdp_version 2" in str(e.value) or "fsdp_version: 2" in str(e.value)
 
 
+def test_sft_refuses_what_it_does_not_implement_too():
+    """The cold start's loop accumulates like GRPO's: DeepSpeed would run it silently wrong there as well."""
+    from types import SimpleNamespace
+
+    import sft
+
+    for kind, plugin, named in (("DEEPSPEED", None, "DEEPSPEED"), ("FSDP", SimpleNamespace(fsdp_version=1), "FSDP1")):
+        acc = SimpleNamespace(distributed_type=kind, state=SimpleNamespace(fsdp_plugin=plugin))
+        with pytest.raises(SystemExit, match="sft.py") as e:
+            sft.check_backend(acc)
+        assert named in str(e.value)
+    sft.check_backend(SimpleNamespace(distributed_type="FSDP", state=SimpleNamespace(fsdp_plugin=SimpleNamespace(
+        fsdp_version=2))))
+
+
 def test_supported_backends_pass():
     from accelerate.utils import DistributedType
 
