@@ -103,6 +103,9 @@ class Config:
     episodes' KV caches wait in host memory"""
     bf16: bool = False
     """bf16 mixed precision (GPU)"""
+    freeze: str = ""
+    """regular expression: parameters whose name it matches are not trained (e.g. 'embed_tokens': the embeddings,
+    and with them a tied output layer); '' trains all"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (long contexts)"""
     seed: int = 0
@@ -291,6 +294,23 @@ def load_reference(start: str, device, seed: int = 0):
     return ref.eval().requires_grad_(False)
 
 
+def freeze(model, pattern: str) -> int:
+    """Stop training the parameters whose name matches `pattern` (re.search); returns how many values that froze."""
+    import re
+
+    try:
+        rx = re.compile(pattern)
+    except re.error as e:
+        raise SystemExit(f"grpo.py: --freeze: {pattern!r} is not a regular expression ({e})")
+    hit = [p for name, p in model.named_parameters() if rx.search(name)]
+    if not hit:
+        names = ", ".join(n for n, _ in list(model.named_parameters())[:6])
+        raise SystemExit(f"grpo.py: --freeze: {pattern!r} matches no parameter name (they look like: {names}, ...)")
+    for p in hit:
+        p.requires_grad_(False)
+    return sum(p.numel() for p in hit)
+
+
 def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, pad_id: int) -> dict:
     """One rollout batch -> `updates_per_batch` optimizer steps. Returns loss metrics (over all processes)."""
     G = cfg.group_size
@@ -435,7 +455,11 @@ def main(argv=None):
     ref_model = load_reference(start, acc.device, cfg.seed) if cfg.kl_coef > 0 else None
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    if cfg.freeze:
+        frozen = freeze(model, cfg.freeze)
+        acc.print(f"[grpo] --freeze {cfg.freeze!r}: {frozen:,} of {sum(p.numel() for p in model.parameters()):,} "
+                  "parameters frozen")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     # Stepped by hand once per update (Accelerate's prepared scheduler steps once per process).
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
     model, opt = acc.prepare(model, opt)

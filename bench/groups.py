@@ -1,7 +1,7 @@
 """Does this checkpoint give GRPO something to learn from? Greedy pass^1 against what sampling finds, per task kind.
 
-    ./run python bench/signal.py --agent runs/sft-shop            # a cold start (or any checkpoint) on shop:test
-    ./run python bench/signal.py --agent A --agent B --tasks 64 --trials 8
+    ./run python bench/groups.py --agent runs/sft-shop            # a cold start (or any checkpoint) on shop:test
+    ./run python bench/groups.py --agent A --agent B --tasks 64 --trials 8
 
 GRPO trains on groups of G sampled episodes of one task; a group teaches only when its rewards differ ("mixed").
 And greedy pass^1 (what eval.py and the default run report) rises only where the greedy episode fails *and* the

@@ -67,6 +67,19 @@ def test_grpo_moves_every_parameter_and_logs(tmp_path, ckpt, start_lm):
     assert episodes and episodes[0]["messages"][0]["role"] == "system"
 
 
+def test_freeze_keeps_matching_parameters_and_trains_the_rest(tmp_path, ckpt, start_lm):
+    res = grpo.main(grpo_args(ckpt, tmp_path / "run", "--freeze", "embed_tokens|layers\\.0\\."))
+    before, after = weights(start_lm), weights(res.model)
+    frozen = [k for k in before if "embed_tokens" in k or "layers.0." in k]
+    frozen += ["lm_head.weight"] if start_lm.config.tie_word_embeddings else []  # the embeddings, tied
+    assert frozen and all(torch.equal(before[k], after[k]) for k in frozen)
+    assert all(not torch.equal(before[k], after[k]) for k in before if k not in frozen)
+    for bad, why in (("nothing_named_so", "matches no parameter"), ("(", "not a regular expression")):
+        with pytest.raises(SystemExit, match=why) as e:
+            grpo.main(grpo_args(ckpt, tmp_path / "bad", "--freeze", bad))
+        assert "--freeze" in str(e.value)
+
+
 def test_checkpoints_pruned_and_weights_only(tmp_path, ckpt):
     grpo.main(grpo_args(ckpt, tmp_path / "a", "--steps", "3", "--save-every", "1", "--keep-checkpoints", "2"))
     kept = sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir())
