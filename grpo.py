@@ -346,6 +346,8 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
     if ref_model is not None and cfg.kl_coef > 0:
         with torch.no_grad(), acc.autocast():  # the policy's precision path (load_reference)
             ref = [token_logprobs(ref_model, ids, attn, temperature=cfg.temperature) for ids, attn, _, _ in batches]
+        if shard.is_sharded(ref_model):  # no backward will reshard its root: free the gathered weights now
+            ref_model.reshard()
     skipped, ratio_max = 0, 0.0
     # no_sync skips DDP's all-reduce on all but the last micro-batch; under FSDP2 it would keep full-size
     # gradients on every process instead of reduce-scattering each micro-batch's into 1/N shards.
@@ -355,6 +357,8 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
             with acc.no_sync(model) if k < len(micro) - 1 and not sync_each else contextlib.nullcontext():
                 with acc.autocast():
                     logp, ent = token_logprobs(model, ids, attn, temperature=cfg.temperature, return_entropy=True)
+                if logp.dtype != torch.float32:  # e.g. an FSDP2 policy that casts outputs (cli.fsdp2_plugin)
+                    raise RuntimeError(f"token_logprobs returned {logp.dtype}, not float32: the loss would be rounded")
                 old_logp = old[k] if old else logp.detach()
                 loss, met = grpo_loss(logp, old_logp, ref[k], adv[mb].to(acc.device), mask,
                                       clip_low=cfg.clip_low, clip_high=cfg.clip_high,
@@ -464,7 +468,7 @@ def main(argv=None):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
     model, opt = acc.prepare(model, opt)
     if ref_model is not None and shard.is_sharded(model):
-        shard.shard_like(ref_model, model)
+        shard.shard_like(ref_model, model, param_dtype=torch.bfloat16 if cfg.bf16 else None)
     acc.register_for_checkpointing(sched)
     first_step = 0
     if resume_from:

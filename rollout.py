@@ -72,7 +72,7 @@ class RolloutConfig:
     park_device: str = ""
     """where an episode's KV cache waits between its decoding batches (tools, the user's reply, its place in line):
     '' on the model's device; 'cpu' in host memory, so that with max_batch only the decoding batch's caches are
-    on the GPU (each episode's cache crosses the bus twice a turn)"""
+    on the GPU (each episode's cache crosses the bus at least twice a turn, more when it is parked mid-turn)"""
     refill_below: float = 0.5
     """a decoding batch stops when fewer than this fraction of its rows are still in their turn, parks those
     mid-turn, and lets the rows that ended their turn rejoin after their tools / user reply (continuous batching;
@@ -368,9 +368,12 @@ def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, eot: int, generat
         fwd(cache, ids, mask, pos)
         for j, (r, _) in enumerate(new):
             _park(r, cache, mask, j)
+        del cache, ids, mask, pos  # before the decoding batch's buffers are allocated
     budget = [min(cfg.max_new_tokens, cfg.max_context - len(r.ep.input_ids)) for r in rows]
     room = max(b - len(r.new_ids) for b, r in zip(budget, rows))
     cache, tok, mask, pos = _stack_cache(model, rows, [p[-1:] for p in pending], room, eot)
+    for r in rows:  # the batch's buffers hold the caches now; each row is parked again when it leaves the batch
+        r.kv = None
     active, B = list(range(len(rows))), len(rows)  # batch position -> index into rows
     while True:
         tok, lp = _sample(lm_head(fwd(cache, tok, mask, pos)[:, -1]).float(), cfg, generator)

@@ -63,19 +63,22 @@ def is_sharded(model) -> bool:
     return bool(fsdp_modules(model))
 
 
-def shard_like(ref_model, policy) -> None:
+def shard_like(ref_model, policy, param_dtype=None) -> None:
     """Shard the frozen reference model as the policy is: each decoder layer its own unit, then the root, over the
-    policy's device mesh. By hand, because Accelerate's FSDP2 prepares one model (with its optimizer) per call.
-    Its scores go through the same redirected forward as the policy's (loss.token_logprobs)."""
-    from torch.distributed.fsdp import fully_shard
+    policy's device mesh, its weights gathered in `param_dtype` (the policy's: bf16 under --bf16, cli.fsdp2_plugin)
+    so that it computes what the policy computes. By hand, because Accelerate's FSDP2 prepares one model (with its
+    optimizer) per call. Its scores go through the same redirected forward as the policy's (loss.token_logprobs);
+    grpo.train_on_episodes reshards its root after scoring (no backward does it)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
     mesh = next(p for p in policy.parameters() if isinstance(p, DTensor)).device_mesh
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     layers = set(getattr(ref_model, "_no_split_modules", None) or [])
     for module in ref_model.modules():
         if type(module).__name__ in layers:
-            fully_shard(module, mesh=mesh)
-    fully_shard(ref_model, mesh=mesh)
+            fully_shard(module, mesh=mesh, mp_policy=mp)
+    fully_shard(ref_model, mesh=mesh, mp_policy=mp)
 
 
 @contextlib.contextmanager
@@ -134,7 +137,8 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
                       in bf16, autocast's cached bf16 copies during the rollout)
       master_weights  fp32 weights the optimizer updates (/ N under FSDP2)
       gradients       fp32 (/ N under FSDP2; twice under multi-process DDP, whose reduction buckets are a copy);
-                      freed before each rollout (zero_grad(set_to_none=True))
+                      param.grad is freed before each rollout (zero_grad(set_to_none=True)), DDP's buckets are
+                      allocated when the model is wrapped and kept, so every peak counts them
       optimizer       AdamW's two fp32 moments (/ N under FSDP2)
       reference       the frozen reference, fp32 like the policy's master weights (grpo.load_reference: the same
                       precision path, so kl is 0 until the policy moves) (/ N under FSDP2); 0 without a KL term
@@ -156,9 +160,10 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
         "kv_cache": kv_bytes_per_token * max_context * episodes,
     }
     held = est["master_weights"] + est["optimizer"] + est["reference"]
+    held += n_params * 4 if grads == 2 else 0  # DDP allocates its reduction buckets at wrap time and keeps them
     est["rollout_peak"] = held + est["weights"] + est["kv_cache"]
-    est["update_peak"] = held + est["gradients"] + (0 if sharded else est["weights"])
-    est["load_peak"] = n_params * 4 * (2 if reference else 1)
+    est["update_peak"] = held + est["gradients"] // grads + (0 if sharded else est["weights"])
+    est["load_peak"] = n_params * 4 * (2 if reference else 1) + (n_params * 4 if grads == 2 else 0)
     est["peak"] = max(est["rollout_peak"], est["update_peak"], est["load_peak"])
     return est
 
@@ -197,8 +202,15 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
     if check and device.type == "cuda":
         have = torch.cuda.get_device_properties(device).total_memory
         if est["peak"] > have:
+            phase = max(("load", "rollout", "update"), key=lambda k: est[f"{k}_peak"])
+            if phase == "load":
+                raise SystemExit(
+                    f"{program}: loading needs an estimated {gib(est['peak'])} per GPU, more than this GPU's "
+                    f"{gib(have)}: the whole fp32 policy{' and reference' if reference else ''} are loaded onto "
+                    "every GPU before sharding, whatever the number of GPUs. Set --kl-coef 0 (no reference) or use a "
+                    "smaller model; --no-memory-check runs anyway.")
             raise SystemExit(
-                f"{program}: the estimated peak of {gib(est['peak'])} per GPU exceeds this GPU's {gib(have)} "
+                f"{program}: the estimated {phase} peak of {gib(est['peak'])} per GPU exceeds this GPU's {gib(have)} "
                 f"({backend}; the KV cache term, {gib(est['kv_cache'])}, assumes {episodes} decoding episodes per "
                 f"process at --max-context {max_context}). Set --rollout-batch (episodes decoding at once; the "
                 "others' caches wait in host memory), lower --max-context or --tasks-per-step, add GPUs, shard with FSDP2 (fsdp_version 2), or set --kl-coef 0 (no reference); "

@@ -38,7 +38,7 @@ def measure(agent: str, env, tasks, trials: int, temperature: float, caps: dict)
     sim = make_user_sim("scripted")
     t0 = time.time()
     greedy = rollout(model, tok, env, tasks, 1, sim, RolloutConfig(greedy=True, **caps))
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(model.device).manual_seed(0)
     sampled = rollout(model, tok, env, tasks, trials, sim, RolloutConfig(temperature=temperature, **caps), gen)
     rows = defaultdict(Counter)
     for i, task in enumerate(tasks):

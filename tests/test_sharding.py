@@ -155,3 +155,29 @@ def test_memory_check_stops_on_a_gpu_it_cannot_fit(tiny_lm, monkeypatch, capsys)
     assert "--max-context" in str(e.value) and "--no-memory-check" in str(e.value) and "DDP" in str(e.value)
     assert "estimated memory per GPU (DDP)" in capsys.readouterr().out
     shard.check_memory(tiny_lm.config, **opts, check=False)  # --no-memory-check: printed, not stopped
+
+
+def test_memory_check_names_loading_when_loading_is_the_peak(tiny_lm, monkeypatch):
+    """More GPUs do not lower the load peak (the whole fp32 policy and reference on every GPU before sharding):
+    the message says so instead of suggesting --rollout-batch."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**10))
+    with pytest.raises(SystemExit, match="loading needs") as e:
+        shard.check_memory(tiny_lm.config, world=8, sharded=True, bf16=True, reference=True, max_context=8,
+                           episodes=1, device="cuda:0")
+    assert "--kl-coef 0" in str(e.value) and "--rollout-batch" not in str(e.value)
+
+
+def test_fsdp2_bf16_policy_leaves_outputs_in_float32(monkeypatch):
+    """Accelerate's default FSDP2 policy for bf16 casts the forward's outputs to bf16, which would round the
+    float32 log-probs the loss is computed from; cli.fsdp2_plugin gathers in bf16, reduces in fp32, leaves outputs."""
+    import cli
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    policy = cli.fsdp2_plugin("bf16").mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (torch.bfloat16, torch.float32, None)
+    assert cli.fsdp2_plugin("no") is None
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    assert cli.fsdp2_plugin("bf16") is None  # FSDP1 is refused at start (shard.check_backend)
