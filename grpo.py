@@ -103,6 +103,9 @@ class Config:
     episodes' KV caches wait in host memory"""
     bf16: bool = False
     """bf16 mixed precision (GPU)"""
+    optimizer: str = "adamw"
+    """'adamw' (the paper) or 'sgd' (plain SGD: the step scales with the gradient, not about lr per weight; its
+    --lr is on another scale, ~0.1-1 for the tiny model)"""
     freeze: str = ""
     """regular expression: parameters whose name it matches are not trained (e.g. 'embed_tokens': the embeddings,
     and with them a tied output layer); '' trains all"""
@@ -146,6 +149,8 @@ def validate(cfg: Config, world: int) -> None:
     """Fail at start with a message naming the option."""
     def bad(opt, why):
         raise SystemExit(f"grpo.py: --{opt.replace('_', '-')}: {why}")
+    if cfg.optimizer not in ("adamw", "sgd"):
+        bad("optimizer", f"{cfg.optimizer!r} is not 'adamw' or 'sgd'")
     if cfg.agg not in AGGS:
         bad("agg", f"{cfg.agg!r} is not one of {sorted(AGGS)}")
     if cfg.user_sim not in ("scripted", "openai", "hf"):
@@ -463,7 +468,9 @@ def main(argv=None):
         frozen = freeze(model, cfg.freeze)
         acc.print(f"[grpo] --freeze {cfg.freeze!r}: {frozen:,} of {sum(p.numel() for p in model.parameters()):,} "
                   "parameters frozen")
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = (torch.optim.SGD(trained, lr=cfg.lr) if cfg.optimizer == "sgd" else
+           torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=0.0))
     # Stepped by hand once per update (Accelerate's prepared scheduler steps once per process).
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
     model, opt = acc.prepare(model, opt)
