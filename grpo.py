@@ -423,8 +423,7 @@ def main(argv=None):
             print(f"[grpo] --resume continues with the run's saved settings; ignoring {sorted(set(given) - {'--resume', '--steps'})}")
     acc = cli.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no", log_with=cfg.report_to or None)
     validate(cfg, acc.num_processes)
-    fsdp = getattr(acc.state, "fsdp_plugin", None)  # set only under FSDP
-    shard.check_backend(acc.distributed_type, fsdp.fsdp_version if fsdp is not None else None)
+    shard.check_accelerator(acc)
     muarl.seed_everything(cfg.seed)
     run_dir = Path(cfg.out_dir or resume_from and resume_from.parents[1] or
                    f"runs/grpo-{cfg.env.replace(':', '-')}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -45,7 +45,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from envs import STOP_TOOLS, next_turn, opening_messages, score
 from envs.users import (GREETING, DataUserSim, HFUserSim, OpenAIUserSim, ScriptedUserSim, UserSim,  # noqa: F401
                         UserSimError)
-from muarl import (Episode, delta_ids, end_of_turn_id, load_model, parse_assistant, prompt_ids, stop_token_ids,
+from muarl import (Episode, delta_ids, load_model, parse_assistant, prompt_ids, stop_token_ids,
                    template_kwargs)
 
 log = logging.getLogger("muarl.rollout")
@@ -343,7 +343,7 @@ def _sample(logits: torch.Tensor, cfg: RolloutConfig, generator) -> tuple[torch.
 
 
 @torch.no_grad()
-def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, eot: int, generator=None, stops=()) -> None:
+def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, stops: list[int], generator=None) -> None:
     """Decode the current agent turn of every row, together, until fewer than cfg.refill_below of the rows are
     still decoding. A row whose turn ends gets row.stop; a row still mid-turn keeps stop == "" and its partial
     new_ids / new_logprobs, and the next call continues it (its last sampled token is its pending input). Either
@@ -352,9 +352,10 @@ def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, eot: int, generat
     The rows with more than one pending token (a new turn: the last sampled token and the tool results or user
     reply) are prefilled first, all but that last token, in a batch of their own, so that the rows continuing
     mid-turn (one pending token) pay no padding for them. Then all rows decode together, one column per step;
-    a row that stops leaves the batch (Cache.batch_select_indices). A turn ends on eot or any token of `stops`
-    (muarl.stop_token_ids: the model's generation-config eos ids); eot also fills padding slots."""
-    stops = {eot, *stops}
+    a row that stops leaves the batch (Cache.batch_select_indices). A turn ends on any token of `stops`
+    (muarl.stop_token_ids: the end-of-turn token first, which also fills padding slots, then the model's
+    generation-config eos ids)."""
+    eot, stops = stops[0], set(stops)
     dec, lm_head = model.get_decoder(), model.get_output_embeddings()
     fwd = lambda cache, ids, mask, pos: dec(input_ids=ids, attention_mask=mask, position_ids=pos,
                                             past_key_values=cache, use_cache=True).last_hidden_state
@@ -435,7 +436,7 @@ def rollout(model, tokenizer, env, tasks: list, group_size: int, user_sim, cfg: 
 
 
 async def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, generator) -> list[Episode]:
-    eot, stops = end_of_turn_id(tok), stop_token_ids(model, tok)
+    stops = stop_token_ids(model, tok)
     # The first user message is generated once per task and shared by its group: the G episodes differ only by
     # the agent's samples, which is what the group-relative advantage compares. A task that continues an earlier
     # conversation (tau2's message history) starts from it, as prompt; the opening is None when the agent is next.
@@ -467,7 +468,7 @@ async def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, generator)
         # Continuous batching: the batch decodes until half its rows have ended their turn (refill_below); those
         # run their tools or get their user's reply and rejoin, next to the rows parked mid-turn, at the next call.
         batch = live[:cfg.max_batch or len(live)]
-        generate_turn(model, batch, cfg, eot, generator, stops)
+        generate_turn(model, batch, cfg, stops, generator)
         parked = [r for r in batch if not r.stop]
         to_user, next_live = [], []
         for r in (r for r in batch if r.stop):

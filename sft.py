@@ -276,8 +276,7 @@ def fit(acc, model, opt, sched, data, steps: int, batch_size: int, micro_batch_s
 
 def check_backend(acc) -> None:
     """Refuse at start what the loop does not implement (DeepSpeed, FSDP1, ...), as grpo.py does."""
-    fsdp = getattr(acc.state, "fsdp_plugin", None)
-    shard.check_backend(acc.distributed_type, fsdp.fsdp_version if fsdp is not None else None, program="sft.py")
+    shard.check_accelerator(acc, program="sft.py")
 
 
 def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:

@@ -50,6 +50,12 @@ def check_backend(distributed_type: str, fsdp_version: int | None = None, progra
     raise SystemExit(f"{program}: distributed type {kind} is not supported; {use}.")
 
 
+def check_accelerator(acc, program: str = "grpo.py") -> None:
+    """check_backend for an Accelerator (its distributed type and, under FSDP, its plugin's version)."""
+    fsdp = getattr(acc.state, "fsdp_plugin", None)  # set only under FSDP
+    check_backend(acc.distributed_type, fsdp.fsdp_version if fsdp is not None else None, program)
+
+
 def fsdp_modules(model) -> list:
     """The FSDP2 modules of `model`, root first (the same order on every process), or [] when not sharded."""
     try:
