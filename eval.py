@@ -178,18 +178,28 @@ def write_png(path, img) -> None:
                            + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
 
 
-CURVE_COLORS = {"reward_mean": (31, 119, 180), "all_correct_ratio": (44, 160, 44), "all_wrong_ratio": (214, 39, 40),
+CURVE_COLORS = {"reward_mean": (31, 119, 180), "reward_mean_avg5": (8, 48, 107), "all_correct_ratio": (44, 160, 44),
+                "all_wrong_ratio": (214, 39, 40), "reward_info/unconfirmed_writes": (140, 86, 75),
                 "turns_mean": (148, 103, 189), "before": (127, 127, 127), "after": (255, 127, 14)}
 
 
 def plot_curves(rows: list[dict], path, before: float | None = None, after: float | None = None) -> None:
-    """The run's learning curve as a PNG: per step, the reward (with greedy test pass^1 before and after training as
-    flat lines), the all-correct and all-wrong group ratios, and the turns per episode. rows: metrics.jsonl lines."""
+    """The run's learning curve as a PNG: per step, the reward and its mean over the last 5 steps (with greedy test
+    pass^1 before and after training as flat lines), the all-correct and all-wrong group ratios (and, where the
+    reward checks it, the share of episodes that wrote without the user's yes), and the turns per episode.
+    rows: metrics.jsonl lines."""
     import numpy as np
 
+    rows = [dict(r) for r in rows]
+    for i, r in enumerate(rows):
+        last = [x["reward_mean"] for x in rows[max(0, i - 4):i + 1] if "reward_mean" in x]
+        if "reward_mean" in r:
+            r["reward_mean_avg5"] = sum(last) / len(last)
     W, H, pad = 720, 170, 44
-    panels = [("reward per step - dashed: greedy test pass^1 before gray / after orange", ["reward_mean"], 1.0),
-              ("groups all correct green / all wrong red", ["all_correct_ratio", "all_wrong_ratio"], 1.0),
+    panels = [("reward per step, dark: mean of 5 - dashed: greedy test pass^1 before gray / after orange",
+               ["reward_mean", "reward_mean_avg5"], 1.0),
+              ("groups all correct green / all wrong red - brown: episodes that wrote without a yes",
+               ["all_correct_ratio", "all_wrong_ratio", "reward_info/unconfirmed_writes"], 1.0),
               ("turns per episode", ["turns_mean"], max([r.get("turns_mean", 0) for r in rows] + [1.0]))]
     img = np.full((H * len(panels), W, 3), 255, dtype=np.uint8)
     steps = [r["step"] for r in rows] or [1]

@@ -44,6 +44,9 @@ class SFTConfig:
     """directory the checkpoint is written to (Hugging Face format + tokenizer + this config)"""
     teacher: str = "expert"
     """cold-start teacher when --data is empty: 'expert' (scripted, small domain) or an OpenAI-compatible model"""
+    teacher_skips_confirm: float = 0.0
+    """share of conversations in which the scripted expert writes without asking first (shop only). Those break the
+    policy (reward 0) and are kept when the database is right: demonstrations filtered on the database alone"""
     teacher_base_url: str = ""
     """OpenAI-compatible endpoint of the teacher (default: OPENAI_BASE_URL)"""
     env: str = "shop"
@@ -126,10 +129,17 @@ def load_conversations(path: str) -> list[dict]:
 
 
 def make_cold_start(cfg: SFTConfig) -> list[dict]:
-    """Play tasks with the teacher and keep the conversations whose reward is 1."""
+    """Play tasks with the teacher and keep the conversations whose reward is 1; with `teacher_skips_confirm`, also
+    those that broke only the confirmation rule (the database is right): filtered on the database alone."""
+    import inspect
+
     from envs import make_env, message_history, play
 
     env = make_env(cfg.env)
+    if cfg.teacher_skips_confirm and (cfg.teacher != "expert" or "skip_confirm" not in
+                                      inspect.signature(getattr(env, "expert", lambda task: None)).parameters):
+        raise SystemExit(f"sft.py: --teacher-skips-confirm {cfg.teacher_skips_confirm}: only the scripted expert of "
+                         f"the 'shop' domain can skip confirmations (teacher {cfg.teacher!r}, env {cfg.env!r})")
     tasks = env.tasks(cfg.split)
     random.Random(cfg.seed).shuffle(tasks)
     kept, t0 = [], time.time()
@@ -139,7 +149,12 @@ def make_cold_start(cfg: SFTConfig) -> list[dict]:
     failed = 0
     for task in tasks[:cfg.num_tasks]:
         tools = env.tools(task)
-        agent = env.expert(task) if cfg.teacher == "expert" else OpenAIAgent(cfg.teacher, tools, cfg.teacher_base_url)
+        if cfg.teacher != "expert":
+            agent = OpenAIAgent(cfg.teacher, tools, cfg.teacher_base_url)
+        elif cfg.teacher_skips_confirm:
+            agent = env.expert(task, skip_confirm=cfg.teacher_skips_confirm)
+        else:
+            agent = env.expert(task)
         session = env.start(task)
         user = sim.sync_user(env, task, session) if sim else None
         try:
@@ -148,12 +163,14 @@ def make_cold_start(cfg: SFTConfig) -> list[dict]:
             failed += 1
             print(f"[sft] task {task.id}: episode failed ({e!r}); skipped")
             continue
-        if reward == 1.0:  # system + the task's earlier conversation + the user's opening are prompt
+        if reward == 1.0 or (cfg.teacher_skips_confirm and info.get("db_match")):
+            # prompt: the system message + the task's earlier conversation + the user's opening
             n_prompt = 1 + len(message_history(env, task))
             n_prompt += n_prompt < len(messages) and messages[n_prompt]["role"] == "user"  # the user's opening
             kept.append({"messages": messages, "tools": tools, "task_id": task.id, "prompt_messages": n_prompt})
-    print(f"[sft] teacher {cfg.teacher!r} solved {len(kept)}/{min(len(tasks), cfg.num_tasks)} {cfg.env} tasks "
-          f"in {time.time() - t0:.1f}s ({failed} failed episodes); keeping the solved ones")
+    what = "with the right database (it skipped the confirmation in some)" if cfg.teacher_skips_confirm else "solved"
+    print(f"[sft] teacher {cfg.teacher!r}: {len(kept)}/{min(len(tasks), cfg.num_tasks)} {cfg.env} tasks {what} "
+          f"in {time.time() - t0:.1f}s ({failed} failed episodes); keeping those")
     return kept
 
 
@@ -361,8 +378,9 @@ def pretrain_tiny(cfg: SFTConfig) -> Path:
     if (out / "config.json").exists():
         return out
     held_out = 64
+    # The drills come from the perfect teacher, whatever --teacher-skips-confirm says of the cold start.
     conversations = make_cold_start(replace(cfg, env="shop", teacher="expert", user_sim="scripted",
-                                            num_tasks=cfg.num_tasks + held_out))
+                                            teacher_skips_confirm=0.0, num_tasks=cfg.num_tasks + held_out))
     acc = cli.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
     check_backend(acc)
     muarl.seed_everything(cfg.seed)

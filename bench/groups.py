@@ -12,6 +12,8 @@ prints per task kind (kind + change of mind):
   sampled       success rate of the sampled episodes
   mixed         tasks whose sampled group is mixed (what GRPO learns from)
   fixable       tasks greedy fails on that some sample solves (what can lift greedy pass^1 soonest)
+  unasked       share of greedy, then sampled, episodes that wrote without the user's yes (the policy's
+                confirmation rule; reward 0): a decision, where the other failures are mostly copy errors
 and how the failed episodes ended (termination). Same rollout code, user and caps as the default run.
 """
 from __future__ import annotations
@@ -52,6 +54,8 @@ def measure(agent: str, env, tasks, trials: int, temperature: float, caps: dict)
             r["sampled"] += wins
             r["mixed"] += 0 < wins < trials
             r["fixable"] += (not g) and wins > 0
+            r["g_unasked"] += bool(greedy[i].reward_info.get("unconfirmed_writes"))
+            r["s_unasked"] += sum(bool(e.reward_info.get("unconfirmed_writes")) for e in sampled[i * trials:(i + 1) * trials])
     ends = Counter(e.termination for e in greedy + sampled if e.reward != 1.0)
     return {"rows": rows, "ends": ends, "seconds": time.time() - t0}
 
@@ -74,11 +78,13 @@ def main(argv=None):
         m = measure(agent, env, tasks, args.trials, args.temperature, caps)
         print(f"\n{agent}: {args.tasks} {args.env}:test tasks, greedy once and {args.trials} samples at temperature "
               f"{args.temperature:g} ({m['seconds']:.0f}s)")
-        print(f"{'kind':24s} {'tasks':>5s} {'greedy':>7s} {'sampled':>8s} {'mixed':>6s} {'fixable':>8s}")
+        print(f"{'kind':24s} {'tasks':>5s} {'greedy':>7s} {'sampled':>8s} {'mixed':>6s} {'fixable':>8s} "
+              f"{'unasked':>8s} {'unasked':>8s}")
         for kind in sorted(m["rows"], key=lambda k: (k == "ALL", k)):
             r = m["rows"][kind]
             print(f"{kind:24s} {r['tasks']:5d} {r['greedy'] / r['tasks']:7.2f} "
-                  f"{r['sampled'] / (r['tasks'] * args.trials):8.2f} {r['mixed']:6d} {r['fixable']:8d}")
+                  f"{r['sampled'] / (r['tasks'] * args.trials):8.2f} {r['mixed']:6d} {r['fixable']:8d} "
+                  f"{r['g_unasked'] / r['tasks']:8.2f} {r['s_unasked'] / (r['tasks'] * args.trials):8.2f}")
         print("failed episodes ended by: " + ", ".join(f"{k} {v}" for k, v in m["ends"].most_common()))
 
 

@@ -415,6 +415,8 @@ class ShopUser:
             if state["wrong"] > PATIENCE:
                 return "No, that is still wrong. I will call back later. ###STOP###"
             return "No. " + self._restate(want)
+        if "done" in t:  # the agent says it acted before the user said yes: nothing left to ask for
+            return "Oh, okay. Thanks. ###STOP###"
         parts = []
         if "email" in t and d["knows_email"]:
             parts.append(self._pick([f"My email is {u['email']}.", f"It's {u['email']}.", f"Sure, {u['email']}."], turn))
@@ -481,10 +483,12 @@ class ShopEnv:
     def scripted_user(self, task: Task) -> ShopUser:
         return ShopUser(task)
 
-    def expert(self, task: Task):
+    def expert(self, task: Task, skip_confirm: float = 0.0):
+        """The scripted teacher; with `skip_confirm` > 0 it writes without asking in that share of conversations
+        (drawn per task, from its seed)."""
         from envs.shop_expert import ShopExpert  # here, not at the top: the expert imports this module's formats
 
-        return ShopExpert()
+        return ShopExpert(skip_confirm, seed=task.data["seed"] if skip_confirm else 0)
 
     def corpus(self, n_tasks: int = 300) -> list[str]:
         """Texts to train the tiny BPE tokenizer on: the text of expert episodes on the first `n_tasks` train

@@ -8,6 +8,7 @@ domain's formats (order ids, item names, the confirmation question) from envs/sh
 from __future__ import annotations
 
 import json
+import random
 import re
 
 from envs.shop import CONFIRM, HINT_RE, ORDER_RE, WRITE_TOOLS, _items_in
@@ -16,7 +17,16 @@ from envs.shop import CONFIRM, HINT_RE, ORDER_RE, WRITE_TOOLS, _items_in
 class ShopExpert:
     """The cold-start teacher. It never peeks at the task: every decision is re-derived from the messages
     (what the user said, what the tools returned), so its dialogues are ones a model could produce.
-    Its phrasing is fixed and short because a tiny model imitates it."""
+    Its phrasing is fixed and short because a tiny model imitates it.
+
+    `skip_confirm`: the probability that, in this conversation, it writes without asking first (a coin drawn once
+    from `seed`): an imperfect teacher, as LLM-written demonstrations are. Such a conversation breaks the policy's
+    confirmation rule (reward 0) while its database is right whenever the user would not have changed its mind."""
+
+    def __init__(self, skip_confirm: float = 0.0, seed: int = 0):
+        if not 0.0 <= skip_confirm <= 1.0:
+            raise ValueError(f"skip_confirm must be in [0, 1], got {skip_confirm}")
+        self.skips = random.Random(seed).random() < skip_confirm
 
     def act(self, messages: list[dict]) -> dict:
         s = _read(messages)
@@ -71,7 +81,7 @@ class ShopExpert:
             "exchange": ("exchange_item", {"order_id": order, "item": item, "new_item": new},
                          f"I will exchange the {item} for the {new} in order {order}."),
         }[action]
-        if s["said_yes"] and s["last_agent_text"] == text + CONFIRM:
+        if (self.skips and not s["wrote"]) or (s["said_yes"] and s["last_agent_text"] == text + CONFIRM):
             return call(tool, **args)
         return say(text + CONFIRM)
 
@@ -79,7 +89,7 @@ class ShopExpert:
 def _read(messages: list[dict]) -> dict:
     """What the expert knows: identity details, the user's current request, and what the tools returned."""
     s = {"email": None, "name": None, "zip": None, "user": None, "orders": [], "fetched": {}, "tried": set(),
-         "action": None, "order": None, "hint": None, "mentions": [], "last_write": False, "said_yes": False,
+         "action": None, "order": None, "hint": None, "mentions": [], "last_write": False, "wrote": False, "said_yes": False,
          "last_agent_text": None}
     calls = {}
     for m in messages:
@@ -114,6 +124,7 @@ def _read(messages: list[dict]) -> dict:
                 except (TypeError, ValueError):
                     args = {}
                 calls[c.get("id")] = f.get("name")
+                s["wrote"] = s["wrote"] or f.get("name") in WRITE_TOOLS
                 if f.get("name") == "find_user" and isinstance(args, dict):
                     s["tried"].add(args.get("email") or (args.get("name"), args.get("zip")))
         elif role == "tool" and not text.startswith("Error"):

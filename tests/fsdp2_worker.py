@@ -141,7 +141,8 @@ def rollout_then_train(acc, mesh, tok):
     same = all(a.input_ids == b.input_ids and a.loss_mask == b.loss_mask for a, b in zip(eps, want))
     lp_diff = max(abs(x - y) for a, b in zip(eps, want) for x, y in zip(a.logprobs, b.logprobs))
 
-    cfg = grpo.Config(group_size=G, micro_batch_size=1, kl_coef=0.1, lr=1.0, grad_clip=0.5, max_context=400)
+    cfg = grpo.Config(group_size=G, micro_batch_size=1, kl_coef=0.1, lr=1.0, grad_clip=0.5, max_context=400,
+                      temperature=1.0)  # the oracle below scores at temperature 1
     opt = torch.optim.SGD(policy.parameters(), lr=cfg.lr)  # SGD: the step is the clipped gradient itself
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     policy.train()

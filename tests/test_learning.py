@@ -37,7 +37,7 @@ def run(start, out, monkeypatch=None, flip=False):
     grpo.main(["--init-from", str(start), "--env", "tests.fake_env:ChoiceEnv", "--steps", str(STEPS),
                "--tasks-per-step", "4", "--group-size", "8", "--lr", "1e-3", "--warmup-steps", "5", "--max-new-tokens", "32",
                "--max-context", "640", "--max-turns", "4", "--eval-tasks", "0", "--save-every", "1000",
-               "--micro-batch-size", "16", "--out-dir", str(out)])
+               "--micro-batch-size", "16", "--temperature", "1.0", "--out-dir", str(out)])
     return [json.loads(line)["reward_mean"] for line in open(out / "metrics.jsonl")]
 
 

@@ -154,6 +154,44 @@ def test_user_stops_when_done_or_transferred(env):
     assert messages[-2]["tool_calls"][0]["function"]["name"] in STOP_TOOLS
 
 
+def test_imperfect_teacher_skips_confirmation_in_a_share_of_conversations(env):
+    """`expert(task, skip_confirm=p)`: in about p of the write tasks it writes without asking (reward 0, the
+    database right unless the user would have changed its mind), the user then ends the conversation at once, and
+    every other conversation is the perfect expert's, message for message."""
+    counts = Counter()
+    for task in env.tasks("train")[:300]:
+        teacher = env.expert(task, skip_confirm=0.5)
+        messages, reward, info, termination = play(env, task, teacher)
+        if task.meta["kind"] == "transfer" or not teacher.skips:
+            assert (messages, reward) == play(env, task, env.expert(task))[:2], task.id
+            counts["same"] += 1
+            continue
+        counts["skipped"] += 1
+        assert reward == 0.0 and len(info["unconfirmed_writes"]) == 1 and termination == "user_stop", (task.id, info)
+        assert not any("yes/no" in str(m.get("content")) for m in messages)
+        assert messages[-2]["content"] == "Done. Anything else?" and messages[-1]["content"].endswith("###STOP###")
+        assert info["db_match"] == (task.meta["change"] is None), task.id
+    writes = sum(t.meta["kind"] != "transfer" for t in env.tasks("train")[:300])
+    assert 0.4 < counts["skipped"] / writes < 0.6, counts
+    with pytest.raises(ValueError, match="skip_confirm"):
+        env.expert(env.tasks("train")[0], skip_confirm=1.5)
+
+
+def test_cold_start_with_an_imperfect_teacher_keeps_what_has_the_right_database():
+    import sft
+    from envs.shop import gold_db, unconfirmed_writes
+
+    kept = sft.make_cold_start(sft.SFTConfig(env="shop", num_tasks=60, teacher_skips_confirm=0.5))
+    env = make_env("shop")
+    tasks = {t.id: t for t in env.tasks("train")}
+    unasked = [c for c in kept if unconfirmed_writes(c["messages"])]
+    assert 0 < len(unasked) < len(kept) < 60  # the skips whose user would have changed its mind are dropped
+    for c in kept:
+        assert replay(env, tasks[c["task_id"]], c["messages"]).db == gold_db(tasks[c["task_id"]]), c["task_id"]
+    with pytest.raises(SystemExit, match="--teacher-skips-confirm 0.5: only the scripted expert"):
+        sft.make_cold_start(sft.SFTConfig(env="shop", teacher="gpt-4o", teacher_skips_confirm=0.5))
+
+
 class SkipConfirmation:
     """The expert, except that it writes where it would ask for confirmation."""
 

@@ -35,7 +35,7 @@ def ckpt(tmp_path_factory, tiny_tok, start_lm):
 def grpo_args(ckpt, out, *extra):
     return ["--init-from", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--steps", "2", "--tasks-per-step", "2",
             "--group-size", "4", "--max-new-tokens", "48", "--max-context", "512", "--eval-tasks", "0",
-            "--lr", "1e-2", "--micro-batch-size", "3", "--out-dir", str(out), *extra]
+            "--lr", "1e-2", "--micro-batch-size", "3", "--temperature", "1.0", "--out-dir", str(out), *extra]
 
 
 def weights(model):
@@ -65,6 +65,22 @@ def test_grpo_moves_every_parameter_and_logs(tmp_path, ckpt, start_lm):
     assert json.loads((ck / "model" / "muarl_config.json").read_text())["grpo"]["group_size"] == 4
     episodes = [json.loads(line) for line in open(tmp_path / "run" / "episodes.jsonl")]
     assert episodes and episodes[0]["messages"][0]["role"] == "system"
+
+
+def test_step_metrics_average_the_rewards_checks():
+    def summary(reward, info, valid=True):
+        return {"reward": reward, "valid": valid, "turns": 3, "gen_tokens": 10, "termination": "user_stop",
+                "tool_calls": {}, "tool_errors": 0, "task_id": "t", "checks": grpo.reward_checks(info)}
+
+    assert grpo.reward_checks({"db_match": True, "unconfirmed_writes": ["cancel_order"], "differ": [], "env_reward": 0.0,
+                               "ended_early": "max_turns"}) == {"db_match": True, "unconfirmed_writes": True, "differ": False}
+    rows = [summary(1.0, {"db_match": True, "unconfirmed_writes": []}),
+            summary(0.0, {"db_match": True, "unconfirmed_writes": ["cancel_order"]}),
+            summary(0.0, {"db_match": False, "unconfirmed_writes": ["return_item", "cancel_order"]}),
+            summary(0.0, {"db_match": False, "unconfirmed_writes": []}, valid=False)]  # left out: infra failure
+    m = grpo.step_metrics(rows, G=2)
+    assert m["reward_info/db_match"] == pytest.approx(2 / 3) and m["reward_info/unconfirmed_writes"] == pytest.approx(2 / 3)
+    assert m["reward_mean"] == pytest.approx(1 / 3)
 
 
 def test_freeze_keeps_matching_parameters_and_trains_the_rest(tmp_path, ckpt, start_lm):
@@ -129,7 +145,7 @@ def test_non_finite_reward_is_left_out_not_scored(tmp_path, ckpt):
 @pytest.mark.parametrize("argv, option", [
     (["--agg", "nope"], "--agg"), (["--group-size", "1"], "--group-size"), (["--user-sim", "x"], "--user-sim"),
     (["--tasks-per-step", "0"], "--tasks-per-step"), (["--temperature", "0"], "--temperature"),
-    (["--optimizer", "lion"], "--optimizer"),
+    (["--optimizer", "lion"], "--optimizer"), (["--cold-start-skips-confirm", "2"], "--cold-start-skips-confirm"),
 ])
 def test_bad_option_fails_at_start_naming_it(tmp_path, ckpt, argv, option, capsys):
     with pytest.raises(SystemExit) as e:
@@ -379,8 +395,8 @@ def test_plot_curves_writes_a_png_with_each_curve(tmp_path):
 
     import numpy as np
 
-    rows = [{"step": i + 1, "reward_mean": i / 9, "all_correct_ratio": 0.1, "all_wrong_ratio": 0.5, "turns_mean": 7.0}
-            for i in range(10)]
+    rows = [{"step": i + 1, "reward_mean": i / 9, "all_correct_ratio": 0.1, "all_wrong_ratio": 0.5, "turns_mean": 7.0,
+             "reward_info/unconfirmed_writes": 0.3} for i in range(10)]
     evaluation.plot_curves(rows, tmp_path / "c.png", before=0.2, after=0.6)
     data = (tmp_path / "c.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
