@@ -196,7 +196,7 @@ def plot_curves(rows: list[dict], path, before: float | None = None, after: floa
         if "reward_mean" in r:
             r["reward_mean_avg5"] = sum(last) / len(last)
     W, H, pad = 720, 170, 44
-    panels = [("reward per step, dark: mean of 5 - dashed: greedy test pass^1 before gray / after orange",
+    panels = [("reward per step, dark: mean of 5 - dashed: test pass^1 before gray / after orange",
                ["reward_mean", "reward_mean_avg5"], 1.0),
               ("groups all correct green / all wrong red - brown: episodes that wrote without a yes",
                ["all_correct_ratio", "all_wrong_ratio", "reward_info/unconfirmed_writes"], 1.0),

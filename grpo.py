@@ -207,7 +207,9 @@ def cold_start(cfg: Config) -> str:
     if (out / "config.json").exists():
         cli.main_print(f"[grpo] cold start: using the cached SFT checkpoint {out}")
         return str(out)
-    cli.main_print(f"[grpo] cold start: no --init-from given, so making one: {scfg.num_tasks} expert conversations "
+    teacher = (f"conversations of the scripted teacher (writing without asking in {scfg.teacher_skips_confirm:.0%} of "
+               f"them: --cold-start-skips-confirm)" if scfg.teacher_skips_confirm else "expert conversations")
+    cli.main_print(f"[grpo] cold start: no --init-from given, so making one: {scfg.num_tasks} {teacher} "
               f"on {cfg.env}:{cfg.split}, then SFT of the pretrained '{cfg.model}' base ({scfg.epochs:g} epochs) -> {out}")
     scfg.out = str(out)
     sft.train(scfg, sft.make_cold_start(scfg))  # its own Accelerator: GRPO's checkpoints hold GRPO's state only
