@@ -1,8 +1,9 @@
 """shop: a small, procedurally generated customer-service domain that a tiny model can learn on a CPU.
 
 In the spirit of tau2-bench retail, scaled down for a ~1-3M-parameter transformer trained from scratch
-(cold-start SFT on the expert's dialogues, then GRPO against the scripted user). Not yet shown: such a model
-learning it in minutes on a CPU (it does not learn to copy ids within that budget; README "Status"). The design:
+(cold-start SFT on the expert's dialogues, then GRPO against the scripted user; the default run's cold start
+imitates an imperfect version of the expert, `ShopEnv.expert(task, skip_confirm=...)`, whose skipped confirmations
+GRPO learns to make from the reward: bench/README.md). The design:
 a short policy, six tools with compact schemas, short JSON tool outputs, and formulaic-but-varied user
 phrasing. System prompt + tool schemas + a whole dialogue stay around 2,700 characters (about 1,000 tokens).
 
@@ -353,14 +354,19 @@ class ShopUser:
     Stateless: `reply` replays the user's rules over every agent text message of the conversation, so the
     answer depends only on the task and the conversation. Phrasing varies per task and turn (seeded)."""
 
-    def __init__(self, task: Task):
+    def __init__(self, task: Task, static: bool = False):
         self.d = task.data
         self.user = self.d["db"]["users"][self.d["user_id"]]
+        self.static = static
 
     def _pick(self, options: list[str], turn: int) -> str:
         return random.Random(f"{self.d['seed']}-{turn}").choice(options)
 
     def opening(self) -> str:
+        if self.static:  # who it is and its final request at once; it will not change its mind
+            u = self.user
+            who = f"My email is {u['email']}." if self.d["knows_email"] else f"I'm {u['name']}, zip code {u['zip']}."
+            return f"Hi. {who} {self._restate(self.d['change'] or self.d['goal'])}"
         return self._pick(["Hi, I need help with an order.", "Hello, can you help me with my order?",
                           "Hi there, I have a problem with an order."], 0)
 
@@ -394,14 +400,14 @@ class ShopUser:
 
     def _respond(self, t: str, state: dict, turn: int) -> str:
         d, u = self.d, self.user
-        want = d["change"] if state["changed"] else d["goal"]
+        want = d["change"] if state["changed"] or (self.static and d["change"]) else d["goal"]
         if state["accepted"]:
             return self._pick(["Thanks, that's all.", "Great, thank you!", "Perfect, thanks."], turn) + " ###STOP###"
         if "transfer" in t or "goodbye" in t:
             return "Okay, thank you. ###STOP###"
         if "yes/no" in t or "confirm" in t:
             no = self._pick(["No, wait.", "No, sorry.", "Hmm, no."], turn)
-            if d["change"] and not state["changed"]:
+            if d["change"] and not state["changed"] and not self.static:
                 state["changed"] = True
                 c = d["change"]
                 return no + " " + {"other_order": f"Actually, please cancel {self._ref(c)} instead.",
@@ -455,11 +461,16 @@ class ShopUser:
 # The environment
 # ---------------------------------------------------------------------------------------------------------
 class ShopEnv:
+    """`user="static"` (`make_env("shop:static")`): the scripted user states who it is and its final request in its
+    first message and never changes its mind; same tasks, tools, gold and reward (the ablation's RL-without-an-
+    interactive-user arm)."""
     name = "shop"
 
-    def __init__(self, n_train: int = 5000, n_test: int = 100, seed: int = 0):
+    def __init__(self, n_train: int = 5000, n_test: int = 100, seed: int = 0, user: str = "dynamic"):
         assert n_train <= 500_000 and n_test <= 500_000, "train and test seeds would overlap"
-        self.seed = seed
+        if user not in ("dynamic", "static"):
+            raise ValueError(f"shop: user {user!r} is not 'dynamic' or 'static'")
+        self.seed, self.user = seed, user
         self._splits = {"train": [make_task("train", i, seed) for i in range(n_train)],
                         "test": [make_task("test", i, seed) for i in range(n_test)]}
 
@@ -481,7 +492,7 @@ class ShopEnv:
         return ShopSession(task)
 
     def scripted_user(self, task: Task) -> ShopUser:
-        return ShopUser(task)
+        return ShopUser(task, static=self.user == "static")
 
     def expert(self, task: Task, skip_confirm: float = 0.0):
         """The scripted teacher; with `skip_confirm` > 0 it writes without asking in that share of conversations

@@ -154,6 +154,26 @@ def test_user_stops_when_done_or_transferred(env):
     assert messages[-2]["tool_calls"][0]["function"]["name"] in STOP_TOOLS
 
 
+def test_static_user_says_everything_at_once_and_never_changes_its_mind():
+    static = make_env("shop:static", n_train=300, n_test=0)
+    dynamic = make_env("shop", n_train=300, n_test=0)
+    for task, same in zip(static.tasks("train"), dynamic.tasks("train")):
+        assert task.data == same.data  # same tasks, gold and database
+        messages, reward, info, termination = play(static, task, static.expert(task))
+        assert reward == 1.0, (task.id, info)
+        users = [str(m["content"]) for m in messages if m["role"] == "user"]
+        u = task.data["db"]["users"][task.data["user_id"]]
+        assert (u["email"] if task.data["knows_email"] else u["zip"]) in users[0]
+        if task.meta["kind"] != "transfer":
+            final = task.data["change"] or task.data["goal"]
+            assert final["order"] in users[0] or final["hint"] in users[0], (task.id, users[0])
+        assert not any(x.startswith(("No", "Hmm")) for x in users), (task.id, users)
+        assert sum(m["role"] == "assistant" for m in messages) <= sum(m["role"] == "assistant" for m in
+                                                                    play(dynamic, same, dynamic.expert(same))[0])
+    with pytest.raises(ValueError, match="user 'lazy'"):
+        ShopEnv(n_train=1, n_test=1, user="lazy")
+
+
 def test_imperfect_teacher_skips_confirmation_in_a_share_of_conversations(env):
     """`expert(task, skip_confirm=p)`: in about p of the write tasks it writes without asking (reward 0, the
     database right unless the user would have changed its mind), the user then ends the conversation at once, and
