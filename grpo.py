@@ -3,7 +3,8 @@
     ./run accelerate launch grpo.py                  # the embedded CPU default (shop domain, tiny model)
     ./run accelerate launch grpo.py --recipe paper --init-from runs/sft-qwen3-8b
 
-  1. cold start: with --model tiny and no --init-from, expert conversations then SFT (sft.py; cached)
+  1. cold start: with --model tiny and no --init-from, conversations of the scripted teacher (made imperfect by
+     --cold-start-skips-confirm) then SFT (sft.py; cached)
   2. greedy pass^1 on --eval-tasks test tasks (eval.py's summary)
   3. each step: G episodes of each of the step's tasks (rollout.py), their group advantages, one or more
      GRPO updates (train_on_episodes, with the math of loss.py), metrics to JSONL, a checkpoint now and then
@@ -46,10 +47,11 @@ class Config:
     """cold-start (SFT) checkpoint to start from; with --model tiny and none given, one is made and cached"""
     cold_start_skips_confirm: float = 0.6
     """the cold start made when no --init-from is given: share of the scripted teacher's write conversations in which
-    it writes without asking the user first (sft.py --teacher-skips-confirm). Filtered on the database, ~47% of the
-    kept write conversations skip: imitation leaves the confirmation rule at a coin flip, the reward settles it"""
+    it writes without asking the user first (sft.py --teacher-skips-confirm). Filtered on the database, ~48% of the
+    kept write conversations skip, and the cold-started policy skips in most write episodes; the reward settles it"""
     env: str = "shop"
-    """environment: 'shop' (small domain) or 'tau2:<retail|airline|telecom|mock>'"""
+    """environment: 'shop' (small domain; 'shop:static': its user says everything at once and never changes its
+    mind) or 'tau2:<retail|airline|telecom|mock>'"""
     split: str = "train"
     """task split trained on"""
     env_reward: str = ""
@@ -189,13 +191,17 @@ def validate(cfg: Config, world: int) -> None:
         bad("lr", "must be > 0")
     if not 0 <= cfg.cold_start_skips_confirm <= 1:
         bad("cold_start_skips_confirm", "must be in [0, 1]")
+    if cfg.model == "tiny" and not cfg.init_from and not cfg.resume and cfg.env.split(":")[0] != "shop":
+        bad("env", f"{cfg.env!r} with the 'tiny' model needs a cold-start checkpoint (--init-from): the embedded cold "
+                   "start and the tiny base are made on 'shop' only")
     if cfg.bf16 and not torch.cuda.is_available():
         bad("bf16", "needs a GPU (on this CPU bf16 decoding was measured slower; see bench/dtype.py)")
 
 
 def cold_start(cfg: Config) -> str:
-    """Make (or reuse) the tiny model's cold-start checkpoint, as the paper's pipeline does: expert conversations on
-    the training split, then SFT from its pretrained base (sft.pretrain_tiny). Cached under MUARL_CACHE, keyed by
+    """Make (or reuse) the tiny model's cold-start checkpoint, as the paper's pipeline does: teacher conversations on
+    the training split (the scripted expert, skipping confirmations in --cold-start-skips-confirm of them), then SFT
+    from its pretrained base (sft.pretrain_tiny). Cached under MUARL_CACHE, keyed by
     the settings and the code that makes it (sft.cache_key)."""
     import sft
 
@@ -237,7 +243,7 @@ def episode_summary(ep) -> dict:
 def reward_checks(info: dict) -> dict:
     """The reward's yes/no checks, for the metrics: booleans as they are, lists as "not empty" (e.g. shop's
     db_match and unconfirmed_writes: is the database right; did the agent write without the user's yes)."""
-    return {k: bool(v) for k, v in (info or {}).items() if isinstance(v, (bool, list)) and k != "ended_early"}
+    return {k: bool(v) for k, v in (info or {}).items() if isinstance(v, (bool, list))}
 
 
 def step_metrics(summaries: list[dict], G: int) -> dict:

@@ -11,7 +11,8 @@ makes the first n messages prompt (a task that continues an earlier conversation
     ./run python sft.py --teacher gpt-4o --env tau2:retail --user-sim openai --data-out retail.jsonl --epochs 0
 
 Cold-start data: a teacher agent (the small domain's scripted expert, or an OpenAI-compatible model) plays
-tasks against the environment and a user simulator; episodes with reward 1 are kept.
+tasks against the environment and a user simulator; episodes with reward 1 are kept (with the shop expert made
+imperfect by --teacher-skips-confirm: those whose database is right).
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ class SFTConfig:
     split: str = "train"
     """task split the teacher plays"""
     num_tasks: int = 1200
-    """how many tasks the teacher plays (episodes with reward 1 are kept)"""
+    """how many tasks the teacher plays (episodes with reward 1 are kept; see --teacher-skips-confirm)"""
     user_sim: str = "scripted"
     """user simulator for the teacher: 'scripted', 'openai', 'hf' (see envs/users.py)"""
     user_model: str = "gpt-4o"
@@ -135,6 +136,8 @@ def make_cold_start(cfg: SFTConfig) -> list[dict]:
 
     from envs import make_env, message_history, play
 
+    if not 0 <= cfg.teacher_skips_confirm <= 1:
+        raise SystemExit(f"sft.py: --teacher-skips-confirm {cfg.teacher_skips_confirm}: must be in [0, 1]")
     env = make_env(cfg.env)
     if cfg.teacher_skips_confirm and (cfg.teacher != "expert" or "skip_confirm" not in
                                       inspect.signature(getattr(env, "expert", lambda task: None)).parameters):
@@ -163,7 +166,7 @@ def make_cold_start(cfg: SFTConfig) -> list[dict]:
             failed += 1
             print(f"[sft] task {task.id}: episode failed ({e!r}); skipped")
             continue
-        if reward == 1.0 or (cfg.teacher_skips_confirm and info.get("db_match")):
+        if reward == 1.0 or (cfg.teacher_skips_confirm and info.get("db_match") and "ended_early" not in info):
             # prompt: the system message + the task's earlier conversation + the user's opening
             n_prompt = 1 + len(message_history(env, task))
             n_prompt += n_prompt < len(messages) and messages[n_prompt]["role"] == "user"  # the user's opening
@@ -370,8 +373,9 @@ def pretrain_tiny(cfg: SFTConfig) -> Path:
     ('shop') only: the tiny tokenizer is built from its text."""
     from envs.shop import id_tokens
 
-    if cfg.env != "shop":
-        raise SystemExit(f"sft.py: --model tiny: the tiny base is pretrained on the 'shop' domain only, not {cfg.env!r}")
+    if cfg.env.split(":")[0] != "shop":
+        raise SystemExit(f"--model tiny: the tiny base is pretrained on the 'shop' domain only, not {cfg.env!r} "
+                         "(give a cold-start checkpoint: grpo.py --init-from)")
     settings = {k: getattr(cfg, k) for k in ("seed", "num_tasks", "lr", "warmup_steps", "grad_clip", "pretrain_target",
                                              "pretrain_max_steps", "pretrain_batch_size")}
     out = muarl.CACHE_DIR / f"tiny-base-{cache_key(settings)}"

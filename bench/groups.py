@@ -12,7 +12,7 @@ prints per task kind (kind + change of mind):
   sampled       success rate of the sampled episodes
   mixed         tasks whose sampled group is mixed (what GRPO learns from)
   fixable       tasks greedy fails on that some sample solves (what can lift greedy pass^1 soonest)
-  unasked       share of greedy, then sampled, episodes that wrote without the user's yes (the policy's
+  unask(g/s)    share of greedy, then sampled, episodes that wrote without the user's yes (the policy's
                 confirmation rule; reward 0): a decision, where the other failures are mostly copy errors
 and how the failed episodes ended (termination). Same rollout code, user and caps as the default run.
 """
@@ -66,7 +66,7 @@ def main(argv=None):
     p.add_argument("--env", default="shop")
     p.add_argument("--tasks", type=int, default=32, help="first N test tasks")
     p.add_argument("--trials", type=int, default=8, help="sampled episodes per task (GRPO's group size)")
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=0.7, help="GRPO's default (the paper: 1.0)")
     p.add_argument("--max-turns", type=int, default=30)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-context", type=int, default=1536)
@@ -79,7 +79,7 @@ def main(argv=None):
         print(f"\n{agent}: {args.tasks} {args.env}:test tasks, greedy once and {args.trials} samples at temperature "
               f"{args.temperature:g} ({m['seconds']:.0f}s)")
         print(f"{'kind':24s} {'tasks':>5s} {'greedy':>7s} {'sampled':>8s} {'mixed':>6s} {'fixable':>8s} "
-              f"{'unasked':>8s} {'unasked':>8s}")
+              f"{'unask(g)':>8s} {'unask(s)':>8s}")
         for kind in sorted(m["rows"], key=lambda k: (k == "ALL", k)):
             r = m["rows"][kind]
             print(f"{kind:24s} {r['tasks']:5d} {r['greedy'] / r['tasks']:7.2f} "

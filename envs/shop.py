@@ -198,11 +198,16 @@ def _describe(want: dict, knows_id: bool) -> str:
             "exchange": f"exchange the {want['item']} from {ref} for the {want['new']}"}[want["action"]]
 
 
-def _scenario(d: dict, user: dict) -> str:
+def _scenario(d: dict, user: dict, static: bool = False) -> str:
     email = f"your email is {user['email']}" if d["knows_email"] else "you do not remember your email"
-    text = (f"You are {user['name']}, a shop customer; {email}; your zip code is {user['zip']}. "
-            f"You want to {_describe(d['goal'], d['knows_order_id'])}. Start by saying only that you need help "
-            "with an order. Give your email (or name and zip), the order and the item only when the agent asks. ")
+    text = f"You are {user['name']}, a shop customer; {email}; your zip code is {user['zip']}. "
+    if static:  # shop:static: everything at once, the final request, no change of mind
+        return text + (f"You want to {_describe(d['change'] or d['goal'], d['knows_order_id'])}. In your first "
+                       "message say who you are (your email, or name and zip) and exactly what you want; never change "
+                       "your mind. Say yes only to exactly the action you want. When it is done, thank the agent and "
+                       "end with ###STOP###; also end with ###STOP### if the agent transfers you.")
+    text += (f"You want to {_describe(d['goal'], d['knows_order_id'])}. Start by saying only that you need help "
+             "with an order. Give your email (or name and zip), the order and the item only when the agent asks. ")
     if d["change"]:
         text += (f"When the agent first asks you to confirm an action, say no and change your mind: you now want to "
                  f"{_describe(d['change'], d['knows_order_id'])}. ")
@@ -348,8 +353,9 @@ def unconfirmed_writes(messages: list[dict]) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------
 class ShopUser:
     """Dynamic like the paper's simulated user: vague opening, details only when asked, an optional change of
-    mind at the first confirmation request, truthful yes/no, ###STOP### when done or transferred, or when the agent
-    proposes a wrong action for the third time (it corrects the first two).
+    mind at the first confirmation request, truthful yes/no, ###STOP### when done or transferred, when the agent
+    says it is done before any yes, or when the agent proposes a wrong action for the third time (it corrects the
+    first two). `static=True` (shop:static): identity and final request in the opening, no change of mind.
 
     Stateless: `reply` replays the user's rules over every agent text message of the conversation, so the
     answer depends only on the task and the conversation. Phrasing varies per task and turn (seeded)."""
@@ -473,6 +479,9 @@ class ShopEnv:
         self.seed, self.user = seed, user
         self._splits = {"train": [make_task("train", i, seed) for i in range(n_train)],
                         "test": [make_task("test", i, seed) for i in range(n_test)]}
+        if user == "static":  # an LLM user simulator reads the scenario: it must be the static one too
+            for task in self._splits["train"] + self._splits["test"]:
+                task.user_scenario = _scenario(task.data, task.data["db"]["users"][task.data["user_id"]], static=True)
 
     def tasks(self, split: str) -> list[Task]:
         if split not in self._splits:

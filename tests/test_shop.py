@@ -170,6 +170,10 @@ def test_static_user_says_everything_at_once_and_never_changes_its_mind():
         assert not any(x.startswith(("No", "Hmm")) for x in users), (task.id, users)
         assert sum(m["role"] == "assistant" for m in messages) <= sum(m["role"] == "assistant" for m in
                                                                     play(dynamic, same, dynamic.expert(same))[0])
+    # An LLM user simulator reads the scenario: the static one says everything at once and never changes its mind.
+    changing = next(t for t in static.tasks("train") if t.data["change"])
+    assert "first message" in changing.user_scenario and "change your mind:" not in changing.user_scenario
+    assert "change your mind:" in next(t for t in dynamic.tasks("train") if t.id == changing.id).user_scenario
     with pytest.raises(ValueError, match="user 'lazy'"):
         ShopEnv(n_train=1, n_test=1, user="lazy")
 
@@ -208,6 +212,8 @@ def test_cold_start_with_an_imperfect_teacher_keeps_what_has_the_right_database(
     assert 0 < len(unasked) < len(kept) < 60  # the skips whose user would have changed its mind are dropped
     for c in kept:
         assert replay(env, tasks[c["task_id"]], c["messages"]).db == gold_db(tasks[c["task_id"]]), c["task_id"]
+    with pytest.raises(SystemExit, match=r"--teacher-skips-confirm 1.5: must be in \[0, 1\]"):
+        sft.make_cold_start(sft.SFTConfig(env="shop", num_tasks=1, teacher_skips_confirm=1.5))
     with pytest.raises(SystemExit, match="--teacher-skips-confirm 0.5: only the scripted expert"):
         sft.make_cold_start(sft.SFTConfig(env="shop", teacher="gpt-4o", teacher_skips_confirm=0.5))
 

@@ -153,6 +153,12 @@ def test_bad_option_fails_at_start_naming_it(tmp_path, ckpt, argv, option, capsy
     assert option in str(e.value)
 
 
+def test_tiny_without_a_cold_start_outside_shop_fails_naming_env(capsys):
+    with pytest.raises(SystemExit) as e:
+        grpo.main(["--env", "bfcl:multi_turn_base", "--eval-tasks", "0"])
+    assert "--env" in str(e.value) and "--init-from" in str(e.value)
+
+
 def test_unknown_option_fails(capsys):
     with pytest.raises(SystemExit):
         grpo.main(["--no-such-option", "1"])
