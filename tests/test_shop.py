@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 
 from envs import STOP_TOOLS, ToolResult, make_env, play
-from envs.shop import ITEMS, ORDER_RE, ShopEnv, ShopUser, make_task
+from envs.shop import ITEMS, ORDER_RE, ShopEnv, make_task
+from envs.shop_user import ShopUser
 
 AUTH_ASK = "Sure. First, what is your email, or your name and zip code?"
 
