@@ -477,9 +477,10 @@ def main(argv=None):
     def check_memory(config):
         per_process = cfg.tasks_per_step // acc.num_processes * cfg.group_size
         live = max(per_process, -(-cfg.eval_tasks // acc.num_processes))
+        decoding = min(live, cfg.rollout_batch or live)
         shard.check_memory(config, world=acc.num_processes, sharded=bool(getattr(acc, "is_fsdp2", False)),
                            bf16=cfg.bf16, reference=cfg.kl_coef > 0, max_context=cfg.max_context,
-                           episodes=min(live, cfg.rollout_batch or live),
+                           episodes=decoding, parked=live - decoding if acc.device.type != "cpu" else 0,
                            device=acc.device, check=cfg.memory_check)
     config = shard.read_config(start)  # before loading, when the start names a config (directory, hub id)
     if config is not None:

@@ -131,12 +131,13 @@ def plain(t):
 
 def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf16: bool = False,
                     reference: bool = True, kv_bytes_per_token: int = 0, max_context: int = 0,
-                    episodes: int = 0) -> dict:
+                    episodes: int = 0, parked: int = 0) -> dict:
     """Bytes per GPU, by what holds them, for a policy of n_params parameters trained with AdamW.
 
     sharded: FSDP2 over `world` GPUs (else DDP: each GPU holds everything). bf16: compute in bf16 (master weights
     stay fp32). kv_bytes_per_token: 2 (keys, values) x layers x kv_heads x head_dim x compute bytes.
-    episodes: episodes one process keeps live in a rollout (each holds its KV cache across turns).
+    episodes: episodes one process decodes at once in a rollout (each holds its KV cache across turns).
+    parked: episodes one process keeps waiting in host memory (--rollout-batch below its episodes, on a GPU).
 
       weights         the full weights in the compute dtype, as the forward uses them: FSDP2 gathers them for the
                       rollout; DDP keeps them (in fp32 these are the master weights themselves, counted there;
@@ -149,6 +150,7 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
       reference       the frozen reference, fp32 like the policy's master weights (grpo.load_reference: the same
                       precision path, so kl is 0 until the policy moves) (/ N under FSDP2); 0 without a KL term
       kv_cache        kv_bytes_per_token x max_context x episodes: the worst case, every episode at the context cap
+      host_kv_cache   the same for the parked episodes, in host memory (not GPU memory: not in the peaks)
     The rollout holds weights + master_weights + optimizer + reference + kv_cache; the update holds master_weights +
     gradients + optimizer + reference (+ weights under DDP); loading holds the whole fp32 policy and the whole
     reference on every GPU (grpo.main loads them onto the device before sharding); `peak` is the largest.
@@ -164,6 +166,7 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
         "optimizer": n_params * 8 // shards,
         "reference": n_params * 4 // shards if reference else 0,
         "kv_cache": kv_bytes_per_token * max_context * episodes,
+        "host_kv_cache": kv_bytes_per_token * max_context * parked,
     }
     held = est["master_weights"] + est["optimizer"] + est["reference"]
     held += n_params * 4 if grads == 2 else 0  # DDP allocates its reduction buckets at wrap time and keeps them
@@ -193,18 +196,36 @@ def count_params(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def host_memory_bytes() -> int:
+    """This machine's physical memory (Linux, macOS); 0 where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bool, max_context: int,
-                 episodes: int, device, check: bool = True, program: str = "grpo.py") -> dict:
-    """Print memory_estimate for this run; on a CUDA device, SystemExit when its peak exceeds the device's memory
-    (unless check is False), naming the options that change it."""
+                 episodes: int, device, check: bool = True, program: str = "grpo.py", parked: int = 0) -> dict:
+    """Print memory_estimate for this run; on a CUDA device, SystemExit when its peak exceeds the device's memory,
+    or when the parked episodes' caches of all processes on this machine exceed its memory (unless check is False),
+    naming the options that change it."""
     est = memory_estimate(count_params(config), world=world, sharded=sharded, bf16=bf16, reference=reference,
                           kv_bytes_per_token=kv_bytes_per_token(config, bf16), max_context=max_context,
-                          episodes=episodes)
+                          episodes=episodes, parked=parked)
     backend = f"FSDP2 over {world}" if sharded else ("DDP" if world > 1 else "one process")
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"[{program.removesuffix('.py')}] estimated memory per GPU ({backend}): "
               + ", ".join(f"{k} {gib(v)}" for k, v in est.items()) + " (activations not counted)", flush=True)
     device = torch.device(device)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # processes on this machine, each parking its own
+    host = host_memory_bytes()
+    if check and device.type == "cuda" and host and est["host_kv_cache"] * local > host:
+        raise SystemExit(
+            f"{program}: the parked episodes' KV caches need an estimated {gib(est['host_kv_cache'])} of host memory "
+            f"per process, {gib(est['host_kv_cache'] * local)} for the {local} on this machine, more than its "
+            f"{gib(host)} ({parked} episodes a process wait off the GPU at --max-context {max_context}, the worst "
+            "case). Raise --rollout-batch (fewer wait), lower --max-context or --tasks-per-step; "
+            "--no-memory-check runs anyway.")
     if check and device.type == "cuda":
         have = torch.cuda.get_device_properties(device).total_memory
         if est["peak"] > have:

@@ -164,6 +164,31 @@ def test_memory_check_stops_on_a_gpu_it_cannot_fit(tiny_lm, monkeypatch, capsys)
     shard.check_memory(tiny_lm.config, **opts, check=False)  # --no-memory-check: printed, not stopped
 
 
+def test_parked_caches_are_counted_in_host_memory(tiny_lm, monkeypatch, capsys):
+    """--rollout-batch below a process's episodes parks the others' KV caches in host memory: counted there (the
+    worst case, every one at --max-context), not in the GPU's peak, and a machine that cannot hold them for all its
+    processes stops the run at start, naming --rollout-batch."""
+    from types import SimpleNamespace
+
+    kv = shard.kv_bytes_per_token(tiny_lm.config, bf16=True)
+    parked = shard.memory_estimate(100, bf16=True, kv_bytes_per_token=kv, max_context=4096, episodes=8, parked=24)
+    alone = shard.memory_estimate(100, bf16=True, kv_bytes_per_token=kv, max_context=4096, episodes=8)
+    assert parked["host_kv_cache"] == kv * 4096 * 24 and alone["host_kv_cache"] == 0
+    assert parked["peak"] == alone["peak"] and parked["kv_cache"] == kv * 4096 * 8
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**40))
+    monkeypatch.setattr(shard, "host_memory_bytes", lambda: kv * 4096 * 24 * 3)  # room for 3 processes' parked caches
+    opts = dict(world=4, sharded=False, bf16=True, reference=True, max_context=4096, episodes=8, parked=24,
+                device="cuda:0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    shard.check_memory(tiny_lm.config, **opts)
+    assert "host_kv_cache" in capsys.readouterr().out
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(SystemExit, match="--rollout-batch") as e:
+        shard.check_memory(tiny_lm.config, **opts)
+    assert "host memory" in str(e.value) and "4 on this machine" in str(e.value)
+    shard.check_memory(tiny_lm.config, **opts, check=False)
+
+
 def test_memory_check_names_loading_when_loading_is_the_peak(tiny_lm, monkeypatch):
     """More GPUs do not lower the load peak (the whole fp32 policy and reference on every GPU before sharding):
     the message says so instead of suggesting --rollout-batch."""

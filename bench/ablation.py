@@ -1,0 +1,305 @@
+"""The paper's ablation in miniature: is it GRPO *with the simulated user in the rollout* that helps?
+
+    ./run python bench/ablation.py               # 5 arms x 3 seeds on the shop domain (~80 min on 2 CPU cores)
+    ./run python bench/ablation.py --quick       # 1 seed, a few steps and tasks: a smoke test, not a result
+
+MUA-RL's ablation (TAU2 Retail, Qwen3-32B): base 50.2, cold start 58.2, RL only 61.6, cold start + RL 67.3. Here,
+from the same pretrained `tiny` base (sft.pretrain_tiny, made once and cached), for each seed:
+
+  1 cold start       SFT on the scripted teacher's conversations (the default run's imperfect teacher: it writes
+                     without asking in --skips of them, the database filter keeps those), a quarter of them with
+                     shop:static's user (below: without them arm 4 has nothing to learn from; measured)
+  2 + more SFT       arm 1 trained on new conversations of the same teacher for as many seconds as arm 3's GRPO took
+  3 + GRPO           GRPO with the dynamic scripted user (shop): vague opening, details when asked, changes of mind
+  4 + GRPO static    GRPO with shop:static's user: identity and final request in its opening, never changes its mind
+  5 GRPO only        GRPO from the base, no cold start
+
+Arms 3-5 share the seed, hence the training tasks and their order; every arm is evaluated against the *dynamic* user
+on the same first --eval-tasks test tasks: greedy pass^1, and pass^k from --trials episodes a task sampled at GRPO's
+temperature (the scripted user is deterministic, so greedy trials would all be the same). The seed also picks the
+cold start's conversations and initial order, so the spread over seeds includes the cold start's.
+
+Writes to --out: results.md (the table, and each seed's paired differences), results.json, ablation.png (test pass^1
+against training seconds: seeds thin, mean thick) and dynamics.png (per GRPO step: reward, turns, response tokens,
+all-correct / all-wrong groups, transfers to a human, writes without the user's yes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+import grpo  # noqa: E402
+import muarl  # noqa: E402
+import sft  # noqa: E402
+from envs import make_env  # noqa: E402
+from eval import _line, _text, pass_hat_k, write_png  # noqa: E402
+from rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
+
+ARMS = {1: "cold start", 2: "+ more SFT", 3: "+ GRPO, dynamic user", 4: "+ GRPO, static user",
+        5: "GRPO, no cold start"}
+COLORS = {1: (127, 127, 127), 2: (31, 119, 180), 3: (214, 39, 40), 4: (255, 127, 14), 5: (44, 160, 44)}
+CAPS = dict(max_turns=30, max_new_tokens=128, max_context=1536)  # the default run's (grpo.Config)
+
+
+def evaluate(path, tasks, trials: int, temperature: float, seed: int) -> dict:
+    """Greedy pass^1, and (trials > 0) pass^1 and pass^k of `trials` sampled episodes per task, against the dynamic
+    user; plus how the sampled episodes behave (writes without a yes, transfers, turns)."""
+    model, tok = muarl.load_model(str(path), device="cpu", dtype=torch.float32)
+    env, sim = make_env("shop"), make_user_sim("scripted")
+    t0 = time.time()
+    greedy = rollout(model, tok, env, tasks, 1, sim, RolloutConfig(greedy=True, **CAPS))
+    res = {"greedy_pass1": sum(e.reward == 1.0 for e in greedy) / len(greedy)}
+    if trials:  # 0: greedy only (the intermediate checkpoints)
+        gen = torch.Generator().manual_seed(seed)
+        eps = rollout(model, tok, env, tasks, trials, sim, RolloutConfig(temperature=temperature, **CAPS), gen)
+        wins = [sum(e.reward == 1.0 for e in eps[i * trials:(i + 1) * trials]) for i in range(len(tasks))]
+        res.update({"sampled_pass1": sum(wins) / len(eps),
+                    f"pass{trials}": sum(pass_hat_k(w, trials, trials) for w in wins) / len(tasks),
+                    "unasked": sum(bool(e.reward_info.get("unconfirmed_writes")) for e in eps) / len(eps),
+                    "transfers": sum(e.tool_calls.get("transfer_to_human_agents", 0) for e in eps) / len(eps),
+                    "turns": sum(e.turns for e in eps) / len(eps)})
+    res["eval_s"] = time.time() - t0
+    return res
+
+
+def teacher_conversations(n_dynamic: int, n_static: int, seed: int, skips: float) -> list[dict]:
+    """The scripted teacher's conversations with the dynamic user and with the static one (different tasks)."""
+    convs = []
+    for env, n, s in (("shop", n_dynamic, seed), ("shop:static", n_static, seed + 7919)):
+        if n:
+            convs += sft.make_cold_start(sft.SFTConfig(env=env, num_tasks=n, seed=s, teacher_skips_confirm=skips))
+    return convs
+
+
+def grpo_arm(start: list[str], env: str, out: Path, args, seed: int) -> tuple[float, list[tuple[int, Path]]]:
+    """A GRPO run; returns its seconds and its checkpoints (step, model directory)."""
+    t0 = time.time()
+    grpo.main([*start, "--env", env, "--steps", str(args.steps), "--seed", str(seed), "--eval-tasks", "0",
+               "--tasks-per-step", str(args.tasks_per_step), "--group-size", str(args.group_size),
+               "--save-every", str(max(1, args.steps // args.points)), "--save-weights-only", "--log-episodes", "0",
+               "--out-dir", str(out)])
+    seconds = time.time() - t0
+    ckpts = sorted((int(p.name.split("-")[1]), p / "model") for p in (out / "checkpoints").glob("step-*"))
+    return seconds, ckpts
+
+
+def run_seed(seed: int, base: str, tasks, args, out: Path, log) -> dict:
+    """All five arms for one seed: {arm: {"curve": [(seconds, greedy pass^1)], "final": evaluate(...), ...}}."""
+    d = out / f"seed{seed}"
+    arms: dict[int, dict] = {}
+
+    def final(arm: int, path, seconds: float, curve: list) -> None:
+        res = evaluate(path, tasks, args.trials, args.temperature, seed)
+        arms[arm] = {"seconds": seconds, "curve": curve + [(seconds, res["greedy_pass1"])], "final": res}
+        log(f"seed {seed} arm {arm} ({ARMS[arm]}): {fmt(res, args.trials)} after {seconds:.0f}s of training")
+
+    def curve_of(run: Path, seconds: float, ckpts, start_score: float | None) -> list:
+        """Greedy pass^1 at the intermediate checkpoints, placed at their share of the run's step time."""
+        rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+        step_s = [r["rollout_s"] + r["update_s"] for r in rows]
+        pts = [] if start_score is None else [(0.0, start_score)]
+        for step, path in ckpts[:-1]:
+            pts.append((seconds * sum(step_s[:step]) / sum(step_s), evaluate(path, tasks, 0, 0, seed)["greedy_pass1"]))
+        return pts
+
+    # 1: the cold start (its data and SFT are not counted in any arm's seconds: every arm but 5 starts there)
+    t0 = time.time()
+    convs = teacher_conversations(args.cold_dynamic, args.cold_static, seed, args.skips)
+    t1 = time.time()
+    cold = sft.train(sft.SFTConfig(model=base, out=str(d / "cold_start"), seed=seed), convs)
+    sft_s, sft_steps = time.time() - t1, max(1, len(convs) // sft.SFTConfig.batch_size)
+    log(f"seed {seed} cold start: {len(convs)} conversations ({t1 - t0:.0f}s to play), SFT {sft_steps} steps in {sft_s:.0f}s")
+    final(1, cold, 0.0, [])
+    cold_score = arms[1]["final"]["greedy_pass1"]
+
+    # 3 and 4: GRPO from the cold start, dynamic and static user
+    for arm, env in ((3, "shop"), (4, "shop:static")):
+        run = d / f"arm{arm}"
+        seconds, ckpts = grpo_arm(["--init-from", str(cold)], env, run, args, seed)
+        final(arm, ckpts[-1][1], seconds, curve_of(run, seconds, ckpts, cold_score))
+
+    # 2: more SFT of the same teacher, for arm 3's seconds (its conversations' playing time included)
+    t0 = time.time()
+    more = teacher_conversations(args.cold_dynamic, args.cold_static, seed + 100, args.skips)
+    budget = arms[3]["seconds"] - (time.time() - t0)
+    steps = max(1, int(budget / (sft_s / sft_steps)))
+    epochs = (steps + 0.5) / max(1, len(more) // sft.SFTConfig.batch_size)
+    path = sft.train(sft.SFTConfig(model=str(cold), out=str(d / "arm2"), seed=seed + 100, epochs=epochs), more)
+    final(2, path, time.time() - t0, [(0.0, cold_score)])
+    arms[2]["sft_steps"] = steps
+
+    # 5: GRPO from the base
+    run = d / "arm5"
+    seconds, ckpts = grpo_arm(["--model", base], "shop", run, args, seed)
+    base_score = evaluate(base, tasks, 0, 0, seed)["greedy_pass1"]
+    final(5, ckpts[-1][1], seconds, curve_of(run, seconds, ckpts, base_score))
+    arms[5]["base_greedy_pass1"] = base_score
+    for arm in (3, 4, 5):
+        arms[arm]["dynamics"] = [json.loads(line) for line in open(d / f"arm{arm}" / "metrics.jsonl")]
+    return arms
+
+
+def fmt(res: dict, trials: int) -> str:
+    return (f"greedy pass^1 {res['greedy_pass1']:.3f}, sampled pass^1 {res['sampled_pass1']:.3f}, "
+            f"pass^{trials} {res[f'pass{trials}']:.3f}, unasked writes {res['unasked']:.2f}")
+
+
+def mean_spread(xs: list[float]) -> str:
+    return f"{statistics.mean(xs):.3f}" + (f" ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else "")
+
+
+def table(results: dict, args, minutes: float, command: str) -> str:
+    seeds = sorted(results)
+    k = args.trials
+    lines = [f"`{command}` ({minutes:.0f} min; seeds {', '.join(map(str, seeds))}; {args.eval_tasks} shop test tasks "
+             f"against the dynamic user; pass^{k} from {k} episodes a task at temperature {args.temperature:g}; "
+             "mean ± standard deviation over seeds)", "",
+             f"| arm | greedy pass^1 | sampled pass^1 | pass^{k} | writes without a yes | training seconds |",
+             "|---|---|---|---|---|---|"]
+    for arm, name in ARMS.items():
+        col = lambda key: [results[s][arm]["final"][key] for s in seeds]
+        lines.append(f"| {arm} {name} | {mean_spread(col('greedy_pass1'))} | {mean_spread(col('sampled_pass1'))} | "
+                     f"{mean_spread(col(f'pass{k}'))} | {mean_spread(col('unasked'))} | "
+                     f"{statistics.mean(results[s][arm]['seconds'] for s in seeds):.0f} |")
+    lines += ["", "Paired differences of greedy pass^1, seed by seed (same cold start, same test tasks):", "",
+              "| difference | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
+              "|---|" + "---|" * (len(seeds) + 1)]
+    for a, b in ((3, 1), (3, 2), (3, 4), (2, 1), (4, 1), (5, 1)):
+        diffs = [results[s][a]["final"]["greedy_pass1"] - results[s][b]["final"]["greedy_pass1"] for s in seeds]
+        lines.append(f"| {a} - {b} | " + " | ".join(f"{x:+.3f}" for x in diffs) + f" | {statistics.mean(diffs):+.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- pictures, drawn with eval.py's numpy canvas (no plotting library) ----
+def panel(img, y0: int, h: int, w: int, title: str, series: list, xmax: float, ymax: float, xlabel: str) -> None:
+    """One chart: series = [(points [(x, y)], color, width)]; axes from 0 to xmax / ymax."""
+    pad = 44
+    x_of = lambda x: pad + x / max(xmax, 1e-9) * (w - 2 * pad)
+    y_of = lambda y: y0 + h - pad - y / max(ymax, 1e-9) * (h - 2 * pad)
+    img[y0 + pad - 4:y0 + h - pad + 1, pad - 1] = 0
+    img[y0 + h - pad, pad - 1:w - pad + 1] = 0
+    _text(img, pad, y0 + 10, title, (0, 0, 0))
+    _text(img, 4, int(y_of(ymax)) - 4, f"{ymax:.3g}", (0, 0, 0))
+    _text(img, 4, int(y_of(0)) - 4, "0", (0, 0, 0))
+    _text(img, w - pad - 4 * 2 * len(xlabel), y0 + h - pad + 8, xlabel, (0, 0, 0))
+    for pts, color, width in series:
+        for (xa, ya), (xb, yb) in zip(pts, pts[1:]):
+            _line(img, x_of(xa), y_of(ya), x_of(xb), y_of(yb), color, width)
+        for x, y in pts:
+            _line(img, x_of(x) - 2, y_of(y), x_of(x) + 2, y_of(y), color, width + 2)
+
+
+def mean_curve(curves: list[list]) -> list:
+    """Point-wise mean of curves with the same number of points."""
+    return [(statistics.mean(c[i][0] for c in curves), statistics.mean(c[i][1] for c in curves))
+            for i in range(min(len(c) for c in curves))]
+
+
+def plot_pass1(results: dict, path) -> None:
+    import numpy as np
+
+    W, H = 760, 320
+    img = np.full((H + 20 * len(ARMS), W, 3), 255, dtype=np.uint8)
+    series, xmax, ymax = [], 1.0, 0.1
+    for arm in ARMS:
+        curves = [results[s][arm]["curve"] for s in results]
+        series += [(c, COLORS[arm], 1) for c in curves] + [(mean_curve(curves), COLORS[arm], 3)]
+        xmax = max([xmax] + [x for c in curves for x, _ in c])
+        ymax = max([ymax] + [y for c in curves for _, y in c])
+    panel(img, 0, H, W, "test pass^1, greedy, against the dynamic user", series, xmax, min(1.0, ymax * 1.1),
+          "training seconds")
+    for i, (arm, name) in enumerate(ARMS.items()):
+        _text(img, 44, H + 4 + 20 * i, f"{arm} {name.replace('+', '').replace(',', '')}", COLORS[arm])
+    write_png(path, img)
+
+
+DYNAMICS = [("reward per step", "reward_mean"), ("turns per episode", "turns_mean"),
+            ("response tokens per episode", "response_tokens_mean"), ("groups all correct", "all_correct_ratio"),
+            ("groups all wrong", "all_wrong_ratio"), ("transfers to a human per episode", "tool_calls/transfer_to_human_agents"),
+            ("episodes that wrote without a yes", "reward_info/unconfirmed_writes")]
+
+
+def plot_dynamics(results: dict, path) -> None:
+    import numpy as np
+
+    W, H = 760, 200
+    img = np.full((H * len(DYNAMICS) + 20 * 3, W, 3), 255, dtype=np.uint8)
+    for k, (title, key) in enumerate(DYNAMICS):
+        series, ymax, xmax = [], 1e-9, 1
+        for arm in (3, 4, 5):
+            curves = [[(r["step"], r.get(key, 0.0)) for r in results[s][arm]["dynamics"]] for s in results]
+            series += [(c, COLORS[arm], 1) for c in curves] + [(mean_curve(curves), COLORS[arm], 3)]
+            ymax = max([ymax] + [y for c in curves for _, y in c])
+            xmax = max([xmax] + [x for c in curves for x, _ in c])
+        panel(img, H * k, H, W, title, series, xmax, ymax * 1.05, "grpo step")
+    for i, arm in enumerate((3, 4, 5)):
+        _text(img, 44, H * len(DYNAMICS) + 4 + 20 * i, f"{arm} {ARMS[arm].replace('+', '').replace(',', '')}", COLORS[arm])
+    write_png(path, img)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
+    p.add_argument("--steps", type=int, default=30, help="GRPO steps of arms 3-5")
+    p.add_argument("--tasks-per-step", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--points", type=int, default=3, help="checkpoints a GRPO arm is evaluated at (greedy)")
+    p.add_argument("--eval-tasks", type=int, default=64, help="first N shop test tasks")
+    p.add_argument("--trials", type=int, default=4, help="sampled episodes a task for pass^k (k = trials)")
+    p.add_argument("--temperature", type=float, default=0.7, help="of the sampled evaluation (GRPO's default)")
+    p.add_argument("--skips", type=float, default=0.6, help="the teacher's share of writes without asking")
+    p.add_argument("--cold-dynamic", type=int, default=1200, help="teacher tasks with the dynamic user, per seed")
+    p.add_argument("--cold-static", type=int, default=400, help="teacher tasks with the static user, per seed")
+    p.add_argument("--base", default="", help="the model every arm starts from (default: the pretrained tiny base)")
+    p.add_argument("--out", default="", help="run directory (default: runs/ablation-<time>)")
+    p.add_argument("--quick", action="store_true", help="1 seed, 2 GRPO steps of 2 tasks x 4, 8 test tasks x 2, "
+                   "48 + 16 teacher tasks: checks that the pipeline runs, measures nothing")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seeds, args.steps, args.tasks_per_step, args.group_size, args.points = 1, 2, 2, 4, 2
+        args.eval_tasks, args.trials, args.cold_dynamic, args.cold_static = 8, 2, 48, 16
+    if args.trials < 2:
+        raise SystemExit(f"bench/ablation.py: --trials {args.trials}: pass^k needs at least 2 episodes a task")
+    out = Path(args.out or f"runs/ablation-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    command = "./run python bench/ablation.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    logf = open(out / "log.txt", "a")
+
+    def log(msg: str) -> None:
+        line = f"[ablation {time.strftime('%H:%M:%S')}] {msg}"
+        print(line, flush=True)
+        logf.write(line + "\n")
+        logf.flush()
+
+    t0 = time.time()
+    base = args.base or str(sft.pretrain_tiny(sft.SFTConfig()))
+    tasks = make_env("shop").tasks("test")[:args.eval_tasks]
+    log(f"base {base}; {args.seeds} seeds x 5 arms; writing to {out}")
+    results = {}
+    for seed in range(args.seeds):
+        results[seed] = run_seed(seed, base, tasks, args, out, log)
+        json.dump({"args": vars(args), "results": results}, open(out / "results.json", "w"), default=str)
+    minutes = (time.time() - t0) / 60
+    md = table(results, args, minutes, command.strip())
+    (out / "results.md").write_text(md)
+    plot_pass1(results, out / "ablation.png")
+    plot_dynamics(results, out / "dynamics.png")
+    print(md)
+    log(f"done in {minutes:.1f} min: {out}/results.md, ablation.png, dynamics.png")
+    return results
+
+
+if __name__ == "__main__":
+    main()
