@@ -1,4 +1,5 @@
-"""The paper's ablation in miniature: is it GRPO *with the simulated user in the rollout* that helps?
+"""The paper's ablation in miniature: does GRPO against a dynamic simulated user beat more imitation, GRPO against
+a static user, and GRPO without a cold start, on held-out tasks with the dynamic user?
 
     ./run python bench/ablation.py               # 5 arms x 3 seeds on the shop domain (~80 min on 2 CPU cores)
     ./run python bench/ablation.py --quick       # 1 seed, a few steps and tasks: a smoke test, not a result
@@ -7,20 +8,26 @@ MUA-RL's ablation (TAU2 Retail, Qwen3-32B): base 50.2, cold start 58.2, RL only 
 from the same pretrained `tiny` base (sft.pretrain_tiny, made once and cached), for each seed:
 
   1 cold start       SFT on the scripted teacher's conversations (the default run's imperfect teacher: it writes
-                     without asking in --skips of them, the database filter keeps those), a quarter of them with
-                     shop:static's user (below: without them arm 4 has nothing to learn from; measured)
-  2 + more SFT       arm 1 trained on new conversations of the same teacher for as many seconds as arm 3's GRPO took
+                     without asking in --skips of them, the database filter keeps those), --cold-static of them with
+                     shop:static's user: a cold start that never saw a static opening answered it with garbled tool
+                     calls, and GRPO with the static user then had only all-wrong groups for 25 steps (bench/README.md)
+  2 + more SFT       a second SFT run from arm 1 (sft.py's recipe: warm-up to its peak lr again, cosine decay) on a
+                     new shuffle of the training tasks (about a quarter of them are the cold start's, whose
+                     conversations are the same), for as many seconds as arm 3's GRPO took
   3 + GRPO           GRPO with the dynamic scripted user (shop): vague opening, details when asked, changes of mind
   4 + GRPO static    GRPO with shop:static's user: identity and final request in its opening, never changes its mind
   5 GRPO only        GRPO from the base, no cold start
 
 Arms 3-5 share the seed, hence the training tasks and their order; every arm is evaluated against the *dynamic* user
-on the same first --eval-tasks test tasks: greedy pass^1, and pass^k from --trials episodes a task sampled at GRPO's
-temperature (the scripted user is deterministic, so greedy trials would all be the same). The seed also picks the
-cold start's conversations and initial order, so the spread over seeds includes the cold start's.
+on the same first --eval-tasks test tasks: greedy pass^1, and pass^k from --trials episodes a task sampled at
+--temperature (GRPO's default, at which arms 3-5 train; the scripted user is deterministic, so greedy trials would all
+be the same). The seed also picks the cold start's conversations and initial order, so the spread over seeds includes
+the cold start's; the tiny base's drills come from seed 0's shuffle of the training tasks (sft.pretrain_tiny), so
+seed 0's cold start plays the tasks the base drilled on. The spread is over seeds on one fixed set of test tasks: it
+does not include the test set's own sampling error (one task is 1/--eval-tasks).
 
 Writes to --out: results.md (the table, and each seed's paired differences), results.json, ablation.png (test pass^1
-against training seconds: seeds thin, mean thick) and dynamics.png (per GRPO step: reward, turns, response tokens,
+against seconds of training after the cold start: seeds thin, mean thick) and dynamics.png (per GRPO step: reward, turns, response tokens,
 all-correct / all-wrong groups, transfers to a human, writes without the user's yes).
 """
 from __future__ import annotations
@@ -28,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -75,7 +83,8 @@ def evaluate(path, tasks, trials: int, temperature: float, seed: int) -> dict:
 
 
 def teacher_conversations(n_dynamic: int, n_static: int, seed: int, skips: float) -> list[dict]:
-    """The scripted teacher's conversations with the dynamic user and with the static one (different tasks)."""
+    """The scripted teacher's conversations with the dynamic user and with the static one (two shuffles of the
+    training tasks: some tasks are played with both users, different conversations)."""
     convs = []
     for env, n, s in (("shop", n_dynamic, seed), ("shop:static", n_static, seed + 7919)):
         if n:
@@ -85,13 +94,16 @@ def teacher_conversations(n_dynamic: int, n_static: int, seed: int, skips: float
 
 def grpo_arm(start: list[str], env: str, out: Path, args, seed: int) -> tuple[float, list[tuple[int, Path]]]:
     """A GRPO run; returns its seconds and its checkpoints (step, model directory)."""
+    shutil.rmtree(out, ignore_errors=True)  # grpo.py appends to metrics.jsonl: a rerun must not read an old run's rows
     t0 = time.time()
     grpo.main([*start, "--env", env, "--steps", str(args.steps), "--seed", str(seed), "--eval-tasks", "0",
                "--tasks-per-step", str(args.tasks_per_step), "--group-size", str(args.group_size),
-               "--save-every", str(max(1, args.steps // args.points)), "--save-weights-only", "--log-episodes", "0",
+               "--temperature", str(args.temperature),
+               "--save-every", str(-(-args.steps // args.points)), "--save-weights-only", "--log-episodes", "0",
                "--out-dir", str(out)])
     seconds = time.time() - t0
-    ckpts = sorted((int(p.name.split("-")[1]), p / "model") for p in (out / "checkpoints").glob("step-*"))
+    ckpts = sorted((int(p.name.split("-")[1]), p / "model") for p in (out / "checkpoints").glob("step-*")
+                   if not p.name.endswith(".tmp"))
     return seconds, ckpts
 
 
@@ -122,6 +134,7 @@ def run_seed(seed: int, base: str, tasks, args, out: Path, log) -> dict:
     sft_s, sft_steps = time.time() - t1, max(1, len(convs) // sft.SFTConfig.batch_size)
     log(f"seed {seed} cold start: {len(convs)} conversations ({t1 - t0:.0f}s to play), SFT {sft_steps} steps in {sft_s:.0f}s")
     final(1, cold, 0.0, [])
+    arms[1]["cold_start_s"] = time.time() - t0 - arms[1]["final"]["eval_s"]
     cold_score = arms[1]["final"]["greedy_pass1"]
 
     # 3 and 4: GRPO from the cold start, dynamic and static user
@@ -138,7 +151,7 @@ def run_seed(seed: int, base: str, tasks, args, out: Path, log) -> dict:
     epochs = (steps + 0.5) / max(1, len(more) // sft.SFTConfig.batch_size)
     path = sft.train(sft.SFTConfig(model=str(cold), out=str(d / "arm2"), seed=seed + 100, epochs=epochs), more)
     final(2, path, time.time() - t0, [(0.0, cold_score)])
-    arms[2]["sft_steps"] = steps
+    arms[2].update(sft_steps=steps, budget_s=arms[3]["seconds"])
 
     # 5: GRPO from the base
     run = d / "arm5"
@@ -162,18 +175,28 @@ def mean_spread(xs: list[float]) -> str:
 
 def table(results: dict, args, minutes: float, command: str) -> str:
     seeds = sorted(results)
-    k = args.trials
-    lines = [f"`{command}` ({minutes:.0f} min; seeds {', '.join(map(str, seeds))}; {args.eval_tasks} shop test tasks "
-             f"against the dynamic user; pass^{k} from {k} episodes a task at temperature {args.temperature:g}; "
-             "mean ± standard deviation over seeds)", "",
-             f"| arm | greedy pass^1 | sampled pass^1 | pass^{k} | writes without a yes | training seconds |",
-             "|---|---|---|---|---|---|"]
+    k, n = args.trials, args.n_tasks
+    avg = lambda xs: statistics.mean(list(xs))
+    cold_s = [results[s][1].get("cold_start_s") for s in seeds]
+    lines = [f"`{command}` ({minutes:.0f} min; seeds {', '.join(map(str, seeds))}; {n} shop test tasks against the "
+             f"dynamic user, one task = {1 / n:.3f}; pass^{k} from {k} episodes a task at temperature "
+             f"{args.temperature:g}; mean ± standard deviation over seeds)", "",
+             f"| arm | greedy pass^1 | sampled pass^1 | pass^{k} | sampled episodes with an unasked write "
+             "| seconds of training after the cold start |", "|---|---|---|---|---|---|",
+             f"| 0 base (no cold start, no GRPO) | {mean_spread([results[s][5]['base_greedy_pass1'] for s in seeds])} "
+             "| | | | |"]
     for arm, name in ARMS.items():
         col = lambda key: [results[s][arm]["final"][key] for s in seeds]
         lines.append(f"| {arm} {name} | {mean_spread(col('greedy_pass1'))} | {mean_spread(col('sampled_pass1'))} | "
                      f"{mean_spread(col(f'pass{k}'))} | {mean_spread(col('unasked'))} | "
-                     f"{statistics.mean(results[s][arm]['seconds'] for s in seeds):.0f} |")
-    lines += ["", "Paired differences of greedy pass^1, seed by seed (same cold start, same test tasks):", "",
+                     f"{avg(results[s][arm]['seconds'] for s in seeds):.0f} |")
+    lines += ["", (f"The cold start took {avg(cold_s):.0f} s a seed (playing the teacher and SFT), counted in no arm. "
+                   if None not in cold_s else "") +
+              f"Arm 2 ran {', '.join(str(results[s][2]['sft_steps']) for s in seeds)} SFT steps (seeds in order) in "
+              f"the seconds arm 3's GRPO took; arms 3-5 ran {args.steps} GRPO steps of {args.tasks_per_step} tasks x "
+              f"{args.group_size}.", "",
+              "Paired differences of greedy pass^1, seed by seed (the same test tasks; arms 1-4 of a seed share its "
+              "cold start, arm 5 starts from the base):", "",
               "| difference | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
               "|---|" + "---|" * (len(seeds) + 1)]
     for a, b in ((3, 1), (3, 2), (3, 4), (2, 1), (4, 1), (5, 1)):
@@ -183,22 +206,29 @@ def table(results: dict, args, minutes: float, command: str) -> str:
 
 
 # ---- pictures, drawn with eval.py's numpy canvas (no plotting library) ----
-def panel(img, y0: int, h: int, w: int, title: str, series: list, xmax: float, ymax: float, xlabel: str) -> None:
-    """One chart: series = [(points [(x, y)], color, width)]; axes from 0 to xmax / ymax."""
-    pad = 44
-    x_of = lambda x: pad + x / max(xmax, 1e-9) * (w - 2 * pad)
+def panel(img, y0: int, h: int, w: int, title: str, series: list, x_range: tuple, ymax: float, xlabel: str) -> None:
+    """One chart: series = [(points [(x, y)], color, width)]; x from x_range[0] to [1], y from 0 to ymax."""
+    pad, (x0, x1) = 44, x_range
+    x_of = lambda x: pad + (x - x0) / max(x1 - x0, 1e-9) * (w - 2 * pad)
     y_of = lambda y: y0 + h - pad - y / max(ymax, 1e-9) * (h - 2 * pad)
     img[y0 + pad - 4:y0 + h - pad + 1, pad - 1] = 0
     img[y0 + h - pad, pad - 1:w - pad + 1] = 0
     _text(img, pad, y0 + 10, title, (0, 0, 0))
-    _text(img, 4, int(y_of(ymax)) - 4, f"{ymax:.3g}", (0, 0, 0))
+    _text(img, 4, int(y_of(ymax)) - 4, f"{ymax:.0f}" if ymax >= 100 else f"{ymax:.3g}", (0, 0, 0))
     _text(img, 4, int(y_of(0)) - 4, "0", (0, 0, 0))
-    _text(img, w - pad - 4 * 2 * len(xlabel), y0 + h - pad + 8, xlabel, (0, 0, 0))
+    _text(img, pad, y0 + h - pad + 8, f"{x0:.4g}", (0, 0, 0))
+    _text(img, w - pad - 4 * 2 * len(f"{x1:.4g}"), y0 + h - pad + 8, f"{x1:.4g}", (0, 0, 0))
+    _text(img, w // 2 - 4 * len(xlabel), y0 + h - pad + 8, xlabel, (0, 0, 0))
     for pts, color, width in series:
         for (xa, ya), (xb, yb) in zip(pts, pts[1:]):
             _line(img, x_of(xa), y_of(ya), x_of(xb), y_of(yb), color, width)
         for x, y in pts:
             _line(img, x_of(x) - 2, y_of(y), x_of(x) + 2, y_of(y), color, width + 2)
+
+
+def legend(img, y: int, arms) -> None:
+    for i, arm in enumerate(arms):
+        _text(img, 44, y + 20 * i, f"{arm} {ARMS[arm]}".replace(",", " -").replace("+ ", ""), COLORS[arm])
 
 
 def mean_curve(curves: list[list]) -> list:
@@ -218,35 +248,50 @@ def plot_pass1(results: dict, path) -> None:
         series += [(c, COLORS[arm], 1) for c in curves] + [(mean_curve(curves), COLORS[arm], 3)]
         xmax = max([xmax] + [x for c in curves for x, _ in c])
         ymax = max([ymax] + [y for c in curves for _, y in c])
-    panel(img, 0, H, W, "test pass^1, greedy, against the dynamic user", series, xmax, min(1.0, ymax * 1.1),
-          "training seconds")
-    for i, (arm, name) in enumerate(ARMS.items()):
-        _text(img, 44, H + 4 + 20 * i, f"{arm} {name.replace('+', '').replace(',', '')}", COLORS[arm])
+    panel(img, 0, H, W, "test pass^1 greedy against the dynamic user - thin: seeds, thick: mean", series, (0, xmax),
+          min(1.0, ymax * 1.1), "seconds of training after the cold start")
+    legend(img, H + 4, ARMS)
     write_png(path, img)
 
 
-DYNAMICS = [("reward per step", "reward_mean"), ("turns per episode", "turns_mean"),
-            ("response tokens per episode", "response_tokens_mean"), ("groups all correct", "all_correct_ratio"),
-            ("groups all wrong", "all_wrong_ratio"), ("transfers to a human per episode", "tool_calls/transfer_to_human_agents"),
-            ("episodes that wrote without a yes", "reward_info/unconfirmed_writes")]
+DYNAMICS = [("reward per step", "reward_mean", 1), ("turns per episode", "turns_mean", 0),
+            ("response tokens per episode", "response_tokens_mean", 0), ("groups all correct", "all_correct_ratio", 1),
+            ("groups all wrong", "all_wrong_ratio", 1),
+            ("transfers to a human per episode", "tool_calls/transfer_to_human_agents", 1),
+            ("episodes that wrote without a yes", "reward_info/unconfirmed_writes", 1)]
 
 
 def plot_dynamics(results: dict, path) -> None:
+    """Per GRPO step, arms 3-5 (seeds thin, mean thick); shares on a 0-1 axis, counts up to their maximum."""
     import numpy as np
 
     W, H = 760, 200
     img = np.full((H * len(DYNAMICS) + 20 * 3, W, 3), 255, dtype=np.uint8)
-    for k, (title, key) in enumerate(DYNAMICS):
-        series, ymax, xmax = [], 1e-9, 1
+    for k, (title, key, share) in enumerate(DYNAMICS):
+        series, ymax, xmax = [], 1.0 if share else 1e-9, 1
         for arm in (3, 4, 5):
             curves = [[(r["step"], r.get(key, 0.0)) for r in results[s][arm]["dynamics"]] for s in results]
             series += [(c, COLORS[arm], 1) for c in curves] + [(mean_curve(curves), COLORS[arm], 3)]
             ymax = max([ymax] + [y for c in curves for _, y in c])
             xmax = max([xmax] + [x for c in curves for x, _ in c])
-        panel(img, H * k, H, W, title, series, xmax, ymax * 1.05, "grpo step")
-    for i, arm in enumerate((3, 4, 5)):
-        _text(img, 44, H * len(DYNAMICS) + 4 + 20 * i, f"{arm} {ARMS[arm].replace('+', '').replace(',', '')}", COLORS[arm])
+        panel(img, H * k, H, W, title, series, (1, xmax), ymax * (1 if share else 1.05), "grpo step")
+    legend(img, H * len(DYNAMICS) + 4, (3, 4, 5))
     write_png(path, img)
+
+
+def replot(out: Path) -> None:
+    """Rewrite a finished run's table and pictures from its results.json."""
+    saved = json.loads((out / "results.json").read_text())
+    results = {int(s): {int(a): r for a, r in arms.items()} for s, arms in saved["results"].items()}
+    args = argparse.Namespace(**saved["args"])
+    args.n_tasks = getattr(args, "n_tasks", None) or min(args.eval_tasks, len(make_env("shop").tasks("test")))
+    if "minutes" not in saved:  # a run written before the table's wording changed: its log has the time
+        done = [line for line in open(out / "log.txt") if "] done in " in line]
+        saved["minutes"] = float(done[-1].split("] done in ")[1].split()[0])
+        saved["command"] = f"./run python bench/ablation.py --out {out}"
+    (out / "results.md").write_text(table(results, args, saved["minutes"], saved["command"]))
+    plot_pass1(results, out / "ablation.png")
+    plot_dynamics(results, out / "dynamics.png")
 
 
 def main(argv=None):
@@ -258,20 +303,27 @@ def main(argv=None):
     p.add_argument("--points", type=int, default=3, help="checkpoints a GRPO arm is evaluated at (greedy)")
     p.add_argument("--eval-tasks", type=int, default=64, help="first N shop test tasks")
     p.add_argument("--trials", type=int, default=4, help="sampled episodes a task for pass^k (k = trials)")
-    p.add_argument("--temperature", type=float, default=0.7, help="of the sampled evaluation (GRPO's default)")
+    p.add_argument("--temperature", type=float, default=0.7, help="of the sampled evaluation (GRPO's default, at "
+                   "which arms 3-5 train)")
     p.add_argument("--skips", type=float, default=0.6, help="the teacher's share of writes without asking")
     p.add_argument("--cold-dynamic", type=int, default=1200, help="teacher tasks with the dynamic user, per seed")
     p.add_argument("--cold-static", type=int, default=400, help="teacher tasks with the static user, per seed")
     p.add_argument("--base", default="", help="the model every arm starts from (default: the pretrained tiny base)")
     p.add_argument("--out", default="", help="run directory (default: runs/ablation-<time>)")
+    p.add_argument("--replot", default="", help="only rewrite the table and pictures of this finished run directory")
     p.add_argument("--quick", action="store_true", help="1 seed, 2 GRPO steps of 2 tasks x 4, 8 test tasks x 2, "
                    "48 + 16 teacher tasks: checks that the pipeline runs, measures nothing")
     args = p.parse_args(argv)
-    if args.quick:
-        args.seeds, args.steps, args.tasks_per_step, args.group_size, args.points = 1, 2, 2, 4, 2
-        args.eval_tasks, args.trials, args.cold_dynamic, args.cold_static = 8, 2, 48, 16
-    if args.trials < 2:
-        raise SystemExit(f"bench/ablation.py: --trials {args.trials}: pass^k needs at least 2 episodes a task")
+    if args.replot:
+        return replot(Path(args.replot))
+    if args.quick:  # its sizes as defaults: options given with it still apply
+        p.set_defaults(seeds=1, steps=2, tasks_per_step=2, group_size=4, points=2, eval_tasks=8, trials=2,
+                       cold_dynamic=48, cold_static=16)
+        args = p.parse_args(argv)
+    for name, least in (("trials", 2), ("seeds", 1), ("eval_tasks", 1), ("points", 1), ("steps", 1)):
+        if getattr(args, name) < least:
+            raise SystemExit(f"bench/ablation.py: --{name.replace('_', '-')} {getattr(args, name)}: must be at least "
+                             f"{least}" + (" (pass^k needs k >= 2 episodes a task)" if name == "trials" else ""))
     out = Path(args.out or f"runs/ablation-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     command = "./run python bench/ablation.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -286,6 +338,7 @@ def main(argv=None):
     t0 = time.time()
     base = args.base or str(sft.pretrain_tiny(sft.SFTConfig()))
     tasks = make_env("shop").tasks("test")[:args.eval_tasks]
+    args.n_tasks = len(tasks)
     log(f"base {base}; {args.seeds} seeds x 5 arms; writing to {out}")
     results = {}
     for seed in range(args.seeds):
@@ -294,6 +347,8 @@ def main(argv=None):
     minutes = (time.time() - t0) / 60
     md = table(results, args, minutes, command.strip())
     (out / "results.md").write_text(md)
+    json.dump({"args": vars(args), "results": results, "minutes": minutes, "command": command.strip()},
+              open(out / "results.json", "w"), default=str)
     plot_pass1(results, out / "ablation.png")
     plot_dynamics(results, out / "dynamics.png")
     print(md)

@@ -350,8 +350,8 @@ def unconfirmed_writes(messages: list[dict]) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------
 class ShopEnv:
     """`user="static"` (`make_env("shop:static")`): the scripted user states who it is and its final request in its
-    first message and never changes its mind; same tasks, tools, gold and reward (the ablation's RL-without-an-
-    interactive-user arm)."""
+    first message and never changes its mind; same tasks, tools, gold and reward (bench/ablation.py's arm 4: GRPO
+    against a user that still answers, but with nothing to ask and nothing that changes)."""
     name = "shop"
 
     def __init__(self, n_train: int = 5000, n_test: int = 100, seed: int = 0, user: str = "dynamic"):

@@ -36,8 +36,23 @@ def test_quick_ablation_runs_every_arm_and_writes_its_table(tmp_path):
     for arm, name in ablation.ARMS.items():
         row = next(line for line in md.splitlines() if line.startswith(f"| {arm} {name} |"))
         assert row.split("|")[2].strip() == f"{arms[arm]['final']['greedy_pass1']:.3f}"
-    assert "| 3 - 1 |" in md and "--quick" in md
+    base_row = next(line for line in md.splitlines() if line.startswith("| 0 base"))
+    assert base_row.split("|")[2].strip() == f"{arms[5]['base_greedy_pass1']:.3f}"
+    assert "| 3 - 1 |" in md and "--quick" in md and f"Arm 2 ran {arms[2]['sft_steps']} SFT steps" in md
     for png in ("ablation.png", "dynamics.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = json.loads((out / "results.json").read_text())
     assert saved["results"]["0"]["3"]["final"] == arms[3]["final"]
+    # --replot rewrites the table and pictures from results.json alone, to the same table
+    (out / "results.md").unlink()
+    ablation.main(["--replot", str(out)])
+    assert (out / "results.md").read_text() == md
+
+
+def test_bad_options_are_refused_by_name(tmp_path):
+    import pytest
+
+    for opt in ("--trials", "--seeds", "--eval-tasks", "--points"):
+        bad = "1" if opt == "--trials" else "0"
+        with pytest.raises(SystemExit, match=opt):
+            ablation.main(["--quick", opt, bad, "--base", str(tmp_path), "--out", str(tmp_path / "x")])
