@@ -17,7 +17,6 @@ never the reverse (tests/test_layout.py).
 
 import contextlib
 import json
-import os
 import random
 import sys
 import time
@@ -27,6 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
+import checkpoints
 import cli
 import muarl
 import shard
@@ -274,50 +274,6 @@ def step_metrics(summaries: list[dict], G: int) -> dict:
     return m
 
 
-def save_checkpoint(acc, model, tok, cfg: Config, run_dir: Path, step: int) -> Path:
-    """run_dir/checkpoints/step-N: Hugging Face model + tokenizer + run config, and accelerate/ (optimizer,
-    scheduler, RNG states of every process). Written to a temporary directory and renamed, then `latest`
-    is updated: a crash mid-save never corrupts the last good checkpoint."""
-    import shutil
-
-    import sft
-
-    final = run_dir / "checkpoints" / f"step-{step:06d}"
-    tmp = final.with_name(final.name + ".tmp")
-    if acc.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    acc.wait_for_everyone()
-    if not cfg.save_weights_only:
-        acc.save_state(str(tmp / "accelerate"))
-    sft.save_pretrained(acc, model, tok, tmp / "model", {"grpo": asdict(cfg)})
-    if acc.is_main_process:
-        cli.write_json_atomic(tmp / "trainer_state.json", {"step": step, "data_position": step * cfg.tasks_per_step})
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        cli.write_json_atomic(run_dir / "checkpoints" / "latest.json", {"checkpoint": final.name})
-        if cfg.keep_checkpoints:
-            older = sorted(p for p in final.parent.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
-            for p in older[:-cfg.keep_checkpoints]:
-                if p != final:
-                    shutil.rmtree(p, ignore_errors=True)
-    acc.wait_for_everyone()
-    return final
-
-
-def find_checkpoint(path: str) -> Path:
-    p = Path(path)
-    latest = p / "checkpoints" / "latest.json"
-    if not (p / "trainer_state.json").exists() and latest.exists():
-        p = p / "checkpoints" / json.loads(latest.read_text())["checkpoint"]
-    if (p / "trainer_state.json").exists():
-        if not (p / "accelerate").is_dir():
-            raise SystemExit(f"grpo.py: --resume: {p} was saved with --save-weights-only (no optimizer, scheduler or "
-                             f"RNG state), so it cannot continue the run exactly; start a new run with --init-from {p / 'model'}")
-        return p
-    raise SystemExit(f"grpo.py: --resume: no checkpoint in {path} (expected trainer_state.json or checkpoints/latest.json)")
-
-
 def load_reference(start: str, device, seed: int = 0):
     """The frozen reference: a copy of the starting policy in the policy's own precision path, fp32 weights scored
     under the same autocast (train_on_episodes), so that `kl` is 0 up to rounding until the policy moves. A bf16
@@ -440,7 +396,7 @@ def main(argv=None):
     from rollout import RolloutConfig, make_user_sim, rollout, user_sim_options
 
     cfg = cli.parse_config(Config, argv, recipes=RECIPES, description=__doc__.split("\n\n")[0])
-    resume_from = find_checkpoint(cfg.resume) if cfg.resume else None
+    resume_from = checkpoints.find(cfg.resume) if cfg.resume else None
     if resume_from:  # continue the run with its own settings; --steps may extend it
         saved = json.loads((resume_from / "model" / "muarl_config.json").read_text())["grpo"]
         given = [a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)]
@@ -508,12 +464,7 @@ def main(argv=None):
     acc.register_for_checkpointing(sched)
     first_step = 0
     if resume_from:
-        acc.load_state(str(resume_from / "accelerate"))
-        state = json.loads((resume_from / "trainer_state.json").read_text())
-        first_step = state["step"]
-        if state["data_position"] != first_step * cfg.tasks_per_step:
-            raise SystemExit(f"grpo.py: --resume: {resume_from} is at data position {state['data_position']}, "
-                             f"not {first_step} x {cfg.tasks_per_step} tasks")
+        first_step = checkpoints.load(acc, resume_from, cfg.tasks_per_step)
         acc.print(f"[grpo] resumed from {resume_from} at step {first_step}")
     sampling = RolloutConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                              max_context=cfg.max_context, max_turns=cfg.max_turns, reuse_cache=cfg.reuse_cache,
@@ -580,7 +531,7 @@ def main(argv=None):
         if cfg.report_to:
             acc.log(metrics, step=step + 1)
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-            save_checkpoint(acc, model, tok, cfg, run_dir, step + 1)
+            checkpoints.save(acc, model, tok, cfg, run_dir, step + 1)
     if first_step < cfg.steps:
         results.update(evaluate("after"))
     if acc.is_main_process:

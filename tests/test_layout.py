@@ -7,6 +7,7 @@
     muarl.py   the floor of the agent's side: Episode, tokenization, tool-call format, model loading
     rollout.py the agent playing episodes (reference and fast engine)
     sft.py, eval.py    cold start and evaluation, on the rollout
+    checkpoints.py     a GRPO run's checkpoints (save, find, load), on sft's model saving
     grpo.py    the pipeline, on all of the above
 
 Checked on the source (every import statement, function-local ones included), so a lazy import cannot hide a
@@ -25,7 +26,8 @@ ALLOWED = {  # module -> the project modules it may import
     "sft": {"envs", "cli", "muarl", "loss", "rollout", "shard"},
     "eval": {"envs", "cli", "muarl", "rollout"},
     "shard": set(),
-    "grpo": {"envs", "cli", "muarl", "loss", "rollout", "sft", "eval", "shard"},
+    "checkpoints": {"cli", "sft"},
+    "grpo": {"envs", "cli", "muarl", "loss", "rollout", "sft", "eval", "shard", "checkpoints"},
 }
 
 
