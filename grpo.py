@@ -274,13 +274,14 @@ def step_metrics(summaries: list[dict], G: int) -> dict:
     return m
 
 
-def load_reference(start: str, device, seed: int = 0):
+def load_reference(start: str, device, seed: int = 0, attn_implementation=None):
     """The frozen reference: a copy of the starting policy in the policy's own precision path, fp32 weights scored
     under the same autocast (train_on_episodes), so that `kl` is 0 up to rounding until the policy moves. A bf16
     copy is not the same function: its embeddings, norms and residual stream run in bf16 where the policy's run in
     fp32 under autocast, and kl was not 0 at step 1. Cost: 4 bytes a parameter instead of 2 (no gradients, no
     optimizer state)."""
-    ref, _ = muarl.load_model(start, device=device, seed=seed, dtype=torch.float32)
+    ref, _ = muarl.load_model(start, device=device, seed=seed, dtype=torch.float32,
+                              attn_implementation=attn_implementation)
     return ref.eval().requires_grad_(False)
 
 
@@ -442,11 +443,12 @@ def main(argv=None):
     if config is not None:
         check_memory(config)
     # The trained policy keeps fp32 master weights (a bf16 AdamW step of lr 1e-6 rounds to nothing); --bf16
-    # runs its forward passes under autocast.
-    model, tok = muarl.load_model(start, device=acc.device, seed=cfg.seed, dtype=torch.float32)
+    # runs its forward passes under autocast. Under FSDP2 it is loaded in host memory and sharded onto the GPUs by
+    # acc.prepare; the reference after it, so that host memory holds one full model at a time (shard.load_device).
+    load_on, attn = shard.load_device(acc), muarl.attention_implementation(acc.device)
+    model, tok = muarl.load_model(start, device=load_on, seed=cfg.seed, dtype=torch.float32, attn_implementation=attn)
     if config is None:
         check_memory(model.config)
-    ref_model = load_reference(start, acc.device, cfg.seed) if cfg.kl_coef > 0 else None
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if cfg.freeze:
@@ -459,6 +461,7 @@ def main(argv=None):
     # Stepped by hand once per update (Accelerate's prepared scheduler steps once per process).
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
     model, opt = acc.prepare(model, opt)
+    ref_model = load_reference(start, load_on, cfg.seed, attn) if cfg.kl_coef > 0 else None
     if ref_model is not None and shard.is_sharded(model):
         shard.shard_like(ref_model, model, param_dtype=torch.bfloat16 if cfg.bf16 else None)
     acc.register_for_checkpointing(sched)

@@ -308,7 +308,9 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     # fp32 master weights, as grpo.main keeps the policy's; --bf16 runs the passes under autocast (fit). AdamW on
     # bf16 weights rounds a step of lr 5e-6 away for most weights (measured: 7.5% of them moved in 10 steps). The
     # checkpoint is saved in fp32 too: rounding it to bf16 would drop those small updates all the same.
-    model, tok = muarl.load_model(start, device=acc.device, seed=cfg.seed, dtype=torch.float32)
+    # Under FSDP2 loaded in host memory and sharded onto the GPUs by acc.prepare (shard.load_device).
+    model, tok = muarl.load_model(start, device=shard.load_device(acc), seed=cfg.seed, dtype=torch.float32,
+                                  attn_implementation=muarl.attention_implementation(acc.device))
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     max_len = length_limit(cfg, model)

@@ -4,6 +4,7 @@
     is_sharded        whether a model is sharded by FSDP2 (`fully_shard`)
     shard_like        shard the frozen reference model by hand, as the policy is
     full_weights      gather a sharded policy's full weights once for a rollout, so decoding needs no collectives
+    load_device       where to load a model: host memory under FSDP2 (sharding moves each process's part over)
     plain             a gradient norm as a plain tensor (FSDP2 gives a DTensor)
     memory_estimate   bytes per GPU, by what holds them, for DDP or FSDP2 over N GPUs (a pure function)
     check_memory      print it at start; stop on a GPU it cannot fit
@@ -123,6 +124,14 @@ def full_weights(model, device):
             m.reshard()
 
 
+def load_device(acc) -> torch.device:
+    """Where grpo.py and sft.py load the policy (and the reference): host memory under FSDP2, the device otherwise.
+    fully_shard moves each unit's full weights to the GPU, keeps this process's slice and frees the rest, one unit
+    at a time, so a GPU never holds the whole fp32 model: 14B and 32B load where their shards fit. The price is one
+    full fp32 copy in host memory per process while loading (memory_estimate's host_load)."""
+    return torch.device("cpu") if getattr(acc, "is_fsdp2", False) else torch.device(acc.device)
+
+
 def plain(t):
     """A gradient norm as a plain tensor: under FSDP2 clipping returns a DTensor (already reduced over the mesh)."""
     full = getattr(t, "full_tensor", None)
@@ -131,13 +140,14 @@ def plain(t):
 
 def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf16: bool = False,
                     reference: bool = True, kv_bytes_per_token: int = 0, max_context: int = 0,
-                    episodes: int = 0, parked: int = 0) -> dict:
+                    episodes: int = 0, parked: int = 0, unit: int = 0) -> dict:
     """Bytes per GPU, by what holds them, for a policy of n_params parameters trained with AdamW.
 
     sharded: FSDP2 over `world` GPUs (else DDP: each GPU holds everything). bf16: compute in bf16 (master weights
     stay fp32). kv_bytes_per_token: 2 (keys, values) x layers x kv_heads x head_dim x compute bytes.
     episodes: episodes one process decodes at once in a rollout (each holds its KV cache across turns).
     parked: episodes one process keeps waiting in host memory (--rollout-batch below its episodes, on a GPU).
+    unit: parameters of the largest piece sharding moves onto the GPU whole (largest_unit).
 
       weights         the full weights in the compute dtype, as the forward uses them: FSDP2 gathers them for the
                       rollout; DDP keeps them (in fp32 these are the master weights themselves, counted there;
@@ -151,9 +161,12 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
                       precision path, so kl is 0 until the policy moves) (/ N under FSDP2); 0 without a KL term
       kv_cache        kv_bytes_per_token x max_context x episodes: the worst case, every episode at the context cap
       host_kv_cache   the same for the parked episodes, in host memory (not GPU memory: not in the peaks)
+      host_load       host memory while loading: one full fp32 model per process (the policy, then the reference)
+      host_peak       the larger of host_load and host_kv_cache (they are not held at the same time)
     The rollout holds weights + master_weights + optimizer + reference + kv_cache; the update holds master_weights +
-    gradients + optimizer + reference (+ weights under DDP); loading holds the whole fp32 policy and the whole
-    reference on every GPU (grpo.main loads them onto the device before sharding); `peak` is the largest.
+    gradients + optimizer + reference (+ weights under DDP); loading holds, under DDP, the whole fp32 policy (and its
+    reduction buckets) and then the reference; under FSDP2 (load_device: loaded in host memory, then sharded) the
+    shards of both plus one unit whole; `peak` is the largest. The optimizer's moments appear at the first update.
     Activations, logits chunks and the allocator's slack are not counted: leave room for them.
     """
     shards = world if sharded else 1
@@ -172,7 +185,12 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
     held += n_params * 4 if grads == 2 else 0  # DDP allocates its reduction buckets at wrap time and keeps them
     est["rollout_peak"] = held + est["weights"] + est["kv_cache"]
     est["update_peak"] = held + est["gradients"] // grads + (0 if sharded else est["weights"])
-    est["load_peak"] = n_params * 4 * (2 if reference else 1) + (n_params * 4 if grads == 2 else 0)
+    if sharded:
+        est["load_peak"] = (n_params * 4 // shards) * (2 if reference else 1) + unit * 4
+    else:
+        est["load_peak"] = n_params * 4 * (2 if reference else 1) + (n_params * 4 if grads == 2 else 0)
+    est["host_load"] = n_params * 4
+    est["host_peak"] = max(est["host_load"], est["host_kv_cache"])
     est["peak"] = max(est["rollout_peak"], est["update_peak"], est["load_peak"])
     return est
 
@@ -187,13 +205,31 @@ def read_config(name: str):
         return None
 
 
-def count_params(config) -> int:
-    """Parameters of the causal LM a transformers config describes, built on the meta device (no memory used)."""
+def meta_model(config):
+    """The causal LM a transformers config describes, on the meta device (shapes only, no memory used)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
+        return AutoModelForCausalLM.from_config(config)
+
+
+def count_params(config) -> int:
+    return sum(p.numel() for p in meta_model(config).parameters())
+
+
+def largest_unit(model) -> int:
+    """Parameters of the largest piece fully_shard moves onto the GPU whole: a decoder layer (each is its own unit),
+    or what is left to the root (embeddings, output layer, final norm; shard_like's split, an upper bound of
+    Accelerate's, which gives the embeddings and the output layer units of their own)."""
+    layers = set(getattr(model, "_no_split_modules", None) or [])
+    in_layers, biggest = set(), 0
+    for module in model.modules():
+        if type(module).__name__ in layers:
+            params = list(module.parameters())
+            in_layers.update(id(p) for p in params)
+            biggest = max(biggest, sum(p.numel() for p in params))
+    rest = sum(p.numel() for p in model.parameters() if id(p) not in in_layers)
+    return max(biggest, rest)
 
 
 def host_memory_bytes() -> int:
@@ -207,41 +243,42 @@ def host_memory_bytes() -> int:
 def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bool, max_context: int,
                  episodes: int, device, check: bool = True, program: str = "grpo.py", parked: int = 0) -> dict:
     """Print memory_estimate for this run; on a CUDA device, SystemExit when its peak exceeds the device's memory,
-    or when the parked episodes' caches of all processes on this machine exceed its memory (unless check is False),
+    or when what all processes on this machine hold in host memory at once exceeds it (unless check is False),
     naming the options that change it."""
-    est = memory_estimate(count_params(config), world=world, sharded=sharded, bf16=bf16, reference=reference,
-                          kv_bytes_per_token=kv_bytes_per_token(config, bf16), max_context=max_context,
-                          episodes=episodes, parked=parked)
+    shapes = meta_model(config)
+    est = memory_estimate(sum(p.numel() for p in shapes.parameters()), world=world, sharded=sharded, bf16=bf16,
+                          reference=reference, kv_bytes_per_token=kv_bytes_per_token(config, bf16),
+                          max_context=max_context, episodes=episodes, parked=parked, unit=largest_unit(shapes))
     backend = f"FSDP2 over {world}" if sharded else ("DDP" if world > 1 else "one process")
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"[{program.removesuffix('.py')}] estimated memory per GPU ({backend}): "
               + ", ".join(f"{k} {gib(v)}" for k, v in est.items()) + " (activations not counted)", flush=True)
     device = torch.device(device)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # processes on this machine, each parking its own
+    if not check or device.type != "cuda":
+        return est
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # processes on this machine, each with its own host memory
     host = host_memory_bytes()
-    if check and device.type == "cuda" and host and est["host_kv_cache"] * local > host:
-        raise SystemExit(
-            f"{program}: the parked episodes' KV caches need an estimated {gib(est['host_kv_cache'])} of host memory "
-            f"per process, {gib(est['host_kv_cache'] * local)} for the {local} on this machine, more than its "
-            f"{gib(host)} ({parked} episodes a process wait off the GPU at --max-context {max_context}, the worst "
-            "case). Raise --rollout-batch (fewer wait), lower --max-context or --tasks-per-step; "
-            "--no-memory-check runs anyway.")
-    if check and device.type == "cuda":
-        have = torch.cuda.get_device_properties(device).total_memory
-        if est["peak"] > have:
-            phase = max(("load", "rollout", "update"), key=lambda k: est[f"{k}_peak"])
-            if phase == "load":
-                raise SystemExit(
-                    f"{program}: loading needs an estimated {gib(est['peak'])} per GPU, more than this GPU's "
-                    f"{gib(have)}: the whole fp32 policy{' and reference' if reference else ''} are loaded onto "
-                    "every GPU before sharding, whatever the number of GPUs. Set --kl-coef 0 (no reference) or use a "
-                    "smaller model; --no-memory-check runs anyway.")
+    if host and est["host_peak"] * local > host:
+        need, total = gib(est["host_peak"]), gib(est["host_peak"] * local)
+        if est["host_kv_cache"] >= est["host_load"]:
             raise SystemExit(
-                f"{program}: the estimated {phase} peak of {gib(est['peak'])} per GPU exceeds this GPU's {gib(have)} "
-                f"({backend}; the KV cache term, {gib(est['kv_cache'])}, assumes {episodes} decoding episodes per "
-                f"process at --max-context {max_context}). Set --rollout-batch (episodes decoding at once; the "
-                "others' caches wait in host memory), lower --max-context or --tasks-per-step, add GPUs, shard with FSDP2 (fsdp_version 2), or set --kl-coef 0 (no reference); "
-                "--no-memory-check runs anyway.")
+                f"{program}: the parked episodes' KV caches need an estimated {need} of host memory per process, "
+                f"{total} for the {local} on this machine, more than its {gib(host)} ({parked} episodes a process "
+                f"wait off the GPU at --max-context {max_context}, the worst case). Raise --rollout-batch (fewer "
+                "wait), lower --max-context or --tasks-per-step; --no-memory-check runs anyway.")
+        raise SystemExit(
+            f"{program}: loading needs an estimated {need} of host memory per process (the whole model in fp32, "
+            f"before it is moved to the GPU or sharded), {total} for the {local} on this machine, more than its "
+            f"{gib(host)}. Run fewer processes per machine or a smaller model; --no-memory-check runs anyway.")
+    have = torch.cuda.get_device_properties(device).total_memory
+    if est["peak"] > have:
+        phase = max(("load", "rollout", "update"), key=lambda k: est[f"{k}_peak"])
+        raise SystemExit(
+            f"{program}: the estimated {phase} peak of {gib(est['peak'])} per GPU exceeds this GPU's {gib(have)} "
+            f"({backend}; the KV cache term, {gib(est['kv_cache'])}, assumes {episodes} decoding episodes per "
+            f"process at --max-context {max_context}). Set --rollout-batch (episodes decoding at once; the "
+            "others' caches wait in host memory), lower --max-context or --tasks-per-step, add GPUs, shard with "
+            "FSDP2 (fsdp_version 2), or set --kl-coef 0 (no reference); --no-memory-check runs anyway.")
     return est
 
 

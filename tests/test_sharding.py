@@ -189,16 +189,37 @@ def test_parked_caches_are_counted_in_host_memory(tiny_lm, monkeypatch, capsys):
     shard.check_memory(tiny_lm.config, **opts, check=False)
 
 
-def test_memory_check_names_loading_when_loading_is_the_peak(tiny_lm, monkeypatch):
-    """More GPUs do not lower the load peak (the whole fp32 policy and reference on every GPU before sharding):
-    the message says so instead of suggesting --rollout-batch."""
+def test_sharded_loading_holds_shards_and_one_unit(tiny_lm, monkeypatch, capsys):
+    """Under FSDP2 the model is loaded in host memory (shard.load_device) and fully_shard moves one unit at a time
+    to the GPU, keeping this process's slice: loading holds the shards of policy and reference plus one unit whole,
+    not the whole fp32 model on every GPU. Host memory holds one full fp32 model per process while loading: a
+    machine that cannot hold that for all its processes stops at start."""
     from types import SimpleNamespace
 
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**10))
+    layer = sum(p.numel() for p in tiny_lm.model.layers[0].parameters())
+    rest = sum(p.numel() for n, p in tiny_lm.named_parameters() if not n.startswith("model.layers."))
+    assert shard.largest_unit(tiny_lm) == max(layer, rest)
+    n, unit = 8_190_735_360, 1_244_663_808  # Qwen3-8B; its largest unit: embeddings + output layer (shard_like's root)
+    fsdp = shard.memory_estimate(n, world=8, sharded=True, bf16=True, reference=True, unit=unit)
+    ddp = shard.memory_estimate(n, world=8, sharded=False, bf16=True, reference=True)
+    assert fsdp["load_peak"] == 2 * (4 * n // 8) + 4 * unit < fsdp["rollout_peak"]
+    assert ddp["load_peak"] == 4 * n + 4 * n + 4 * n  # policy, its DDP buckets, then the reference
+    assert fsdp["host_load"] == ddp["host_load"] == 4 * n == fsdp["host_peak"]
+
+    assert shard.load_device(SimpleNamespace(is_fsdp2=True, device=torch.device("cuda", 3))).type == "cpu"
+    assert shard.load_device(SimpleNamespace(is_fsdp2=False, device=torch.device("cuda", 3))) == torch.device("cuda", 3)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**40))
+    full = 4 * sum(p.numel() for p in tiny_lm.parameters())
+    monkeypatch.setattr(shard, "host_memory_bytes", lambda: full * 2)  # room for two processes' loading
+    opts = dict(world=4, sharded=True, bf16=True, reference=True, max_context=8, episodes=1, device="cuda:0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    shard.check_memory(tiny_lm.config, **opts)
+    assert "host_load" in capsys.readouterr().out
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     with pytest.raises(SystemExit, match="loading needs") as e:
-        shard.check_memory(tiny_lm.config, world=8, sharded=True, bf16=True, reference=True, max_context=8,
-                           episodes=1, device="cuda:0")
-    assert "--kl-coef 0" in str(e.value) and "--rollout-batch" not in str(e.value)
+        shard.check_memory(tiny_lm.config, **opts)
+    assert "host memory per process" in str(e.value) and "3 on this machine" in str(e.value)
 
 
 def test_fsdp2_bf16_policy_leaves_outputs_in_float32(monkeypatch):
