@@ -15,7 +15,6 @@ token_logprobs` is the API forks and tests use. This module sits on top: it may 
 never the reverse (tests/test_layout.py).
 """
 
-import contextlib
 import json
 import random
 import sys
@@ -340,12 +339,10 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
         if shard.is_sharded(ref_model):  # no backward will reshard its root: free the gathered weights now
             ref_model.reshard()
     skipped, ratio_max = 0, 0.0
-    # no_sync skips DDP's all-reduce on all but the last micro-batch; under FSDP2 it would keep full-size
-    # gradients on every process instead of reduce-scattering each micro-batch's into 1/N shards.
-    sync_each = shard.is_sharded(model)
     for update in range(cfg.updates_per_batch):
         for k, (mb, (ids, attn, mask, sampler)) in enumerate(zip(micro, batches)):
-            with acc.no_sync(model) if k < len(micro) - 1 and not sync_each else contextlib.nullcontext():
+            # DDP reduces on the last micro-batch only, FSDP2 every one, DeepSpeed's engine is told its boundary.
+            with shard.micro_batch(acc, model, last=k == len(micro) - 1):
                 with acc.autocast():
                     logp, ent = token_logprobs(model, ids, attn, temperature=cfg.temperature, return_entropy=True)
                 if logp.dtype != torch.float32:  # e.g. an FSDP2 policy that casts outputs (cli.fsdp2_plugin)
@@ -355,8 +352,9 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
                                       clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                       dual_clip=cfg.dual_clip or None, kl_coef=cfg.kl_coef, agg=cfg.agg,
                                       normalizer=normalizer, max_len=max_len)
-                # DDP and FSDP2 average gradients over processes; the normalizer is already global, so undo the mean.
-                acc.backward(loss * acc.num_processes)
+                # DDP, FSDP2 and DeepSpeed average gradients over processes; the normalizer is already global, so
+                # undo the mean.
+                shard.backward(acc, model, loss * acc.num_processes)
             n_tok = float(mask.sum())
             loss_total += loss.item()  # micro-batch shares of the step loss sum to it
             if n_tok:
@@ -367,17 +365,13 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
                 if update == 0:  # sampler vs trainer on the same weights: should be ~0 (numerics only)
                     add("entropy", (ent * mask).sum().item() / n_tok, n_tok)
                     add("logprob_gap", ((sampler - logp.detach()).abs() * mask).sum().item() / n_tok, n_tok)
-        # Accelerate clips FSDP2's DTensor gradients by the norm over all shards (a DTensor: made plain here).
-        grad_norm = shard.plain(acc.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-        # Every process must agree to step (or not). Accelerate's reduce knows only sum and max: count the bad.
-        bad = float(not torch.isfinite(torch.as_tensor(grad_norm)).all().item())
-        if acc.reduce(torch.tensor(bad, device=acc.device), reduction="sum").item() == 0:
-            opt.step()
+        # Clipped and stepped on every process, or dropped on every one when the norm is not finite, and counted.
+        grad_norm, stepped = shard.optimizer_step(acc, model, opt, cfg.grad_clip)
+        if stepped:
             sched.step()
-            add("grad_norm", float(grad_norm))
-        else:  # a non-finite loss or gradient: drop this update on every process, and count it
+            add("grad_norm", grad_norm)
+        else:
             skipped += 1
-        opt.zero_grad(set_to_none=True)
     out = {"skipped_updates": skipped,
            "ratio_max": acc.reduce(torch.tensor(ratio_max, device=acc.device), reduction="max").item()}
     for k, (s, w) in sums.items():  # token-weighted means over all processes
@@ -435,7 +429,7 @@ def main(argv=None):
         per_process = cfg.tasks_per_step // acc.num_processes * cfg.group_size
         live = max(per_process, -(-cfg.eval_tasks // acc.num_processes))
         decoding = min(live, cfg.rollout_batch or live)
-        shard.check_memory(config, world=acc.num_processes, sharded=bool(getattr(acc, "is_fsdp2", False)),
+        shard.check_memory(config, world=acc.num_processes, sharded=shard.shards_weights(acc),
                            bf16=cfg.bf16, reference=cfg.kl_coef > 0, max_context=cfg.max_context,
                            episodes=decoding, parked=live - decoding if acc.device.type != "cpu" else 0,
                            device=acc.device, check=cfg.memory_check)
@@ -460,10 +454,14 @@ def main(argv=None):
            torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=0.0))
     # Stepped by hand once per update (Accelerate's prepared scheduler steps once per process).
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
+    shard.configure_deepspeed(acc, micro_batch_size=cfg.micro_batch_size, grad_clip=cfg.grad_clip)
     model, opt = acc.prepare(model, opt)
+    shard.expose_head(model)
     ref_model = load_reference(start, load_on, cfg.seed, attn) if cfg.kl_coef > 0 else None
     if ref_model is not None and shard.is_sharded(model):
         shard.shard_like(ref_model, model, param_dtype=torch.bfloat16 if cfg.bf16 else None)
+    elif ref_model is not None and shard.is_deepspeed(model):
+        ref_model = shard.deepspeed_reference(ref_model, acc.state.deepspeed_plugin.deepspeed_config)
     acc.register_for_checkpointing(sched)
     first_step = 0
     if resume_from:

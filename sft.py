@@ -16,7 +16,6 @@ imperfect by --teacher-skips-confirm: those whose database is right).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -271,21 +270,17 @@ def fit(acc, model, opt, sched, data, steps: int, batch_size: int, micro_batch_s
         total_loss = torch.zeros((), device=acc.device)
         for k, mb in enumerate(micro):
             ids, attn, mask = muarl.collate(mb, pad_id, acc.device)
-            # no_sync under FSDP2 would keep full-size gradients on every process (grpo.train_on_episodes)
-            sync = k == len(micro) - 1 or shard.is_sharded(model)
-            with contextlib.nullcontext() if sync else acc.no_sync(model):
+            with shard.micro_batch(acc, model, last=k == len(micro) - 1):  # as grpo.train_on_episodes
                 # token_logprobs runs the model's body, not model.forward, which is what Accelerate's prepare wraps
                 # in autocast: ask for it here, as grpo.train_on_episodes does.
                 with acc.autocast():
                     logp = token_logprobs(model, ids, attn)
                 # DDP averages gradients over processes; scale so the sum over processes is the global mean.
                 loss = -(logp * mask).sum() / normalizer * acc.num_processes
-                acc.backward(loss)
+                shard.backward(acc, model, loss)
             total_loss += loss.detach() / acc.num_processes
-        grad_norm = acc.clip_grad_norm_(model.parameters(), grad_clip)
-        opt.step()
+        grad_norm, _ = shard.optimizer_step(acc, model, opt, grad_clip)  # a non-finite norm skips the step
         sched.step()
-        opt.zero_grad(set_to_none=True)
         run_loss += total_loss
         if log_every and (step % log_every == 0 or step == steps - 1):
             loss_all = acc.reduce(total_loss, reduction="sum").item()
@@ -295,8 +290,16 @@ def fit(acc, model, opt, sched, data, steps: int, batch_size: int, micro_batch_s
 
 
 def check_backend(acc) -> None:
-    """Refuse at start what the loop does not implement (DeepSpeed, FSDP1, ...), as grpo.py does."""
+    """Refuse at start what the loop does not implement (FSDP1, ZeRO-1, ...), as grpo.py does."""
     shard.check_accelerator(acc, program="sft.py")
+
+
+def check_batch(batch_size: int, processes: int) -> None:
+    """Every process must run the same number of micro-batches: under FSDP2 and ZeRO-3 each backward is a collective,
+    and a process with one more would wait for the others forever."""
+    if batch_size < processes or batch_size % processes:
+        raise SystemExit(f"sft.py: --batch-size {batch_size} must be a multiple of the number of processes "
+                         f"({processes}), so that every process trains on as many conversations a step")
 
 
 def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
@@ -304,6 +307,7 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     start = str(pretrain_tiny(cfg)) if cfg.model == "tiny" else cfg.model
     acc = accelerator or cli.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
     check_backend(acc)
+    check_batch(cfg.batch_size, acc.num_processes)
     muarl.seed_everything(cfg.seed)
     # fp32 master weights, as grpo.main keeps the policy's; --bf16 runs the passes under autocast (fit). AdamW on
     # bf16 weights rounds a step of lr 5e-6 away for most weights (measured: 7.5% of them moved in 10 steps). The
@@ -320,7 +324,9 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     total = max(1, int(cfg.epochs * max(1, len(data) // cfg.batch_size)))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.warmup_steps, total))
+    shard.configure_deepspeed(acc, micro_batch_size=cfg.micro_batch_size, grad_clip=cfg.grad_clip, program="sft.py")
     model, opt = acc.prepare(model, opt)
+    shard.expose_head(model)
     acc.print(f"[sft] {len(data)} conversations of {min(len(i) for i, _ in data)}-{max(len(i) for i, _ in data)} tokens "
               f"({len(skipped)} longer than {max_len} skipped: --max-len), {sum(sum(m) for _, m in data)} trained "
               f"tokens, {total} steps of {cfg.batch_size}")
@@ -425,7 +431,7 @@ def save_pretrained(acc, model, tok, out: Path, run_config: dict) -> None:
 
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
-    state = acc.get_state_dict(model)
+    state = shard.full_state_dict(acc, model)  # fp32 master weights under DeepSpeed too
     if acc.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         acc.unwrap_model(model).save_pretrained(tmp, state_dict=state, safe_serialization=True)

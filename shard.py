@@ -1,21 +1,28 @@
-"""shard.py: what training needs to know about how the model is spread over the GPUs. grpo.py uses it.
+"""shard.py: what training needs to know about how the model is spread over the GPUs. grpo.py and sft.py use it.
 
-    check_backend     refuse, at start, a distributed setup the loop does not implement (DeepSpeed, FSDP1, ...)
+    check_backend     refuse, at start, a distributed setup the loop does not implement (FSDP1, ZeRO-1, ...)
     is_sharded        whether a model is sharded by FSDP2 (`fully_shard`)
     shard_like        shard the frozen reference model by hand, as the policy is
     full_weights      gather a sharded policy's full weights once for a rollout, so decoding needs no collectives
-    load_device       where to load a model: host memory under FSDP2 (sharding moves each process's part over)
+    load_device       where to load a model: host memory when sharded (sharding moves each process's part over)
+    micro_batch, backward, optimizer_step
+                      one optimizer step over several micro-batches, the same for DDP, FSDP2 and DeepSpeed
+    configure_deepspeed, expose_head, full_state_dict
+                      what DeepSpeed needs besides: its config set from muarl's options, the output layer's weight
+                      gathered in the root's forward (ZeRO-3), the fp32 weights gathered for a checkpoint
     plain             a gradient norm as a plain tensor (FSDP2 gives a DTensor)
-    memory_estimate   bytes per GPU, by what holds them, for DDP or FSDP2 over N GPUs (a pure function)
+    memory_estimate   bytes per GPU, by what holds them, for DDP or a sharded backend over N GPUs (a pure function)
     check_memory      print it at start; stop on a GPU it cannot fit
 
 Backends. DDP (and one process): every GPU holds the whole model, its gradients and its AdamW state. FSDP2
-(`accelerate config`: distributed_type FSDP, fsdp_version 2): each of N GPUs holds 1/N of them; a layer's full
-weights are gathered for its forward and backward only. The training forward runs body and head inside the
-model's forward (loss.call_as_forward), so those gathers happen. Not implemented, and refused at start:
-DeepSpeed (its engine steps itself inside backward and clips through its own config, and ZeRO-3's rollout
-needs its hooks removed around the gathered decoding), FSDP1 (its nested units still communicate at every
-decoding step, so processes that decode different numbers of steps hang), Megatron-LM, XLA.
+(`accelerate config`: distributed_type FSDP, fsdp_version 2) and DeepSpeed ZeRO-3 (distributed_type DEEPSPEED,
+zero_stage 3): each of N GPUs holds 1/N of them; a layer's full weights are gathered for its forward and backward
+only. DeepSpeed ZeRO-2 shards gradients and optimizer state only. The training forward runs body and head inside the
+model's forward (loss.call_as_forward), so those gathers happen. Under DeepSpeed the loop drives the engine itself
+(micro_batch, backward, optimizer_step): Accelerate's backward would step the engine after every micro-batch, and
+its gradient_accumulation_steps would rescale a loss that is already normalized over the whole step. Not
+implemented, and refused at start: FSDP1 (its nested units still communicate at every decoding step, so processes
+that decode different numbers of steps hang), ZeRO-0/1 (use DDP), Megatron-LM, XLA.
 
 Why the rollout gathers everything: with sharding hooks on, every decoding step is a collective, so all
 processes would have to decode the same number of steps; muarl's per-process continuous batching almost never
@@ -24,6 +31,7 @@ does. The price: the full weights (in the compute dtype) on every GPU while roll
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 import torch
@@ -33,28 +41,38 @@ DATA_PARALLEL = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULT
                  "MULTI_SDAA", "MULTI_HPU")
 
 
-def check_backend(distributed_type: str, fsdp_version: int | None = None, program: str = "grpo.py") -> None:
-    """SystemExit naming the backend unless the training loop implements it: data parallel (DDP) or FSDP2."""
+def check_backend(distributed_type: str, fsdp_version: int | None = None, program: str = "grpo.py",
+                  zero_stage: int | None = None) -> None:
+    """SystemExit naming the backend unless the training loop implements it: DDP, FSDP2, DeepSpeed ZeRO-2 or -3."""
     kind = str(getattr(distributed_type, "value", distributed_type))
-    use = ("use FSDP2 (accelerate config: distributed_type FSDP, fsdp_version 2) to shard the model, "
-           "or DDP (multi-GPU) when it fits")
-    if kind in DATA_PARALLEL or (kind == "FSDP" and fsdp_version == 2):
+    use = ("use FSDP2 (accelerate config: distributed_type FSDP, fsdp_version 2) or DeepSpeed ZeRO-3 to shard the "
+           "model, or DDP (multi-GPU) when it fits")
+    if (kind in DATA_PARALLEL or (kind == "FSDP" and fsdp_version == 2)
+            or (kind == "DEEPSPEED" and zero_stage in (2, 3))):
         return
     if kind == "FSDP":
         raise SystemExit(f"{program}: FSDP version {fsdp_version} (FSDP1) is not supported: its nested units "
                          "communicate at every decoding step, so processes that decode different numbers of steps "
                          "hang in the rollout. Set fsdp_version: 2 in the accelerate config (FSDP2).")
     if kind == "DEEPSPEED":
-        raise SystemExit(f"{program}: DeepSpeed (distributed type DEEPSPEED) is not supported: its engine steps and "
-                         "clips inside backward, which this loop's one-normalizer accumulation does not drive, and "
-                         f"ZeRO-3 needs its hooks removed around the rollout; {use}.")
+        raise SystemExit(f"{program}: DeepSpeed ZeRO stage {zero_stage} is not supported: set zero_stage 3 (or 2) in "
+                         "the DeepSpeed config, or use DDP, which stage 0 and 1 gain little over.")
     raise SystemExit(f"{program}: distributed type {kind} is not supported; {use}.")
 
 
 def check_accelerator(acc, program: str = "grpo.py") -> None:
-    """check_backend for an Accelerator (its distributed type and, under FSDP, its plugin's version)."""
+    """check_backend for an Accelerator (its distributed type, its FSDP plugin's version, its ZeRO stage)."""
     fsdp = getattr(acc.state, "fsdp_plugin", None)  # set only under FSDP
-    check_backend(acc.distributed_type, fsdp.fsdp_version if fsdp is not None else None, program)
+    ds = getattr(acc.state, "deepspeed_plugin", None)  # set only under DeepSpeed
+    check_backend(acc.distributed_type, fsdp.fsdp_version if fsdp is not None else None, program,
+                  ds.zero_stage if ds is not None else None)
+    if ds is not None and ds.zero_stage == 3:  # the rollout's gather (full_weights): fail now, not after loading
+        try:
+            from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation  # noqa: F401
+        except ImportError:
+            raise SystemExit(f"{program}: this DeepSpeed has no deepspeed.runtime.zero.stage3."
+                             "unwrap_model_for_generation, which the ZeRO-3 rollout uses: install deepspeed==0.19.8 "
+                             "(MUARL_DEEPSPEED=1 ./run true), the version tested here") from None
 
 
 def fsdp_modules(model) -> list:
@@ -68,6 +86,120 @@ def fsdp_modules(model) -> list:
 
 def is_sharded(model) -> bool:
     return bool(fsdp_modules(model))
+
+
+def is_deepspeed(model) -> bool:
+    """Whether `model` is a DeepSpeed engine (what Accelerate's prepare returns under DEEPSPEED)."""
+    return (callable(getattr(model, "zero_optimization_stage", None))
+            and hasattr(model, "set_gradient_accumulation_boundary"))
+
+
+def is_zero3(model) -> bool:
+    return is_deepspeed(model) and model.zero_optimization_stage() == 3
+
+
+def shards_weights(acc) -> bool:
+    """Whether the chosen backend holds 1/N of the weights per process (FSDP2, ZeRO-3), before anything is prepared."""
+    ds = getattr(acc.state, "deepspeed_plugin", None)
+    return bool(getattr(acc, "is_fsdp2", False)) or (ds is not None and ds.zero_stage == 3)
+
+
+@contextlib.contextmanager
+def micro_batch(acc, model, last: bool):
+    """Around one micro-batch's forward and backward of an optimizer step. DDP all-reduces on the last one only
+    (no_sync before it: DDP reads the flag in its forward). FSDP2 reduce-scatters every one (no_sync would keep
+    full-size gradients on every process). A DeepSpeed engine is told whether this one is its accumulation boundary."""
+    if is_deepspeed(model):
+        model.set_gradient_accumulation_boundary(last)
+        yield
+    elif last or is_sharded(model):
+        yield
+    else:
+        with acc.no_sync(model):
+            yield
+
+
+def backward(acc, model, loss) -> None:
+    """Backward of one micro-batch's share of the step loss. A DeepSpeed engine's own backward, unscaled by its
+    gradient_accumulation_steps (the loss is normalized over the whole step already, invariant 3); Accelerate's
+    backward would also step the engine after every micro-batch."""
+    if is_deepspeed(model):
+        model.backward(loss, scale_wrt_gas=False)
+    else:
+        acc.backward(loss)
+
+
+def optimizer_step(acc, model, opt, grad_clip: float) -> tuple[float, bool]:
+    """Clip the step's gradients to grad_clip and step on every process, or on none when the norm is not finite
+    anywhere; the gradients are cleared either way. Returns (norm before clipping, stepped). A DeepSpeed engine clips
+    by its config's gradient_clipping (configure_deepspeed sets it to grad_clip) and skips a non-finite norm itself,
+    on every process (engine.step); the optimizer Accelerate hands back is then a no-op."""
+    if is_deepspeed(model):
+        model.step()
+        norm = model.get_global_grad_norm()
+        norm = float(norm) if norm is not None else math.nan
+        return norm, math.isfinite(norm)
+    # FSDP2 gives the norm over all shards as a DTensor (plain() makes it a tensor).
+    norm = plain(acc.clip_grad_norm_(model.parameters(), grad_clip))
+    # Every process must agree to step (or not). Accelerate's reduce knows only sum and max: count the bad.
+    bad = float(not torch.isfinite(torch.as_tensor(norm)).all().item())
+    ok = acc.reduce(torch.tensor(bad, device=acc.device), reduction="sum").item() == 0
+    if ok:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(norm), ok
+
+
+def configure_deepspeed(acc, *, micro_batch_size: int, grad_clip: float, program: str = "grpo.py") -> None:
+    """Before acc.prepare under DeepSpeed: the engine clips at grad_clip, takes micro-batches of micro_batch_size and
+    counts one micro-batch a step (the loop sets the accumulation boundary itself, and normalizes the loss over the
+    whole step). The config must not bring its own optimizer or scheduler: the loop builds AdamW and its warm-up."""
+    ds = getattr(acc.state, "deepspeed_plugin", None)
+    if ds is None:
+        return
+    config = ds.deepspeed_config
+    for section in ("optimizer", "scheduler"):
+        if section in config:
+            raise SystemExit(f"{program}: the DeepSpeed config has a '{section}' section: remove it; {program} builds "
+                             "its own AdamW and learning-rate warm-up from its options (--lr, --warmup-steps).")
+    config.update(gradient_clipping=grad_clip, train_micro_batch_size_per_gpu=micro_batch_size,
+                  gradient_accumulation_steps=1, train_batch_size=micro_batch_size * acc.num_processes)
+
+
+def expose_head(model) -> None:
+    """ZeRO-3 gathers a module's parameters in that module's own forward. The chunked output layer reads
+    lm_head.weight inside the root's forward (loss.token_logprobs), so it is registered as the root's external
+    parameter: gathered with the root, kept through backward. A no-op for other backends."""
+    if is_zero3(model):
+        import deepspeed
+
+        deepspeed.zero.register_external_parameter(model.module, model.module.get_output_embeddings().weight)
+
+
+def deepspeed_reference(ref_model, config: dict):
+    """The frozen reference as a DeepSpeed engine of its own, with the policy's config less its optimizer: sharded
+    the same way under ZeRO-3 (whole on every GPU under ZeRO-2, which shards only what training keeps), and in the
+    same precision as the policy (the engine casts both to bf16 under bf16)."""
+    import deepspeed
+
+    config = {k: v for k, v in config.items() if k not in ("optimizer", "scheduler")}
+    if config.get("zero_optimization", {}).get("stage") != 3:
+        config["zero_optimization"] = {**config.get("zero_optimization", {}), "stage": 0}
+    engine = deepspeed.initialize(model=ref_model, config=config)[0]
+    engine.eval()
+    expose_head(engine)
+    return engine
+
+
+def full_state_dict(acc, model) -> dict:
+    """The trained weights, whole, for a checkpoint (every process must call it: the gathers are collectives). Under
+    DeepSpeed the fp32 master weights (deepspeed.utils.safe_get_full_fp32_param), not the engine's bf16 copies:
+    rounding them would drop the small updates fp32 master weights exist for."""
+    if not is_deepspeed(model):
+        return acc.get_state_dict(model)
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return {name: safe_get_full_fp32_param(p).detach().cpu() for name, p in model.module.named_parameters()}
 
 
 def shard_like(ref_model, policy, param_dtype=None) -> None:
@@ -90,13 +222,19 @@ def shard_like(ref_model, policy, param_dtype=None) -> None:
 
 @contextlib.contextmanager
 def full_weights(model, device):
-    """Inside: every parameter of a sharded `model` is whole on this process and stays so through forwards, so the
-    rollout's decoding runs no collective and processes may decode different numbers of steps. A no-op when the
-    model is not sharded. All processes must enter it together (the gathers are collectives).
+    """Inside: every parameter of a sharded `model` (FSDP2, ZeRO-3) is whole on this process and stays so through
+    forwards, so the rollout's decoding runs no collective and processes may decode different numbers of steps. A
+    no-op when the model is not sharded. All processes must enter it together (the gathers are collectives).
 
     FSDP2 recipe: one forward through the root (its lazy initialization must happen there), unshard every FSDP
     module in the same order on all processes, stop resharding after forward; after the rollout, the settings
     are restored and the parameters resharded."""
+    if is_zero3(model):  # DeepSpeed's own recipe: gather every parameter, take its hooks off, put them back after
+        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+        with unwrap_model_for_generation(model):
+            yield
+        return
     modules = fsdp_modules(model)
     if not modules:
         yield
@@ -125,11 +263,12 @@ def full_weights(model, device):
 
 
 def load_device(acc) -> torch.device:
-    """Where grpo.py and sft.py load the policy (and the reference): host memory under FSDP2, the device otherwise.
-    fully_shard moves each unit's full weights to the GPU, keeps this process's slice and frees the rest, one unit
-    at a time, so a GPU never holds the whole fp32 model: 14B and 32B load where their shards fit. The price is one
-    full fp32 copy in host memory per process while loading (memory_estimate's host_load)."""
-    return torch.device("cpu") if getattr(acc, "is_fsdp2", False) else torch.device(acc.device)
+    """Where grpo.py and sft.py load the policy (and the reference): host memory under FSDP2 and ZeRO-3, the device
+    otherwise. fully_shard moves one unit's full weights to the GPU at a time (DeepSpeed's partitioning one
+    parameter), keeps this process's slice and frees the rest, so a GPU never holds the whole fp32 model: 14B and 32B
+    load where their shards fit. The price is one full fp32 copy in host memory per process while loading
+    (memory_estimate's host_load)."""
+    return torch.device("cpu") if shards_weights(acc) else torch.device(acc.device)
 
 
 def plain(t):
@@ -143,8 +282,9 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
                     episodes: int = 0, parked: int = 0, unit: int = 0) -> dict:
     """Bytes per GPU, by what holds them, for a policy of n_params parameters trained with AdamW.
 
-    sharded: FSDP2 over `world` GPUs (else DDP: each GPU holds everything). bf16: compute in bf16 (master weights
-    stay fp32). kv_bytes_per_token: 2 (keys, values) x layers x kv_heads x head_dim x compute bytes.
+    sharded: FSDP2 or ZeRO-3 over `world` GPUs (else DDP: each GPU holds everything; ZeRO-3 under bf16 also keeps
+    a bf16 partition, 2 bytes a parameter / N, and its reference in bf16, not counted apart). bf16: compute in bf16
+    (master weights stay fp32). kv_bytes_per_token: 2 (keys, values) x layers x kv_heads x head_dim x compute bytes.
     episodes: episodes one process decodes at once in a rollout (each holds its KV cache across turns).
     parked: episodes one process keeps waiting in host memory (--rollout-batch below its episodes, on a GPU).
     unit: parameters of the largest piece sharding moves onto the GPU whole (largest_unit).
@@ -249,7 +389,7 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
     est = memory_estimate(sum(p.numel() for p in shapes.parameters()), world=world, sharded=sharded, bf16=bf16,
                           reference=reference, kv_bytes_per_token=kv_bytes_per_token(config, bf16),
                           max_context=max_context, episodes=episodes, parked=parked, unit=largest_unit(shapes))
-    backend = f"FSDP2 over {world}" if sharded else ("DDP" if world > 1 else "one process")
+    backend = f"sharded over {world}" if sharded else ("DDP" if world > 1 else "one process")
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"[{program.removesuffix('.py')}] estimated memory per GPU ({backend}): "
               + ", ".join(f"{k} {gib(v)}" for k, v in est.items()) + " (activations not counted)", flush=True)

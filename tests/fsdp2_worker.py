@@ -63,6 +63,32 @@ def max_diff(a, b):
     return max(float((full(x) - y).abs().max()) for x, y in zip(a, b))
 
 
+def grad_batch(tok, world, plain):
+    """Two rows per process of random tokens, ragged attention, a random loss mask, fixed advantages and sampler
+    log-probs a little off the plain model's: (ids, attn, mask, adv, old, normalizer)."""
+    g = torch.Generator().manual_seed(2)
+    B, T = 2 * world, 14
+    ids = torch.randint(0, len(tok), (B, T), generator=g)
+    attn = (torch.arange(T)[None] < torch.tensor([14, 9, 12, 6])[:, None]).long()
+    mask = attn * (torch.rand(B, T, generator=g) < 0.7).long()
+    mask[:, 0] = 0
+    adv = torch.tensor([1.0, -0.5, -1.2, 0.8])
+    with torch.no_grad():
+        old = token_logprobs(plain, ids, attn, temperature=0.7) + 0.3 * torch.randn(B, T, generator=g)
+    return ids, attn, mask, adv, old, float(mask.sum())
+
+
+def one_process_backward(plain, plain_ref, ids, attn, mask, adv, old, N):
+    """The oracle's backward of the GRPO loss on all rows (kl_coef 0.1, temperature 0.7); returns the reference's
+    log-probs."""
+    logp = token_logprobs(plain, ids, attn, temperature=0.7)
+    with torch.no_grad():
+        ref_lp = token_logprobs(plain_ref, ids, attn, temperature=0.7)
+    loss, _ = grpo_loss(logp, old, ref_lp, adv, mask, kl_coef=0.1, normalizer=N)
+    loss.backward()
+    return ref_lp
+
+
 def grads(acc, mesh, tok, tied):
     """The GRPO loss's gradients, FSDP2 over 2 processes (each half the rows, two micro-batches, the loss times the
     number of processes and one global normalizer, as grpo.train_on_episodes) vs one process on all rows; twice,
@@ -73,24 +99,11 @@ def grads(acc, mesh, tok, tied):
     plain, plain_ref = copy.deepcopy(policy), copy.deepcopy(ref)
     fsdp2(policy, mesh)
     shard.shard_like(ref, policy)
-    g = torch.Generator().manual_seed(2)
-    B, T = 2 * world, 14
-    ids = torch.randint(0, len(tok), (B, T), generator=g)
-    attn = (torch.arange(T)[None] < torch.tensor([14, 9, 12, 6])[:, None]).long()
-    mask = attn * (torch.rand(B, T, generator=g) < 0.7).long()
-    mask[:, 0] = 0
-    adv = torch.tensor([1.0, -0.5, -1.2, 0.8])
-    with torch.no_grad():
-        old = token_logprobs(plain, ids, attn, temperature=0.7) + 0.3 * torch.randn(B, T, generator=g)
-    N = float(mask.sum())
+    ids, attn, mask, adv, old, N = grad_batch(tok, world, plain)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0) for m in (plain, policy)]
     out = {}
     for it in range(2):
-        logp = token_logprobs(plain, ids, attn, temperature=0.7)
-        with torch.no_grad():
-            ref_lp = token_logprobs(plain_ref, ids, attn, temperature=0.7)
-        loss, _ = grpo_loss(logp, old, ref_lp, adv, mask, kl_coef=0.1, normalizer=N)
-        loss.backward()
+        ref_lp = one_process_backward(plain, plain_ref, ids, attn, mask, adv, old, N)
         want_norm = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9))
         want = [p.grad for p in plain.parameters()]
         ref_diff = 0.0
@@ -148,27 +161,32 @@ def rollout_then_train(acc, mesh, tok):
     policy.train()
     met = grpo.train_on_episodes(eps, policy, ref, opt, sched, acc, cfg, tok.pad_token_id)
 
-    # The oracle: one process, every process's episodes in one batch, one backward, clip, SGD step.
-    mine = [(e.input_ids, e.loss_mask, e.reward, e.infra_failed) for e in eps]
-    every = [None] * world
-    dist.all_gather_object(every, mine)
+    want_loss, want_norm = one_process_sgd_step(plain, plain_ref, eps, tok, cfg)
+    return {"steps": all_steps, "same_tokens": same, "episodes": len(eps), "logprob_diff": lp_diff,
+            "grad_norm": [met["grad_norm"], want_norm], "loss": [met["loss"], want_loss],
+            "weight_diff": max_diff(list(policy.parameters()), list(plain.parameters())),
+            "skipped": met["skipped_updates"]}
+
+
+def one_process_sgd_step(plain, plain_ref, eps, tok, cfg):
+    """The oracle of grpo.train_on_episodes: one process, every process's episodes in one batch, one backward,
+    clip, SGD step (on `plain`, in place). Returns (loss, gradient norm before clipping)."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, [(e.input_ids, e.loss_mask, e.reward, e.infra_failed) for e in eps])
     every = [e for part in every for e in part]
     ids, attn, mask = muarl.collate([(i, m) for i, m, _, _ in every], tok.pad_token_id)
-    adv = grpo.group_advantages(torch.tensor([r for _, _, r, _ in every]), G,
+    adv = grpo.group_advantages(torch.tensor([r for _, _, r, _ in every]), cfg.group_size,
                                 valid=torch.tensor([not f for *_, f in every]))
     logp = token_logprobs(plain, ids, attn)
     with torch.no_grad():
         ref_lp = token_logprobs(plain_ref, ids, attn)
     loss, _ = grpo_loss(logp, logp.detach(), ref_lp, adv, mask, kl_coef=cfg.kl_coef, normalizer=float(mask.sum()))
     loss.backward()
-    want_norm = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.grad_clip))
+    norm = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.grad_clip))
     with torch.no_grad():
         for p in plain.parameters():
             p -= cfg.lr * p.grad
-    return {"steps": all_steps, "same_tokens": same, "episodes": len(eps), "logprob_diff": lp_diff,
-            "grad_norm": [met["grad_norm"], want_norm], "loss": [met["loss"], float(loss.detach())],
-            "weight_diff": max_diff(list(policy.parameters()), list(plain.parameters())),
-            "skipped": met["skipped_updates"]}
+    return float(loss.detach()), norm
 
 
 def main():
@@ -180,6 +198,11 @@ def main():
         result = {f"tied={t}": grads(acc, mesh, tok, t) for t in (True, False)}
     else:
         result = rollout_then_train(acc, mesh, tok)
+    finish(acc, out_path, result)
+
+
+def finish(acc, out_path, result):
+    """Rank 0 writes the result; then every process leaves the process group."""
     if acc.is_main_process:
         with open(out_path, "w") as f:
             json.dump(result, f, indent=1)

@@ -1,12 +1,17 @@
-"""Sharded training (FSDP2): gradients, the gathered rollout, the backends refused at start, the memory estimate.
+"""Sharded training (FSDP2, DeepSpeed ZeRO-2 and -3): gradients, the gathered rollout, the backends refused at
+start, the memory estimate.
 
-The two-process tests run tests/fsdp2_worker.py under torchrun on 2 CPU processes over gloo, and shard the model
-with raw `fully_shard` over `init_device_mesh("cpu", (2,))`, exactly the calls Accelerate's FSDP2 makes on a model.
-What they do not cover: Accelerate's own FSDP branch (`acc.prepare` with an FSDP2 plugin, its auto-wrap policy,
-mixed-precision policy, CPU-RAM-efficient loading and sharded checkpoints), because Accelerate 1.15 silently
-ignores FSDP plugins when cpu=True; and anything CUDA/NCCL. The Accelerator in the worker is the MULTI_CPU one
-grpo.main makes here, so `acc.clip_grad_norm_` and `acc.reduce` are Accelerate's own code on DTensor gradients.
+The two-process FSDP2 tests run tests/fsdp2_worker.py under torchrun on 2 CPU processes over gloo, and shard the
+model with raw `fully_shard` over `init_device_mesh("cpu", (2,))`, exactly the calls Accelerate's FSDP2 makes on a
+model. The DeepSpeed tests run tests/deepspeed_worker.py the same way, with an engine from `deepspeed.initialize`
+on DeepSpeed's CPU accelerator (skipped when deepspeed is not installed: it is not in requirements.txt). What they
+do not cover: Accelerate's own FSDP and DeepSpeed branches (`acc.prepare` with an FSDP2 or DeepSpeed plugin, its
+auto-wrap policy, mixed-precision policy, CPU-RAM-efficient loading, zero.Init and sharded checkpoints), because
+Accelerate 1.15 silently ignores those plugins when cpu=True; bf16; and anything CUDA/NCCL. The Accelerator in the
+workers is the MULTI_CPU one grpo.main makes here, so `acc.clip_grad_norm_` and `acc.reduce` are Accelerate's own
+code on DTensor gradients.
 """
+import importlib.util
 import json
 import os
 import subprocess
@@ -21,20 +26,20 @@ import shard
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_worker(mode, tmp_path, port):
+def run_worker(mode, tmp_path, port, worker="fsdp2_worker.py", args=(), env=None):
     out = tmp_path / f"{mode}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           os.path.join(ROOT, "tests", "fsdp2_worker.py"), mode, str(out)]
+           os.path.join(ROOT, "tests", worker), mode, *args, str(out)]
     # The timeout is the hang detector: a rollout whose processes block in a collective never returns.
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     # Once in ~6 full-suite runs on this loaded 2-core machine, rank 0 aborted in gloo's teardown ("terminate called
     # without an active exception", after destroy_process_group) once its results were written: that teardown is
     # not what these tests examine, so it is reported, not failed; any other failure, or no results, fails.
     teardown_abort = "terminate called without an active exception" in r.stderr and out.exists()
     assert r.returncode == 0 or teardown_abort, r.stderr[-3000:]
     if r.returncode:
-        warnings.warn(f"fsdp2_worker {mode}: the processes aborted in teardown after writing their results")
+        warnings.warn(f"{worker} {mode}: the processes aborted in teardown after writing their results")
     return json.loads(out.read_text())
 
 
@@ -56,7 +61,11 @@ def test_fsdp2_rollout_with_unequal_steps_then_a_training_step(tmp_path):
     """Inside shard.full_weights the two processes decode different numbers of steps (different per-turn caps) and
     finish, with the unsharded model's greedy tokens; grpo.train_on_episodes after it (FSDP2, no no_sync, sharded
     reference) gives the one-process loss, gradient norm and clipped update on both processes' episodes."""
-    r = run_worker("rollout", tmp_path, 29543)
+    check_rollout_then_train(run_worker("rollout", tmp_path, 29543))
+
+
+def check_rollout_then_train(r):
+    """What both backends' rollout workers measured: unequal decoding, the same tokens, then the one-process step."""
     assert r["steps"][0] != r["steps"][1], r["steps"]
     assert r["same_tokens"] and r["episodes"] == 4 and r["logprob_diff"] < 1e-5
     assert r["skipped"] == 0
@@ -65,36 +74,75 @@ def test_fsdp2_rollout_with_unequal_steps_then_a_training_step(tmp_path):
     assert r["weight_diff"] < 1e-5
 
 
-@pytest.mark.parametrize("kind, version, named", [
-    ("FSDP", 1, "FSDP1"), ("DEEPSPEED", None, "DEEPSPEED"), ("XLA", None, "XLA"), ("MEGATRON_LM", None, "MEGATRON_LM"),
+@pytest.mark.parametrize("kind, version, stage, named", [
+    ("FSDP", 1, None, "FSDP1"), ("DEEPSPEED", None, 1, "stage 1"), ("DEEPSPEED", None, 0, "stage 0"),
+    ("XLA", None, None, "XLA"), ("MEGATRON_LM", None, None, "MEGATRON_LM"),
 ])
-def test_unsupported_backends_fail_at_start_naming_them(kind, version, named):
+def test_unsupported_backends_fail_at_start_naming_them(kind, version, stage, named):
     with pytest.raises(SystemExit) as e:
-        shard.check_backend(kind, version)
+        shard.check_backend(kind, version, zero_stage=stage)
     assert named in str(e.value)
-    assert "fsdp_version 2" in str(e.value) or "fsdp_version: 2" in str(e.value)
+    assert any(s in str(e.value) for s in ("fsdp_version 2", "fsdp_version: 2", "zero_stage 3"))
 
 
 def test_sft_refuses_what_it_does_not_implement_too():
-    """The cold start's loop accumulates like GRPO's: DeepSpeed would run it silently wrong there as well."""
+    """The cold start's loop accumulates like GRPO's, through the same shard functions: the same backends are
+    refused there, by name."""
     from types import SimpleNamespace
 
     import sft
 
-    for kind, plugin, named in (("DEEPSPEED", None, "DEEPSPEED"), ("FSDP", SimpleNamespace(fsdp_version=1), "FSDP1")):
-        acc = SimpleNamespace(distributed_type=kind, state=SimpleNamespace(fsdp_plugin=plugin))
+    def acc(kind, fsdp=None, ds=None):
+        return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(fsdp_plugin=fsdp, deepspeed_plugin=ds))
+
+    for refused, named in ((acc("DEEPSPEED", ds=SimpleNamespace(zero_stage=1)), "stage 1"),
+                           (acc("FSDP", fsdp=SimpleNamespace(fsdp_version=1)), "FSDP1")):
         with pytest.raises(SystemExit, match="sft.py") as e:
-            sft.check_backend(acc)
+            sft.check_backend(refused)
         assert named in str(e.value)
-    sft.check_backend(SimpleNamespace(distributed_type="FSDP", state=SimpleNamespace(fsdp_plugin=SimpleNamespace(
-        fsdp_version=2))))
+    sft.check_backend(acc("FSDP", fsdp=SimpleNamespace(fsdp_version=2)))
+    sft.check_backend(acc("DEEPSPEED", ds=SimpleNamespace(zero_stage=2)))
+    zero3 = acc("DEEPSPEED", ds=SimpleNamespace(zero_stage=3))
+    if importlib.util.find_spec("deepspeed") is not None:
+        sft.check_backend(zero3)
+    else:  # the ZeRO-3 rollout needs DeepSpeed's gather: said at start
+        with pytest.raises(SystemExit, match="deepspeed=="):
+            sft.check_backend(zero3)
+
+
+def test_sft_batch_must_split_evenly_over_processes():
+    """Unequal micro-batch counts would hang sharded backward (each one is a collective): refused at start."""
+    import sft
+
+    sft.check_batch(128, 8)
+    for batch, procs in ((10, 4), (2, 4)):
+        with pytest.raises(SystemExit, match="--batch-size"):
+            sft.check_batch(batch, procs)
 
 
 def test_supported_backends_pass():
     from accelerate.utils import DistributedType
 
-    for kind, version in [("NO", None), (DistributedType.MULTI_GPU, None), ("MULTI_CPU", None), ("FSDP", 2)]:
-        shard.check_backend(kind, version)
+    for kind, version, stage in [("NO", None, None), (DistributedType.MULTI_GPU, None, None), ("MULTI_CPU", None, None),
+                                 ("FSDP", 2, None), ("DEEPSPEED", None, 2), ("DEEPSPEED", None, 3)]:
+        shard.check_backend(kind, version, zero_stage=stage)
+
+
+def test_deepspeed_config_is_set_from_the_options_and_brings_no_optimizer():
+    """The engine clips at --grad-clip and takes --micro-batch-size, one micro-batch a step (the loop sets the
+    boundary); a config with its own optimizer or scheduler is refused, naming the section."""
+    from types import SimpleNamespace
+
+    config = {"zero_optimization": {"stage": 3}, "gradient_clipping": "auto", "train_micro_batch_size_per_gpu": "auto"}
+    acc = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=config)),
+                          num_processes=4)
+    shard.configure_deepspeed(acc, micro_batch_size=2, grad_clip=0.7)
+    assert (config["gradient_clipping"], config["train_micro_batch_size_per_gpu"],
+            config["gradient_accumulation_steps"], config["train_batch_size"]) == (0.7, 2, 1, 8)
+    config["scheduler"] = {"type": "WarmupLR"}
+    with pytest.raises(SystemExit, match="'scheduler' section"):
+        shard.configure_deepspeed(acc, micro_batch_size=2, grad_clip=0.7)
+    shard.configure_deepspeed(SimpleNamespace(state=SimpleNamespace()), micro_batch_size=2, grad_clip=0.7)  # no-op
 
 
 def test_memory_estimate_worked_example():
@@ -206,8 +254,11 @@ def test_sharded_loading_holds_shards_and_one_unit(tiny_lm, monkeypatch, capsys)
     assert ddp["load_peak"] == 4 * n + 4 * n + 4 * n  # policy, its DDP buckets, then the reference
     assert fsdp["host_load"] == ddp["host_load"] == 4 * n == fsdp["host_peak"]
 
-    assert shard.load_device(SimpleNamespace(is_fsdp2=True, device=torch.device("cuda", 3))).type == "cpu"
-    assert shard.load_device(SimpleNamespace(is_fsdp2=False, device=torch.device("cuda", 3))) == torch.device("cuda", 3)
+    gpu = torch.device("cuda", 3)
+    for fsdp2, stage, where in ((True, None, "cpu"), (False, 3, "cpu"), (False, 2, gpu), (False, None, gpu)):
+        acc = SimpleNamespace(is_fsdp2=fsdp2, device=gpu, state=SimpleNamespace(
+            deepspeed_plugin=SimpleNamespace(zero_stage=stage) if stage else None))
+        assert shard.load_device(acc) == torch.device(where), (fsdp2, stage)
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**40))
     full = 4 * sum(p.numel() for p in tiny_lm.parameters())
@@ -234,3 +285,39 @@ def test_fsdp2_bf16_policy_leaves_outputs_in_float32(monkeypatch):
     assert cli.fsdp2_plugin("no") is None
     monkeypatch.setenv("FSDP_VERSION", "1")
     assert cli.fsdp2_plugin("bf16") is None  # FSDP1 is refused at start (shard.check_backend)
+
+
+def run_deepspeed(mode, stage, tmp_path, port):
+    if importlib.util.find_spec("deepspeed") is None:  # not imported here: only the workers use it
+        pytest.skip("deepspeed is not installed (MUARL_DEEPSPEED=1 ./run true installs it)")
+    return run_worker(mode, tmp_path, port, "deepspeed_worker.py", [str(stage)], {"DS_ACCELERATOR": "cpu"})
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_deepspeed_gradients_equal_one_process(tmp_path, stage):
+    """A DeepSpeed engine (deepspeed.initialize with shard.configure_deepspeed's config, DeepSpeed's CPU accelerator
+    over gloo) driven by shard.micro_batch / backward / optimizer_step over 2 processes x 2 micro-batches: its reduced
+    gradients, their norm, the weights after its AdamW step (shard.full_state_dict, fp32) and the DeepSpeed
+    reference's log-probs equal one process's on all rows, tied and untied output layer. Under ZeRO-3 the output
+    layer's weight is partitioned outside forwards (0 elements), so the chunked head works only through
+    shard.expose_head. Not covered: Accelerate's own DeepSpeed branch (acc.prepare ignores DeepSpeed when cpu=True),
+    bf16, CUDA/NCCL."""
+    res = run_deepspeed("grads", stage, tmp_path, 29545 + stage)
+    for layout in ("tied=True", "tied=False"):
+        assert res[layout]["head_is_partitioned"] == (stage == 3)
+        for it in ("iter0", "iter1"):
+            r = res[layout][it]
+            assert r["grad_scale"] > 0.01 and r["grad_diff"] < 1e-5 * max(1.0, r["grad_scale"]), (layout, it, r)
+            assert r["norm"][0] == pytest.approx(r["norm"][1], rel=1e-5), (layout, it)
+            assert r["stepped"] and r["state_keys_match"] and r["ref_logp_diff"] < 1e-5, (layout, it, r)
+            assert r["weight_diff"] < 1e-4, (layout, it, r)  # an AdamW step here moves weights by up to 1e-2
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_deepspeed_rollout_with_unequal_steps_then_a_training_step(tmp_path, stage):
+    """Inside shard.full_weights (ZeRO-3: every parameter gathered, DeepSpeed's hooks off) the two processes decode
+    different numbers of steps and finish, with the unsharded model's greedy tokens; the worker's config keeps
+    nothing gathered between forwards, so without the gather the processes' decoding collectives mismatch (seen:
+    gloo aborts). grpo.train_on_episodes with the engine and a DeepSpeed reference then gives the one-process
+    loss, clipped gradient norm and SGD update."""
+    check_rollout_then_train(run_deepspeed("rollout", stage, tmp_path, 29551 + stage))
