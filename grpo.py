@@ -438,7 +438,8 @@ def main(argv=None):
         check_memory(config)
     # The trained policy keeps fp32 master weights (a bf16 AdamW step of lr 1e-6 rounds to nothing); --bf16
     # runs its forward passes under autocast. Under FSDP2 it is loaded in host memory and sharded onto the GPUs by
-    # acc.prepare; the reference after it, so that host memory holds one full model at a time (shard.load_device).
+    # acc.prepare (under ZeRO-3 partitioned as it loads); the reference after it, so that host memory holds one full
+    # model at a time (shard.load_device).
     load_on, attn = shard.load_device(acc), muarl.attention_implementation(acc.device)
     model, tok = muarl.load_model(start, device=load_on, seed=cfg.seed, dtype=torch.float32, attn_implementation=attn)
     if config is None:

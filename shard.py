@@ -4,7 +4,7 @@
     is_sharded        whether a model is sharded by FSDP2 (`fully_shard`)
     shard_like        shard the frozen reference model by hand, as the policy is
     full_weights      gather a sharded policy's full weights once for a rollout, so decoding needs no collectives
-    load_device       where to load a model: host memory when sharded (sharding moves each process's part over)
+    load_device       where to load a model: host memory under FSDP2 (sharding moves each process's part over)
     micro_batch, backward, optimizer_step
                       one optimizer step over several micro-batches, the same for DDP, FSDP2 and DeepSpeed
     configure_deepspeed, expose_head, full_state_dict
@@ -66,6 +66,11 @@ def check_accelerator(acc, program: str = "grpo.py") -> None:
     ds = getattr(acc.state, "deepspeed_plugin", None)  # set only under DeepSpeed
     check_backend(acc.distributed_type, fsdp.fsdp_version if fsdp is not None else None, program,
                   ds.zero_stage if ds is not None else None)
+    if ds is not None and ds.zero_stage == 3 and not getattr(ds, "zero3_init_flag", True) \
+            and getattr(acc, "is_main_process", True):
+        print(f"[{program.removesuffix('.py')}] warning: ZeRO-3 without zero3_init_flag: the DeepSpeed engine moves the "
+              "whole model onto every GPU before partitioning it; set zero3_init_flag: true in the accelerate config",
+              flush=True)
     if ds is not None and ds.zero_stage == 3:  # the rollout's gather (full_weights): fail now, not after loading
         try:
             from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation  # noqa: F401
@@ -263,12 +268,13 @@ def full_weights(model, device):
 
 
 def load_device(acc) -> torch.device:
-    """Where grpo.py and sft.py load the policy (and the reference): host memory under FSDP2 and ZeRO-3, the device
-    otherwise. fully_shard moves one unit's full weights to the GPU at a time (DeepSpeed's partitioning one
-    parameter), keeps this process's slice and frees the rest, so a GPU never holds the whole fp32 model: 14B and 32B
-    load where their shards fit. The price is one full fp32 copy in host memory per process while loading
-    (memory_estimate's host_load)."""
-    return torch.device("cpu") if shards_weights(acc) else torch.device(acc.device)
+    """Where grpo.py and sft.py load the policy (and the reference): host memory under FSDP2, the device otherwise.
+    fully_shard moves one unit's full weights to the GPU at a time, keeps this process's slice and frees the rest, so
+    a GPU never holds the whole fp32 model: 14B and 32B load where their shards fit. The price is one full fp32 copy
+    in host memory per process while loading (memory_estimate's host_load). Under ZeRO-3, Accelerate's zero3_init_flag
+    (its default for stage 3) has transformers partition the model as it loads (deepspeed.zero.Init), on the device;
+    without it the engine moves the whole model onto every GPU before partitioning (check_accelerator says so)."""
+    return torch.device("cpu") if getattr(acc, "is_fsdp2", False) else torch.device(acc.device)
 
 
 def plain(t):

@@ -110,6 +110,22 @@ def test_sft_refuses_what_it_does_not_implement_too():
             sft.check_backend(zero3)
 
 
+def test_zero3_without_init_flag_is_said_at_start(capsys):
+    """Without Accelerate's zero3_init_flag the engine puts the whole model on every GPU before partitioning it."""
+    from types import SimpleNamespace
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    ds = SimpleNamespace(zero_stage=3, zero3_init_flag=False)
+    shard.check_accelerator(SimpleNamespace(distributed_type="DEEPSPEED", state=SimpleNamespace(
+        fsdp_plugin=None, deepspeed_plugin=ds)))
+    assert "zero3_init_flag" in capsys.readouterr().out
+    ds.zero3_init_flag = True
+    shard.check_accelerator(SimpleNamespace(distributed_type="DEEPSPEED", state=SimpleNamespace(
+        fsdp_plugin=None, deepspeed_plugin=ds)))
+    assert "zero3_init_flag" not in capsys.readouterr().out
+
+
 def test_sft_batch_must_split_evenly_over_processes():
     """Unequal micro-batch counts would hang sharded backward (each one is a collective): refused at start."""
     import sft
@@ -255,7 +271,7 @@ def test_sharded_loading_holds_shards_and_one_unit(tiny_lm, monkeypatch, capsys)
     assert fsdp["host_load"] == ddp["host_load"] == 4 * n == fsdp["host_peak"]
 
     gpu = torch.device("cuda", 3)
-    for fsdp2, stage, where in ((True, None, "cpu"), (False, 3, "cpu"), (False, 2, gpu), (False, None, gpu)):
+    for fsdp2, stage, where in ((True, None, "cpu"), (False, 3, gpu), (False, 2, gpu), (False, None, gpu)):
         acc = SimpleNamespace(is_fsdp2=fsdp2, device=gpu, state=SimpleNamespace(
             deepspeed_plugin=SimpleNamespace(zero_stage=stage) if stage else None))
         assert shard.load_device(acc) == torch.device(where), (fsdp2, stage)
