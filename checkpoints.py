@@ -1,8 +1,12 @@
-"""checkpoints.py: a GRPO run's checkpoints, written so that a run can be resumed exactly. grpo.py uses it.
+"""checkpoints.py: a GRPO run's directory and checkpoints, written so that a run can be resumed exactly and nothing a
+user had is lost. grpo.py uses it.
 
+    claim  the run directory: a new one, or an existing run only with --resume (its logs cut back to the resumed
+           step) or --overwrite (only the files a run writes are removed)
     save   run_dir/checkpoints/step-N (model, tokenizer, run config; optimizer, scheduler and RNG states unless
            --save-weights-only), written atomically, `latest` updated, older ones pruned (--keep-checkpoints)
-    find   the checkpoint --resume names (a checkpoint or a run directory)
+    find   the checkpoint --resume names (a checkpoint or a run directory; the newest complete step when `latest`
+           is unreadable)
     load   its optimizer, scheduler and RNG states into the prepared Accelerator; the step to continue from
 """
 import json
@@ -12,6 +16,57 @@ from dataclasses import asdict
 from pathlib import Path
 
 import cli
+
+
+# What a run writes into its directory (grpo.main); --overwrite removes these and nothing else.
+RUN_FILES = ("config.json", "metrics.jsonl", "episodes.jsonl", "eval-before.jsonl", "eval-after.jsonl",
+             "summary.json", "curves.png", "checkpoints")
+LOGS = ("metrics.jsonl", "episodes.jsonl")  # one JSON object a line, each with its "step"
+
+
+def claim(acc, run_dir: Path, resume_step: int | None, overwrite: bool) -> None:
+    """Make `run_dir` ready for this run. A directory that already holds a run is refused unless the run is resumed
+    (its logs are then cut back to `resume_step`, so every step appears once after a crash that logged steps it
+    never checkpointed) or --overwrite is given (the run's own files are removed; nothing else). The main process
+    decides; every process stops with it."""
+    from accelerate.utils import broadcast_object_list
+
+    error = [None]
+    if acc.is_main_process:
+        present = [n for n in RUN_FILES if (run_dir / n).exists()]
+        if resume_step is not None:
+            for name in LOGS:
+                cut_log(run_dir / name, resume_step)
+        elif present and not overwrite:
+            error[0] = (f"grpo.py: --out-dir: {run_dir} already holds a run ({', '.join(present)}); continue it with "
+                        f"--resume {run_dir}, replace it with --overwrite, or choose another --out-dir")
+        elif present:
+            print(f"[grpo] --overwrite: removing the earlier run's {', '.join(present)} from {run_dir}", flush=True)
+            for name in present:
+                p = run_dir / name
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+        if not error[0]:
+            run_dir.mkdir(parents=True, exist_ok=True)
+    if acc.num_processes > 1:
+        broadcast_object_list(error)
+    if error[0]:
+        raise SystemExit(error[0])
+
+
+def cut_log(path: Path, last_step: int) -> None:
+    """Keep the lines of a JSONL log up to `last_step`; drop later steps and a line cut short by a crash."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def save(acc, model, tok, cfg, run_dir: Path, step: int) -> Path:
@@ -46,15 +101,40 @@ def save(acc, model, tok, cfg, run_dir: Path, step: int) -> Path:
 def find(path: str) -> Path:
     """The checkpoint --resume names: a checkpoint directory, or a run directory (its `latest`)."""
     p = Path(path)
-    latest = p / "checkpoints" / "latest.json"
-    if not (p / "trainer_state.json").exists() and latest.exists():
-        p = p / "checkpoints" / json.loads(latest.read_text())["checkpoint"]
+    if not p.exists():
+        raise SystemExit(f"grpo.py: --resume: {path} does not exist")
+    if not (p / "trainer_state.json").exists() and (p / "checkpoints").is_dir():
+        p = newest(p / "checkpoints")
     if (p / "trainer_state.json").exists():
         if not (p / "accelerate").is_dir():
             raise SystemExit(f"grpo.py: --resume: {p} was saved with --save-weights-only (no optimizer, scheduler or "
                              f"RNG state), so it cannot continue the run exactly; start a new run with --init-from {p / 'model'}")
         return p
     raise SystemExit(f"grpo.py: --resume: no checkpoint in {path} (expected trainer_state.json or checkpoints/latest.json)")
+
+
+def newest(ckpt_dir: Path) -> Path:
+    """The checkpoint `latest.json` names; when it is missing, unreadable (cut short) or names a step that is gone,
+    the newest complete step (a step directory exists only once it was fully written: save renames it into place)."""
+    latest = ckpt_dir / "latest.json"
+    try:
+        p = ckpt_dir / json.loads(latest.read_text())["checkpoint"]
+        if (p / "trainer_state.json").exists():
+            return p
+        why = f"names {p.name}, which is not a complete checkpoint"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        why = "is missing" if not latest.exists() else f"is unreadable ({e.__class__.__name__}: {e})"
+    steps = sorted(p for p in ckpt_dir.glob("step-*") if not p.name.endswith(".tmp")
+                   and (p / "trainer_state.json").exists())
+    if not steps:
+        raise SystemExit(f"grpo.py: --resume: {latest} {why}, and {ckpt_dir} holds no complete checkpoint")
+    cli.main_print(f"[grpo] --resume: {latest} {why}; using the newest complete checkpoint, {steps[-1].name}")
+    return steps[-1]
+
+
+def step_of(path: Path) -> int:
+    """The step a checkpoint was saved at."""
+    return json.loads((path / "trainer_state.json").read_text())["step"]
 
 
 def load(acc, path: Path, tasks_per_step: int) -> int:

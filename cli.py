@@ -32,9 +32,10 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
-def parse_config(cls, argv=None, recipes: dict | None = None, description: str = ""):
+def parse_config(cls, argv=None, recipes: dict | None = None, description: str = "", given: set | None = None):
     """Parse --field value options into `cls` (a dataclass). `--recipe NAME` applies a preset first; options
-    given on the command line win. Unknown options and bad values fail at start, naming the option."""
+    given on the command line win. Unknown options and bad values fail at start, naming the option. `given`, a set,
+    receives the names of the fields set on the command line (grpo.py --resume: which settings the user changes)."""
     import argparse
     import dataclasses
     import typing
@@ -59,6 +60,8 @@ def parse_config(cls, argv=None, recipes: dict | None = None, description: str =
     if unknown:
         raise ValueError(f"recipe sets unknown options {sorted(unknown)}")
     values.update({k: v for k, v in args.items() if v is not None})
+    if given is not None:
+        given.update(k for k, v in args.items() if v is not None)
     return cls(**values)
 
 
@@ -106,3 +109,60 @@ def main_print(*args) -> None:
     """print on the main process only (before an Accelerator exists, from torchrun's RANK)."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(*args, flush=True)
+
+
+class StopOnInterrupt:
+    """Ctrl-C as a request to stop at the next safe point. The first SIGINT sets a flag that the loop reads once a
+    step (`agreed`, the same answer on every process) to save and stop cleanly; a second one, two seconds or more
+    later, raises KeyboardInterrupt as usual. (A launcher that forwards the terminal's SIGINT to its workers sends
+    them a second one at once: that one is not taken as the user's second Ctrl-C.)"""
+
+    def __init__(self, program: str):
+        self.program, self.asked, self.at, self._old = program, False, 0.0, None
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # signal handlers live on the main thread only
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def _handler(self, signum, frame):
+        import time
+
+        if not self.asked:
+            self.asked, self.at = True, time.monotonic()
+            main_print(f"\n[{self.program}] Ctrl-C: finishing this step, then saving a checkpoint and stopping "
+                       "(Ctrl-C again to stop at once)")
+        elif time.monotonic() - self.at >= 2.0:
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+        return False
+
+    def agreed(self, acc) -> bool:
+        """Whether any process was asked to stop (a collective when there are several: call it on every one)."""
+        if acc.num_processes == 1:
+            return self.asked
+        return acc.reduce(torch.tensor(float(self.asked), device=acc.device), reduction="max").item() > 0
+
+
+class option_errors:
+    """`with option_errors("grpo.py: --init-from"):` prefixes a SystemExit message raised inside (a loading error
+    that names the path) with the program and the option that gave the path."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if kind is SystemExit and isinstance(exc.code, str):
+            raise SystemExit(f"{self.prefix}: {exc.code}") from None
+        return False

@@ -55,6 +55,12 @@ class EvalConfig:
     """OpenAI-compatible endpoint of the user simulator (default: OPENAI_BASE_URL)"""
     user_concurrency: int = 64
     """requests in flight to the user-simulator endpoint"""
+    user_timeout: float = 60.0
+    """seconds the user simulator's endpoint has to answer one request before it is retried"""
+    user_retries: int = 5
+    """retries of a failed user-simulator request (timeouts, connection errors, 408/409/429, 5xx, malformed replies),
+    with backoff 1, 2, 4, ... s; then the episode ends as infra_error. A call costs at most
+    (retries + 1) x timeout + the backoff (~6.5 minutes with the defaults)"""
     temperature: float = 0.0
     """agent sampling temperature (0: greedy)"""
     max_turns: int = 30
@@ -90,7 +96,9 @@ def summarize(episodes: list[dict], trials: int, meta: dict[str, dict] | None = 
                          "infra_failed": len(eps) - len(ok)}
     summary = {
         "episodes": len(episodes), "tasks": len(by_task), "infra_failed": len(episodes) - len(scored),
-        "pass^1": sum(e["reward"] for e in scored) / max(1, len(scored)),
+        "scored": len(scored),
+        # over the scored episodes only; NaN, not 0, when none was scored: nothing was measured
+        "pass^1": sum(e["reward"] for e in scored) / len(scored) if scored else float("nan"),
         "avg_turns": sum(e["turns"] for e in scored) / max(1, len(scored)),
         "termination": dict(Counter(e["termination"] for e in episodes)),
         "tool_calls_per_episode": {k: v / max(1, len(scored)) for k, v in
@@ -289,6 +297,8 @@ def main(argv=None):
         raise SystemExit("eval.py: --agent is required (a checkpoint directory, hub id, smollm2-135m or openai:<model>)")
     if cfg.trials < 1:
         raise SystemExit("eval.py: --trials must be >= 1")
+    if cfg.user_retries < 0 or not cfg.user_timeout > 0:
+        raise SystemExit("eval.py: --user-retries must be >= 0 and --user-timeout > 0")
     acc = cli.make_accelerator()
     options = {"reward": cfg.env_reward} if cfg.env_reward else {}
     if cfg.env.startswith("acebench:") and cfg.acebench_root:
@@ -300,9 +310,11 @@ def main(argv=None):
     if cfg.agent.startswith("openai:") or cfg.agent == "expert":
         episodes = run_api_agent(cfg, env, tasks[acc.process_index::acc.num_processes])
     else:
-        from rollout import RolloutConfig, make_user_sim, rollout
+        from rollout import RolloutConfig, check_max_context, make_user_sim, rollout
 
-        model, tok = muarl.load_model(cfg.agent, device=acc.device)  # bf16 on GPU, fp32 on CPU
+        with cli.option_errors("eval.py: --agent"):
+            model, tok = muarl.load_model(cfg.agent, device=acc.device)  # bf16 on GPU, fp32 on CPU
+        check_max_context(tok, env, tasks, cfg.max_context, "eval.py")
         model.eval()
         user_sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
         sampling = RolloutConfig(temperature=max(cfg.temperature, 1e-5), greedy=cfg.temperature == 0,
@@ -326,6 +338,10 @@ def main(argv=None):
         ks = " ".join(f"{k} {s[k]:.3f}" for k in s if k.startswith("pass^") or k == "category_mean")
         print(f"[eval] {cfg.agent} on {cfg.env}:{cfg.split}: {s['tasks']} tasks x {cfg.trials}: {ks}, "
               f"avg turns {s['avg_turns']:.1f}, infra failed {s['infra_failed']}. Written to {out}")
+        if not s["scored"]:
+            first = next((e["reward_info"].get("error") for e in episodes if e.get("reward_info")), None)
+            raise SystemExit(f"eval.py: none of the {len(episodes)} episodes was scored: all failed on infrastructure "
+                             f"(the user simulator or the evaluator); the first error: {first}")
 
 
 if __name__ == "__main__":

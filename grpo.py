@@ -17,7 +17,6 @@ never the reverse (tests/test_layout.py).
 
 import json
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -63,6 +62,12 @@ class Config:
     """OpenAI-compatible endpoint of the user simulator (default: OPENAI_BASE_URL); key from OPENAI_API_KEY"""
     user_concurrency: int = 64
     """requests in flight to the user-simulator endpoint"""
+    user_timeout: float = 60.0
+    """seconds the user simulator's endpoint has to answer one request before it is retried"""
+    user_retries: int = 5
+    """retries of a failed user-simulator request (timeouts, connection errors, 408/409/429, 5xx, malformed replies),
+    with backoff 1, 2, 4, ... s; then the episode ends as infra_error. A call costs at most
+    (retries + 1) x timeout + the backoff (~6.5 minutes with the defaults)"""
     steps: int = 40
     """optimizer steps (each: rollout, rewards, advantages, update)"""
     tasks_per_step: int = 4
@@ -122,7 +127,10 @@ class Config:
     seed: int = 0
     """seed of task order, sampling and initialization"""
     out_dir: str = ""
-    """run directory (default: runs/grpo-<env>-<time>)"""
+    """run directory (default: runs/grpo-<env>-<time>); one that already holds a run is refused unless --resume or
+    --overwrite"""
+    overwrite: bool = False
+    """replace the run already in --out-dir: its config, logs, checkpoints and summary are removed (nothing else)"""
     save_every: int = 20
     """steps between checkpoints (the last step is always saved)"""
     keep_checkpoints: int = 0
@@ -156,6 +164,13 @@ RECIPES = {
 }
 
 
+# What --resume lets a user change: how the run reaches its user simulator and how it reports and saves, none of
+# which changes what is trained (a dead endpoint is replaced on resume; the user model's name may differ by server).
+# Anything else continues with the run's saved settings; giving it is refused rather than ignored.
+RESUMABLE = ("steps", "user_base_url", "user_model", "user_concurrency", "user_timeout", "user_retries",
+             "report_to", "log_episodes", "save_every", "keep_checkpoints", "memory_check")
+
+
 def validate(cfg: Config, world: int) -> None:
     """Fail at start with a message naming the option."""
     def bad(opt, why):
@@ -174,7 +189,8 @@ def validate(cfg: Config, world: int) -> None:
                 "save_every"):
         if getattr(cfg, opt) < 1:
             bad(opt, "must be >= 1")
-    for opt in ("warmup_steps", "eval_tasks", "log_episodes", "rollout_batch", "kl_coef", "grad_clip", "keep_checkpoints"):
+    for opt in ("warmup_steps", "eval_tasks", "log_episodes", "rollout_batch", "kl_coef", "grad_clip", "keep_checkpoints",
+                "user_retries"):
         if getattr(cfg, opt) < 0:
             bad(opt, "must be >= 0")
     for opt in ("clip_low", "clip_high"):
@@ -182,6 +198,8 @@ def validate(cfg: Config, world: int) -> None:
             bad(opt, "must be in (0, 1)")
     if cfg.dual_clip and cfg.dual_clip <= 1:
         bad("dual_clip", "must be > 1 (or 0 to disable)")
+    if not cfg.user_timeout > 0:
+        bad("user_timeout", "must be > 0 seconds")
     if not cfg.temperature > 0:
         bad("temperature", "must be > 0")
     if not 0 < cfg.top_p <= 1:
@@ -236,7 +254,22 @@ def step_tasks(tasks: list, cfg: Config, step: int, rank: int, world: int) -> li
 def episode_summary(ep) -> dict:
     return {"reward": ep.reward, "valid": not ep.infra_failed, "turns": ep.turns, "gen_tokens": ep.gen_tokens,
             "termination": ep.termination, "tool_calls": dict(ep.tool_calls), "tool_errors": ep.tool_errors,
-            "task_id": ep.task_id, "checks": reward_checks(ep.reward_info)}
+            "task_id": ep.task_id, "checks": reward_checks(ep.reward_info),
+            "error": (ep.reward_info or {}).get("error") if ep.infra_failed else None}
+
+
+def console_line(m: dict, failed: list[dict], t_roll: float, t_upd: float) -> str:
+    """The step's line on the console; episodes lost to infrastructure (the user simulator, the evaluator) are
+    counted with the first error, so that a failing endpoint is seen at once, not after the run."""
+    line = (f"step {m['step']:4d} | reward {m.get('reward_mean', 0):.3f} "
+            f"all-correct {m['all_correct_ratio']:.2f} all-wrong {m['all_wrong_ratio']:.2f} | "
+            f"turns {m.get('turns_mean', 0):.1f} resp-tok {m.get('response_tokens_mean', 0):.0f} | "
+            f"loss {m['loss']:+.4f} kl {m.get('kl', 0):.4f} "
+            f"clip {m.get('clip_frac_low', 0) + m.get('clip_frac_high', 0):.3f} "
+            f"ent {m.get('entropy', 0):.2f} gnorm {m.get('grad_norm', 0):.2f} | {t_roll:.1f}s+{t_upd:.1f}s")
+    if failed:
+        line += f"\n     | {len(failed)} of {m['episodes']} episodes failed on infrastructure, left out; first: {failed[0]['error']}"
+    return line
 
 
 def reward_checks(info: dict) -> dict:
@@ -388,27 +421,32 @@ def main(argv=None):
 
     from envs import make_env
     from eval import plot_curves, summarize
-    from rollout import RolloutConfig, make_user_sim, rollout, user_sim_options
+    from rollout import RolloutConfig, check_max_context, make_user_sim, rollout, user_sim_options
 
-    cfg = cli.parse_config(Config, argv, recipes=RECIPES, description=__doc__.split("\n\n")[0])
+    given = set()
+    cfg = cli.parse_config(Config, argv, recipes=RECIPES, description=__doc__.split("\n\n")[0], given=given)
     resume_from = checkpoints.find(cfg.resume) if cfg.resume else None
-    if resume_from:  # continue the run with its own settings; --steps may extend it
+    if resume_from:  # continue the run with its own settings; only what does not change training may be changed
         saved = json.loads((resume_from / "model" / "muarl_config.json").read_text())["grpo"]
-        given = [a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)]
-        cfg = Config(**{**saved, "steps": cfg.steps if "--steps" in given else saved["steps"], "resume": cfg.resume})
-        if set(given) - {"--resume", "--steps"}:
-            print(f"[grpo] --resume continues with the run's saved settings; ignoring {sorted(set(given) - {'--resume', '--steps'})}")
+        fixed = sorted(given - set(RESUMABLE) - {"resume"})
+        if fixed:
+            raise SystemExit(f"grpo.py: --resume continues the run with its saved settings; "
+                             f"{', '.join('--' + k.replace('_', '-') for k in fixed)} cannot change in it (only "
+                             f"{', '.join('--' + k.replace('_', '-') for k in RESUMABLE)} can); start a new run with "
+                             f"--init-from {resume_from / 'model'} to change them")
+        cfg = Config(**{**saved, **{k: getattr(cfg, k) for k in given}, "resume": cfg.resume, "overwrite": False})
     acc = cli.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no", log_with=cfg.report_to or None)
     validate(cfg, acc.num_processes)
     shard.check_accelerator(acc)
     muarl.seed_everything(cfg.seed)
-    run_dir = Path(cfg.out_dir or resume_from and resume_from.parents[1] or
-                   f"runs/grpo-{cfg.env.replace(':', '-')}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if not cfg.out_dir:
-        cfg.out_dir = str(run_dir)
-    if acc.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        cli.write_json_atomic(run_dir / "config.json", asdict(cfg))
+    if resume_from:
+        run_dir = resume_from.parents[1]
+    else:
+        run_dir = Path(cfg.out_dir or f"runs/grpo-{cfg.env.replace(':', '-')}-{time.strftime('%Y%m%d-%H%M%S')}")
+    cfg.out_dir = str(run_dir)
+    # An existing run is refused unless --resume or --overwrite (nothing is overwritten silently); the main process
+    # decides and every process stops with it.
+    checkpoints.claim(acc, run_dir, checkpoints.step_of(resume_from) if resume_from else None, cfg.overwrite)
     if cfg.report_to:
         acc.init_trackers(run_dir.name, config=asdict(cfg))
 
@@ -424,6 +462,9 @@ def main(argv=None):
     if not cfg.init_from and cfg.model == "tiny":
         cfg.init_from = cold_start(cfg)
     start = cfg.init_from or cfg.model
+    load_errors = cli.option_errors(f"grpo.py: {'--init-from' if cfg.init_from else '--model'}")
+    with load_errors:  # a local path that is not there stops now, not after a hub lookup
+        muarl.check_local(start)
 
     def check_memory(config):
         per_process = cfg.tasks_per_step // acc.num_processes * cfg.group_size
@@ -441,7 +482,10 @@ def main(argv=None):
     # acc.prepare (under ZeRO-3 partitioned as it loads); the reference after it, so that host memory holds one full
     # model at a time (shard.load_device).
     load_on, attn = shard.load_device(acc), muarl.attention_implementation(acc.device)
-    model, tok = muarl.load_model(start, device=load_on, seed=cfg.seed, dtype=torch.float32, attn_implementation=attn)
+    with load_errors:
+        model, tok = muarl.load_model(start, device=load_on, seed=cfg.seed, dtype=torch.float32,
+                                      attn_implementation=attn)
+    check_max_context(tok, env, tasks, cfg.max_context)
     if config is None:
         check_memory(model.config)
     if cfg.gradient_checkpointing:
@@ -468,6 +512,8 @@ def main(argv=None):
     if resume_from:
         first_step = checkpoints.load(acc, resume_from, cfg.tasks_per_step)
         acc.print(f"[grpo] resumed from {resume_from} at step {first_step}")
+    if acc.is_main_process:  # written once everything has loaded: a run that fails to start leaves no run behind
+        cli.write_json_atomic(run_dir / "config.json", asdict(cfg))
     sampling = RolloutConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                              max_context=cfg.max_context, max_turns=cfg.max_turns, reuse_cache=cfg.reuse_cache,
                              max_batch=cfg.rollout_batch,
@@ -482,6 +528,11 @@ def main(argv=None):
                           user_sim, replace(sampling, greedy=True))
         eps = gather_object([e.to_json() for e in eps])
         s = summarize(eps, 1, {t.id: t.meta for t in test})
+        if not s["scored"]:
+            first = next((e["reward_info"].get("error") for e in eps if e.get("reward_info")), None)
+            acc.print(f"[grpo] eval ({tag}): none of the {len(eps)} episodes was scored (all failed on infrastructure; "
+                      f"the first error: {first})")
+            return {f"eval/{tag}/pass1": None, f"eval/{tag}/tasks": s["tasks"]}
         res = {f"eval/{tag}/pass1": s["pass^1"], f"eval/{tag}/tasks": s["tasks"],
                f"eval/{tag}/by_meta": s.get("by_meta", {})}
         if acc.is_main_process:
@@ -497,43 +548,65 @@ def main(argv=None):
     results = evaluate("before") if first_step == 0 else {}
     bar = tqdm(range(first_step, cfg.steps), initial=first_step, total=cfg.steps, disable=not acc.is_main_process,
                desc="grpo", dynamic_ncols=True)
-    for step in bar:
-        t0 = time.time()
-        my_tasks = step_tasks(tasks, cfg, step, acc.process_index, acc.num_processes)
-        model.eval()
-        # Sampling seeded by (run seed, step, process): a resumed run draws exactly what it would have drawn.
-        gen = torch.Generator(acc.device).manual_seed(cfg.seed * 1_000_003 + step * 1_009 + acc.process_index)
-        with shard.full_weights(model, acc.device), acc.autocast():
-            episodes = rollout(acc.unwrap_model(model), tok, env, my_tasks, cfg.group_size, user_sim, sampling, gen)
-        t_roll = time.time() - t0
-        model.train()
-        t1 = time.time()
-        loss_metrics = train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg, tok.pad_token_id)
-        t_upd = time.time() - t1
-        summaries = gather_object([episode_summary(e) for e in episodes])
-        n_gen = acc.reduce(torch.tensor(float(sum(e.gen_tokens for e in episodes)), device=acc.device), "sum").item()
-        metrics = {"step": step + 1, **step_metrics(summaries, cfg.group_size), **loss_metrics,
-                   "lr": sched.get_last_lr()[0], "rollout_s": t_roll, "update_s": t_upd,
-                   "gen_tokens_per_s": n_gen / max(t_roll, 1e-9)}
-        samples = gather_object([e.to_json() for e in episodes[:max(0, cfg.log_episodes)]])
-        if acc.is_main_process:
-            with open(log_path, "a") as f:
-                f.write(json.dumps(metrics) + "\n")
-            with open(ep_path, "a") as f:
-                for s in samples[:cfg.log_episodes]:
-                    f.write(json.dumps({"step": step + 1, **s}, ensure_ascii=False) + "\n")
-            bar.set_postfix(reward=f"{metrics.get('reward_mean', 0):.3f}", kl=f"{metrics.get('kl', 0):.4f}")
-            tqdm.write(f"step {step + 1:4d} | reward {metrics.get('reward_mean', 0):.3f} "
-                       f"all-correct {metrics['all_correct_ratio']:.2f} all-wrong {metrics['all_wrong_ratio']:.2f} | "
-                       f"turns {metrics.get('turns_mean', 0):.1f} resp-tok {metrics.get('response_tokens_mean', 0):.0f} | "
-                       f"loss {metrics['loss']:+.4f} kl {metrics.get('kl', 0):.4f} "
-                       f"clip {metrics.get('clip_frac_low', 0) + metrics.get('clip_frac_high', 0):.3f} "
-                       f"ent {metrics.get('entropy', 0):.2f} gnorm {metrics.get('grad_norm', 0):.2f} | "
-                       f"{t_roll:.1f}s+{t_upd:.1f}s")
-        if cfg.report_to:
-            acc.log(metrics, step=step + 1)
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-            checkpoints.save(acc, model, tok, cfg, run_dir, step + 1)
+    resume_hint = f"accelerate launch grpo.py --resume {run_dir}"
+    saved, step = first_step, first_step  # the newest checkpoint's step; the step in progress
+    try:
+        with cli.StopOnInterrupt("grpo") as ctrl_c:  # Ctrl-C: finish the step, save, say how to resume
+            for step in bar:
+                t0 = time.time()
+                my_tasks = step_tasks(tasks, cfg, step, acc.process_index, acc.num_processes)
+                model.eval()
+                # Sampling seeded by (run seed, step, process): a resumed run draws exactly what it would have drawn.
+                gen = torch.Generator(acc.device).manual_seed(cfg.seed * 1_000_003 + step * 1_009 + acc.process_index)
+                with shard.full_weights(model, acc.device), acc.autocast():
+                    episodes = rollout(acc.unwrap_model(model), tok, env, my_tasks, cfg.group_size, user_sim, sampling,
+                                       gen)
+                t_roll = time.time() - t0
+                summaries = gather_object([episode_summary(e) for e in episodes])
+                failed = [s for s in summaries if not s["valid"]]
+                if len(failed) == len(summaries):  # stop, loudly, rather than train on nothing step after step
+                    if step > saved:
+                        checkpoints.save(acc, model, tok, cfg, run_dir, step)
+                    then = (f"then continue with {resume_hint} (the user-simulator options may change on --resume)"
+                            if step else f"then start again (--overwrite {run_dir})")
+                    raise SystemExit(f"grpo.py: step {step + 1}: all {len(summaries)} episodes failed on infrastructure, so "
+                                     f"there is nothing to train on; the first error: {failed[0]['error']}\nFix it, "
+                                     f"{then}.")
+                model.train()
+                t1 = time.time()
+                loss_metrics = train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg, tok.pad_token_id)
+                t_upd = time.time() - t1
+                n_gen = acc.reduce(torch.tensor(float(sum(e.gen_tokens for e in episodes)), device=acc.device),
+                                   "sum").item()
+                metrics = {"step": step + 1, **step_metrics(summaries, cfg.group_size), **loss_metrics,
+                           "lr": sched.get_last_lr()[0], "rollout_s": t_roll, "update_s": t_upd,
+                           "gen_tokens_per_s": n_gen / max(t_roll, 1e-9)}
+                samples = gather_object([e.to_json() for e in episodes[:max(0, cfg.log_episodes)]])
+                if acc.is_main_process:
+                    with open(log_path, "a") as f:
+                        f.write(json.dumps(metrics) + "\n")
+                    with open(ep_path, "a") as f:
+                        for s in samples[:cfg.log_episodes]:
+                            f.write(json.dumps({"step": step + 1, **s}, ensure_ascii=False) + "\n")
+                    bar.set_postfix(reward=f"{metrics.get('reward_mean', 0):.3f}", kl=f"{metrics.get('kl', 0):.4f}")
+                    tqdm.write(console_line(metrics, failed, t_roll, t_upd))
+                if cfg.report_to:
+                    acc.log(metrics, step=step + 1)
+                stop = ctrl_c.agreed(acc)  # every process stops after the same step
+                if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stop:
+                    checkpoints.save(acc, model, tok, cfg, run_dir, step + 1)
+                    saved = step + 1
+                if stop and step + 1 < cfg.steps:
+                    bar.close()
+                    acc.print(f"[grpo] stopped by Ctrl-C after step {step + 1} of {cfg.steps}, checkpoint saved; "
+                              f"continue with: {resume_hint}")
+                    raise SystemExit(130)
+    except KeyboardInterrupt:  # the second Ctrl-C: stop at once; the step in progress is lost
+        bar.close()
+        where = (f"the newest checkpoint is step {saved}; continue with: {resume_hint}" if saved else
+                 f"no checkpoint was written; start again with --overwrite {run_dir}")
+        acc.print(f"\n[grpo] interrupted during step {step + 1}: {where}")
+        raise SystemExit(130) from None
     if first_step < cfg.steps:
         results.update(evaluate("after"))
     if acc.is_main_process:

@@ -475,11 +475,40 @@ def _smollm2_dir() -> Path:
     return out
 
 
+def looks_local(name: str) -> bool:
+    """Whether a model name is meant as a path on this machine rather than a hub id ("org/model"): it exists, starts
+    like a path (/ . ~), has more than one '/', or its first part is a directory here (runs/sft-qwen3). Such a name
+    that does not exist is refused at once instead of being looked up on the hub (which takes a minute offline)."""
+    p = Path(name).expanduser()
+    return (p.exists() or name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
+            or ("/" in name and Path(name.split("/")[0]).is_dir()))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_local(name: str) -> Path | None:
+    """The directory a local model name points to, checked: it exists and holds a model config. None for hub ids."""
+    if name in ("tiny", "smollm2-135m") or not looks_local(name):
+        return None
+    p = Path(name).expanduser()
+    if not p.exists():
+        raise SystemExit(f"{name}: no such directory (a local path, so it is not looked up on the hub)")
+    if not (p / "config.json").exists():
+        inside = ", ".join(sorted(c.name for c in p.iterdir())[:8]) if p.is_dir() else "it is a file"
+        raise SystemExit(f"{name}: not a model directory: no config.json ({inside or 'it is empty'})")
+    return p
+
+
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
     if name == "tiny":
         return tiny_tokenizer()
+    local = check_local(name)
+    if local is not None and not any((local / f).exists() for f in TOKENIZER_FILES):
+        raise SystemExit(f"{name}: no tokenizer files in the checkpoint (none of {', '.join(TOKENIZER_FILES)}); "
+                         "save the tokenizer beside the model (tokenizer.save_pretrained) or copy its files there")
     path = str(_smollm2_dir()) if name == "smollm2-135m" else name
     tok = AutoTokenizer.from_pretrained(path)
     if not template_renders_tools(tok):
@@ -506,7 +535,15 @@ def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, 
         model = AutoModelForCausalLM.from_config(cfg).to(dtype)
     else:
         path = str(_smollm2_dir()) if name == "smollm2-135m" else name
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+        except Exception as e:
+            local = check_local(name)
+            if local is None:
+                raise
+            weights = sorted(f.name for f in local.iterdir() if f.suffix in (".safetensors", ".bin")) or ["no weight files"]
+            raise SystemExit(f"{name}: could not load the model's weights ({', '.join(weights[:4])}): "
+                             f"{e.__class__.__name__}: {str(e)[:300]}") from e
     return model.to(device), tok
 
 

@@ -104,7 +104,10 @@ def reference_rollout(model, tokenizer, env, task, user_sim: UserSim, cfg: Rollo
                 "context" if len(ep.input_ids) + len(ids) >= cfg.max_context else "max_new_tokens")
         status = agent_turn(ep, session, tokenizer, ids, logprobs, stop, cfg.max_turns)
         if status == "user":
-            ep.messages.append({"role": "user", "content": user.reply(ep.messages)})
+            reply = user.reply(ep.messages)
+            if not said_something(reply):
+                raise UserSimError(f"the user simulator's reply is empty ({reply!r})")
+            ep.messages.append({"role": "user", "content": reply})
             status = next_turn(ep.messages, ep.turns, cfg.max_turns)
         if status == "agent" and not append_delta(ep, tokenizer, cfg.max_context):
             status = "context_limit"
@@ -445,8 +448,12 @@ async def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, generator)
     for task, opening in zip(tasks, openings):
         if isinstance(opening, BaseException) and not isinstance(opening, UserSimError):
             raise opening
+        if opening is not None and not isinstance(opening, UserSimError) and not said_something(opening):
+            opening = UserSimError(f"the user simulator's opening is empty ({opening!r})")
         tools = env.tools(task)
         failed = isinstance(opening, UserSimError)
+        if failed:
+            log.warning("user simulator failed to open task %s: %s", task.id, opening)
         opening_ids = [] if failed else prompt_ids(tok, opening_messages(env, task, opening), tools)
         for g in range(group_size):
             ep = Episode(task_id=task.id, sample=g, tools=tools)
@@ -491,6 +498,11 @@ async def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, generator)
                 continue
             if isinstance(reply, BaseException):
                 raise reply
+            if not said_something(reply):  # an empty user turn is a broken user, not a dialogue to score
+                log.warning("user simulator gave an empty reply for task %s: %r", r.ep.task_id, reply)
+                r.ep.reward_info = {"error": f"the user simulator's reply is empty ({reply!r})"}
+                _finish(r, "infra_error")
+                continue
             r.ep.messages.append({"role": "user", "content": reply})
             status = next_turn(r.ep.messages, r.ep.turns, cfg.max_turns)
             if status == "agent":
@@ -505,6 +517,28 @@ async def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, generator)
             else:
                 _finish(r, "context_limit")
     return [r.ep for r in rows]
+
+
+def check_max_context(tokenizer, env, tasks: list, max_context: int, program: str = "grpo.py") -> None:
+    """Refuse a --max-context that no episode can start in (every one would end at 0 turns, scored 0 or trained
+    on nothing), naming both numbers; warn when only some tasks' openings are too long. The opening measured is the
+    system prompt with the tools and the task's earlier messages, before the user's first message: a lower bound."""
+    sample = tasks[:256]
+    lengths = [len(prompt_ids(tokenizer, opening_messages(env, t, None), env.tools(t))) for t in sample]
+    over = [n for n in lengths if n >= max_context]
+    if lengths and len(over) == len(lengths):
+        raise SystemExit(f"{program}: --max-context {max_context} is below every task's opening ({min(lengths)} to "
+                         f"{max(lengths)} tokens of system prompt and tools before the user's first message, over "
+                         f"{len(sample)} tasks): no episode could start; raise it well above {max(lengths)}")
+    if over:
+        print(f"[{program.split('.')[0]}] warning: --max-context {max_context}: {len(over)} of {len(lengths)} tasks open "
+              f"with more tokens (up to {max(over)}); their episodes end at once as context_limit", flush=True)
+
+
+def said_something(text) -> bool:
+    """A user message the episode can take: a non-empty string (an LLM user that answers nothing is an
+    infrastructure failure of that episode; envs/users.py retries it first where it can)."""
+    return isinstance(text, str) and bool(text.strip())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -529,7 +563,8 @@ def make_user_sim(name: str, **options) -> UserSim:
 def user_sim_options(cfg) -> dict:
     """Options of the user simulator named by cfg.user_sim, from the user_* fields of an entry point's config."""
     if cfg.user_sim == "openai":
-        return dict(model=cfg.user_model, base_url=cfg.user_base_url or None, max_concurrency=cfg.user_concurrency)
+        return dict(model=cfg.user_model, base_url=cfg.user_base_url or None, max_concurrency=cfg.user_concurrency,
+                    timeout=cfg.user_timeout, max_retries=cfg.user_retries)
     if cfg.user_sim == "hf":
         return dict(model=cfg.user_model)
     return {}

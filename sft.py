@@ -41,7 +41,13 @@ class SFTConfig:
     data: str = ""
     """JSONL conversations ({"messages": [...], "tools": [...]}); empty: synthesize them with --teacher"""
     out: str = "runs/sft"
-    """directory the checkpoint is written to (Hugging Face format + tokenizer + this config)"""
+    """directory the checkpoint is written to (Hugging Face format + tokenizer + this config); an existing one is
+    refused unless --overwrite"""
+    overwrite: bool = False
+    """replace the checkpoint already in --out (and an existing --data-out file); a directory that holds anything but
+    a checkpoint's files is refused even so: nothing else is ever deleted"""
+    strict_data: bool = False
+    """refuse a --data file with any malformed conversation (default: report each with its file and line, skip it)"""
     teacher: str = "expert"
     """cold-start teacher when --data is empty: 'expert' (scripted, small domain) or an OpenAI-compatible model"""
     teacher_skips_confirm: float = 0.0
@@ -63,6 +69,12 @@ class SFTConfig:
     """OpenAI-compatible endpoint of the user simulator (default: OPENAI_BASE_URL)"""
     user_concurrency: int = 8
     """requests in flight to the user-simulator endpoint"""
+    user_timeout: float = 60.0
+    """seconds the user simulator's endpoint has to answer one request before it is retried"""
+    user_retries: int = 5
+    """retries of a failed user-simulator request (timeouts, connection errors, 408/409/429, 5xx, malformed replies),
+    with backoff 1, 2, 4, ... s; then the episode ends as infra_error. A call costs at most
+    (retries + 1) x timeout + the backoff (~6.5 minutes with the defaults)"""
     data_out: str = ""
     """also write the synthesized conversations here (JSONL)"""
     epochs: float = 1.0
@@ -101,30 +113,113 @@ class SFTConfig:
 # ---------------------------------------------------------------------------------------------------------
 # Data
 # ---------------------------------------------------------------------------------------------------------
-def load_conversations(path: str) -> list[dict]:
-    """Read JSONL conversations; a malformed line stops with the file and line number."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_conversation(rec) -> dict:
+    """One cold-start record, checked and normalized: {"messages", "tools", "prompt_messages"}. Raises ValueError
+    naming the first problem. Content may be a string or OpenAI content parts (their texts are joined); every tool
+    message must answer a call of the assistant message before it; tool-call arguments must be JSON objects. A
+    conversation that breaks these would put an invalid call, or a result of nothing, under the loss mask."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"a record must be a JSON object, not {type(rec).__name__}")
+    msgs = rec.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ValueError("'messages' must be a non-empty list")
+    out, calls = [], None  # calls: the ids the last assistant message's tool calls left to answer
+    for i, m in enumerate(msgs):
+        where = f"message {i}"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ValueError(f"{where}: role must be one of {', '.join(ROLES)} (got {str(m)[:80]})")
+        m = dict(m)
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts
+            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
+                       for c in content):
+                raise ValueError(f"{where}: content parts other than text ({str(content)[:80]})")
+            content = "".join(c["text"] for c in content)
+        if content is None and m["role"] == "assistant" and m.get("tool_calls"):
+            content = ""
+        if not isinstance(content, str):
+            raise ValueError(f"{where} ({m['role']}): content must be a string or text parts, not {content!r:.60}")
+        m["content"] = content
+        if m["role"] == "assistant":
+            tool_calls = m.get("tool_calls") or []
+            if not isinstance(tool_calls, list):
+                raise ValueError(f"{where}: 'tool_calls' must be a list")
+            calls = []
+            for j, c in enumerate(tool_calls):
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                    raise ValueError(f"{where}, tool call {j}: needs a 'function' with a 'name'")
+                args = fn.get("arguments", "{}")
+                try:
+                    parsed = json.loads(args) if isinstance(args, str) else args
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{where}, tool call {j} ({fn['name']}): arguments are not JSON ({e})") from None
+                if not isinstance(parsed, dict):
+                    raise ValueError(f"{where}, tool call {j} ({fn['name']}): arguments must be a JSON object")
+                calls.append(c.get("id"))
+            if tool_calls:
+                m["tool_calls"] = tool_calls
+            else:
+                m.pop("tool_calls", None)
+        elif m["role"] == "tool":
+            if not calls:
+                raise ValueError(f"{where}: a tool message that answers no call of the assistant message before it")
+            call_id = m.get("tool_call_id")
+            if call_id is not None and any(c is not None for c in calls) and call_id not in calls:
+                raise ValueError(f"{where}: tool_call_id {call_id!r} is not a call of the assistant message before it")
+            calls.remove(call_id if call_id in calls else calls[0])
+        else:
+            calls = None
+        out.append(m)
+    tools = rec.get("tools") or []
+    if not isinstance(tools, list):
+        raise ValueError("'tools' must be a list")
+    n_prompt = rec.get("prompt_messages") or 0
+    if type(n_prompt) is not int or not 0 <= n_prompt < len(out):
+        raise ValueError("'prompt_messages' must be an int smaller than the number of messages")
+    if not any(m["role"] == "assistant" for m in out[n_prompt:]):
+        raise ValueError("no assistant message to train on" + (" after the prompt ('prompt_messages')" if n_prompt else ""))
+    return {"messages": out, "tools": tools, "prompt_messages": n_prompt}
+
+
+def load_conversations(path: str, strict: bool = False) -> list[dict]:
+    """Read JSONL conversations, each checked (`check_conversation`). A bad line (not UTF-8, not JSON, a broken
+    conversation) is reported with its file and line and skipped, and the skipped are counted; with `strict`
+    (--strict-data) the first one stops the run. Each conversation keeps its "source" (file:line) for later errors."""
+    out, bad = [], []
+    with open(path, "rb") as f:
+        raw_lines = f.read().split(b"\n")
+    for lineno, raw in enumerate(raw_lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"not UTF-8: byte {raw[e.start]:#04x} at column {e.start + 1}") from None
             try:
                 rec = json.loads(line)
-                msgs = rec["messages"]
-                assert isinstance(msgs, list) and msgs, "'messages' must be a non-empty list"
-                for m in msgs:
-                    assert isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool"), \
-                        f"bad message {str(m)[:80]}"
-                assert any(m["role"] == "assistant" for m in msgs), "no assistant message to train on"
-                tools = rec.get("tools") or []
-                assert isinstance(tools, list), "'tools' must be a list"
-                n_prompt = rec.get("prompt_messages") or 0
-                assert type(n_prompt) is int and 0 <= n_prompt < len(msgs), \
-                    "'prompt_messages' must be an int smaller than the number of messages"
-                assert any(m["role"] == "assistant" for m in msgs[n_prompt:]), "no assistant message after the prompt"
-            except (json.JSONDecodeError, KeyError, AssertionError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: malformed conversation: {e!r}") from None
-            out.append({"messages": msgs, "tools": tools, "prompt_messages": n_prompt})
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not JSON: {e}") from None
+            conv = check_conversation(rec)
+        except ValueError as e:
+            if strict:
+                raise ValueError(f"{path}:{lineno}: malformed conversation: {e} (--strict-data)") from None
+            bad.append(f"{path}:{lineno}: {e}")
+            continue
+        out.append({**conv, "source": f"{path}:{lineno}"})
+    if not out and not bad:
+        raise ValueError(f"{path}: the file is empty: no conversation to train on")
+    for b in bad[:20]:
+        print(f"[sft] skipped {b}", flush=True)
+    if bad:
+        print(f"[sft] {path}: {len(bad)} malformed conversation(s) skipped{' (first 20 shown)' if len(bad) > 20 else ''}, "
+              f"{len(out)} kept (--strict-data refuses the file instead)", flush=True)
+    if not out:
+        raise ValueError(f"{path}: none of its {len(bad)} conversations is usable (the first: {bad[0]})")
     return out
 
 
@@ -218,10 +313,14 @@ def lr_lambda(warmup: int, total: int, floor: float = 0.1):
 
 
 def encode(tok, conversations: list[dict], max_len: int) -> tuple[list[tuple[list[int], list[int]]], list[int]]:
-    """(ids, loss_mask) per conversation no longer than max_len, and the lengths of those skipped (never cut)."""
+    """(ids, loss_mask) per conversation no longer than max_len, and the lengths of those skipped (never cut). A
+    conversation the chat template cannot render stops with its source (file:line) named."""
     data, skipped = [], []
-    for conv in conversations:
-        ids, mask = muarl.encode_conversation(tok, conv["messages"], conv["tools"], conv.get("prompt_messages", 0))
+    for k, conv in enumerate(conversations):
+        try:
+            ids, mask = muarl.encode_conversation(tok, conv["messages"], conv["tools"], conv.get("prompt_messages", 0))
+        except Exception as e:
+            raise ValueError(f"{conv.get('source', f'conversation {k}')}: cannot be tokenized: {e!r}") from e
         if len(ids) > max_len:
             skipped.append(len(ids))
         else:
@@ -313,8 +412,9 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     # bf16 weights rounds a step of lr 5e-6 away for most weights (measured: 7.5% of them moved in 10 steps). The
     # checkpoint is saved in fp32 too: rounding it to bf16 would drop those small updates all the same.
     # Under FSDP2 loaded in host memory and sharded onto the GPUs by acc.prepare (shard.load_device).
-    model, tok = muarl.load_model(start, device=shard.load_device(acc), seed=cfg.seed, dtype=torch.float32,
-                                  attn_implementation=muarl.attention_implementation(acc.device))
+    with cli.option_errors("sft.py: --model"):
+        model, tok = muarl.load_model(start, device=shard.load_device(acc), seed=cfg.seed, dtype=torch.float32,
+                                      attn_implementation=muarl.attention_implementation(acc.device))
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     max_len = length_limit(cfg, model)
@@ -425,21 +525,64 @@ def pretrain_tiny(cfg: SFTConfig) -> Path:
     return out
 
 
+# The files a checkpoint directory holds (save_pretrained: the model's, the tokenizer's, muarl's): the only ones ever
+# deleted when a checkpoint is replaced.
+CHECKPOINT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "config.json",
+                    "generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
+                    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "muarl_config.json")
+
+
+def not_checkpoint_files(out: Path) -> list[str]:
+    """What in directory `out` is not a checkpoint's file (and would be lost if the directory were replaced)."""
+    import fnmatch
+
+    return sorted(p.name for p in Path(out).iterdir()
+                  if p.is_dir() or not any(fnmatch.fnmatch(p.name, pat) for pat in CHECKPOINT_FILES))
+
+
+def check_out(out: str, overwrite: bool, program: str = "sft.py") -> None:
+    """Refuse, at start, an output directory whose contents the run would destroy: anything that is there unless
+    --overwrite, and even with it anything that is not a checkpoint's file."""
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise SystemExit(f"{program}: --out: {p} is a file, not a directory")
+    if not p.exists() or not any(p.iterdir()):
+        return
+    other = not_checkpoint_files(p)
+    if other:
+        raise SystemExit(f"{program}: --out: {p} holds files that are not a checkpoint's ({', '.join(other[:8])}"
+                         f"{', ...' if len(other) > 8 else ''}); writing the checkpoint there would delete them: choose "
+                         "another --out")
+    if not overwrite:
+        raise SystemExit(f"{program}: --out: {p} already holds a checkpoint; replace it with --overwrite, or choose "
+                         "another --out")
+
+
 def save_pretrained(acc, model, tok, out: Path, run_config: dict) -> None:
-    """A Hugging Face checkpoint (safetensors + tokenizer + the run config), written atomically."""
+    """A Hugging Face checkpoint (safetensors + tokenizer + the run config), written beside `out` and renamed into
+    place: a crash never leaves half a checkpoint. An existing `out` is replaced only when it holds nothing but a
+    checkpoint's files; otherwise the new checkpoint is left beside it, and the error says where."""
     import shutil
 
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     state = shard.full_state_dict(acc, model)  # fp32 master weights under DeepSpeed too
+    error = None
     if acc.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         acc.unwrap_model(model).save_pretrained(tmp, state_dict=state, safe_serialization=True)
         tok.save_pretrained(tmp)
         cli.write_json_atomic(tmp / "muarl_config.json", run_config)
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
+        other = not_checkpoint_files(out) if out.is_dir() else []
+        if other:
+            error = (f"{out} holds files that are not a checkpoint's ({', '.join(other[:8])}); it was not replaced. "
+                     f"The new checkpoint is in {tmp}")
+        else:
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(tmp, out)
     acc.wait_for_everyone()
+    if error:
+        raise SystemExit(error)
 
 
 def main(argv=None):
@@ -449,10 +592,21 @@ def main(argv=None):
             raise SystemExit("sft.py: --pretrain-only: only the 'tiny' model is pretrained here (--model tiny)")
         print(f"[pretrain] the tiny base: {pretrain_tiny(cfg)}")
         return
-    conversations = load_conversations(cfg.data) if cfg.data else make_cold_start(cfg)
+    if cfg.epochs > 0:
+        check_out(cfg.out, cfg.overwrite)
+        with cli.option_errors("sft.py: --model"):
+            muarl.check_local(cfg.model)
+    if cfg.data_out and Path(cfg.data_out).exists() and not cfg.overwrite:
+        raise SystemExit(f"sft.py: --data-out: {cfg.data_out} exists; replace it with --overwrite, or choose another")
+    if cfg.data_out and cfg.data and Path(cfg.data_out).resolve() == Path(cfg.data).resolve():
+        raise SystemExit(f"sft.py: --data-out {cfg.data_out} is the --data file it reads")
+    try:
+        conversations = load_conversations(cfg.data, cfg.strict_data) if cfg.data else make_cold_start(cfg)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"sft.py: --data: {e}") from None
     if cfg.data_out:
         Path(cfg.data_out).parent.mkdir(parents=True, exist_ok=True)
-        with open(cfg.data_out, "w") as f:
+        with open(cfg.data_out, "w", encoding="utf-8") as f:
             for c in conversations:
                 f.write(json.dumps(c, ensure_ascii=False) + "\n")
     if cfg.epochs > 0:

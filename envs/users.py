@@ -180,15 +180,17 @@ def _flip_new(state: _ChatState, messages: list[dict]) -> None:
 class OpenAIUserSim(UserSim):
     """An LLM user behind any OpenAI-compatible chat endpoint (the paper: GPT-4o for training, temperature 0).
 
-    Retries timeouts, connection errors, 408/409/429 and 5xx with exponential backoff (backoff * 2**attempt
-    seconds), itself: the client's own retries are off so that the policy is visible here and testable. After
-    `max_retries` retries the episode ends as infra_error."""
+    Retries timeouts, connection errors, 408/409/429, 5xx and replies that are not a usable chat completion (not
+    JSON, no choices, an empty or null message) with exponential backoff (backoff * 2**attempt seconds), itself: the
+    client's own retries are off so that the policy is visible here and testable. A call costs at most
+    (max_retries + 1) * timeout seconds plus the backoff. After `max_retries` retries the episode ends as
+    infra_error, with a message that names the endpoint and the options that set it."""
 
     RETRY_STATUS = {408, 409, 429}
 
     def __init__(self, model: str | None = None, base_url: str | None = None, api_key: str | None = None,
                  temperature: float = 0.0, max_tokens: int | None = None, max_concurrency: int = 32,
-                 max_retries: int = 5, backoff: float = 1.0, timeout: float = 120.0, max_tool_rounds: int = 10):
+                 max_retries: int = 5, backoff: float = 1.0, timeout: float = 60.0, max_tool_rounds: int = 10):
         self.model = model or os.environ.get("MUARL_USER_MODEL", "gpt-4o")
         self.base_url = base_url or os.environ.get("OPENAI_BASE_URL")
         self.api_key = api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"  # local servers ignore it
@@ -196,6 +198,12 @@ class OpenAIUserSim(UserSim):
         self.max_concurrency, self.max_retries, self.backoff, self.timeout = max_concurrency, max_retries, backoff, timeout
         self.max_tool_rounds = max_tool_rounds
         self._loop = None
+
+    @property
+    def name(self) -> str:
+        """Which user simulator, for error messages: the model and the endpoint, and the options that set them."""
+        where = self.base_url or "https://api.openai.com/v1 (OPENAI_BASE_URL unset)"
+        return f"user simulator {self.model!r} at {where} (--user-model, --user-base-url)"
 
     def _client(self):
         # An async client (and semaphore) belongs to the event loop it first ran on; each rollout() is its own
@@ -222,22 +230,26 @@ class OpenAIUserSim(UserSim):
             try:
                 async with self._sem:
                     resp = await client.chat.completions.create(**kwargs)
-                return resp.choices[0].message
+                return _usable_message(resp, bool(tools))
             except (openai.APIConnectionError, openai.APIStatusError) as e:  # timeouts are connection errors
                 status = getattr(e, "status_code", None)
-                retriable = status is None or status >= 500 or status in self.RETRY_STATUS
-                if not retriable or attempt == self.max_retries:
-                    raise UserSimError(f"user simulator endpoint failed after {attempt + 1} attempts: {e!r}") from e
-                await asyncio.sleep(self.backoff * 2 ** attempt)
-            except openai.OpenAIError as e:
-                raise UserSimError(f"user simulator endpoint failed: {e!r}") from e
+                retriable, error = status is None or status >= 500 or status in self.RETRY_STATUS, e
+            except openai.OpenAIError as e:  # a request the client refuses to send: retrying cannot help
+                raise UserSimError(f"{self.name} failed: {e!r}") from e
+            except Exception as e:  # a reply that is not a chat completion (HTML, bad JSON, no choices, no text)
+                retriable, error = True, e
+            if not retriable or attempt == self.max_retries:
+                raise UserSimError(f"{self.name} failed after {attempt + 1} attempts "
+                                   f"(--user-retries {self.max_retries}, --user-timeout {self.timeout:g}s): "
+                                   f"{error!r}") from error
+            await asyncio.sleep(self.backoff * 2 ** attempt)
 
     async def opening(self, env, task) -> str | None:
         # Shared by the group before any session exists, so the opening runs no user tools.
         history = message_history(env, task)
         if not user_speaks_next(history):
             return None
-        return (await self._complete(_user_view(task, history, bool(env.user_tools(task))), [])).content or ""
+        return (await self._complete(_user_view(task, history, bool(env.user_tools(task))), [])).content
 
     def start(self, env, task, session, opening):
         return _chat_state(env, task, session, opening, env.user_tools(task))
@@ -263,6 +275,27 @@ class OpenAIUserSim(UserSim):
                                                       n_messages=len(messages)).content
                 state.history.append({"role": "tool", "tool_call_id": c["id"], "content": content})
         raise UserSimError(f"user simulator made more than {self.max_tool_rounds} rounds of tool calls")
+
+
+class MalformedReply(ValueError):
+    """The endpoint answered, but not with a message the user can say (retried like a 5xx)."""
+
+
+def _usable_message(resp, tools_offered: bool):
+    """The message of a chat completion, checked: it exists, and it says something (non-empty text), unless it calls
+    one of the user's tools. An empty or null user message would otherwise enter the episode as a turn, and the
+    episode would be scored and trained as if the user had said nothing."""
+    choices = getattr(resp, "choices", None)
+    if not choices:
+        raise MalformedReply(f"the reply is not a chat completion with choices: {str(resp)[:200]!r}")
+    msg = getattr(choices[0], "message", None)
+    if msg is None:
+        raise MalformedReply("the reply's first choice has no message")
+    if tools_offered and getattr(msg, "tool_calls", None):
+        return msg
+    if not isinstance(msg.content, str) or not msg.content.strip():
+        raise MalformedReply(f"the reply's message is empty (content {msg.content!r})")
+    return msg
 
 
 class HFUserSim(UserSim):

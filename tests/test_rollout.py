@@ -426,8 +426,9 @@ def test_openai_user_tools(lm, tiny_tok):
 
 def test_hf_user_sim(lm, tiny_lm, tiny_tok):
     env = FakeEnv(n_tasks=2)
-    sim = make_user_sim("hf", model=tiny_lm, tokenizer=tiny_tok, max_new_tokens=6)
+    sim = make_user_sim("hf", model=lm, tokenizer=tiny_tok, max_new_tokens=6)  # a user that says something
     eps = rollout(lm, tiny_tok, env, env.tasks(), 2, sim, RolloutConfig(greedy=True, max_new_tokens=64, max_turns=3))
+    assert not any(ep.infra_failed for ep in eps)
     for ep in eps:
         users = [m["content"] for m in ep.messages if m["role"] == "user"]
         assert all(isinstance(u, str) for u in users) and users[0] == eps[0 if ep.task_id == "t0" else 2].messages[1]["content"]

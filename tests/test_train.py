@@ -198,7 +198,7 @@ def test_sft_data_errors_name_file_and_line(tmp_path):
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     p.write_text(json.dumps(good) + "\n\n" + "{not json\n")
     with pytest.raises(ValueError, match=r"d.jsonl:3"):
-        sft.load_conversations(str(p))
+        sft.load_conversations(str(p), strict=True)
     p.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(ValueError, match=r"d.jsonl:1.*no assistant"):
         sft.load_conversations(str(p))
