@@ -117,6 +117,8 @@ class StopOnInterrupt:
     later, raises KeyboardInterrupt as usual. (A launcher that forwards the terminal's SIGINT to its workers sends
     them a second one at once: that one is not taken as the user's second Ctrl-C.)"""
 
+    debounce_s = 2.0  # a second SIGINT sooner than this is the launcher's copy of the first
+
     def __init__(self, program: str):
         self.program, self.asked, self.at, self._old = program, False, 0.0, None
 
@@ -135,7 +137,7 @@ class StopOnInterrupt:
             self.asked, self.at = True, time.monotonic()
             main_print(f"\n[{self.program}] Ctrl-C: finishing this step, then saving a checkpoint and stopping "
                        "(Ctrl-C again to stop at once)")
-        elif time.monotonic() - self.at >= 2.0:
+        elif time.monotonic() - self.at >= self.debounce_s:
             raise KeyboardInterrupt
 
     def __exit__(self, *exc):

@@ -203,7 +203,7 @@ class OpenAIUserSim(UserSim):
     def name(self) -> str:
         """Which user simulator, for error messages: the model and the endpoint, and the options that set them."""
         where = self.base_url or "https://api.openai.com/v1 (OPENAI_BASE_URL unset)"
-        return f"user simulator {self.model!r} at {where} (--user-model, --user-base-url)"
+        return f"user simulator {self.model!r} at {where} (--user-model, --user-base-url; key: OPENAI_API_KEY)"
 
     def _client(self):
         # An async client (and semaphore) belongs to the event loop it first ran on; each rollout() is its own

@@ -98,7 +98,8 @@ def ends_turns(model, tokenizer, gap=3.5, seed=0):
 
 class ChatServer:
     """A real OpenAI-compatible HTTP endpoint on 127.0.0.1: POST /v1/chat/completions. `script` decides each
-    answer: a function (request body, request number) -> (status, message dict)."""
+    answer: a function (request body, request number) -> (status, message dict), or (status, bytes) for a raw body
+    that is not a chat completion (HTML, broken JSON), sent as it is."""
 
     def __init__(self, script):
         self.requests, self.script, lock = [], script, threading.Lock()
@@ -111,6 +112,13 @@ class ChatServer:
                     server.requests.append((self.path, body))
                     n = len(server.requests)
                 status, message = server.script(body, n)
+                if isinstance(message, bytes):
+                    self.send_response(status)
+                    self.send_header("Content-Type", "text/html" if message.startswith(b"<") else "application/json")
+                    self.send_header("Content-Length", str(len(message)))
+                    self.end_headers()
+                    self.wfile.write(message)
+                    return
                 payload = ({"id": f"c{n}", "object": "chat.completion", "created": 0, "model": body["model"],
                             "choices": [{"index": 0, "message": {"role": "assistant", **message},
                                          "finish_reason": "tool_calls" if message.get("tool_calls") else "stop"}],

@@ -1,0 +1,360 @@
+"""What happens to a run when something breaks: nothing a user had is lost, nothing fails silently, bad input is
+named. One test per failure mode of the README's table ("When something breaks"); the user-simulator ones talk to
+a real HTTP endpoint on the loopback (conftest.ChatServer) that fails in the way under test."""
+import json
+import os
+import signal
+
+import pytest
+
+import eval as evaluation
+import grpo
+import sft
+from conftest import ChatServer, ends_turns
+from envs.users import OpenAIUserSim, UserSimError
+from rollout import RolloutConfig, make_user_sim, rollout
+from tests.fake_env import FakeEnv
+
+GREEDY = RolloutConfig(greedy=True, max_new_tokens=64, max_turns=8)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, tiny_tok, tiny_lm):
+    path = tmp_path_factory.mktemp("init")
+    ends_turns(tiny_lm, tiny_tok).save_pretrained(path)
+    tiny_tok.save_pretrained(path)
+    return path
+
+
+def grpo_args(ckpt, out, *extra):
+    return ["--init-from", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--steps", "2", "--tasks-per-step", "2",
+            "--group-size", "4", "--max-new-tokens", "32", "--max-context", "512", "--eval-tasks", "0",
+            "--lr", "1e-2", "--micro-batch-size", "4", "--temperature", "1.0", "--out-dir", str(out), *extra]
+
+
+def steps_logged(run_dir, name="metrics.jsonl"):
+    return [json.loads(line)["step"] for line in open(run_dir / name)]
+
+
+def user_says(body, n):
+    said = sum(m["role"] == "user" for m in body["messages"])  # the agent's messages, from the user's side
+    return 200, {"content": "Thanks. ###STOP###" if said >= 2 else "ok"}
+
+
+# ---- outputs never destroy what was there ---------------------------------------------------------------------
+def test_sft_out_never_deletes_what_is_not_a_checkpoint(tmp_path, ckpt, tiny_tok):
+    out = tmp_path / "out"
+    out.mkdir()
+    data = out / "data.jsonl"  # the user's training data, inside the directory named as --out
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello"}]}) + "\n")
+    argv = ["--model", str(ckpt), "--data", str(data), "--out", str(out), "--batch-size", "1"]
+    for extra in ([], ["--overwrite"]):
+        with pytest.raises(SystemExit, match="data.jsonl.*would delete them"):
+            sft.main(argv + extra)
+    assert data.exists()
+    # A directory holding only a checkpoint is replaced with --overwrite, refused without it.
+    first = tmp_path / "ck"
+    sft.main(["--model", str(ckpt), "--data", str(data), "--out", str(first), "--batch-size", "1"])
+    with pytest.raises(SystemExit, match="already holds a checkpoint.*--overwrite"):
+        sft.main(["--model", str(ckpt), "--data", str(data), "--out", str(first), "--batch-size", "1"])
+    sft.main(["--model", str(ckpt), "--data", str(data), "--out", str(first), "--batch-size", "1", "--overwrite"])
+    assert (first / "model.safetensors").exists() and not (tmp_path / "ck.tmp").exists()
+
+
+def test_save_pretrained_leaves_a_foreign_directory_alone(tmp_path, tiny_lm, tiny_tok):
+    import cli
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match=r"notes.txt.*not replaced.*out.tmp"):
+        sft.save_pretrained(cli.make_accelerator(), tiny_lm, tiny_tok, out, {})
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "out.tmp" / "model.safetensors").exists()  # the new checkpoint is kept, beside it
+
+
+def test_grpo_refuses_an_existing_run_unless_resume_or_overwrite(tmp_path, ckpt):
+    run = tmp_path / "run"
+    grpo.main(grpo_args(ckpt, run))
+    (run / "notes.txt").write_text("mine")
+    before = (run / "metrics.jsonl").read_text()
+    with pytest.raises(SystemExit, match=r"already holds a run.*--resume.*--overwrite"):
+        grpo.main(grpo_args(ckpt, run, "--seed", "1"))
+    assert (run / "metrics.jsonl").read_text() == before
+    assert json.loads((run / "config.json").read_text())["seed"] == 0
+    grpo.main(grpo_args(ckpt, run, "--seed", "1", "--overwrite"))
+    assert steps_logged(run) == [1, 2] and json.loads((run / "config.json").read_text())["seed"] == 1
+    assert (run / "notes.txt").read_text() == "mine"  # --overwrite removes the run's own files only
+
+
+def test_resume_cuts_the_logs_back_to_the_checkpoint(tmp_path, ckpt):
+    """A crash after step 3 was logged but before it was saved: on --resume from step 2 every step appears once."""
+    run = tmp_path / "run"
+    grpo.main(grpo_args(ckpt, run, "--save-every", "2"))
+    for name in ("metrics.jsonl", "episodes.jsonl"):
+        with open(run / name, "a") as f:
+            f.write(json.dumps({"step": 3, "loss": 0.0}) + "\n" + '{"step": 4, "lo')  # and a line cut short
+    grpo.main(["--resume", str(run), "--steps", "4"])
+    assert steps_logged(run) == [1, 2, 3, 4]
+    assert sorted(set(steps_logged(run, "episodes.jsonl"))) == [1, 2, 3, 4]
+    assert steps_logged(run, "episodes.jsonl") == sorted(steps_logged(run, "episodes.jsonl"))
+
+
+def test_truncated_latest_falls_back_to_the_newest_complete_step(tmp_path, ckpt, capsys):
+    run = tmp_path / "run"
+    grpo.main(grpo_args(ckpt, run, "--save-every", "1"))
+    (run / "checkpoints" / "latest.json").write_text('{"checkpoi')
+    (run / "checkpoints" / "step-000003.tmp").mkdir()  # a save that never finished
+    grpo.main(["--resume", str(run), "--steps", "3"])
+    out = capsys.readouterr().out
+    assert "latest.json is unreadable" in out and "step-000002" in out
+    assert steps_logged(run) == [1, 2, 3]
+
+
+# ---- a failing user simulator is loud ---------------------------------------------------------------------------
+def test_dead_user_endpoint_stops_the_run_and_the_endpoint_may_change_on_resume(tmp_path, ckpt, capsys):
+    good, dead = ChatServer(user_says), ChatServer(lambda body, n: (500, {}))
+    run = tmp_path / "run"
+    user = ["--user-sim", "openai", "--user-model", "sim", "--user-retries", "0"]
+    try:
+        grpo.main(grpo_args(ckpt, run, *user, "--user-base-url", good.url, "--steps", "1", "--save-every", "1"))
+        with pytest.raises(SystemExit) as e:
+            grpo.main(["--resume", str(run), "--steps", "3", "--user-base-url", dead.url])
+        msg = str(e.value)
+        assert "step 2: all 8 episodes failed on infrastructure" in msg and "500" in msg
+        assert dead.url in msg and "--user-base-url" in msg and f"--resume {run}" in msg
+        assert steps_logged(run) == [1]  # nothing trained on nothing
+        # Other settings cannot change on resume: refused, naming them, rather than ignored.
+        with pytest.raises(SystemExit, match=r"--lr cannot change"):
+            grpo.main(["--resume", str(run), "--lr", "0.5"])
+        grpo.main(["--resume", str(run), "--steps", "3", "--user-base-url", good.url])
+        assert steps_logged(run) == [1, 2, 3]
+        assert json.loads((run / "config.json").read_text())["user_base_url"] == good.url
+    finally:
+        good.close()
+        dead.close()
+    # A dead endpoint at the first step: nothing to resume, and the message says how to start again.
+    dead = ChatServer(lambda body, n: (401, {}))
+    try:
+        with pytest.raises(SystemExit, match=r"(?s)step 1: all 8 episodes failed.*401.*--overwrite"):
+            grpo.main(grpo_args(ckpt, tmp_path / "run2", *user, "--user-base-url", dead.url))
+    finally:
+        dead.close()
+
+
+def test_some_failed_episodes_are_counted_on_the_console(tmp_path, ckpt, capsys):
+    def script(body, n):  # the replies of one task fail; its opening and every other request succeed
+        if len(body["messages"]) > 3 and n % 3 == 0:
+            return 503, {}
+        return user_says(body, n)
+
+    server = ChatServer(script)
+    try:
+        grpo.main(grpo_args(ckpt, tmp_path / "run", "--user-sim", "openai", "--user-model", "sim", "--user-retries",
+                            "0", "--user-base-url", server.url, "--steps", "1"))
+    finally:
+        server.close()
+    out = capsys.readouterr().out
+    row = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
+    assert 0 < row["infra_failed"] < 8
+    assert f"{row['infra_failed']} of 8 episodes failed on infrastructure, left out; first:" in out and "503" in out
+
+
+@pytest.mark.parametrize("reply", [
+    (200, {"content": ""}), (200, {"content": None}), (200, {"content": "   "}),   # says nothing
+    (200, b"<html><body>Bad gateway</body></html>"),                                  # not JSON
+    (200, b'{"id": "c1", "choices": [{"index": 0, "message": {"role": "assis'),      # cut short
+    (200, b'{"id": "c1", "object": "chat.completion", "choices": []}'),                # no choices
+    (200, b'{"error": "overloaded"}'),                                                  # no choices at all
+], ids=["empty", "null", "blank", "html", "truncated", "no-choices", "error-object"])
+def test_malformed_or_empty_user_replies_are_retried_infra_errors(lm, tiny_tok, reply):
+    def script(body, n):  # openings succeed; every reply is broken
+        return reply if len(body["messages"]) > 3 else (200, {"content": "Hi, please help me."})
+
+    server = ChatServer(script)
+    try:
+        sim = make_user_sim("openai", base_url=server.url, api_key="k", model="sim", backoff=0.0, max_retries=2)
+        eps = rollout(lm, tiny_tok, FakeEnv(n_tasks=1), FakeEnv(n_tasks=1).tasks("train"), 2, sim, GREEDY)
+    finally:
+        server.close()
+    asked = [b for _, b in server.requests if len(b["messages"]) > 3]
+    for ep in eps:
+        assert ep.infra_failed and ep.termination == "infra_error"
+        assert "user simulator 'sim' at" in ep.reward_info["error"] and "after 3 attempts" in ep.reward_info["error"]
+    assert len(asked) == 3 * len(eps)  # each reply tried 1 + max_retries times
+
+
+def test_user_timeout_and_retries_are_options(tmp_path):
+    import asyncio
+    import time
+
+    cfg = grpo.Config(user_sim="openai", user_base_url="http://127.0.0.1:9/v1", user_timeout=0.3, user_retries=1)
+    from rollout import user_sim_options
+
+    sim = make_user_sim("openai", **user_sim_options(cfg), backoff=0.0)
+    assert (sim.timeout, sim.max_retries) == (0.3, 1)
+
+    def slow(body, n):
+        time.sleep(1.0)
+        return 200, {"content": "late"}
+
+    server = ChatServer(slow)
+    try:
+        user = OpenAIUserSim(model="sim", base_url=server.url, api_key="k", timeout=0.3, max_retries=1, backoff=0.0)
+        with pytest.raises(UserSimError, match=r"after 2 attempts \(--user-retries 1, --user-timeout 0.3s\)"):
+            asyncio.run(user._complete([{"role": "user", "content": "hi"}], []))
+    finally:
+        server.close()
+    assert len(server.requests) == 2
+    with pytest.raises(SystemExit, match="--user-timeout"):
+        grpo.validate(grpo.Config(user_timeout=0), 1)
+
+
+def test_eval_with_nothing_scored_exits_non_zero(tmp_path, ckpt):
+    dead = ChatServer(lambda body, n: (500, {}))
+    try:
+        with pytest.raises(SystemExit, match=r"none of the 2 episodes was scored.*500"):
+            evaluation.main(["--agent", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--num-tasks", "2",
+                             "--user-sim", "openai", "--user-base-url", dead.url, "--user-retries", "0",
+                             "--max-new-tokens", "16", "--out-dir", str(tmp_path / "ev")])
+    finally:
+        dead.close()
+    s = json.loads((tmp_path / "ev" / "summary.json").read_text())
+    assert s["scored"] == 0 and s["pass^1"] != s["pass^1"]  # NaN: nothing was measured, not a score of 0
+
+
+# ---- checked inputs ----------------------------------------------------------------------------------------------
+def test_max_context_below_the_opening_is_refused_at_start(tmp_path, ckpt):
+    with pytest.raises(SystemExit, match=r"--max-context 20 is below every task's opening \(\d+ to \d+ tokens"):
+        grpo.main(grpo_args(ckpt, tmp_path / "run", "--max-context", "20"))
+    assert not (tmp_path / "run" / "config.json").exists()  # a run that could not start leaves no run behind
+
+
+def conv(*messages, **extra):
+    return json.dumps({"messages": list(messages), **extra})
+
+
+U, A = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}
+CALL = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "echo", "arguments": '{"text": "x"}'}}]}
+RESULT = {"role": "tool", "tool_call_id": "c1", "content": "x"}
+
+
+@pytest.mark.parametrize("line, problem", [
+    (conv(U, {"role": "tool", "tool_call_id": "c1", "content": "x"}, A), "answers no call"),
+    (conv(U, CALL, {"role": "tool", "tool_call_id": "c9", "content": "x"}, A), "'c9' is not a call"),
+    (conv(U, {**CALL, "tool_calls": [{"id": "c1", "function": {"name": "echo", "arguments": "{text: x"}}]}, RESULT, A),
+     "arguments are not JSON"),
+    (conv(U, {**CALL, "tool_calls": [{"id": "c1", "function": {"name": "echo", "arguments": "[1]"}}]}, RESULT, A),
+     "must be a JSON object"),
+    (conv(U, {**CALL, "tool_calls": [{"id": "c1", "type": "function"}]}, RESULT, A), "needs a 'function'"),
+    (conv(U, CALL, {"role": "tool", "tool_call_id": "c1"}, A), "content must be a string"),
+    (conv({"role": "robot", "content": "x"}, A), "role must be one of"),
+    (conv(U, {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}), "other than text"),
+])
+def test_broken_cold_start_conversations_are_named_and_skipped(tmp_path, line, problem, capsys):
+    p = tmp_path / "d.jsonl"
+    good = conv(U, CALL, RESULT, {"role": "assistant", "content": [{"type": "text", "text": "done"}]})
+    p.write_text(good + "\n" + line + "\n")
+    kept = sft.load_conversations(str(p))
+    assert len(kept) == 1 and kept[0]["messages"][-1]["content"] == "done"  # content parts joined
+    assert kept[0]["source"].endswith("d.jsonl:1")
+    out = capsys.readouterr().out
+    assert "d.jsonl:2:" in out and problem in out and "1 malformed conversation(s) skipped, 1 kept" in out
+    with pytest.raises(ValueError, match=f"d.jsonl:2: malformed conversation: .*{problem}"):
+        sft.load_conversations(str(p), strict=True)
+
+
+def test_data_file_encoding_and_emptiness_are_named(tmp_path):
+    p = tmp_path / "d.jsonl"
+    bad = b'{"messages": [{"role": "user", "content": "caf\xe9"}]}'
+    p.write_bytes(conv(U, A).encode() + b"\n" + bad + b"\n")
+    with pytest.raises(ValueError, match=rf"d.jsonl:2: .*not UTF-8: byte 0xe9 at column {bad.index(0xe9) + 1}"):
+        sft.load_conversations(str(p), strict=True)
+    p.write_text("\n\n")
+    with pytest.raises(ValueError, match="d.jsonl: the file is empty"):
+        sft.load_conversations(str(p))
+    p.write_text("{bad\n[1]\n")
+    with pytest.raises(ValueError, match=r"none of its 2 conversations is usable"):
+        sft.load_conversations(str(p))
+    with pytest.raises(SystemExit, match=r"sft.py: --data: .*the file is empty"):
+        (tmp_path / "e.jsonl").write_text("")
+        sft.main(["--data", str(tmp_path / "e.jsonl"), "--out", str(tmp_path / "o")])
+
+
+# ---- clear loading errors ---------------------------------------------------------------------------------------
+def test_loading_errors_name_the_path_and_the_option(tmp_path, ckpt, monkeypatch):
+    import shutil
+
+    with pytest.raises(SystemExit, match=r"grpo.py: --init-from: .*nowhere/sft: no such directory"):
+        grpo.main(grpo_args(tmp_path / "nowhere" / "sft", tmp_path / "run"))
+    monkeypatch.chdir(tmp_path)  # a relative path whose first part is a directory here is local, not a hub id
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(SystemExit, match=r"runs/sft-qwen3: no such directory"):
+        grpo.main(grpo_args("runs/sft-qwen3", tmp_path / "run"))
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # cut short
+    with pytest.raises(SystemExit, match=r"eval.py: --agent: .*broken: could not load the model's weights \(model.safetensors\)"):
+        evaluation.main(["--agent", str(broken), "--env", "tests.fake_env:FakeEnv", "--num-tasks", "1"])
+    notok = tmp_path / "notok"
+    shutil.copytree(ckpt, notok)
+    for f in notok.glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(SystemExit, match=r"notok: no tokenizer files in the checkpoint"):
+        grpo.main(grpo_args(notok, tmp_path / "run"))
+
+
+# ---- interrupts ---------------------------------------------------------------------------------------------------
+def test_ctrl_c_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, ckpt, monkeypatch, capsys):
+    import rollout as rollout_module
+
+    real, calls = rollout_module.rollout, []
+
+    def interrupted(*args, **kwargs):  # Ctrl-C arrives while step 2 rolls out
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rollout_module, "rollout", interrupted)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        grpo.main(grpo_args(ckpt, run, "--steps", "4", "--save-every", "10"))
+    assert e.value.code == 130
+    out = capsys.readouterr().out
+    assert "Ctrl-C: finishing this step" in out
+    assert (f"stopped by Ctrl-C after step 2 of 4, checkpoint saved; continue with: accelerate launch grpo.py "
+            f"--resume {run}") in out
+    assert steps_logged(run) == [1, 2] and (run / "checkpoints" / "step-000002" / "trainer_state.json").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is given back
+    monkeypatch.undo()
+    grpo.main(["--resume", str(run), "--steps", "4"])
+    assert steps_logged(run) == [1, 2, 3, 4]
+
+
+def test_second_ctrl_c_stops_at_once_and_names_the_last_checkpoint(tmp_path, ckpt, monkeypatch, capsys):
+    import cli
+    import rollout as rollout_module
+
+    real, calls = rollout_module.rollout, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # once: stop after the step
+            os.kill(os.getpid(), signal.SIGINT)  # again (debounce 0 here): stop now
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rollout_module, "rollout", interrupted)
+    monkeypatch.setattr(cli.StopOnInterrupt, "debounce_s", 0.0)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        grpo.main(grpo_args(ckpt, run, "--steps", "4", "--save-every", "1"))
+    assert e.value.code == 130
+    out = capsys.readouterr().out
+    assert (f"interrupted during step 2: the newest checkpoint is step 1; continue with: accelerate launch grpo.py "
+            f"--resume {run}") in out
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
