@@ -185,6 +185,18 @@ def test_malformed_or_empty_user_replies_are_retried_infra_errors(lm, tiny_tok, 
     assert len(asked) == 3 * len(eps)  # each reply tried 1 + max_retries times
 
 
+def test_an_empty_reply_from_any_user_simulator_is_an_infra_error(lm, tiny_tok):
+    class Silent(FakeEnv):  # a scripted user that says nothing after its opening
+        def scripted_user(self, task):
+            user = super().scripted_user(task)
+            user.reply = lambda messages: ""
+            return user
+
+    env = Silent(n_tasks=1)
+    eps = rollout(lm, tiny_tok, env, env.tasks("train"), 2, make_user_sim("scripted"), GREEDY)
+    assert all(ep.infra_failed and "reply is empty" in ep.reward_info["error"] for ep in eps)
+
+
 def test_user_timeout_and_retries_are_options(tmp_path):
     import asyncio
     import time
@@ -229,6 +241,18 @@ def test_max_context_below_the_opening_is_refused_at_start(tmp_path, ckpt):
     with pytest.raises(SystemExit, match=r"--max-context 20 is below every task's opening \(\d+ to \d+ tokens"):
         grpo.main(grpo_args(ckpt, tmp_path / "run", "--max-context", "20"))
     assert not (tmp_path / "run" / "config.json").exists()  # a run that could not start leaves no run behind
+
+
+def test_max_context_below_some_openings_is_warned(tiny_tok, capsys):
+    from rollout import check_max_context
+
+    class Mixed(FakeEnv):  # every other task opens with a long system prompt
+        def system_prompt(self, task):
+            return "You are a helpful agent. " * (40 if int(task.id.split("-")[1]) % 2 else 1)
+
+    env = Mixed(n_tasks=4)
+    check_max_context(tiny_tok, env, env.tasks("train"), 500)
+    assert "--max-context 500: 2 of 4 tasks open with more tokens" in capsys.readouterr().out
 
 
 def conv(*messages, **extra):
