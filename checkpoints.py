@@ -1,8 +1,9 @@
 """checkpoints.py: a GRPO run's directory and checkpoints, written so that a run can be resumed exactly and nothing a
 user had is lost. grpo.py uses it.
 
-    claim  the run directory: a new one, or an existing run only with --resume (its logs cut back to the resumed
-           step) or --overwrite (only the files a run writes are removed)
+    claim  the run directory, checked at start: a new one, or an existing run only with --resume or --overwrite
+    open_run  once the run has loaded: --overwrite removes only the files a run writes; --resume cuts the logs back
+           to the resumed step and records what it changed; config.json
     save   run_dir/checkpoints/step-N (model, tokenizer, run config; optimizer, scheduler and RNG states unless
            --save-weights-only), written atomically, `latest` updated, older ones pruned (--keep-checkpoints)
     find   the checkpoint --resume names (a checkpoint or a run directory; the newest complete step when `latest`
@@ -12,6 +13,7 @@ user had is lost. grpo.py uses it.
 import json
 import os
 import shutil
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -20,53 +22,78 @@ import cli
 
 # What a run writes into its directory (grpo.main); --overwrite removes these and nothing else.
 RUN_FILES = ("config.json", "metrics.jsonl", "episodes.jsonl", "eval-before.jsonl", "eval-after.jsonl",
-             "summary.json", "curves.png", "checkpoints")
+             "summary.json", "curves.png", "checkpoints", "resumes.jsonl", "metrics.jsonl.cut", "episodes.jsonl.cut")
 LOGS = ("metrics.jsonl", "episodes.jsonl")  # one JSON object a line, each with its "step"
 
 
-def claim(acc, run_dir: Path, resume_step: int | None, overwrite: bool) -> None:
-    """Make `run_dir` ready for this run. A directory that already holds a run is refused unless the run is resumed
-    (its logs are then cut back to `resume_step`, so every step appears once after a crash that logged steps it
-    never checkpointed) or --overwrite is given (the run's own files are removed; nothing else). The main process
-    decides; every process stops with it."""
+def claim(acc, run_dir: Path, resuming: bool, overwrite: bool) -> Path:
+    """Check, at start, that this run may write into `run_dir`; returns it as the main process named it (a default
+    name holds the time, which could tick between processes). A directory that already holds a run is refused
+    unless the run is resumed or --overwrite is given. Nothing is removed here: that waits until the run has
+    loaded (`open_run`), so a run that fails to start loses nothing. The main process decides; every process
+    stops with it."""
     from accelerate.utils import broadcast_object_list
 
-    error = [None]
+    decision = [None, str(run_dir)]
     if acc.is_main_process:
         present = [n for n in RUN_FILES if (run_dir / n).exists()]
-        if resume_step is not None:
-            for name in LOGS:
-                cut_log(run_dir / name, resume_step)
-        elif present and not overwrite:
-            error[0] = (f"grpo.py: --out-dir: {run_dir} already holds a run ({', '.join(present)}); continue it with "
-                        f"--resume {run_dir}, replace it with --overwrite, or choose another --out-dir")
-        elif present:
-            print(f"[grpo] --overwrite: removing the earlier run's {', '.join(present)} from {run_dir}", flush=True)
-            for name in present:
-                p = run_dir / name
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
-        if not error[0]:
-            run_dir.mkdir(parents=True, exist_ok=True)
+        if run_dir.exists() and not run_dir.is_dir():
+            decision[0] = f"grpo.py: --out-dir: {run_dir} is a file"
+        elif present and not resuming and not overwrite:
+            decision[0] = (f"grpo.py: --out-dir: {run_dir} already holds a run ({', '.join(present)}); continue it "
+                           f"with --resume {run_dir}, replace it with --overwrite, or choose another --out-dir")
     if acc.num_processes > 1:
-        broadcast_object_list(error)
-    if error[0]:
-        raise SystemExit(error[0])
+        broadcast_object_list(decision)
+    if decision[0]:
+        raise SystemExit(decision[0])
+    return Path(decision[1])
 
 
-def cut_log(path: Path, last_step: int) -> None:
-    """Keep the lines of a JSONL log up to `last_step`; drop later steps and a line cut short by a crash."""
-    if not path.exists():
+def open_run(acc, run_dir: Path, config: dict, resume_step: int | None, changes: dict, overwrite: bool) -> None:
+    """Once everything has loaded (main process): --overwrite removes the earlier run's own files; --resume moves the
+    log lines of steps after the checkpoint to `<log>.cut` (so every step appears once in the logs) and records
+    what it changed in resumes.jsonl; then config.json is written."""
+    if not acc.is_main_process:
         return
-    keep = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            if json.loads(line)["step"] <= last_step:
-                keep.append(line)
-        except (ValueError, KeyError, TypeError):
-            continue
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+    present = [n for n in RUN_FILES if (run_dir / n).exists()]
+    if resume_step is not None:
+        for name in LOGS:
+            dropped = cut_log(run_dir / name, resume_step)
+            if dropped:
+                print(f"[grpo] --resume at step {resume_step}: {dropped} line(s) of {name} after it moved to "
+                      f"{name}.cut", flush=True)
+        with open(run_dir / "resumes.jsonl", "a") as f:
+            f.write(json.dumps({"step": resume_step, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                "changed": changes}) + "\n")
+    elif present and overwrite:
+        print(f"[grpo] --overwrite: removing the earlier run's {', '.join(present)} from {run_dir}", flush=True)
+        for name in present:
+            p = run_dir / name
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cli.write_json_atomic(run_dir / "config.json", config)
+
+
+def cut_log(path: Path, last_step: int) -> int:
+    """Keep the lines of a JSONL log up to `last_step`; move later steps, and a line cut short by a crash, to
+    `<path>.cut`. Returns how many lines moved. Streams: episodes.jsonl can be large."""
+    if not path.exists():
+        return 0
+    tmp, dropped = path.with_name(path.name + ".tmp"), 0
+    with open(path, encoding="utf-8", errors="replace") as src, open(tmp, "w", encoding="utf-8") as keep, \
+            open(path.with_name(path.name + ".cut"), "a", encoding="utf-8") as cut:
+        for line in src:
+            try:
+                ok = json.loads(line)["step"] <= last_step
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            if ok:
+                keep.write(line)
+            elif line.strip():
+                cut.write(line if line.endswith("\n") else line + "\n")
+                dropped += 1
     os.replace(tmp, path)
+    return dropped
 
 
 def save(acc, model, tok, cfg, run_dir: Path, step: int) -> Path:

@@ -54,14 +54,14 @@ def parse_config(cls, argv=None, recipes: dict | None = None, description: str =
             p.add_argument(flag, dest=f.name, type=base, default=None, metavar=base.__name__.upper(),
                            help=f"{docs.get(f.name, '')} (default: {f.default!r})".replace("%", "%%"))
     args = vars(p.parse_args(argv))
-    values = dict(recipes[args.pop("recipe")]) if recipes and args.get("recipe") else {}
-    args.pop("recipe", None)
+    recipe = args.pop("recipe", None)
+    values = dict(recipes[recipe]) if recipe else {}
     unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
         raise ValueError(f"recipe sets unknown options {sorted(unknown)}")
     values.update({k: v for k, v in args.items() if v is not None})
     if given is not None:
-        given.update(k for k, v in args.items() if v is not None)
+        given.update([k for k, v in args.items() if v is not None] + (["recipe"] if recipe else []))
     return cls(**values)
 
 

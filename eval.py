@@ -97,8 +97,8 @@ def summarize(episodes: list[dict], trials: int, meta: dict[str, dict] | None = 
     summary = {
         "episodes": len(episodes), "tasks": len(by_task), "infra_failed": len(episodes) - len(scored),
         "scored": len(scored),
-        # over the scored episodes only; NaN, not 0, when none was scored: nothing was measured
-        "pass^1": sum(e["reward"] for e in scored) / len(scored) if scored else float("nan"),
+        # over the scored episodes only; None (null), not 0, when none was scored: nothing was measured
+        "pass^1": sum(e["reward"] for e in scored) / len(scored) if scored else None,
         "avg_turns": sum(e["turns"] for e in scored) / max(1, len(scored)),
         "termination": dict(Counter(e["termination"] for e in episodes)),
         "tool_calls_per_episode": {k: v / max(1, len(scored)) for k, v in
@@ -122,12 +122,16 @@ def summarize(episodes: list[dict], trials: int, meta: dict[str, dict] | None = 
     return summary
 
 
+def _num(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
 def markdown(cfg: EvalConfig, s: dict) -> str:
     ks = [k for k in s if k.startswith("pass^")]
     lines = [f"# {cfg.agent} on {cfg.env}:{cfg.split}", "",
              "| tasks | trials | " + " | ".join(ks) + " | avg turns | infra failed |",
              "|---|---|" + "---|" * len(ks) + "---|---|",
-             f"| {s['tasks']} | {cfg.trials} | " + " | ".join(f"{s[k]:.3f}" for k in ks) +
+             f"| {s['tasks']} | {cfg.trials} | " + " | ".join(_num(s[k]) for k in ks) +
              f" | {s['avg_turns']:.1f} | {s['infra_failed']} |", "", "Termination: " +
              ", ".join(f"{k} {v}" for k, v in sorted(s["termination"].items())), "",
              "| task | successes / trials | mean reward |", "|---|---|---|"]
@@ -335,7 +339,7 @@ def main(argv=None):
         s["config"], s["seconds"] = asdict(cfg), time.time() - t0
         cli.write_json_atomic(out / "summary.json", s)
         (out / "results.md").write_text(markdown(cfg, s))
-        ks = " ".join(f"{k} {s[k]:.3f}" for k in s if k.startswith("pass^") or k == "category_mean")
+        ks = " ".join(f"{k} {_num(s[k])}" for k in s if k.startswith("pass^") or k == "category_mean")
         print(f"[eval] {cfg.agent} on {cfg.env}:{cfg.split}: {s['tasks']} tasks x {cfg.trials}: {ks}, "
               f"avg turns {s['avg_turns']:.1f}, infra failed {s['infra_failed']}. Written to {out}")
         if not s["scored"]:

@@ -164,9 +164,10 @@ RECIPES = {
 }
 
 
-# What --resume lets a user change: how the run reaches its user simulator and how it reports and saves, none of
-# which changes what is trained (a dead endpoint is replaced on resume; the user model's name may differ by server).
-# Anything else continues with the run's saved settings; giving it is refused rather than ignored.
+# What --resume lets a user change: how the run reaches its user simulator and how it reports and saves; none of it
+# changes the algorithm. A dead endpoint can be replaced on resume, under another model name if the new server
+# serves the user so (a --user-model that names another model changes the user itself: your call, recorded in
+# resumes.jsonl). Anything else continues with the run's saved settings; giving another value is refused.
 RESUMABLE = ("steps", "user_base_url", "user_model", "user_concurrency", "user_timeout", "user_retries",
              "report_to", "log_episodes", "save_every", "keep_checkpoints", "memory_check")
 
@@ -426,27 +427,28 @@ def main(argv=None):
     given = set()
     cfg = cli.parse_config(Config, argv, recipes=RECIPES, description=__doc__.split("\n\n")[0], given=given)
     resume_from = checkpoints.find(cfg.resume) if cfg.resume else None
+    changes = {}
     if resume_from:  # continue the run with its own settings; only what does not change training may be changed
         saved = json.loads((resume_from / "model" / "muarl_config.json").read_text())["grpo"]
-        fixed = sorted(given - set(RESUMABLE) - {"resume"})
+        changes = {k: [saved.get(k), getattr(cfg, k)] for k in sorted(given - {"resume"})
+                   if k == "recipe" or saved.get(k) != getattr(cfg, k)}
+        fixed = [k for k in changes if k not in RESUMABLE]
         if fixed:
             raise SystemExit(f"grpo.py: --resume continues the run with its saved settings; "
                              f"{', '.join('--' + k.replace('_', '-') for k in fixed)} cannot change in it (only "
                              f"{', '.join('--' + k.replace('_', '-') for k in RESUMABLE)} can); start a new run with "
                              f"--init-from {resume_from / 'model'} to change them")
-        cfg = Config(**{**saved, **{k: getattr(cfg, k) for k in given}, "resume": cfg.resume, "overwrite": False})
+        cfg = Config(**{**saved, **{k: new for k, (_, new) in changes.items()}, "resume": cfg.resume,
+                        "overwrite": False})
     acc = cli.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no", log_with=cfg.report_to or None)
     validate(cfg, acc.num_processes)
     shard.check_accelerator(acc)
     muarl.seed_everything(cfg.seed)
-    if resume_from:
-        run_dir = resume_from.parents[1]
-    else:
-        run_dir = Path(cfg.out_dir or f"runs/grpo-{cfg.env.replace(':', '-')}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = resume_from.parents[1] if resume_from else Path(
+        cfg.out_dir or f"runs/grpo-{cfg.env.replace(':', '-')}-{time.strftime('%Y%m%d-%H%M%S')}")
+    # An existing run is refused now unless --resume or --overwrite; nothing is removed until the run has loaded.
+    run_dir = checkpoints.claim(acc, run_dir, resuming=resume_from is not None, overwrite=cfg.overwrite)
     cfg.out_dir = str(run_dir)
-    # An existing run is refused unless --resume or --overwrite (nothing is overwritten silently); the main process
-    # decides and every process stops with it.
-    checkpoints.claim(acc, run_dir, checkpoints.step_of(resume_from) if resume_from else None, cfg.overwrite)
     if cfg.report_to:
         acc.init_trackers(run_dir.name, config=asdict(cfg))
 
@@ -512,8 +514,8 @@ def main(argv=None):
     if resume_from:
         first_step = checkpoints.load(acc, resume_from, cfg.tasks_per_step)
         acc.print(f"[grpo] resumed from {resume_from} at step {first_step}")
-    if acc.is_main_process:  # written once everything has loaded: a run that fails to start leaves no run behind
-        cli.write_json_atomic(run_dir / "config.json", asdict(cfg))
+    # Once everything has loaded: a run that fails to start leaves the directory as it was.
+    checkpoints.open_run(acc, run_dir, asdict(cfg), first_step if resume_from else None, changes, cfg.overwrite)
     sampling = RolloutConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                              max_context=cfg.max_context, max_turns=cfg.max_turns, reuse_cache=cfg.reuse_cache,
                              max_batch=cfg.rollout_batch,
@@ -528,6 +530,9 @@ def main(argv=None):
                           user_sim, replace(sampling, greedy=True))
         eps = gather_object([e.to_json() for e in eps])
         s = summarize(eps, 1, {t.id: t.meta for t in test})
+        if acc.is_main_process:
+            with open(run_dir / f"eval-{tag}.jsonl", "w") as f:
+                f.writelines(json.dumps(e, ensure_ascii=False, default=str) + "\n" for e in eps)
         if not s["scored"]:
             first = next((e["reward_info"].get("error") for e in eps if e.get("reward_info")), None)
             acc.print(f"[grpo] eval ({tag}): none of the {len(eps)} episodes was scored (all failed on infrastructure; "
@@ -535,9 +540,6 @@ def main(argv=None):
             return {f"eval/{tag}/pass1": None, f"eval/{tag}/tasks": s["tasks"]}
         res = {f"eval/{tag}/pass1": s["pass^1"], f"eval/{tag}/tasks": s["tasks"],
                f"eval/{tag}/by_meta": s.get("by_meta", {})}
-        if acc.is_main_process:
-            with open(run_dir / f"eval-{tag}.jsonl", "w") as f:
-                f.writelines(json.dumps(e, ensure_ascii=False, default=str) + "\n" for e in eps)
         kinds = "; ".join(f"{k}: " + ", ".join(f"{v} {r['pass^1']:.2f}" for v, r in vs.items())
                           for k, vs in list(s.get("by_meta", {}).items())[:2])
         acc.print(f"[grpo] eval ({tag}) on {s['tasks']} test tasks, greedy: pass^1 = {s['pass^1']:.3f}"
@@ -569,6 +571,7 @@ def main(argv=None):
                         checkpoints.save(acc, model, tok, cfg, run_dir, step)
                     then = (f"then continue with {resume_hint} (the user-simulator options may change on --resume)"
                             if step else f"then start again (--overwrite {run_dir})")
+                    acc.end_training()
                     raise SystemExit(f"grpo.py: step {step + 1}: all {len(summaries)} episodes failed on infrastructure, so "
                                      f"there is nothing to train on; the first error: {failed[0]['error']}\nFix it, "
                                      f"{then}.")
@@ -598,6 +601,7 @@ def main(argv=None):
                     saved = step + 1
                 if stop and step + 1 < cfg.steps:
                     bar.close()
+                    acc.end_training()
                     acc.print(f"[grpo] stopped by Ctrl-C after step {step + 1} of {cfg.steps}, checkpoint saved; "
                               f"continue with: {resume_hint}")
                     raise SystemExit(130)
@@ -606,6 +610,7 @@ def main(argv=None):
         where = (f"the newest checkpoint is step {saved}; continue with: {resume_hint}" if saved else
                  f"no checkpoint was written; start again with --overwrite {run_dir}")
         acc.print(f"\n[grpo] interrupted during step {step + 1}: {where}")
+        acc.end_training()
         raise SystemExit(130) from None
     if first_step < cfg.steps:
         results.update(evaluate("after"))

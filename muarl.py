@@ -537,12 +537,12 @@ def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, 
         path = str(_smollm2_dir()) if name == "smollm2-135m" else name
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
-        except Exception as e:
+        except Exception as e:  # a local checkpoint that does not load is named, with its weight files
             local = check_local(name)
-            if local is None:
-                raise
-            weights = sorted(f.name for f in local.iterdir() if f.suffix in (".safetensors", ".bin")) or ["no weight files"]
-            raise SystemExit(f"{name}: could not load the model's weights ({', '.join(weights[:4])}): "
+            if local is None or isinstance(e, (torch.OutOfMemoryError, ImportError)):
+                raise  # a hub id's own error; memory and missing packages are not the checkpoint's fault
+            weights = sorted(f.name for f in local.iterdir() if f.suffix in (".safetensors", ".bin")) or ["none"]
+            raise SystemExit(f"{name}: could not load the model (weight files: {', '.join(weights[:4])}): "
                              f"{e.__class__.__name__}: {str(e)[:300]}") from e
     return model.to(device), tok
 

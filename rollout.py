@@ -44,8 +44,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from envs import STOP_TOOLS, next_turn, opening_messages, score
 from envs.users import (GREETING, DataUserSim, HFUserSim, OpenAIUserSim, ScriptedUserSim, UserSim,  # noqa: F401
-                        UserSimError)
-from muarl import (Episode, delta_ids, load_model, parse_assistant, prompt_ids, stop_token_ids,
+                        UserSimError, said_something)
+from muarl import (Episode, delta_ids, load_model, main_print, parse_assistant, prompt_ids, stop_token_ids,
                    template_kwargs)
 
 log = logging.getLogger("muarl.rollout")
@@ -103,11 +103,8 @@ def reference_rollout(model, tokenizer, env, task, user_sim: UserSim, cfg: Rollo
         stop = ("eot" if ids[-1] in stops else
                 "context" if len(ep.input_ids) + len(ids) >= cfg.max_context else "max_new_tokens")
         status = agent_turn(ep, session, tokenizer, ids, logprobs, stop, cfg.max_turns)
-        if status == "user":
-            reply = user.reply(ep.messages)
-            if not said_something(reply):
-                raise UserSimError(f"the user simulator's reply is empty ({reply!r})")
-            ep.messages.append({"role": "user", "content": reply})
+        if status == "user":  # sync_user raises UserSimError on a failure, an empty reply included
+            ep.messages.append({"role": "user", "content": user.reply(ep.messages)})
             status = next_turn(ep.messages, ep.turns, cfg.max_turns)
         if status == "agent" and not append_delta(ep, tokenizer, cfg.max_context):
             status = "context_limit"
@@ -526,19 +523,14 @@ def check_max_context(tokenizer, env, tasks: list, max_context: int, program: st
     sample = tasks[:256]
     lengths = [len(prompt_ids(tokenizer, opening_messages(env, t, None), env.tools(t))) for t in sample]
     over = [n for n in lengths if n >= max_context]
+    which = f"{len(sample)} tasks" if len(sample) == len(tasks) else f"the first {len(sample)} of {len(tasks)} tasks"
     if lengths and len(over) == len(lengths):
         raise SystemExit(f"{program}: --max-context {max_context} is below every task's opening ({min(lengths)} to "
                          f"{max(lengths)} tokens of system prompt and tools before the user's first message, over "
-                         f"{len(sample)} tasks): no episode could start; raise it well above {max(lengths)}")
+                         f"{which}): no episode could start; raise it well above {max(lengths)}")
     if over:
-        print(f"[{program.split('.')[0]}] warning: --max-context {max_context}: {len(over)} of {len(lengths)} tasks open "
-              f"with more tokens (up to {max(over)}); their episodes end at once as context_limit", flush=True)
-
-
-def said_something(text) -> bool:
-    """A user message the episode can take: a non-empty string (an LLM user that answers nothing is an
-    infrastructure failure of that episode; envs/users.py retries it first where it can)."""
-    return isinstance(text, str) and bool(text.strip())
+        main_print(f"[{program.split('.')[0]}] warning: --max-context {max_context}: {len(over)} of {which} open "
+                   f"with more tokens (up to {max(over)}); their episodes end at once as context_limit")
 
 
 # ---------------------------------------------------------------------------------------------------------

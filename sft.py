@@ -214,10 +214,11 @@ def load_conversations(path: str, strict: bool = False) -> list[dict]:
     if not out and not bad:
         raise ValueError(f"{path}: the file is empty: no conversation to train on")
     for b in bad[:20]:
-        print(f"[sft] skipped {b}", flush=True)
+        cli.main_print(f"[sft] skipped {b}")
     if bad:
-        print(f"[sft] {path}: {len(bad)} malformed conversation(s) skipped{' (first 20 shown)' if len(bad) > 20 else ''}, "
-              f"{len(out)} kept (--strict-data refuses the file instead)", flush=True)
+        cli.main_print(f"[sft] {path}: {len(bad)} malformed conversation(s) skipped"
+                       f"{' (first 20 shown)' if len(bad) > 20 else ''}, {len(out)} kept (--strict-data refuses the "
+                       "file instead)")
     if not out:
         raise ValueError(f"{path}: none of its {len(bad)} conversations is usable (the first: {bad[0]})")
     return out
@@ -243,7 +244,7 @@ def make_cold_start(cfg: SFTConfig) -> list[dict]:
     sim = None
     if cfg.user_sim != "scripted":
         sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
-    failed = 0
+    failed, first_error = 0, None
     for task in tasks[:cfg.num_tasks]:
         tools = env.tools(task)
         if cfg.teacher != "expert":
@@ -258,7 +259,8 @@ def make_cold_start(cfg: SFTConfig) -> list[dict]:
             messages, reward, info, termination = play(env, task, agent, user, session=session)
         except Exception as e:  # an endpoint that keeps failing costs this episode only, and is reported
             failed += 1
-            print(f"[sft] task {task.id}: episode failed ({e!r}); skipped")
+            first_error = first_error or f"task {task.id}: {e!r}"
+            cli.main_print(f"[sft] task {task.id}: episode failed ({e!r}); skipped")
             continue
         if reward == 1.0 or (cfg.teacher_skips_confirm and info.get("db_match") and "ended_early" not in info):
             # prompt: the system message + the task's earlier conversation + the user's opening
@@ -266,8 +268,12 @@ def make_cold_start(cfg: SFTConfig) -> list[dict]:
             n_prompt += n_prompt < len(messages) and messages[n_prompt]["role"] == "user"  # the user's opening
             kept.append({"messages": messages, "tools": tools, "task_id": task.id, "prompt_messages": n_prompt})
     what = "with the right database (it skipped the confirmation in some)" if cfg.teacher_skips_confirm else "solved"
-    print(f"[sft] teacher {cfg.teacher!r}: {len(kept)}/{min(len(tasks), cfg.num_tasks)} {cfg.env} tasks {what} "
-          f"in {time.time() - t0:.1f}s ({failed} failed episodes); keeping those")
+    played = min(len(tasks), cfg.num_tasks)
+    cli.main_print(f"[sft] teacher {cfg.teacher!r}: {len(kept)}/{played} {cfg.env} tasks {what} "
+                   f"in {time.time() - t0:.1f}s ({failed} failed episodes); keeping those")
+    if not kept and failed:
+        raise SystemExit(f"sft.py: the teacher's episodes: {failed} of {played} failed and none was kept, so there is "
+                         f"nothing to train on; the first failure: {first_error}")
     return kept
 
 
@@ -566,8 +572,10 @@ def save_pretrained(acc, model, tok, out: Path, run_config: dict) -> None:
 
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
+    from accelerate.utils import broadcast_object_list
+
     state = shard.full_state_dict(acc, model)  # fp32 master weights under DeepSpeed too
-    error = None
+    error = [None]
     if acc.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         acc.unwrap_model(model).save_pretrained(tmp, state_dict=state, safe_serialization=True)
@@ -575,14 +583,15 @@ def save_pretrained(acc, model, tok, out: Path, run_config: dict) -> None:
         cli.write_json_atomic(tmp / "muarl_config.json", run_config)
         other = not_checkpoint_files(out) if out.is_dir() else []
         if other:
-            error = (f"{out} holds files that are not a checkpoint's ({', '.join(other[:8])}); it was not replaced. "
-                     f"The new checkpoint is in {tmp}")
+            error[0] = (f"{out} holds files that are not a checkpoint's ({', '.join(other[:8])}); it was not "
+                        f"replaced. The new checkpoint is in {tmp}")
         else:
             shutil.rmtree(out, ignore_errors=True)
             os.replace(tmp, out)
-    acc.wait_for_everyone()
-    if error:
-        raise SystemExit(error)
+    if acc.num_processes > 1:
+        broadcast_object_list(error)  # every process stops with the main one
+    if error[0]:
+        raise SystemExit(error[0])
 
 
 def main(argv=None):
@@ -592,6 +601,8 @@ def main(argv=None):
             raise SystemExit("sft.py: --pretrain-only: only the 'tiny' model is pretrained here (--model tiny)")
         print(f"[pretrain] the tiny base: {pretrain_tiny(cfg)}")
         return
+    if cfg.user_retries < 0 or not cfg.user_timeout > 0:
+        raise SystemExit("sft.py: --user-retries must be >= 0 and --user-timeout > 0")
     if cfg.epochs > 0:
         check_out(cfg.out, cfg.overwrite)
         with cli.option_errors("sft.py: --model"):
@@ -600,15 +611,20 @@ def main(argv=None):
         raise SystemExit(f"sft.py: --data-out: {cfg.data_out} exists; replace it with --overwrite, or choose another")
     if cfg.data_out and cfg.data and Path(cfg.data_out).resolve() == Path(cfg.data).resolve():
         raise SystemExit(f"sft.py: --data-out {cfg.data_out} is the --data file it reads")
-    try:
-        conversations = load_conversations(cfg.data, cfg.strict_data) if cfg.data else make_cold_start(cfg)
-    except (ValueError, OSError) as e:
-        raise SystemExit(f"sft.py: --data: {e}") from None
-    if cfg.data_out:
+    if cfg.data:
+        try:
+            conversations = load_conversations(cfg.data, cfg.strict_data)
+        except (ValueError, OSError) as e:
+            raise SystemExit(f"sft.py: --data: {e}") from None
+    else:
+        conversations = make_cold_start(cfg)
+    if cfg.data_out and int(os.environ.get("RANK", "0")) == 0:  # one writer (every process synthesizes the same)
         Path(cfg.data_out).parent.mkdir(parents=True, exist_ok=True)
-        with open(cfg.data_out, "w", encoding="utf-8") as f:
+        tmp = Path(cfg.data_out + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
             for c in conversations:
                 f.write(json.dumps(c, ensure_ascii=False) + "\n")
+        os.replace(tmp, cfg.data_out)
     if cfg.epochs > 0:
         try:
             train(cfg, conversations)

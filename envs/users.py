@@ -101,17 +101,28 @@ class UserSim:
         return list(out)
 
 
+def said_something(text) -> bool:
+    """A user message an episode can take: a non-empty string. A user simulator that answers nothing is an
+    infrastructure failure of that episode (OpenAIUserSim retries it first), never a turn to score and train on."""
+    return isinstance(text, str) and bool(text.strip())
+
+
 class _SyncUser:
     def __init__(self, sim, env, task, session):
         self.sim, self.env, self.task, self.session, self.state = sim, env, task, session, None
 
     def opening(self) -> str | None:
         text = asyncio.run(self.sim.opening(self.env, self.task))
+        if text is not None and not said_something(text):
+            raise UserSimError(f"the user simulator's opening is empty ({text!r})")
         self.state = self.sim.start(self.env, self.task, self.session, text)
         return text
 
     def reply(self, messages: list[dict]) -> str:
-        return asyncio.run(self.sim.reply(self.state, messages))
+        text = asyncio.run(self.sim.reply(self.state, messages))
+        if not said_something(text):
+            raise UserSimError(f"the user simulator's reply is empty ({text!r})")
+        return text
 
 
 class ScriptedUserSim(UserSim):
@@ -236,7 +247,7 @@ class OpenAIUserSim(UserSim):
                 retriable, error = status is None or status >= 500 or status in self.RETRY_STATUS, e
             except openai.OpenAIError as e:  # a request the client refuses to send: retrying cannot help
                 raise UserSimError(f"{self.name} failed: {e!r}") from e
-            except Exception as e:  # a reply that is not a chat completion (HTML, bad JSON, no choices, no text)
+            except ValueError as e:  # a reply that is not a chat completion (HTML, bad JSON, no choices, no text)
                 retriable, error = True, e
             if not retriable or attempt == self.max_retries:
                 raise UserSimError(f"{self.name} failed after {attempt + 1} attempts "

@@ -83,6 +83,10 @@ def test_grpo_refuses_an_existing_run_unless_resume_or_overwrite(tmp_path, ckpt)
         grpo.main(grpo_args(ckpt, run, "--seed", "1"))
     assert (run / "metrics.jsonl").read_text() == before
     assert json.loads((run / "config.json").read_text())["seed"] == 0
+    # --overwrite removes nothing until the new run has loaded: one that cannot start leaves the old run as it was.
+    with pytest.raises(SystemExit, match="--max-context 20 is below"):
+        grpo.main(grpo_args(ckpt, run, "--seed", "1", "--overwrite", "--max-context", "20"))
+    assert (run / "metrics.jsonl").read_text() == before and (run / "checkpoints" / "step-000002").exists()
     grpo.main(grpo_args(ckpt, run, "--seed", "1", "--overwrite"))
     assert steps_logged(run) == [1, 2] and json.loads((run / "config.json").read_text())["seed"] == 1
     assert (run / "notes.txt").read_text() == "mine"  # --overwrite removes the run's own files only
@@ -99,6 +103,9 @@ def test_resume_cuts_the_logs_back_to_the_checkpoint(tmp_path, ckpt):
     assert steps_logged(run) == [1, 2, 3, 4]
     assert sorted(set(steps_logged(run, "episodes.jsonl"))) == [1, 2, 3, 4]
     assert steps_logged(run, "episodes.jsonl") == sorted(steps_logged(run, "episodes.jsonl"))
+    cut = (run / "metrics.jsonl.cut").read_text().splitlines()  # what was cut is kept aside, not lost
+    assert cut == [json.dumps({"step": 3, "loss": 0.0}), '{"step": 4, "lo']
+    assert [json.loads(line)["step"] for line in open(run / "resumes.jsonl")] == [2]
 
 
 def test_truncated_latest_falls_back_to_the_newest_complete_step(tmp_path, ckpt, capsys):
@@ -128,9 +135,14 @@ def test_dead_user_endpoint_stops_the_run_and_the_endpoint_may_change_on_resume(
         # Other settings cannot change on resume: refused, naming them, rather than ignored.
         with pytest.raises(SystemExit, match=r"--lr cannot change"):
             grpo.main(["--resume", str(run), "--lr", "0.5"])
-        grpo.main(["--resume", str(run), "--steps", "3", "--user-base-url", good.url])
+        # The original command with --resume added works: options equal to the saved ones are not changes.
+        grpo.main(grpo_args(ckpt, run, *user, "--resume", str(run), "--steps", "3", "--user-base-url", good.url))
         assert steps_logged(run) == [1, 2, 3]
         assert json.loads((run / "config.json").read_text())["user_base_url"] == good.url
+        resumes = [json.loads(line) for line in open(run / "resumes.jsonl")]
+        # Changes are against the checkpoint's settings (step 1's, with the good endpoint): the dead one is on record.
+        assert [r["changed"] for r in resumes] == [{"steps": [1, 3], "user_base_url": [good.url, dead.url]},
+                                                   {"steps": [1, 3]}]
     finally:
         good.close()
         dead.close()
@@ -195,6 +207,27 @@ def test_an_empty_reply_from_any_user_simulator_is_an_infra_error(lm, tiny_tok):
     env = Silent(n_tasks=1)
     eps = rollout(lm, tiny_tok, env, env.tasks("train"), 2, make_user_sim("scripted"), GREEDY)
     assert all(ep.infra_failed and "reply is empty" in ep.reward_info["error"] for ep in eps)
+    from rollout import reference_rollout  # and the text-level user (reference rollout, envs.play) raises
+
+    with pytest.raises(UserSimError, match="reply is empty"):
+        reference_rollout(lm, tiny_tok, env, env.tasks("train")[0], make_user_sim("scripted"), GREEDY)
+
+
+def test_sft_data_out_and_a_dead_teacher_user(tmp_path):
+    d = tmp_path / "d.jsonl"
+    d.write_text(conv(U, A) + "\n")
+    with pytest.raises(SystemExit, match="--data-out: .*exists; replace it with --overwrite"):
+        sft.main(["--data", str(d), "--data-out", str(d), "--epochs", "0"])
+    with pytest.raises(SystemExit, match="is the --data file it reads"):
+        sft.main(["--data", str(d), "--data-out", str(d), "--epochs", "0", "--overwrite"])
+    assert d.read_text() == conv(U, A) + "\n"
+    dead = ChatServer(lambda body, n: (500, {}))
+    try:  # the scripted expert teaches against an LLM user whose endpoint is down: stop, saying why
+        with pytest.raises(SystemExit, match=r"(?s)2 of 2 failed and none was kept.*500"):
+            sft.main(["--env", "shop", "--num-tasks", "2", "--user-sim", "openai", "--user-base-url", dead.url,
+                      "--user-retries", "0", "--epochs", "0"])
+    finally:
+        dead.close()
 
 
 def test_user_timeout_and_retries_are_options(tmp_path):
@@ -233,7 +266,7 @@ def test_eval_with_nothing_scored_exits_non_zero(tmp_path, ckpt):
     finally:
         dead.close()
     s = json.loads((tmp_path / "ev" / "summary.json").read_text())
-    assert s["scored"] == 0 and s["pass^1"] != s["pass^1"]  # NaN: nothing was measured, not a score of 0
+    assert s["scored"] == 0 and s["pass^1"] is None  # null: nothing was measured, not a score of 0
 
 
 # ---- checked inputs ----------------------------------------------------------------------------------------------
@@ -321,7 +354,7 @@ def test_loading_errors_name_the_path_and_the_option(tmp_path, ckpt, monkeypatch
     shutil.copytree(ckpt, broken)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # cut short
-    with pytest.raises(SystemExit, match=r"eval.py: --agent: .*broken: could not load the model's weights \(model.safetensors\)"):
+    with pytest.raises(SystemExit, match=r"eval.py: --agent: .*broken: could not load the model \(weight files: model.safetensors\)"):
         evaluation.main(["--agent", str(broken), "--env", "tests.fake_env:FakeEnv", "--num-tasks", "1"])
     notok = tmp_path / "notok"
     shutil.copytree(ckpt, notok)
