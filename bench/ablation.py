@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -94,9 +93,8 @@ def teacher_conversations(n_dynamic: int, n_static: int, seed: int, skips: float
 
 def grpo_arm(start: list[str], env: str, out: Path, args, seed: int) -> tuple[float, list[tuple[int, Path]]]:
     """A GRPO run; returns its seconds and its checkpoints (step, model directory)."""
-    shutil.rmtree(out, ignore_errors=True)  # grpo.py appends to metrics.jsonl: a rerun must not read an old run's rows
-    t0 = time.time()
-    grpo.main([*start, "--env", env, "--steps", str(args.steps), "--seed", str(seed), "--eval-tasks", "0",
+    t0 = time.time()  # --overwrite: a rerun replaces the arm's earlier run (grpo.py refuses it otherwise)
+    grpo.main([*start, "--overwrite", "--env", env, "--steps", str(args.steps), "--seed", str(seed), "--eval-tasks", "0",
                "--tasks-per-step", str(args.tasks_per_step), "--group-size", str(args.group_size),
                "--temperature", str(args.temperature),
                "--save-every", str(-(-args.steps // args.points)), "--save-weights-only", "--log-episodes", "0",
