@@ -1,6 +1,8 @@
-"""checkpoints.py: a GRPO run's directory and checkpoints, written so that a run can be resumed exactly and nothing a
-user had is lost. grpo.py uses it.
+"""checkpoints.py: checkpoints and run directories, written so that a run can be resumed exactly and nothing a user
+had is lost. sft.py and grpo.py use it.
 
+    save_pretrained  a Hugging Face model directory (weights, tokenizer, the run's config), written beside its
+           target and renamed; never over files that are not a checkpoint's (check_out refuses them at start)
     claim  the run directory, checked at start: a new one, or an existing run only with --resume or --overwrite
     open_run  once the run has loaded: --overwrite removes only the files a run writes; --resume cuts the logs back
            to the resumed step and records what it changed; config.json
@@ -18,6 +20,70 @@ from dataclasses import asdict
 from pathlib import Path
 
 import cli
+import shard
+
+
+# The files a checkpoint directory holds (save_pretrained: the model's, the tokenizer's, muarl's): the only ones ever
+# deleted when a checkpoint is replaced.
+CHECKPOINT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "config.json",
+                    "generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
+                    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "muarl_config.json")
+
+
+def not_checkpoint_files(out: Path) -> list[str]:
+    """What in directory `out` is not a checkpoint's file (and would be lost if the directory were replaced)."""
+    import fnmatch
+
+    return sorted(p.name for p in Path(out).iterdir()
+                  if p.is_dir() or not any(fnmatch.fnmatch(p.name, pat) for pat in CHECKPOINT_FILES))
+
+
+def check_out(out: str, overwrite: bool, program: str = "sft.py") -> None:
+    """Refuse, at start, an output directory whose contents the run would destroy: anything that is there unless
+    --overwrite, and even with it anything that is not a checkpoint's file."""
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise SystemExit(f"{program}: --out: {p} is a file, not a directory")
+    if not p.exists() or not any(p.iterdir()):
+        return
+    other = not_checkpoint_files(p)
+    if other:
+        raise SystemExit(f"{program}: --out: {p} holds files that are not a checkpoint's ({', '.join(other[:8])}"
+                         f"{', ...' if len(other) > 8 else ''}); writing the checkpoint there would delete them: choose "
+                         "another --out")
+    if not overwrite:
+        raise SystemExit(f"{program}: --out: {p} already holds a checkpoint; replace it with --overwrite, or choose "
+                         "another --out")
+
+
+def save_pretrained(acc, model, tok, out: Path, run_config: dict) -> None:
+    """A Hugging Face checkpoint (safetensors + tokenizer + the run config), written beside `out` and renamed into
+    place: a crash never leaves half a checkpoint. An existing `out` is replaced only when it holds nothing but a
+    checkpoint's files; otherwise the new checkpoint is left beside it, and the error says where."""
+    import shutil
+
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    from accelerate.utils import broadcast_object_list
+
+    state = shard.full_state_dict(acc, model)  # fp32 master weights under DeepSpeed too
+    error = [None]
+    if acc.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        acc.unwrap_model(model).save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        cli.write_json_atomic(tmp / "muarl_config.json", run_config)
+        other = not_checkpoint_files(out) if out.is_dir() else []
+        if other:
+            error[0] = (f"{out} holds files that are not a checkpoint's ({', '.join(other[:8])}); it was not "
+                        f"replaced. The new checkpoint is in {tmp}")
+        else:
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(tmp, out)
+    if acc.num_processes > 1:
+        broadcast_object_list(error)  # every process stops with the main one
+    if error[0]:
+        raise SystemExit(error[0])
 
 
 # What a run writes into its directory (grpo.main); --overwrite removes these and nothing else.
@@ -100,8 +166,6 @@ def save(acc, model, tok, cfg, run_dir: Path, step: int) -> Path:
     """run_dir/checkpoints/step-N: Hugging Face model + tokenizer + run config, and accelerate/ (optimizer,
     scheduler, RNG states of every process). Written to a temporary directory and renamed, then `latest`
     is updated: a crash mid-save never corrupts the last good checkpoint."""
-    import sft  # here, as grpo.py imports it: importing grpo for the loss math loads no training stack
-
     final = run_dir / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if acc.is_main_process:
@@ -110,7 +174,7 @@ def save(acc, model, tok, cfg, run_dir: Path, step: int) -> Path:
     acc.wait_for_everyone()
     if not cfg.save_weights_only:
         acc.save_state(str(tmp / "accelerate"))
-    sft.save_pretrained(acc, model, tok, tmp / "model", {"grpo": asdict(cfg)})
+    save_pretrained(acc, model, tok, tmp / "model", {"grpo": asdict(cfg)})
     if acc.is_main_process:
         cli.write_json_atomic(tmp / "trainer_state.json", {"step": step, "data_position": step * cfg.tasks_per_step})
         shutil.rmtree(final, ignore_errors=True)

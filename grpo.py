@@ -15,6 +15,7 @@ token_logprobs` is the API forks and tests use. This module sits on top: it may 
 never the reverse (tests/test_layout.py).
 """
 
+import inspect
 import json
 import random
 import time
@@ -26,10 +27,13 @@ import torch
 
 import checkpoints
 import cli
+import metrics
 import muarl
 import shard
-from loss import (AGGS, DEFAULT_CHUNK_SIZE, LOG_RATIO_CLAMP, group_advantages, grpo_loss, kl_k3,  # noqa: F401
-                  logprobs_from_hidden, masked_token_entropy, token_logprobs)
+from loss import (AGGS, DEFAULT_CHUNK_SIZE, LOG_RATIO_CLAMP, RATIO_LEVELS, group_advantages, grpo_loss,  # noqa: F401
+                  kl_k3, logprobs_from_hidden, masked_token_entropy, token_logprobs, uniform_groups)
+from metrics import episode_summary, reward_checks  # noqa: F401  (re-exported)
+from metrics import rollout_metrics as step_metrics  # noqa: F401
 
 # =========================================================================================================
 # ---- the training loop ----
@@ -91,6 +95,14 @@ class Config:
     """loss aggregation: token-mean (the paper), seq-mean-token-mean (original GRPO), seq-mean-token-sum-norm (Dr. GRPO)"""
     scale_advantages: bool = True
     """divide advantages by the group std (the paper); off: r - mean (Dr. GRPO)"""
+    advantage: str = "grpo"
+    """advantage estimator, by name in grpo.ADVANTAGES: 'grpo' (group-normalized, the paper)"""
+    drop_uniform_groups: bool = False
+    """leave out of the update the groups whose rewards are all equal (zero advantage), as DAPO's dynamic sampling
+    does (without its resampling: the step is smaller); counted as dropped_groups"""
+    ratio_level: str = "token"
+    """importance ratio: 'token' (PPO/GRPO, the paper) or 'sequence' (GSPO: each episode's geometric-mean ratio,
+    clipped as one; use with --agg seq-mean-token-mean and GSPO's clip ranges, e.g. 3e-4 / 4e-4)"""
     updates_per_batch: int = 1
     """policy updates per rollout batch (the paper: 1, so old logprobs are the current ones and cost nothing)"""
     micro_batch_size: int = 4
@@ -180,6 +192,14 @@ def validate(cfg: Config, world: int) -> None:
         bad("optimizer", f"{cfg.optimizer!r} is not 'adamw' or 'sgd'")
     if cfg.agg not in AGGS:
         bad("agg", f"{cfg.agg!r} is not one of {sorted(AGGS)}")
+    if cfg.advantage not in ADVANTAGES:
+        bad("advantage", f"{cfg.advantage!r} is not one of {sorted(ADVANTAGES)}")
+    try:  # the loss's own checks of its options (a fork's new option included), on a one-token batch
+        z = torch.zeros(1, 1)
+        grpo_loss(z, z, z, torch.zeros(1), torch.ones(1, 1), max_len=1, **loss_options(cfg))
+    except ValueError as e:
+        name = str(e).split()[0]
+        bad(name if hasattr(cfg, name) else "loss option", str(e))
     if cfg.user_sim not in ("scripted", "openai", "hf"):
         bad("user_sim", f"{cfg.user_sim!r} is not one of scripted, openai, hf")
     if cfg.group_size < 2:
@@ -216,30 +236,6 @@ def validate(cfg: Config, world: int) -> None:
         bad("bf16", "needs a GPU (on this CPU bf16 decoding was measured slower; see bench/dtype.py)")
 
 
-def cold_start(cfg: Config) -> str:
-    """Make (or reuse) the tiny model's cold-start checkpoint, as the paper's pipeline does: teacher conversations on
-    the training split (the scripted expert, skipping confirmations in --cold-start-skips-confirm of them), then SFT
-    from its pretrained base (sft.pretrain_tiny). Cached under MUARL_CACHE, keyed by
-    the settings and the code that makes it (sft.cache_key)."""
-    import sft
-
-    # Same precision as this run: Accelerate keeps one process-wide state, so the SFT inside this process cannot
-    # ask for another mixed precision (a --bf16 run on a GPU crashed here).
-    scfg = sft.SFTConfig(model=cfg.model, env=cfg.env, split=cfg.split, seed=cfg.seed, bf16=cfg.bf16,
-                         teacher_skips_confirm=cfg.cold_start_skips_confirm)
-    out = muarl.CACHE_DIR / f"coldstart-{cfg.env.replace(':', '-')}-{cfg.model}-{sft.cache_key(asdict(scfg))}"
-    if (out / "config.json").exists():
-        cli.main_print(f"[grpo] cold start: using the cached SFT checkpoint {out}")
-        return str(out)
-    teacher = (f"conversations of the scripted teacher (writing without asking in {scfg.teacher_skips_confirm:.0%} of "
-               f"them: --cold-start-skips-confirm)" if scfg.teacher_skips_confirm else "expert conversations")
-    cli.main_print(f"[grpo] cold start: no --init-from given, so making one: {scfg.num_tasks} {teacher} "
-              f"on {cfg.env}:{cfg.split}, then SFT of the pretrained '{cfg.model}' base ({scfg.epochs:g} epochs) -> {out}")
-    scfg.out = str(out)
-    sft.train(scfg, sft.make_cold_start(scfg))  # its own Accelerator: GRPO's checkpoints hold GRPO's state only
-    return str(out)
-
-
 def step_tasks(tasks: list, cfg: Config, step: int, rank: int, world: int) -> list:
     """This process's share of the step's tasks. The order is a seeded permutation per epoch, so the data
     position is a function of the step alone and a resumed run sees the same tasks."""
@@ -250,61 +246,6 @@ def step_tasks(tasks: list, cfg: Config, step: int, rank: int, world: int) -> li
         random.Random(cfg.seed * 1_000_003 + epoch).shuffle(perm)
         out.append(tasks[perm[i]])
     return out[rank::world]  # whole groups per process: group statistics never cross processes
-
-
-def episode_summary(ep) -> dict:
-    return {"reward": ep.reward, "valid": not ep.infra_failed, "turns": ep.turns, "gen_tokens": ep.gen_tokens,
-            "termination": ep.termination, "tool_calls": dict(ep.tool_calls), "tool_errors": ep.tool_errors,
-            "task_id": ep.task_id, "checks": reward_checks(ep.reward_info),
-            "error": (ep.reward_info or {}).get("error") if ep.infra_failed else None}
-
-
-def console_line(m: dict, failed: list[dict], t_roll: float, t_upd: float) -> str:
-    """The step's line on the console; episodes lost to infrastructure (the user simulator, the evaluator) are
-    counted with the first error, so that a failing endpoint is seen at once, not after the run."""
-    line = (f"step {m['step']:4d} | reward {m.get('reward_mean', 0):.3f} "
-            f"all-correct {m['all_correct_ratio']:.2f} all-wrong {m['all_wrong_ratio']:.2f} | "
-            f"turns {m.get('turns_mean', 0):.1f} resp-tok {m.get('response_tokens_mean', 0):.0f} | "
-            f"loss {m['loss']:+.4f} kl {m.get('kl', 0):.4f} "
-            f"clip {m.get('clip_frac_low', 0) + m.get('clip_frac_high', 0):.3f} "
-            f"ent {m.get('entropy', 0):.2f} gnorm {m.get('grad_norm', 0):.2f} | {t_roll:.1f}s+{t_upd:.1f}s")
-    if failed:
-        line += f"\n     | {len(failed)} of {m['episodes']} episodes failed on infrastructure, left out; first: {failed[0]['error']}"
-    return line
-
-
-def reward_checks(info: dict) -> dict:
-    """The reward's yes/no checks, for the metrics: booleans as they are, lists as "not empty" (e.g. shop's
-    db_match and unconfirmed_writes: is the database right; did the agent write without the user's yes)."""
-    return {k: bool(v) for k, v in (info or {}).items() if isinstance(v, (bool, list))}
-
-
-def step_metrics(summaries: list[dict], G: int) -> dict:
-    """Rollout metrics over all processes' episodes (consecutive groups of G)."""
-    n = len(summaries)
-    valid = [s for s in summaries if s["valid"]]
-    m = {"episodes": n, "infra_failed": n - len(valid)}
-    if valid:
-        m["reward_mean"] = sum(s["reward"] for s in valid) / len(valid)
-        m["turns_mean"] = sum(s["turns"] for s in valid) / len(valid)
-        m["response_tokens_mean"] = sum(s["gen_tokens"] for s in valid) / len(valid)
-        m["tool_errors_per_episode"] = sum(s["tool_errors"] for s in valid) / len(valid)
-    groups = [summaries[i:i + G] for i in range(0, n, G)]
-    rewards = [[s["reward"] for s in g if s["valid"]] for g in groups]
-    rewards = [r for r in rewards if r]
-    m["all_correct_ratio"] = sum(all(x == 1.0 for x in r) for r in rewards) / max(1, len(rewards))
-    m["all_wrong_ratio"] = sum(all(x == 0.0 for x in r) for r in rewards) / max(1, len(rewards))
-    for s in summaries:
-        key = f"termination/{s['termination']}"
-        m[key] = m.get(key, 0) + 1 / n
-    for s in valid:
-        for name, c in s["tool_calls"].items():
-            m[f"tool_calls/{name}"] = m.get(f"tool_calls/{name}", 0) + c / len(valid)
-        for name, v in s.get("checks", {}).items():
-            m[f"reward_info/{name}"] = m.get(f"reward_info/{name}", 0) + v / len(valid)
-    for name in ("think", "calculate", "transfer_to_human_agents"):  # tracked by the paper even when 0
-        m.setdefault(f"tool_calls/{name}", 0.0)
-    return m
 
 
 def load_reference(start: str, device, seed: int = 0, attn_implementation=None):
@@ -335,111 +276,135 @@ def freeze(model, pattern: str) -> int:
     return sum(p.numel() for p in hit)
 
 
-def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, pad_id: int) -> dict:
-    """One rollout batch -> `updates_per_batch` optimizer steps. Returns loss metrics (over all processes)."""
-    G = cfg.group_size
+# =========================================================================================================
+# The training step. What the algorithm decides (advantages, which episodes train, the loss of each micro-batch,
+# one normalizer) is here; how a backend runs micro-batches and steps, and what every process must do in lockstep,
+# is shard.py's; the metrics and their names are metrics.py's.
+# =========================================================================================================
+# Advantage estimators by name (--advantage): the step's rewards [B] in consecutive groups of G and which episodes
+# count (valid [B]) -> one advantage per episode. A fork adds its own here (RLOO: r minus the mean of the others).
+ADVANTAGES = {
+    "grpo": lambda rewards, valid, cfg: group_advantages(rewards, cfg.group_size, scale=cfg.scale_advantages,
+                                                         valid=valid),
+}
+
+
+def loss_options(cfg) -> dict:
+    """The Config fields named like a keyword option of loss.grpo_loss (clip_low, clip_high, dual_clip, kl_coef, agg,
+    ratio_level): a loss variant's option reaches the loss by being both, with no call site to edit."""
+    params = inspect.signature(grpo_loss).parameters
+    return {k: getattr(cfg, k) for k, p in params.items() if p.kind is p.KEYWORD_ONLY and hasattr(cfg, k)}
+
+
+def decide(episodes, cfg) -> tuple[torch.Tensor, list[int], int]:
+    """What the algorithm decides before any forward pass: (each episode's advantage [B], the episodes that train,
+    the groups dropped). Infra-failed episodes never train; with --drop-uniform-groups (DAPO's dynamic sampling,
+    without resampling) neither do the groups whose rewards are all equal."""
     rewards = torch.tensor([ep.reward for ep in episodes], dtype=torch.float32)
-    valid = torch.tensor([not ep.infra_failed for ep in episodes])
-    adv = group_advantages(rewards, G, scale=cfg.scale_advantages, valid=valid)
-    # Infra-failed episodes train on nothing; one that never started (its opening failed) still gets a
-    # one-token row, because every process must run the same number of forward passes under DDP.
-    seqs = [(ep.input_ids or [pad_id], [0] * max(1, len(ep.input_ids)) if ep.infra_failed else ep.loss_mask)
-            for ep in episodes]
-    sampled = [ep.logprobs or [0.0] for ep in episodes]
-    # One normalizer for the whole optimizer step, over all micro-batches and processes (invariant 3).
+    valid = torch.tensor([not ep.infra_failed for ep in episodes], dtype=torch.bool)
+    adv = ADVANTAGES[cfg.advantage](rewards, valid, cfg)
+    train, dropped = valid.clone(), 0
+    if cfg.drop_uniform_groups:
+        uniform = uniform_groups(rewards, cfg.group_size, valid)
+        dropped = int((uniform & valid).reshape(-1, cfg.group_size).any(1).sum())
+        train &= ~uniform
+    return adv, [i for i in range(len(episodes)) if train[i]], dropped
+
+
+def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, pad_id: int) -> dict:
+    """One rollout batch -> `updates_per_batch` optimizer steps. Returns the update's metrics (over all processes)."""
+    adv, rows, dropped = decide(episodes, cfg)
+    seqs = [(episodes[i].input_ids, episodes[i].loss_mask) for i in rows]
     local = sum(sum(m) for _, m in seqs) if cfg.agg == "token-mean" else sum(1 for _, m in seqs if any(m))
-    normalizer = acc.reduce(torch.tensor(float(local), device=acc.device), reduction="sum").item()
+    # One normalizer for the whole optimizer step, over all micro-batches and processes (docs/invariants.md, 3).
+    normalizer, tokens, dropped = shard.total(acc, local, sum(sum(m) for _, m in seqs), dropped)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))  # similar lengths share a micro-batch
     micro = [order[i:i + cfg.micro_batch_size] for i in range(0, len(order), cfg.micro_batch_size)]
-    max_len = max(cfg.max_context, 1)
-    # Padded once per micro-batch: (input_ids, attention_mask, loss_mask, sampler logprobs), all [b, T].
-    batches = [muarl.collate([seqs[i] for i in mb], pad_id, acc.device)
-               + (muarl.collate([(seqs[i][0], sampled[i]) for i in mb], 0, acc.device)[2],) for mb in micro]
-    sums, loss_total = {}, 0.0
+    micro += [[] for _ in range(shard.lockstep_count(acc, len(micro)) - len(micro))]  # empty ones keep step
+    out = {"dropped_groups": int(dropped), "trained_tokens": int(tokens), "skipped_updates": 0}
+    stats = metrics.Accumulator()
+    if not normalizer:  # no process has a token to train on (every group dropped): no update this step
+        return {**out, **stats.reduce(acc)}
 
-    def add(k, v, w=1.0):
-        a = sums.setdefault(k, [0.0, 0.0])
-        a[0] += float(v) * w
-        a[1] += w
-
+    def batch(mb):  # (input_ids, attention_mask, loss_mask, sampler logprobs, advantages); empty: one pad token
+        if not mb:
+            ids, attn, mask = muarl.collate([([pad_id], [0])], pad_id, acc.device)
+            return ids, attn, mask, mask.float(), torch.zeros(1, device=acc.device)
+        sampled = [(seqs[i][0], episodes[rows[i]].logprobs) for i in mb]
+        return (*muarl.collate([seqs[i] for i in mb], pad_id, acc.device),
+                muarl.collate(sampled, 0, acc.device)[2], adv[[rows[i] for i in mb]].to(acc.device))
+    batches = [batch(mb) for mb in micro]
     old = []
     if cfg.updates_per_batch > 1:  # the policy moves between updates: score the sampled tokens once first
         with torch.no_grad(), acc.autocast():
-            old = [token_logprobs(model, ids, attn, temperature=cfg.temperature) for ids, attn, _, _ in batches]
-    ref = [None] * len(micro)
+            old = [token_logprobs(model, b[0], b[1], temperature=cfg.temperature) for b in batches]
+    ref = [None] * len(batches)
     if ref_model is not None and cfg.kl_coef > 0:
         with torch.no_grad(), acc.autocast():  # the policy's precision path (load_reference)
-            ref = [token_logprobs(ref_model, ids, attn, temperature=cfg.temperature) for ids, attn, _, _ in batches]
+            ref = [token_logprobs(ref_model, b[0], b[1], temperature=cfg.temperature) for b in batches]
         if shard.is_sharded(ref_model):  # no backward will reshard its root: free the gathered weights now
             ref_model.reshard()
-    skipped, ratio_max = 0, 0.0
+    norms = []
     for update in range(cfg.updates_per_batch):
-        for k, (mb, (ids, attn, mask, sampler)) in enumerate(zip(micro, batches)):
+        for k, (ids, attn, mask, sampler, a) in enumerate(batches):
             # DDP reduces on the last micro-batch only, FSDP2 every one, DeepSpeed's engine is told its boundary.
-            with shard.micro_batch(acc, model, last=k == len(micro) - 1):
+            with shard.micro_batch(acc, model, last=k == len(batches) - 1):
                 with acc.autocast():
                     logp, ent = token_logprobs(model, ids, attn, temperature=cfg.temperature, return_entropy=True)
                 if logp.dtype != torch.float32:  # e.g. an FSDP2 policy that casts outputs (cli.fsdp2_plugin)
                     raise RuntimeError(f"token_logprobs returned {logp.dtype}, not float32: the loss would be rounded")
-                old_logp = old[k] if old else logp.detach()
-                loss, met = grpo_loss(logp, old_logp, ref[k], adv[mb].to(acc.device), mask,
-                                      clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                      dual_clip=cfg.dual_clip or None, kl_coef=cfg.kl_coef, agg=cfg.agg,
-                                      normalizer=normalizer, max_len=max_len)
+                loss, met = grpo_loss(logp, old[k] if old else logp.detach(), ref[k], a, mask, normalizer=normalizer,
+                                      max_len=cfg.max_context, **loss_options(cfg))
                 # DDP, FSDP2 and DeepSpeed average gradients over processes; the normalizer is already global, so
                 # undo the mean.
                 shard.backward(acc, model, loss * acc.num_processes)
             n_tok = float(mask.sum())
-            loss_total += loss.item()  # micro-batch shares of the step loss sum to it
-            if n_tok:
-                for name in ("kl", "approx_kl", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "ratio_mean"):
-                    if name in met:
-                        add(name, met[name], n_tok)
-                ratio_max = max(ratio_max, float(met["ratio_max"]))
-                if update == 0:  # sampler vs trainer on the same weights: should be ~0 (numerics only)
-                    add("entropy", (ent * mask).sum().item() / n_tok, n_tok)
-                    add("logprob_gap", ((sampler - logp.detach()).abs() * mask).sum().item() / n_tok, n_tok)
+            if update == 0 and n_tok:  # sampler vs trainer on the same weights: should be ~0 (numerics only)
+                met["entropy"] = (ent * mask).sum() / n_tok
+                met["logprob_gap"] = ((sampler - logp.detach()).abs() * mask).sum() / n_tok
+            stats.add({**met, "loss": loss.detach() / cfg.updates_per_batch}, n_tok)
         # Clipped and stepped on every process, or dropped on every one when the norm is not finite, and counted.
         grad_norm, stepped = shard.optimizer_step(acc, model, opt, cfg.grad_clip)
         if stepped:
             sched.step()
-            add("grad_norm", grad_norm)
+            norms.append(float(grad_norm))
         else:
-            skipped += 1
-    out = {"skipped_updates": skipped,
-           "ratio_max": acc.reduce(torch.tensor(ratio_max, device=acc.device), reduction="max").item()}
-    for k, (s, w) in sums.items():  # token-weighted means over all processes
-        t = acc.reduce(torch.tensor([s, w], device=acc.device, dtype=torch.float64), reduction="sum")
-        out[k] = (t[0] / t[1]).item() if t[1] else 0.0
-    loss_all = acc.reduce(torch.tensor(loss_total, device=acc.device, dtype=torch.float64), reduction="sum")
-    out["loss"] = loss_all.item() / cfg.updates_per_batch
-    return out
+            out["skipped_updates"] += 1
+    if norms:
+        out["grad_norm"] = sum(norms) / len(norms)
+    return {**out, **stats.reduce(acc)}
 
 
-def main(argv=None):
-    from accelerate.utils import gather_object
-    from tqdm.auto import tqdm
-
-    from envs import make_env
-    from eval import plot_curves, summarize
-    from rollout import RolloutConfig, check_max_context, make_user_sim, rollout, user_sim_options
-
+# =========================================================================================================
+# The pipeline: set up, cold start, evaluate, train, evaluate, write
+# =========================================================================================================
+def options(argv) -> tuple[Config, Path | None, dict]:
+    """The run's settings: the command line, or with --resume the run's saved settings and the few that may change
+    (RESUMABLE). Returns (config, the checkpoint to resume from, what the resume changes: name -> [old, new])."""
     given = set()
     cfg = cli.parse_config(Config, argv, recipes=RECIPES, description=__doc__.split("\n\n")[0], given=given)
-    resume_from = checkpoints.find(cfg.resume) if cfg.resume else None
-    changes = {}
-    if resume_from:  # continue the run with its own settings; only what does not change training may be changed
-        saved = json.loads((resume_from / "model" / "muarl_config.json").read_text())["grpo"]
-        changes = {k: [saved.get(k), getattr(cfg, k)] for k in sorted(given - {"resume"})
-                   if k == "recipe" or saved.get(k) != getattr(cfg, k)}
-        fixed = [k for k in changes if k not in RESUMABLE]
-        if fixed:
-            raise SystemExit(f"grpo.py: --resume continues the run with its saved settings; "
-                             f"{', '.join('--' + k.replace('_', '-') for k in fixed)} cannot change in it (only "
-                             f"{', '.join('--' + k.replace('_', '-') for k in RESUMABLE)} can); start a new run with "
-                             f"--init-from {resume_from / 'model'} to change them")
-        cfg = Config(**{**saved, **{k: new for k, (_, new) in changes.items()}, "resume": cfg.resume,
-                        "overwrite": False})
+    if not cfg.resume:
+        return cfg, None, {}
+    resume_from = checkpoints.find(cfg.resume)
+    saved = json.loads((resume_from / "model" / "muarl_config.json").read_text())["grpo"]
+    changes = {k: [saved.get(k), getattr(cfg, k)] for k in sorted(given - {"resume"})
+               if k == "recipe" or saved.get(k) != getattr(cfg, k)}
+    fixed = [k for k in changes if k not in RESUMABLE]
+    if fixed:
+        raise SystemExit(f"grpo.py: --resume continues the run with its saved settings; "
+                         f"{', '.join('--' + k.replace('_', '-') for k in fixed)} cannot change in it (only "
+                         f"{', '.join('--' + k.replace('_', '-') for k in RESUMABLE)} can); start a new run with "
+                         f"--init-from {resume_from / 'model'} to change them")
+    cfg = Config(**{**saved, **{k: new for k, (_, new) in changes.items()}, "resume": cfg.resume, "overwrite": False})
+    return cfg, resume_from, changes
+
+
+def set_up(cfg: Config, resume_from: Path | None, changes: dict) -> SimpleNamespace:
+    """Everything a run needs, loaded and checked: the Accelerator, the run directory, the environment and its user,
+    the policy (after the cold start, for tiny) with its optimizer, the frozen reference, the resumed state."""
+    from envs import make_env
+    from rollout import RolloutConfig, check_max_context, make_user_sim, user_sim_options
+
     acc = cli.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no", log_with=cfg.report_to or None)
     validate(cfg, acc.num_processes)
     shard.check_accelerator(acc)
@@ -451,9 +416,7 @@ def main(argv=None):
     cfg.out_dir = str(run_dir)
     if cfg.report_to:
         acc.init_trackers(run_dir.name, config=asdict(cfg))
-
-    env_opts = {"reward": cfg.env_reward} if cfg.env_reward else {}
-    env = make_env(cfg.env, **env_opts)
+    env = make_env(cfg.env, **({"reward": cfg.env_reward} if cfg.env_reward else {}))
     tasks = env.tasks(cfg.split)
     user_sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
     if cfg.user_sim == "scripted":  # fail now, not after the model has loaded
@@ -461,8 +424,31 @@ def main(argv=None):
             env.scripted_user(tasks[0])
         except NotImplementedError:
             raise SystemExit(f"grpo.py: --user-sim: {cfg.env} has no scripted user; use --user-sim openai or hf")
-    if not cfg.init_from and cfg.model == "tiny":
-        cfg.init_from = cold_start(cfg)
+    if not cfg.init_from and cfg.model == "tiny":  # the paper's cold start, made here for the tiny model
+        import sft  # here: importing grpo for the loss math loads no training stack
+
+        cfg.init_from = sft.cold_start(cfg.model, cfg.env, cfg.split, cfg.seed, cfg.bf16, cfg.cold_start_skips_confirm)
+    run = SimpleNamespace(cfg=cfg, acc=acc, dir=run_dir, env=env, tasks=tasks, user_sim=user_sim)
+    load_policy(run)
+    check_max_context(run.tok, env, tasks, cfg.max_context)
+    run.first_step = checkpoints.load(acc, resume_from, cfg.tasks_per_step) if resume_from else 0
+    if resume_from:
+        acc.print(f"[grpo] resumed from {resume_from} at step {run.first_step}")
+    # Once everything has loaded: a run that fails to start leaves the directory as it was.
+    checkpoints.open_run(acc, run_dir, asdict(cfg), run.first_step if resume_from else None, changes, cfg.overwrite)
+    run.sampling = RolloutConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                                 max_context=cfg.max_context, max_turns=cfg.max_turns, reuse_cache=cfg.reuse_cache,
+                                 max_batch=cfg.rollout_batch,
+                                 park_device="cpu" if cfg.rollout_batch and acc.device.type != "cpu" else "")
+    return run
+
+
+def load_policy(run) -> None:
+    """The policy (fp32 master weights: a bf16 AdamW step of lr 1e-6 rounds to nothing; --bf16 runs the forward
+    passes under autocast), its optimizer and scheduler, prepared by Accelerate, and the frozen reference. Under
+    FSDP2 the policy is loaded in host memory and sharded onto the GPUs by acc.prepare (under ZeRO-3 partitioned as
+    it loads); the reference after it, so that host memory holds one full model at a time (shard.load_device)."""
+    cfg, acc = run.cfg, run.acc
     start = cfg.init_from or cfg.model
     load_errors = cli.option_errors(f"grpo.py: {'--init-from' if cfg.init_from else '--model'}")
     with load_errors:  # a local path that is not there stops now, not after a hub lookup
@@ -479,15 +465,10 @@ def main(argv=None):
     config = shard.read_config(start)  # before loading, when the start names a config (directory, hub id)
     if config is not None:
         check_memory(config)
-    # The trained policy keeps fp32 master weights (a bf16 AdamW step of lr 1e-6 rounds to nothing); --bf16
-    # runs its forward passes under autocast. Under FSDP2 it is loaded in host memory and sharded onto the GPUs by
-    # acc.prepare (under ZeRO-3 partitioned as it loads); the reference after it, so that host memory holds one full
-    # model at a time (shard.load_device).
     load_on, attn = shard.load_device(acc), muarl.attention_implementation(acc.device)
     with load_errors:
-        model, tok = muarl.load_model(start, device=load_on, seed=cfg.seed, dtype=torch.float32,
-                                      attn_implementation=attn)
-    check_max_context(tok, env, tasks, cfg.max_context)
+        model, run.tok = muarl.load_model(start, device=load_on, seed=cfg.seed, dtype=torch.float32,
+                                          attn_implementation=attn)
     if config is None:
         check_memory(model.config)
     if cfg.gradient_checkpointing:
@@ -500,104 +481,86 @@ def main(argv=None):
     opt = (torch.optim.SGD(trained, lr=cfg.lr) if cfg.optimizer == "sgd" else
            torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=0.0))
     # Stepped by hand once per update (Accelerate's prepared scheduler steps once per process).
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
+    run.sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
     shard.configure_deepspeed(acc, micro_batch_size=cfg.micro_batch_size, grad_clip=cfg.grad_clip)
-    model, opt = acc.prepare(model, opt)
-    shard.expose_head(model)
-    ref_model = load_reference(start, load_on, cfg.seed, attn) if cfg.kl_coef > 0 else None
-    if ref_model is not None and shard.is_sharded(model):
-        shard.shard_like(ref_model, model, param_dtype=torch.bfloat16 if cfg.bf16 else None)
-    elif ref_model is not None and shard.is_deepspeed(model):
-        ref_model = shard.deepspeed_reference(ref_model, acc.state.deepspeed_plugin.deepspeed_config)
-    acc.register_for_checkpointing(sched)
-    first_step = 0
-    if resume_from:
-        first_step = checkpoints.load(acc, resume_from, cfg.tasks_per_step)
-        acc.print(f"[grpo] resumed from {resume_from} at step {first_step}")
-    # Once everything has loaded: a run that fails to start leaves the directory as it was.
-    checkpoints.open_run(acc, run_dir, asdict(cfg), first_step if resume_from else None, changes, cfg.overwrite)
-    sampling = RolloutConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                             max_context=cfg.max_context, max_turns=cfg.max_turns, reuse_cache=cfg.reuse_cache,
-                             max_batch=cfg.rollout_batch,
-                             park_device="cpu" if cfg.rollout_batch and acc.device.type != "cpu" else "")
+    run.model, run.opt = acc.prepare(model, opt)
+    shard.expose_head(run.model)
+    run.ref = load_reference(start, load_on, cfg.seed, attn) if cfg.kl_coef > 0 else None
+    if run.ref is not None and shard.is_sharded(run.model):
+        shard.shard_like(run.ref, run.model, param_dtype=torch.bfloat16 if cfg.bf16 else None)
+    elif run.ref is not None and shard.is_deepspeed(run.model):
+        run.ref = shard.deepspeed_reference(run.ref, acc.state.deepspeed_plugin.deepspeed_config)
+    acc.register_for_checkpointing(run.sched)
 
-    def evaluate(tag):
-        if not cfg.eval_tasks:
-            return {}
-        test = env.tasks("test")[:cfg.eval_tasks]
-        with shard.full_weights(model, acc.device), acc.autocast():
-            eps = rollout(acc.unwrap_model(model), tok, env, test[acc.process_index::acc.num_processes], 1,
-                          user_sim, replace(sampling, greedy=True))
-        eps = gather_object([e.to_json() for e in eps])
-        s = summarize(eps, 1, {t.id: t.meta for t in test})
-        if acc.is_main_process:
-            with open(run_dir / f"eval-{tag}.jsonl", "w") as f:
-                f.writelines(json.dumps(e, ensure_ascii=False, default=str) + "\n" for e in eps)
-        if not s["scored"]:
-            first = next((e["reward_info"].get("error") for e in eps if e.get("reward_info")), None)
-            acc.print(f"[grpo] eval ({tag}): none of the {len(eps)} episodes was scored (all failed on infrastructure; "
-                      f"the first error: {first})")
-            return {f"eval/{tag}/pass1": None, f"eval/{tag}/tasks": s["tasks"]}
-        res = {f"eval/{tag}/pass1": s["pass^1"], f"eval/{tag}/tasks": s["tasks"],
-               f"eval/{tag}/by_meta": s.get("by_meta", {})}
-        kinds = "; ".join(f"{k}: " + ", ".join(f"{v} {r['pass^1']:.2f}" for v, r in vs.items())
-                          for k, vs in list(s.get("by_meta", {}).items())[:2])
-        acc.print(f"[grpo] eval ({tag}) on {s['tasks']} test tasks, greedy: pass^1 = {s['pass^1']:.3f}"
-                  + (f" ({kinds})" if kinds else ""))
-        return res
 
-    log_path, ep_path = run_dir / "metrics.jsonl", run_dir / "episodes.jsonl"
-    results = evaluate("before") if first_step == 0 else {}
-    bar = tqdm(range(first_step, cfg.steps), initial=first_step, total=cfg.steps, disable=not acc.is_main_process,
-               desc="grpo", dynamic_ncols=True)
-    resume_hint = f"accelerate launch grpo.py --resume {run_dir}"
-    saved, step = first_step, first_step  # the newest checkpoint's step; the step in progress
+def play(run, tasks: list, group_size: int, sampling, generator=None) -> list:
+    """This process's episodes of `tasks` with the current policy (its full weights gathered once when sharded)."""
+    from rollout import rollout
+
+    with shard.full_weights(run.model, run.acc.device), run.acc.autocast():
+        return rollout(run.acc.unwrap_model(run.model), run.tok, run.env, tasks, group_size, run.user_sim, sampling,
+                       generator)
+
+
+def evaluate(run, tag: str) -> dict:
+    """Greedy pass^1 on the first --eval-tasks test tasks (eval.py's summary); eval-<tag>.jsonl holds the episodes."""
+    from accelerate.utils import gather_object
+
+    from eval import summarize
+
+    cfg, acc = run.cfg, run.acc
+    if not cfg.eval_tasks:
+        return {}
+    test = run.env.tasks("test")[:cfg.eval_tasks]
+    eps = play(run, test[acc.process_index::acc.num_processes], 1, replace(run.sampling, greedy=True))
+    eps = gather_object([e.to_json() for e in eps])
+    s = summarize(eps, 1, {t.id: t.meta for t in test})
+    if acc.is_main_process:
+        with open(run.dir / f"eval-{tag}.jsonl", "w") as f:
+            f.writelines(json.dumps(e, ensure_ascii=False, default=str) + "\n" for e in eps)
+    if not s["scored"]:
+        first = next((e["reward_info"].get("error") for e in eps if e.get("reward_info")), None)
+        acc.print(f"[grpo] eval ({tag}): none of the {len(eps)} episodes was scored (all failed on infrastructure; "
+                  f"the first error: {first})")
+        return {f"eval/{tag}/pass1": None, f"eval/{tag}/tasks": s["tasks"]}
+    kinds = "; ".join(f"{k}: " + ", ".join(f"{v} {r['pass^1']:.2f}" for v, r in vs.items())
+                      for k, vs in list(s.get("by_meta", {}).items())[:2])
+    acc.print(f"[grpo] eval ({tag}) on {s['tasks']} test tasks, greedy: pass^1 = {s['pass^1']:.3f}"
+              + (f" ({kinds})" if kinds else ""))
+    return {f"eval/{tag}/pass1": s["pass^1"], f"eval/{tag}/tasks": s["tasks"],
+            f"eval/{tag}/by_meta": s.get("by_meta", {})}
+
+
+def train(run) -> None:
+    """The GRPO loop from the run's first step: roll out, update, log, save. A step where every episode failed on
+    infrastructure stops the run; Ctrl-C stops it after the step (both say how to continue)."""
+    from tqdm.auto import tqdm
+
+    cfg, acc = run.cfg, run.acc
+    bar = tqdm(range(run.first_step, cfg.steps), initial=run.first_step, total=cfg.steps,
+               disable=not acc.is_main_process, desc="grpo", dynamic_ncols=True)
+    resume_hint = f"accelerate launch grpo.py --resume {run.dir}"
+    saved, step = run.first_step, run.first_step  # the newest checkpoint's step; the step in progress
     try:
-        with cli.StopOnInterrupt("grpo") as ctrl_c:  # Ctrl-C: finish the step, save, say how to resume
+        with cli.StopOnInterrupt("grpo") as ctrl_c:
             for step in bar:
-                t0 = time.time()
-                my_tasks = step_tasks(tasks, cfg, step, acc.process_index, acc.num_processes)
-                model.eval()
-                # Sampling seeded by (run seed, step, process): a resumed run draws exactly what it would have drawn.
-                gen = torch.Generator(acc.device).manual_seed(cfg.seed * 1_000_003 + step * 1_009 + acc.process_index)
-                with shard.full_weights(model, acc.device), acc.autocast():
-                    episodes = rollout(acc.unwrap_model(model), tok, env, my_tasks, cfg.group_size, user_sim, sampling,
-                                       gen)
-                t_roll = time.time() - t0
-                summaries = gather_object([episode_summary(e) for e in episodes])
-                failed = [s for s in summaries if not s["valid"]]
-                if len(failed) == len(summaries):  # stop, loudly, rather than train on nothing step after step
+                m, failed = grpo_step(run, step)
+                if m is None:  # stop, loudly, rather than train on nothing step after step
                     if step > saved:
-                        checkpoints.save(acc, model, tok, cfg, run_dir, step)
+                        checkpoints.save(acc, run.model, run.tok, cfg, run.dir, step)
                     then = (f"then continue with {resume_hint} (the user-simulator options may change on --resume)"
-                            if step else f"then start again (--overwrite {run_dir})")
+                            if step else f"then start again (--overwrite {run.dir})")
                     acc.end_training()
-                    raise SystemExit(f"grpo.py: step {step + 1}: all {len(summaries)} episodes failed on infrastructure, so "
-                                     f"there is nothing to train on; the first error: {failed[0]['error']}\nFix it, "
-                                     f"{then}.")
-                model.train()
-                t1 = time.time()
-                loss_metrics = train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg, tok.pad_token_id)
-                t_upd = time.time() - t1
-                n_gen = acc.reduce(torch.tensor(float(sum(e.gen_tokens for e in episodes)), device=acc.device),
-                                   "sum").item()
-                metrics = {"step": step + 1, **step_metrics(summaries, cfg.group_size), **loss_metrics,
-                           "lr": sched.get_last_lr()[0], "rollout_s": t_roll, "update_s": t_upd,
-                           "gen_tokens_per_s": n_gen / max(t_roll, 1e-9)}
-                samples = gather_object([e.to_json() for e in episodes[:max(0, cfg.log_episodes)]])
+                    raise SystemExit(f"grpo.py: step {step + 1}: all {len(failed)} episodes failed on infrastructure, "
+                                     f"so there is nothing to train on; the first error: {failed[0]['error']}\nFix "
+                                     f"it, {then}.")
                 if acc.is_main_process:
-                    with open(log_path, "a") as f:
-                        f.write(json.dumps(metrics) + "\n")
-                    with open(ep_path, "a") as f:
-                        for s in samples[:cfg.log_episodes]:
-                            f.write(json.dumps({"step": step + 1, **s}, ensure_ascii=False) + "\n")
-                    bar.set_postfix(reward=f"{metrics.get('reward_mean', 0):.3f}", kl=f"{metrics.get('kl', 0):.4f}")
-                    tqdm.write(console_line(metrics, failed, t_roll, t_upd))
-                if cfg.report_to:
-                    acc.log(metrics, step=step + 1)
+                    bar.set_postfix(reward=f"{m.get('reward_mean', 0):.3f}", kl=f"{m.get('kl', 0):.4f}")
+                    tqdm.write(metrics.console_line(m, failed, m["rollout_s"], m["update_s"]))
                 stop = ctrl_c.agreed(acc)  # every process stops after the same step
                 if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stop:
-                    checkpoints.save(acc, model, tok, cfg, run_dir, step + 1)
+                    checkpoints.save(acc, run.model, run.tok, cfg, run.dir, step + 1)
                     saved = step + 1
                 if stop and step + 1 < cfg.steps:
                     bar.close()
@@ -608,21 +571,69 @@ def main(argv=None):
     except KeyboardInterrupt:  # the second Ctrl-C: stop at once; the step in progress is lost
         bar.close()
         where = (f"the newest checkpoint is step {saved}; continue with: {resume_hint}" if saved else
-                 f"no checkpoint was written; start again with --overwrite {run_dir}")
+                 f"no checkpoint was written; start again with --overwrite {run.dir}")
         acc.print(f"\n[grpo] interrupted during step {step + 1}: {where}")
         acc.end_training()
         raise SystemExit(130) from None
-    if first_step < cfg.steps:
-        results.update(evaluate("after"))
+
+
+def grpo_step(run, step: int) -> tuple[dict | None, list[dict]]:
+    """One step: G episodes of each of this process's tasks, the update, the metrics logged (metrics.jsonl,
+    episodes.jsonl, trackers). Returns (the metrics, the episodes that failed on infrastructure); the metrics are
+    None, and nothing is trained, when every episode of the step failed."""
+    from accelerate.utils import gather_object
+
+    cfg, acc = run.cfg, run.acc
+    t0 = time.time()
+    # Sampling seeded by (run seed, step, process): a resumed run draws exactly what it would have drawn.
+    gen = torch.Generator(acc.device).manual_seed(cfg.seed * 1_000_003 + step * 1_009 + acc.process_index)
+    episodes = play(run, step_tasks(run.tasks, cfg, step, acc.process_index, acc.num_processes), cfg.group_size,
+                    run.sampling, gen)
+    t_roll, t1 = time.time() - t0, time.time()
+    summaries = gather_object([metrics.episode_summary(e) for e in episodes])
+    failed = [s for s in summaries if not s["valid"]]
+    if len(failed) == len(summaries):
+        return None, failed
+    update = train_on_episodes(episodes, run.model, run.ref, run.opt, run.sched, acc, cfg, run.tok.pad_token_id)
+    n_gen = shard.total(acc, sum(e.gen_tokens for e in episodes))[0]
+    m = {"step": step + 1, **metrics.rollout_metrics(summaries, cfg.group_size), **update,
+         "lr": run.sched.get_last_lr()[0], "rollout_s": t_roll, "update_s": time.time() - t1,
+         "gen_tokens_per_s": n_gen / max(t_roll, 1e-9)}
+    samples = gather_object([e.to_json() for e in episodes[:max(0, cfg.log_episodes)]])
     if acc.is_main_process:
-        cli.write_json_atomic(run_dir / "summary.json", {"steps": cfg.steps, **results})
-        if log_path.exists():
-            plot_curves([json.loads(line) for line in open(log_path)], run_dir / "curves.png",
+        with open(run.dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(m) + "\n")
+        with open(run.dir / "episodes.jsonl", "a") as f:
+            for s in samples[:cfg.log_episodes]:
+                f.write(json.dumps({"step": step + 1, **s}, ensure_ascii=False) + "\n")
+    if cfg.report_to:
+        acc.log(m, step=step + 1)
+    return m, failed
+
+
+def write(run, results: dict) -> None:
+    """summary.json and the learning curve (curves.png)."""
+    from eval import plot_curves
+
+    if run.acc.is_main_process:
+        cli.write_json_atomic(run.dir / "summary.json", {"steps": run.cfg.steps, **results})
+        if (run.dir / "metrics.jsonl").exists():
+            plot_curves([json.loads(line) for line in open(run.dir / "metrics.jsonl")], run.dir / "curves.png",
                         results.get("eval/before/pass1"), results.get("eval/after/pass1"))
-    acc.end_training()
-    acc.print(f"[grpo] done. Run directory: {run_dir} (metrics.jsonl, curves.png, episodes.jsonl, checkpoints/, "
-              "summary.json)")
-    return SimpleNamespace(run_dir=run_dir, model=acc.unwrap_model(model), results=results)
+    run.acc.end_training()
+    run.acc.print(f"[grpo] done. Run directory: {run.dir} (metrics.jsonl, curves.png, episodes.jsonl, checkpoints/, "
+                  "summary.json)")
+
+
+def main(argv=None):
+    """The paper's pipeline, phase by phase."""
+    run = set_up(*options(argv))        # settings, run directory, environment, user, cold start, policy, reference
+    results = evaluate(run, "before") if run.first_step == 0 else {}
+    train(run)                          # the GRPO loop
+    if run.first_step < run.cfg.steps:
+        results.update(evaluate(run, "after"))
+    write(run, results)
+    return SimpleNamespace(run_dir=run.dir, model=run.acc.unwrap_model(run.model), results=results)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 What a fork edits and what tests/test_grpo.py checks against plain Python loops and finite differences:
 
     group_advantages  (r - group mean) / (group std + 1e-6), per group of G episodes of one task
+    uniform_groups    the groups whose rewards are all equal (zero advantage): what DAPO's dynamic sampling drops
     kl_k3             exp(ref - logp) - (ref - logp) - 1, the k3 estimator of KL(policy || reference)
     grpo_loss         clipped-ratio PPO surrogate (+ dual clip) + kl_coef * k3, under a loss mask,
-                      aggregated with one normalizer per optimizer step
+                      aggregated with one normalizer per optimizer step; per-token or GSPO's sequence-level ratio
     token_logprobs    log p(token) of a causal LM without ever holding a float32 [B, T, V] log-softmax
     logprobs_from_hidden   the chunked output layer that token_logprobs (and bench/logprobs.py) use
     call_as_forward   how token_logprobs runs body and head inside a wrapped (DDP) or sharded (FSDP2) forward
@@ -28,6 +29,7 @@ from torch.autograd.function import once_differentiable
 LOG_RATIO_CLAMP = 20.0
 
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+RATIO_LEVELS = ("token", "sequence")
 
 
 def group_advantages(rewards, group_size, scale=True, eps=1e-6, *, valid=None):
@@ -73,6 +75,21 @@ def group_advantages(rewards, group_size, scale=True, eps=1e-6, *, valid=None):
     return torch.where(live, dev, torch.zeros_like(dev)).reshape(-1)
 
 
+def uniform_groups(rewards, group_size, valid=None):
+    """Which episodes belong to a group with nothing to compare: its valid rewards are all equal, or fewer than two
+    are valid. rewards: [B] in consecutive groups of group_size; valid: optional bool [B]. Returns bool [B].
+
+    Their advantage is 0 (group_advantages), so they add no policy gradient; kept in the update they still add the
+    KL term and their tokens to the token-mean normalizer, diluting the step. DAPO's dynamic sampling drops them
+    (and samples more groups until the batch is full; here the step is simply smaller: no resampling)."""
+    r = rewards.float().reshape(-1, group_size)
+    ok = (torch.ones_like(r, dtype=torch.bool) if valid is None
+          else valid.reshape(-1, group_size).to(device=r.device, dtype=torch.bool))
+    spread = r.masked_fill(~ok, -torch.inf).amax(1) - r.masked_fill(~ok, torch.inf).amin(1)
+    uniform = (ok.sum(1) < 2) | ~(spread > 0)
+    return uniform[:, None].expand_as(r).reshape(-1)
+
+
 def kl_k3(logp, ref_logp):
     """Per-token k3 estimate of KL(policy || reference) from tokens sampled by the policy.
 
@@ -88,7 +105,7 @@ def kl_k3(logp, ref_logp):
 
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, clip_high=0.2,
-              dual_clip=3.0, kl_coef=0.001, agg="token-mean", normalizer=None, max_len=None,
+              dual_clip=3.0, kl_coef=0.001, agg="token-mean", ratio_level="token", normalizer=None, max_len=None,
               logits=None):
     """The GRPO objective for one micro-batch, as a loss to minimise.
 
@@ -106,8 +123,13 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, 
         pg = min(pg, -A * dual_clip)   where A < 0                             (dual clip)
         loss_t = pg + kl_coef * kl_k3(logp, ref_logp)
     The dual clip caps what a single token with a negative advantage and a huge ratio can
-    contribute (Ye et al. 2020); dual_clip=None disables it, otherwise it must be > 1.
+    contribute (Ye et al. 2020); dual_clip=None or 0 disables it, otherwise it must be > 1.
     kl_coef=0 or ref_logp=None drops the KL term (the paper uses 0.001 in the loss, not the reward).
+
+    ratio_level="sequence" is GSPO's sequence-level ratio (Zheng et al. 2025): every token of an episode gets the
+    episode's ratio s = exp(mean over its tokens of (logp - old_logp)), clipped as one, with each token's gradient
+    (GSPO-token: log s_t = sg[log s] + logp_t - sg[logp_t]). With agg="seq-mean-token-mean" this is GSPO exactly,
+    whose gradient is A * grad(s); GSPO clips far tighter than PPO (clip_low 3e-4, clip_high 4e-4 in its paper).
 
     agg decides how loss_t is summed into one number, and normalizer is that sum's denominator for
     the WHOLE optimizer step (all micro-batches, all processes), so that summing (accumulating) the
@@ -144,6 +166,9 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, 
     """
     if agg not in AGGS:
         raise ValueError(f"agg must be one of {AGGS}, got {agg!r}")
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
+    dual_clip = dual_clip or None
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
     mask = loss_mask.bool()
@@ -153,7 +178,12 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, 
     ref_logp = None if ref_logp is None else torch.where(mask, ref_logp.to(logp.dtype), zero)
     adv = advantages.to(logp.dtype).unsqueeze(1)                            # [B, 1]
 
-    ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))   # [B, T]
+    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)                # [B, T]
+    if ratio_level == "sequence":  # the episode's mean log-ratio as every token's value, each token's gradient
+        seq = (logp - old_logp).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)   # [B, 1]
+        log_ratio = torch.where(mask, seq.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) + logp - logp.detach(),
+                                zero)
+    ratio = torch.exp(log_ratio)
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_low, 1 + clip_high))
     if dual_clip is not None:
         pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+import checkpoints
 import cli
 import muarl
 import shard
@@ -277,6 +278,27 @@ def make_cold_start(cfg: SFTConfig) -> list[dict]:
     return kept
 
 
+def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_confirm: float) -> str:
+    """grpo.py's cold start when it is given none: make (or reuse) the model's SFT checkpoint as the paper's pipeline
+    does, from conversations of the scripted teacher on the training split (skipping confirmations in
+    `skips_confirm` of them), fine-tuning its pretrained base (`pretrain_tiny`). Cached under MUARL_CACHE, keyed by
+    the settings and the code that makes it (`cache_key`)."""
+    # Same precision as the GRPO run: Accelerate keeps one process-wide state, so the SFT inside that process cannot
+    # ask for another mixed precision (a --bf16 run on a GPU crashed here).
+    cfg = SFTConfig(model=model, env=env, split=split, seed=seed, bf16=bf16, teacher_skips_confirm=skips_confirm)
+    out = muarl.CACHE_DIR / f"coldstart-{env.replace(':', '-')}-{model}-{cache_key(asdict(cfg))}"
+    if (out / "config.json").exists():
+        cli.main_print(f"[grpo] cold start: using the cached SFT checkpoint {out}")
+        return str(out)
+    teacher = (f"conversations of the scripted teacher (writing without asking in {skips_confirm:.0%} of them: "
+               "--cold-start-skips-confirm)" if skips_confirm else "expert conversations")
+    cli.main_print(f"[grpo] cold start: no --init-from given, so making one: {cfg.num_tasks} {teacher} on {env}:{split}, "
+                   f"then SFT of the pretrained '{model}' base ({cfg.epochs:g} epochs) -> {out}")
+    cfg.out = str(out)
+    train(cfg, make_cold_start(cfg))  # its own Accelerator: GRPO's checkpoints hold GRPO's state only
+    return str(out)
+
+
 def windows(conversations: list[dict], sizes=(1, 2, 4)) -> list[dict]:
     """The pretraining drills of 'tiny' (`pretrain_tiny`): each agent message that carries arguments (a tool call, or text with a
     digit: "I will cancel order o42") with the last 1, 2 and 4 messages before it, cut to begin at a user
@@ -439,7 +461,7 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     fit(acc, model, opt, sched, data, total, cfg.batch_size, cfg.micro_batch_size, tok.pad_token_id, cfg.seed,
         cfg.grad_clip, "")
     out = Path(cfg.out)
-    save_pretrained(acc, model, tok, out, {"sft": asdict(cfg)})
+    checkpoints.save_pretrained(acc, model, tok, out, {"sft": asdict(cfg)})
     acc.print(f"[sft] checkpoint written to {out}")
     return out
 
@@ -526,72 +548,9 @@ def pretrain_tiny(cfg: SFTConfig) -> Path:
     if loss >= cfg.pretrain_target:
         acc.print(f"[pretrain] stopped at --pretrain-max-steps {cfg.pretrain_max_steps} with copy loss {loss:.3f} "
                   f"above the target {cfg.pretrain_target}: the cold start will copy values badly")
-    save_pretrained(acc, model, tok, out, {"pretrain": {**settings, "steps": step, "copy_loss": loss,
+    checkpoints.save_pretrained(acc, model, tok, out, {"pretrain": {**settings, "steps": step, "copy_loss": loss,
                                                         "seconds": time.time() - t0}})
     return out
-
-
-# The files a checkpoint directory holds (save_pretrained: the model's, the tokenizer's, muarl's): the only ones ever
-# deleted when a checkpoint is replaced.
-CHECKPOINT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "config.json",
-                    "generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
-                    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "muarl_config.json")
-
-
-def not_checkpoint_files(out: Path) -> list[str]:
-    """What in directory `out` is not a checkpoint's file (and would be lost if the directory were replaced)."""
-    import fnmatch
-
-    return sorted(p.name for p in Path(out).iterdir()
-                  if p.is_dir() or not any(fnmatch.fnmatch(p.name, pat) for pat in CHECKPOINT_FILES))
-
-
-def check_out(out: str, overwrite: bool, program: str = "sft.py") -> None:
-    """Refuse, at start, an output directory whose contents the run would destroy: anything that is there unless
-    --overwrite, and even with it anything that is not a checkpoint's file."""
-    p = Path(out)
-    if p.exists() and not p.is_dir():
-        raise SystemExit(f"{program}: --out: {p} is a file, not a directory")
-    if not p.exists() or not any(p.iterdir()):
-        return
-    other = not_checkpoint_files(p)
-    if other:
-        raise SystemExit(f"{program}: --out: {p} holds files that are not a checkpoint's ({', '.join(other[:8])}"
-                         f"{', ...' if len(other) > 8 else ''}); writing the checkpoint there would delete them: choose "
-                         "another --out")
-    if not overwrite:
-        raise SystemExit(f"{program}: --out: {p} already holds a checkpoint; replace it with --overwrite, or choose "
-                         "another --out")
-
-
-def save_pretrained(acc, model, tok, out: Path, run_config: dict) -> None:
-    """A Hugging Face checkpoint (safetensors + tokenizer + the run config), written beside `out` and renamed into
-    place: a crash never leaves half a checkpoint. An existing `out` is replaced only when it holds nothing but a
-    checkpoint's files; otherwise the new checkpoint is left beside it, and the error says where."""
-    import shutil
-
-    out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    from accelerate.utils import broadcast_object_list
-
-    state = shard.full_state_dict(acc, model)  # fp32 master weights under DeepSpeed too
-    error = [None]
-    if acc.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        acc.unwrap_model(model).save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        tok.save_pretrained(tmp)
-        cli.write_json_atomic(tmp / "muarl_config.json", run_config)
-        other = not_checkpoint_files(out) if out.is_dir() else []
-        if other:
-            error[0] = (f"{out} holds files that are not a checkpoint's ({', '.join(other[:8])}); it was not "
-                        f"replaced. The new checkpoint is in {tmp}")
-        else:
-            shutil.rmtree(out, ignore_errors=True)
-            os.replace(tmp, out)
-    if acc.num_processes > 1:
-        broadcast_object_list(error)  # every process stops with the main one
-    if error[0]:
-        raise SystemExit(error[0])
 
 
 def main(argv=None):
@@ -604,7 +563,7 @@ def main(argv=None):
     if cfg.user_retries < 0 or not cfg.user_timeout > 0:
         raise SystemExit("sft.py: --user-retries must be >= 0 and --user-timeout > 0")
     if cfg.epochs > 0:
-        check_out(cfg.out, cfg.overwrite)
+        checkpoints.check_out(cfg.out, cfg.overwrite)
         with cli.option_errors("sft.py: --model"):
             muarl.check_local(cfg.model)
     if cfg.data_out and Path(cfg.data_out).exists() and not cfg.overwrite:

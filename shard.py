@@ -438,3 +438,24 @@ def kv_bytes_per_token(config, bf16: bool) -> int:
 
 def gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Lockstep: what every process must do the same number of times, whatever its own share of the step holds
+# ---------------------------------------------------------------------------------------------------------
+def lockstep_count(acc, n: int) -> int:
+    """How many micro-batches every process runs: the most any process has. Under DDP, FSDP2 and DeepSpeed each
+    forward/backward is, or ends in, a collective, so a process that ran one fewer would leave the others waiting
+    forever; a process with fewer rows (its episodes failed, its groups were dropped) runs empty micro-batches."""
+    if acc.num_processes == 1:
+        return n
+    return int(acc.reduce(torch.tensor(n, device=acc.device), reduction="max").item())
+
+
+def total(acc, *xs: float) -> list[float]:
+    """Numbers summed over processes, in one collective (e.g. the step's trained tokens: one normalizer for every
+    micro-batch of every process)."""
+    if acc.num_processes == 1:
+        return [float(x) for x in xs]
+    t = torch.tensor([float(x) for x in xs], device=acc.device, dtype=torch.float64)
+    return acc.reduce(t, reduction="sum").tolist()

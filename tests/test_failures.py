@@ -63,13 +63,14 @@ def test_sft_out_never_deletes_what_is_not_a_checkpoint(tmp_path, ckpt, tiny_tok
 
 
 def test_save_pretrained_leaves_a_foreign_directory_alone(tmp_path, tiny_lm, tiny_tok):
+    import checkpoints
     import cli
 
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     with pytest.raises(SystemExit, match=r"notes.txt.*not replaced.*out.tmp"):
-        sft.save_pretrained(cli.make_accelerator(), tiny_lm, tiny_tok, out, {})
+        checkpoints.save_pretrained(cli.make_accelerator(), tiny_lm, tiny_tok, out, {})
     assert (out / "notes.txt").read_text() == "mine"
     assert (tmp_path / "out.tmp" / "model.safetensors").exists()  # the new checkpoint is kept, beside it
 

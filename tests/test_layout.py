@@ -7,7 +7,8 @@
     muarl.py   the floor of the agent's side: Episode, tokenization, tool-call format, model loading
     rollout.py the agent playing episodes (reference and fast engine)
     sft.py, eval.py    cold start and evaluation, on the rollout
-    checkpoints.py     a GRPO run's checkpoints (save, find, load), on sft's model saving
+    metrics.py the names and meanings of what a run logs, and how micro-batches and processes combine them
+    checkpoints.py     model directories and a GRPO run's checkpoints and directory (save, find, load, resume)
     grpo.py    the pipeline, on all of the above
 
 Checked on the source (every import statement, function-local ones included), so a lazy import cannot hide a
@@ -23,11 +24,12 @@ ALLOWED = {  # module -> the project modules it may import
     "cli": set(),
     "muarl": {"envs", "cli"},
     "rollout": {"envs", "muarl"},
-    "sft": {"envs", "cli", "muarl", "loss", "rollout", "shard"},
+    "sft": {"envs", "cli", "muarl", "loss", "rollout", "shard", "checkpoints"},
     "eval": {"envs", "cli", "muarl", "rollout"},
     "shard": set(),
-    "checkpoints": {"cli", "sft"},
-    "grpo": {"envs", "cli", "muarl", "loss", "rollout", "sft", "eval", "shard", "checkpoints"},
+    "metrics": set(),
+    "checkpoints": {"cli", "shard"},
+    "grpo": {"envs", "cli", "muarl", "loss", "rollout", "sft", "eval", "shard", "checkpoints", "metrics"},
 }
 
 
