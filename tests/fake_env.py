@@ -66,6 +66,22 @@ class FakeEnv:
         return _User(self.user_turns)
 
 
+class HalfUniformEnv(FakeEnv):
+    """Two tasks; every episode of train-0 scores 1 (a uniform group: --drop-uniform-groups leaves it out), those of
+    train-1 score 1 and 0 in turn (a mixed group). With two processes, one has nothing to train on in every step."""
+
+    def __init__(self, **kw):
+        super().__init__(n_tasks=2, **kw)
+        self.started = 0
+
+    def start(self, task):
+        session = super().start(task)
+        self.started += 1
+        reward = 1.0 if task.id == "train-0" else float(self.started % 2)
+        session.reward = lambda messages: (reward, {"chars": 0})
+        return session
+
+
 class NanEnv(FakeEnv):
     """Two tasks; train-0 returns a NaN reward."""
 

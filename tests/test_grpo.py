@@ -454,3 +454,140 @@ def test_token_logprobs_under_autocast_matches_model_logits():
         got = token_logprobs(model, ids, attn, chunk_size=5)
     assert got.dtype == torch.float32 and torch.allclose(got, want.float(), atol=2e-2)
     assert (got - token_logprobs(model, ids, attn, chunk_size=5)).abs().max() > 1e-4
+
+
+# ---- the variants a fork reaches for first: GSPO's sequence-level ratio, DAPO's dynamic-sampling filter ----
+
+
+def loop_gspo(logp, old, adv, mask, clip_low, clip_high):
+    """GSPO as its paper writes it, one sequence at a time: s_i = (pi(y_i) / pi_old(y_i)) ** (1 / |y_i|),
+    loss = mean over sequences of -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)."""
+    terms = []
+    for b in range(len(logp)):
+        idx = [t for t in range(len(logp[b])) if mask[b][t]]
+        if not idx:
+            continue
+        s = torch.exp(sum(logp[b][t] - old[b][t] for t in idx) / len(idx))
+        a = adv[b]
+        terms.append(-torch.minimum(s * a, s.clamp(1 - clip_low, 1 + clip_high) * a))
+    return sum(terms) / len(terms)
+
+
+@pytest.mark.parametrize("clip", [(0.2, 0.2), (3e-4, 4e-4)])
+def test_sequence_ratio_is_gspo_against_a_plain_loop(clip):
+    logp, old, _, adv, mask = random_batch(B=7, T=11, seed=3, spread=0.05)
+    logp.requires_grad_(True)
+    loss, met = grpo_loss(logp, old, None, adv, mask, clip_low=clip[0], clip_high=clip[1], dual_clip=None,
+                          kl_coef=0.0, agg="seq-mean-token-mean", ratio_level="sequence")
+    ref_logp = logp.detach().clone().requires_grad_(True)
+    ref_loss = loop_gspo(ref_logp, old, adv, mask, *clip)
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-10, abs=1e-12)
+    loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(logp.grad, ref_logp.grad, rtol=1e-9, atol=1e-12)
+    if clip[0] < 1e-3:  # GSPO's tight ranges clip whole sequences: some get no gradient at all
+        clipped = [b for b in range(7) if mask[b].any() and logp.grad[b].abs().sum() == 0]
+        assert clipped and met["clip_frac_low"] + met["clip_frac_high"] > 0
+
+
+def test_token_and_sequence_ratios_agree_on_one_token_sequences():
+    logp, old, ref, adv, _ = random_batch(B=5, T=6, seed=4)
+    mask = torch.zeros(5, 6, dtype=torch.bool)
+    mask[:, 2] = True
+    a = grpo_loss(logp, old, ref, adv, mask, ratio_level="token")[0]
+    b = grpo_loss(logp, old, ref, adv, mask, ratio_level="sequence")[0]
+    assert a.item() == pytest.approx(b.item(), rel=1e-12)
+
+
+def test_uniform_groups_against_a_loop():
+    from loss import uniform_groups
+
+    g = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        G = int(torch.randint(2, 5, (1,), generator=g))
+        rewards = torch.randint(0, 2, (G * 6,), generator=g).float()
+        valid = torch.rand(G * 6, generator=g) > 0.2
+        want = []
+        for s in range(0, len(rewards), G):
+            rs = [float(r) for r, v in zip(rewards[s:s + G], valid[s:s + G]) if v]
+            want += [len(rs) < 2 or max(rs) == min(rs)] * G
+        assert uniform_groups(rewards, G, valid).tolist() == want
+
+
+def _episodes(rewards, G=4, seed=0):
+    """Episodes of random tokens whose rewards are given (consecutive groups of G), with the sampler's log-probs."""
+    import muarl
+
+    g = torch.Generator().manual_seed(seed)
+    eps = []
+    for i, r in enumerate(rewards):
+        n = int(torch.randint(6, 14, (1,), generator=g))
+        ids = torch.randint(1, 500, (n,), generator=g).tolist()
+        mask = [0] * 3 + [int(x) for x in (torch.rand(n - 3, generator=g) < 0.8)]
+        ep = muarl.Episode(task_id=f"t{i // G}", sample=i % G, input_ids=ids, loss_mask=mask,
+                           logprobs=[-1.0 * m for m in mask], reward=float(r))
+        eps.append(ep)
+    return eps
+
+
+def _one_step(episodes, **options):
+    import copy
+
+    import cli
+    import grpo
+
+    torch.manual_seed(0)
+    model = tiny_model(dtype=torch.float32)
+    policy, ref = copy.deepcopy(model).train(), copy.deepcopy(model)
+    cfg = grpo.Config(group_size=4, micro_batch_size=3, optimizer="sgd", lr=0.5, temperature=1.0, max_context=64,
+                      **options)
+    opt = torch.optim.SGD(policy.parameters(), lr=cfg.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    out = grpo.train_on_episodes(episodes, policy, ref, opt, sched, cli.make_accelerator(), cfg, pad_id=0)
+    return policy, out, model
+
+
+def test_drop_uniform_groups_trains_as_if_those_groups_were_absent():
+    rewards = [1, 0, 1, 0,  1, 1, 1, 1,  0, 0, 1, 0,  0, 0, 0, 0]  # groups 2 and 4 are uniform
+    eps = _episodes(rewards)
+    dropped, m1, _ = _one_step(eps, drop_uniform_groups=True)
+    absent, m2, _ = _one_step(eps[:4] + eps[8:12])  # the same step without the uniform groups at all
+    kept, m3, start = _one_step(eps)
+    for (name, a), b, c, s in zip(dropped.named_parameters(), absent.parameters(), kept.parameters(),
+                                  start.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+        assert not torch.equal(a, s), name  # it trained
+    assert any(not torch.equal(a, c) for a, c in zip(dropped.parameters(), kept.parameters()))  # and it matters
+    assert (m1["dropped_groups"], m2["dropped_groups"], m3["dropped_groups"]) == (2, 0, 0)
+    assert m1["trained_tokens"] == m2["trained_tokens"] < m3["trained_tokens"]
+    assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-5)
+
+
+def test_drop_uniform_groups_with_every_group_uniform_makes_no_update():
+    eps = _episodes([1, 1, 1, 1, 0, 0, 0, 0])
+    policy, m, start = _one_step(eps, drop_uniform_groups=True)
+    assert all(torch.equal(a, b) for a, b in zip(policy.parameters(), start.parameters()))
+    assert m["dropped_groups"] == 2 and m["trained_tokens"] == 0 and "grad_norm" not in m
+
+
+def test_a_new_loss_option_reaches_the_loss_by_its_name():
+    """A Config field named like a grpo_loss keyword is passed to it with no call site to edit (loss_options), and
+    the loss's own check of a bad value fails at start naming the option."""
+    import grpo
+
+    opts = grpo.loss_options(grpo.Config(ratio_level="sequence", clip_low=0.1))
+    assert opts["ratio_level"] == "sequence" and opts["clip_low"] == 0.1 and "normalizer" not in opts
+    with pytest.raises(SystemExit, match="--ratio-level: ratio_level must be one of"):
+        grpo.validate(grpo.Config(ratio_level="episode"), 1)
+    with pytest.raises(SystemExit, match="--advantage: 'rloo' is not one of"):
+        grpo.validate(grpo.Config(advantage="rloo"), 1)
+
+
+def test_every_metric_the_loss_returns_is_named_in_metrics():
+    import metrics
+
+    logp, old, ref, adv, mask = random_batch()
+    _, met = grpo_loss(logp, old, ref, adv, mask, logits=torch.randn(*logp.shape, 7, dtype=logp.dtype))
+    logged = set(metrics.TOKEN_MEANS + metrics.MAXES + metrics.SUMS)
+    assert set(met) - {"n_tokens"} <= logged, set(met) - logged
+    assert all(metrics.documented(k) for k in logged)

@@ -192,6 +192,31 @@ def test_two_processes_end_with_identical_weights(tmp_path, ckpt):
     assert all(r["skipped_updates"] == 0 for r in rows)
 
 
+def test_two_processes_drop_uniform_groups_in_step(tmp_path, ckpt):
+    """--drop-uniform-groups under torchrun: one process's only group is uniform in every step, so it has nothing to
+    train on; it still runs the micro-batches the other one runs (empty ones), and both end with the same weights."""
+    script = tmp_path / "dist.py"
+    script.write_text(
+        "import os, sys, torch, hashlib\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "import grpo\n"
+        "res = grpo.main(sys.argv[1:])\n"
+        "h = hashlib.sha256(b''.join(v.detach().numpy().tobytes() for v in res.model.state_dict().values()))\n"
+        "open(sys.argv[sys.argv.index('--out-dir') + 1] + f'/weights-{os.environ[\"RANK\"]}.sha', 'w').write(h.hexdigest())\n")
+    out = tmp_path / "run"
+    args = grpo_args(ckpt, out, "--drop-uniform-groups", "--steps", "3")
+    args[args.index("tests.fake_env:FakeEnv")] = "tests.fake_env:HalfUniformEnv"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29518",
+           str(script), *args]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (out / "weights-0.sha").read_text() == (out / "weights-1.sha").read_text()
+    rows = metrics(out)
+    assert all(r["dropped_groups"] >= 1 for r in rows)  # train-0's group, every step
+    assert any(r["trained_tokens"] > 0 for r in rows)  # and train-1's trained
+
+
 # ---------------------------------------------------------------------------------------------------------
 def test_sft_data_errors_name_file_and_line(tmp_path):
     p = tmp_path / "d.jsonl"
