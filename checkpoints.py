@@ -49,8 +49,8 @@ def check_out(out: str, overwrite: bool, program: str = "sft.py") -> None:
     other = not_checkpoint_files(p)
     if other:
         raise SystemExit(f"{program}: --out: {p} holds files that are not a checkpoint's ({', '.join(other[:8])}"
-                         f"{', ...' if len(other) > 8 else ''}); writing the checkpoint there would delete them: choose "
-                         "another --out")
+                         f"{', ...' if len(other) > 8 else ''}); writing the checkpoint there would delete them: "
+                         "choose another --out")
     if not overwrite:
         raise SystemExit(f"{program}: --out: {p} already holds a checkpoint; replace it with --overwrite, or choose "
                          "another --out")
@@ -199,9 +199,11 @@ def find(path: str) -> Path:
     if (p / "trainer_state.json").exists():
         if not (p / "accelerate").is_dir():
             raise SystemExit(f"grpo.py: --resume: {p} was saved with --save-weights-only (no optimizer, scheduler or "
-                             f"RNG state), so it cannot continue the run exactly; start a new run with --init-from {p / 'model'}")
+                             "RNG state), so it cannot continue the run exactly; start a new run with "
+                             f"--init-from {p / 'model'}")
         return p
-    raise SystemExit(f"grpo.py: --resume: no checkpoint in {path} (expected trainer_state.json or checkpoints/latest.json)")
+    raise SystemExit(f"grpo.py: --resume: no checkpoint in {path} "
+                     "(expected trainer_state.json or checkpoints/latest.json)")
 
 
 def newest(ckpt_dir: Path) -> Path:

@@ -50,7 +50,9 @@ def parse_config(cls, argv=None, recipes: dict | None = None, description: str =
             p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                            help=f"{docs.get(f.name, '')} (default: {f.default})".replace("%", "%%"))
         else:
-            base = typing.get_args(kind)[0] if typing.get_origin(kind) in (typing.Union, getattr(__import__('types'), 'UnionType', None)) else kind
+            base = (typing.get_args(kind)[0]
+                    if typing.get_origin(kind) in (typing.Union, getattr(__import__('types'), 'UnionType', None))
+                    else kind)
             p.add_argument(flag, dest=f.name, type=base, default=None, metavar=base.__name__.upper(),
                            help=f"{docs.get(f.name, '')} (default: {f.default!r})".replace("%", "%%"))
     args = vars(p.parse_args(argv))

@@ -2,10 +2,12 @@
 results, termination reasons, turns. Writes episodes.jsonl, summary.json and results.md to --out-dir.
 
     ./run python eval.py --agent runs/grpo-shop-.../checkpoints/step-000040/model --env shop --split test
-    ./run accelerate launch eval.py --agent Qwen/Qwen3-8B --env tau2:retail --user-sim openai --user-model gpt-4.1 --trials 4
+    ./run accelerate launch eval.py --agent Qwen/Qwen3-8B --env tau2:retail --user-sim openai --user-model gpt-4.1 \
+          --trials 4
     ./run python eval.py --agent openai:gpt-4o --env tau2:airline --user-sim openai     # an API model as the agent
     ./run python eval.py --agent openai:gpt-4o --env bfcl:multi_turn --max-turns 100    # BFCL-V3 multi-turn
     ./run python eval.py --agent openai:gpt-4o --env acebench:agent --acebench-root ACEBench --user-sim openai
+    ./run python eval.py --plot runs/grpo-shop-...                                      # a run's learning curves
 
 The agent is a checkpoint directory, a hub id, 'smollm2-135m', 'openai:<model>' for an OpenAI-compatible
 model (baselines), or 'expert' for the environment's scripted expert (shop; BFCL's ground truth), which checks the
@@ -73,6 +75,8 @@ class EvalConfig:
     """sampling seed"""
     out_dir: str = ""
     """output directory (default: runs/eval-<env>-<time>)"""
+    plot: str = ""
+    """draw a grpo.py run directory's learning curves (RUN_DIR/curves.png, from its metrics.jsonl) and exit"""
 
 
 def pass_hat_k(successes: int, trials: int, k: int) -> float:
@@ -92,7 +96,8 @@ def summarize(episodes: list[dict], trials: int, meta: dict[str, dict] | None = 
     for tid, eps in by_task.items():
         ok = [e for e in eps if not e["infra_failed"]]
         c = sum(e["reward"] == 1.0 for e in ok)
-        per_task[tid] = {"trials": len(ok), "successes": c, "mean_reward": sum(e["reward"] for e in ok) / max(1, len(ok)),
+        per_task[tid] = {"trials": len(ok), "successes": c,
+                         "mean_reward": sum(e["reward"] for e in ok) / max(1, len(ok)),
                          "infra_failed": len(eps) - len(ok)}
     summary = {
         "episodes": len(episodes), "tasks": len(by_task), "infra_failed": len(episodes) - len(scored),
@@ -138,7 +143,8 @@ def markdown(cfg: EvalConfig, s: dict) -> str:
     for k, vs in s.get("by_meta", {}).items():
         if k == "category" and "category_mean" in s:
             continue  # a table of its own, below
-        lines[-2:-2] = [f"pass^1 by {k}: " + ", ".join(f"{v} {r['pass^1']:.2f} ({r['episodes']})" for v, r in vs.items()), ""]
+        lines[-2:-2] = [f"pass^1 by {k}: " + ", ".join(f"{v} {r['pass^1']:.2f} ({r['episodes']})"
+                                                      for v, r in vs.items()), ""]
     if "category_mean" in s:
         rows = ["| category | pass^1 | episodes |", "|---|---|---|"] + [
             f"| {c} | {r['pass^1']:.3f} | {r['episodes']} |" for c, r in s["by_meta"]["category"].items()]
@@ -147,100 +153,77 @@ def markdown(cfg: EvalConfig, s: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ---- the learning-curve picture, with no plotting library: a numpy canvas, a 3x5 pixel font, a PNG encoder ----
-_GLYPHS = dict(zip("0123456789.-^/:ABCDEFGHIJKLMNOPQRSTUVWXYZ ", """
-111101101101111 010110010010111 111001111100111 111001111001111 101101111001001 111100111001111 111100111101111
-111001001001001 111101111101111 111101111001111 000000000000010 000000111000000 010101000000000 001001010100100
-000010000010000 010101111101101 110101110101110 011100100100011 110101101101110 111100110100111 111100110100100
-011100101101011 101101111101101 111010010010111 001001001101010 101101110101101 100100100100111 101111111101101
-110101101101101 010101101101010 110101110100100 010101101110011 110101110110101 011100010001110 111010010010010
-101101101101111 101101101101010 101101111111101 101101010101101 101101010010010 111001010100111 000000000000000
-""".split()))
+# ---- the learning curves (matplotlib, Agg: files only, nothing shown) ----
+def plot_curves(rows: list[dict], path, before: float | None = None, after: float | None = None) -> dict:
+    """A run's learning curves as a PNG, from its metrics.jsonl rows: the reward per step and its mean over the last 5
+    steps, with greedy test pass^1 before and after training; the groups whose episodes all scored 1 or all 0 (they
+    teach nothing) and, where the reward checks it, the episodes that wrote without the user's yes; turns and sampled
+    tokens per episode; the KL to the reference and the policy's entropy. Returns {panel title: its legend}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    col = lambda key: [r.get(key, float("nan")) for r in rows]
+    reward = col("reward_mean")
+    last5 = [[x for x in reward[max(0, i - 4):i + 1] if x == x] for i in range(len(reward))]  # x == x: not NaN
+    mean5 = [sum(xs) / len(xs) if xs else float("nan") for xs in last5]
+    fig, ax = plt.subplots(2, 2, figsize=(11, 7), sharex=True, constrained_layout=True)
+    a = ax[0, 0]
+    a.plot(steps, reward, color="tab:blue", alpha=0.45, label="reward (sampled episodes)")
+    a.plot(steps, mean5, color="tab:blue", lw=2, label="mean of the last 5 steps")
+    for v, name, c in ((before, "before", "tab:gray"), (after, "after", "tab:orange")):
+        if v is not None:
+            a.axhline(v, ls="--", color=c, label=f"test pass^1 {name} ({v:.2f}, greedy)")
+    a.set(title="reward", ylabel="mean episode reward", ylim=(-0.02, 1.02))
+    a = ax[0, 1]
+    a.plot(steps, col("all_correct_ratio"), color="tab:green", label="groups all correct")
+    a.plot(steps, col("all_wrong_ratio"), color="tab:red", label="groups all wrong")
+    if any("reward_info/unconfirmed_writes" in r for r in rows):
+        a.plot(steps, col("reward_info/unconfirmed_writes"), color="tab:brown",
+               label="episodes that wrote without a yes")
+    a.set(title="group outcomes", ylabel="fraction", ylim=(-0.02, 1.02))
+    a = ax[1, 0]
+    a.plot(steps, col("turns_mean"), color="tab:purple", label="agent turns per episode")
+    a.set(title="episode length", ylabel="turns", xlabel="GRPO step")
+    b = a.twinx()
+    b.plot(steps, col("response_tokens_mean"), color="tab:olive", label="sampled tokens per episode")
+    b.set_ylabel("tokens")
+    a = ax[1, 1]
+    a.plot(steps, col("kl"), color="tab:cyan", label="KL to the reference (k3)")
+    a.set(title="KL and entropy", ylabel="nats per token", xlabel="GRPO step")
+    b2 = a.twinx()
+    b2.plot(steps, col("entropy"), color="tab:pink", label="policy entropy")
+    b2.set_ylabel("entropy (nats)")
+    drawn = {}
+    for a, twin in ((ax[0, 0], None), (ax[0, 1], None), (ax[1, 0], b), (ax[1, 1], b2)):
+        handles, labels = a.get_legend_handles_labels()
+        if twin is not None:
+            h2, l2 = twin.get_legend_handles_labels()
+            handles, labels = handles + h2, labels + l2
+        a.legend(handles, labels, fontsize=8, loc="best")
+        a.grid(alpha=0.3)
+        drawn[a.get_title()] = labels
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return drawn
 
 
-def _text(img, x: int, y: int, text: str, color, scale: int = 2) -> None:
-    for i, ch in enumerate(text.upper()):
-        bits = _GLYPHS.get(ch, _GLYPHS[" "])
-        for r in range(5):
-            for c in range(3):
-                if bits[r * 3 + c] == "1":
-                    x0, y0 = x + (i * 4 + c) * scale, y + r * scale
-                    img[y0:y0 + scale, x0:x0 + scale] = color
-
-
-def _line(img, x0, y0, x1, y1, color, width: int = 2) -> None:
-    import numpy as np
-
-    n = int(max(abs(x1 - x0), abs(y1 - y0))) + 1
-    for x, y in zip(np.linspace(x0, x1, n).round().astype(int), np.linspace(y0, y1, n).round().astype(int)):
-        img[max(0, y - width // 2):y + (width + 1) // 2, max(0, x - width // 2):x + (width + 1) // 2] = color
-
-
-def write_png(path, img) -> None:
-    """An RGB uint8 array [H, W, 3] as a PNG file (zlib + the PNG chunk layout, no image library)."""
-    import struct
-    import zlib
-
-    h, w, _ = img.shape
-    raw = b"".join(b"\x00" + img[r].tobytes() for r in range(h))  # filter type 0 on every row
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    Path(path).write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-                           + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
-
-
-CURVE_COLORS = {"reward_mean": (31, 119, 180), "reward_mean_avg5": (8, 48, 107), "all_correct_ratio": (44, 160, 44),
-                "all_wrong_ratio": (214, 39, 40), "reward_info/unconfirmed_writes": (140, 86, 75),
-                "turns_mean": (148, 103, 189), "before": (127, 127, 127), "after": (255, 127, 14)}
-
-
-def plot_curves(rows: list[dict], path, before: float | None = None, after: float | None = None) -> None:
-    """The run's learning curve as a PNG: per step, the reward and its mean over the last 5 steps (with greedy test
-    pass^1 before and after training as flat lines), the all-correct and all-wrong group ratios (and, where the
-    reward checks it, the share of episodes that wrote without the user's yes), and the turns per episode.
-    rows: metrics.jsonl lines."""
-    import numpy as np
-
-    rows = [dict(r) for r in rows]
-    for i, r in enumerate(rows):
-        last = [x["reward_mean"] for x in rows[max(0, i - 4):i + 1] if "reward_mean" in x]
-        if "reward_mean" in r:
-            r["reward_mean_avg5"] = sum(last) / len(last)
-    W, H, pad = 720, 170, 44
-    panels = [("reward per step, dark: mean of 5 - dashed: test pass^1 before gray / after orange",
-               ["reward_mean", "reward_mean_avg5"], 1.0),
-              ("groups all correct green / all wrong red - brown: episodes that wrote without a yes",
-               ["all_correct_ratio", "all_wrong_ratio", "reward_info/unconfirmed_writes"], 1.0),
-              ("turns per episode", ["turns_mean"], max([r.get("turns_mean", 0) for r in rows] + [1.0]))]
-    img = np.full((H * len(panels), W, 3), 255, dtype=np.uint8)
-    steps = [r["step"] for r in rows] or [1]
-    x_of = lambda s: pad + (s - steps[0]) / max(1, steps[-1] - steps[0]) * (W - 2 * pad)
-    for k, (title, keys, top) in enumerate(panels):
-        y0 = k * H
-        y_of = lambda v: y0 + H - pad + (-(v / top) * (H - 2 * pad) if top else 0)
-        img[y0 + pad - 4:y0 + H - pad + 1, pad - 1] = 0
-        img[y0 + H - pad, pad - 1:W - pad + 1] = 0
-        _text(img, pad, y0 + 10, title, CURVE_COLORS[keys[0]])
-        _text(img, 4, int(y_of(top)) - 4, f"{top:.3g}", (0, 0, 0))
-        _text(img, 4, int(y_of(0)) - 4, "0", (0, 0, 0))
-        _text(img, pad, y0 + H - pad + 8, f"step {steps[0]}", (0, 0, 0))
-        _text(img, W - pad - 64, y0 + H - pad + 8, f"step {steps[-1]}", (0, 0, 0))
-        if k == 0:
-            label_y = []
-            for v, name in ((before, "before"), (after, "after")):
-                if v is not None:
-                    for x in range(pad, W - pad, 12):  # dashed
-                        _line(img, x, y_of(v), min(x + 6, W - pad), y_of(v), CURVE_COLORS[name])
-                    y = int(y_of(v)) - 4
-                    y = y - 12 if any(abs(y - o) < 12 for o in label_y) else y  # keep close labels apart
-                    label_y.append(y)
-                    _text(img, W - pad + 4, y, f"{v:.2f}", CURVE_COLORS[name])
-        for key in keys:
-            pts = [(x_of(r["step"]), y_of(r[key])) for r in rows if key in r]
-            for (xa, ya), (xb, yb) in zip(pts, pts[1:]):
-                _line(img, xa, ya, xb, yb, CURVE_COLORS[key])
-    write_png(path, img)
+def plot_run(run_dir) -> Path:
+    """curves.png of a run directory, from its metrics.jsonl and summary.json (`python eval.py --plot RUN_DIR`)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "metrics.jsonl").exists():
+        raise SystemExit(f"eval.py: --plot: {run_dir} has no metrics.jsonl (not a grpo.py run directory?)")
+    rows = []
+    for line in open(run_dir / "metrics.jsonl", encoding="utf-8"):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by a crash
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    plot_curves(rows, run_dir / "curves.png", summary.get("eval/before/pass1"), summary.get("eval/after/pass1"))
+    return run_dir / "curves.png"
 
 
 class _ToolsAt:
@@ -297,8 +280,12 @@ def main(argv=None):
     from envs import make_env
 
     cfg = cli.parse_config(EvalConfig, argv, description=__doc__.split("\n\n")[0])
+    if cfg.plot:
+        print(f"[eval] learning curves written to {plot_run(cfg.plot)}")
+        return
     if not cfg.agent:
-        raise SystemExit("eval.py: --agent is required (a checkpoint directory, hub id, smollm2-135m or openai:<model>)")
+        raise SystemExit("eval.py: --agent is required (a checkpoint directory, hub id, smollm2-135m or "
+                         "openai:<model>)")
     if cfg.trials < 1:
         raise SystemExit("eval.py: --trials must be >= 1")
     if cfg.user_retries < 0 or not cfg.user_timeout > 0:

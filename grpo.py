@@ -92,7 +92,8 @@ class Config:
     dual_clip: float = 3.0
     """dual-clip constant for negative advantages (the paper: 3.0; 0 disables)"""
     agg: str = "token-mean"
-    """loss aggregation: token-mean (the paper), seq-mean-token-mean (original GRPO), seq-mean-token-sum-norm (Dr. GRPO)"""
+    """loss aggregation: token-mean (the paper), seq-mean-token-mean (original GRPO), seq-mean-token-sum-norm
+    (Dr. GRPO)"""
     scale_advantages: bool = True
     """divide advantages by the group std (the paper); off: r - mean (Dr. GRPO)"""
     advantage: str = "grpo"
@@ -164,7 +165,8 @@ class Config:
 
 
 RECIPES = {
-    # The paper's recipe (DESIGN.md): Qwen3 non-thinking, a GPT-4o user, 32 tasks x 8 per step, lr 1e-6.
+    # The paper's recipe (its RL settings and released training script): Qwen3 non-thinking, a GPT-4o user, 32 tasks
+    # x 8 per step, lr 1e-6.
     # Needs a cold-start checkpoint: --init-from runs/sft-qwen3 (see sft.py).
     "paper": dict(model="Qwen/Qwen3-8B", env="tau2:retail", env_reward="db", user_sim="openai", user_model="gpt-4o",
                   tasks_per_step=32, group_size=8, lr=1e-6, max_new_tokens=1024, max_context=32768,
@@ -210,8 +212,8 @@ def validate(cfg: Config, world: int) -> None:
                 "save_every"):
         if getattr(cfg, opt) < 1:
             bad(opt, "must be >= 1")
-    for opt in ("warmup_steps", "eval_tasks", "log_episodes", "rollout_batch", "kl_coef", "grad_clip", "keep_checkpoints",
-                "user_retries"):
+    for opt in ("warmup_steps", "eval_tasks", "log_episodes", "rollout_batch", "kl_coef", "grad_clip",
+                "keep_checkpoints", "user_retries"):
         if getattr(cfg, opt) < 0:
             bad(opt, "must be >= 0")
     for opt in ("clip_low", "clip_high"):
@@ -612,14 +614,13 @@ def grpo_step(run, step: int) -> tuple[dict | None, list[dict]]:
 
 
 def write(run, results: dict) -> None:
-    """summary.json and the learning curve (curves.png)."""
-    from eval import plot_curves
+    """summary.json and the learning curves (curves.png: `python eval.py --plot RUN_DIR` draws them again)."""
+    from eval import plot_run
 
     if run.acc.is_main_process:
         cli.write_json_atomic(run.dir / "summary.json", {"steps": run.cfg.steps, **results})
         if (run.dir / "metrics.jsonl").exists():
-            plot_curves([json.loads(line) for line in open(run.dir / "metrics.jsonl")], run.dir / "curves.png",
-                        results.get("eval/before/pass1"), results.get("eval/after/pass1"))
+            plot_run(run.dir)
     run.acc.end_training()
     run.acc.print(f"[grpo] done. Run directory: {run.dir} (metrics.jsonl, curves.png, episodes.jsonl, checkpoints/, "
                   "summary.json)")

@@ -24,8 +24,9 @@ from torch.autograd.function import once_differentiable
 
 # Log-ratios (policy vs old policy, reference vs policy) are clamped to [-20, 20] before exp(), as
 # verl does: exp(20) ~ 4.9e8 is finite in float32 (the dtype token_logprobs returns; fp16 would
-# overflow past exp(11)), so one token whose probability collapsed cannot turn the loss into inf/NaN. Beyond the clamp the term is constant, i.e. that
-# token gets no gradient from it: such a token is far outside any trust region anyway.
+# overflow past exp(11)), so one token whose probability collapsed cannot turn the loss into
+# inf/NaN. Beyond the clamp the term is constant, i.e. that token gets no gradient from it: such a
+# token is far outside any trust region anyway.
 LOG_RATIO_CLAMP = 20.0
 
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -293,8 +294,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
     time: d logp / d z = onehot(target) - softmax(z), so with upstream g [N]:
         dz = g * (onehot - softmax(z)) / temperature,  dh = dz @ W,  dW += dz.T @ h,  db += dz.sum(0)
     Extra memory is one [chunk, V] buffer, in forward and backward alike (plus a float32 dW accumulator
-    when W or the compute dtype is bf16/fp16, and under autocast one bf16 copy of h and of W). Cost: one more [N, H] x [H, V] matmul than autograd on the full logits (the
-    recompute), i.e. 4 matmuls instead of 3 for forward + backward; the forward alone costs the same.
+    when W or the compute dtype is bf16/fp16, and under autocast one bf16 copy of h and of W). Cost: one
+    more [N, H] x [H, V] matmul than autograd on the full logits (the recompute), i.e. 4 matmuls instead
+    of 3 for forward + backward; the forward alone costs the same.
     (torch.utils.checkpoint per chunk gives a similar memory bound, but also recomputes the log_softmax
     and keeps its output and gradient alive in each chunk's backward.)
 

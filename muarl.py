@@ -2,7 +2,7 @@
 formatting, chat-template delta tokenization, the models and tokenizers that read them (loading, seeding), and the
 padded training batch. rollout.py builds episodes from these; sft.py and grpo.py train on them.
 
-Token in, token out (invariant 1). An episode is one growing list of token ids. The agent's turns enter it
+Token in, token out (docs/invariants.md, 1). An episode is one growing list of token ids. The agent's turns enter it
 verbatim as the ids the sampler produced (loss_mask 1). Everything else -- system prompt, user replies, tool
 results, the generation prompt, the newline after an end-of-turn token -- enters as a chat-template *delta*
 (loss_mask 0): the template renders a fixed base conversation with and without the new messages, and the
@@ -94,7 +94,8 @@ TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 def format_tool_call(name: str, arguments) -> str:
     """One tool call as the tool template renders it (json.dumps spacing, non-ASCII kept)."""
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {args}}}\n{TOOL_CALL_CLOSE}'
+    return (f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, '
+            f'"arguments": {args}}}\n{TOOL_CALL_CLOSE}')
 
 
 def format_assistant(message: dict) -> str:
@@ -196,7 +197,8 @@ TOOL_CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '\\n\\n# Tools\\n\\nYou may call one or more tools. Their signatures are in <tools></tools>:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nTo call a tool, reply with <tool_call>\\n{\"name\": <tool-name>, \"arguments\": <args-json-object>}\\n</tool_call>' }}"
+    "{{- '\\n</tools>\\n\\nTo call a tool, reply with <tool_call>\\n"
+    "{\"name\": <tool-name>, \"arguments\": <args-json-object>}\\n</tool_call>' }}"
     "{%- endif %}{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message.role == 'system' and loop.first %}"
@@ -257,7 +259,7 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Chat-template delta tokenization (invariant 1)
+# Chat-template delta tokenization (docs/invariants.md, 1)
 # ---------------------------------------------------------------------------------------------------------
 _BASE = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
 

@@ -22,7 +22,8 @@ that ends its turn leaves the batch at once (its cache rows are copied out, minu
 episode), so a long turn never makes short ones pay. The cache is kept across turns: at the next turn only the
 tokens not yet in it (the agent's last sampled token and the delta of tool results or user reply) are prefilled.
 `reuse_cache=False` re-encodes the whole conversation every turn instead; with greedy decoding both give the same
-tokens (invariant 5, tested). Only full-attention models are supported (a sliding window would count padding slots).
+tokens (docs/invariants.md, 5, tested). Only full-attention models are supported (a sliding window would count
+padding slots).
 
 Turns are asynchronous per episode (continuous batching): a batch decodes until fewer than half its rows
 (`refill_below`) are still in their turn; the rest are parked mid-turn (cache, partial turn, last sampled token as
@@ -88,9 +89,10 @@ def reference_rollout(model, tokenizer, env, task, user_sim: UserSim, cfg: Rollo
 
     Each agent turn is one `model.generate` call over the whole conversation so far (HF's KV cache lives within
     the turn). What the agent sampled enters the episode verbatim, never re-tokenized from its text; everything
-    else enters as a chat-template delta (the turn helpers below). Same Episode record, masks, episode rule and reward as `rollout`; a user simulator
-    that fails raises here (the engine records infra_error). Sampling is HF's (temperature, top_p); the engine's
-    recorded logprob, log_softmax(logits / temperature) of the drawn token, is recorded here too."""
+    else enters as a chat-template delta (the turn helpers below). Same Episode record, masks, episode rule and
+    reward as `rollout`; a user simulator that fails raises here (the engine records infra_error). Sampling is
+    HF's (temperature, top_p); the engine's recorded logprob, log_softmax(logits / temperature) of the drawn
+    token, is recorded here too."""
     cfg = cfg or RolloutConfig()
     stops = stop_token_ids(model, tokenizer)
     session = env.start(task)
@@ -317,7 +319,8 @@ def _compute_dtype_device(model) -> tuple[torch.dtype, torch.device]:
 
 
 def _park(row: _Row, cache: Cache, mask: torch.Tensor, j: int, device: str = "") -> None:
-    """Copy batch row j's cache out to the row, without its holes (onto `device` when given: RolloutConfig.park_device)."""
+    """Copy batch row j's cache out to the row, without its holes (onto `device` when given:
+    RolloutConfig.park_device)."""
     real = mask[j].bool()
     move = (lambda t: t.to(device)) if device else (lambda t: t)
     row.kv = [(move(lay.keys[j][:, real]), move(lay.values[j][:, real])) for lay in cache.layers]
@@ -454,7 +457,7 @@ async def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, generator)
         opening_ids = [] if failed else prompt_ids(tok, opening_messages(env, task, opening), tools)
         for g in range(group_size):
             ep = Episode(task_id=task.id, sample=g, tools=tools)
-            session = env.start(task)  # fresh state per episode (invariant 4)
+            session = env.start(task)  # fresh state per episode (docs/invariants.md, 4)
             row = _Row(ep, session, None)
             rows.append(row)
             if failed:

@@ -98,7 +98,8 @@ class SFTConfig:
     """conversations per forward/backward pass on one process"""
     max_len: int = 0
     """conversations longer than this many tokens are skipped (and counted), never cut; 0: the model's context
-    (max_position_embeddings), so every conversation the model can read is kept (a tau2 retail opening alone is ~4.7k)"""
+    (max_position_embeddings), so every conversation the model can read is kept (a tau2 retail opening alone
+    is ~4.7k)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     grad_clip: float = 1.0
@@ -182,7 +183,8 @@ def check_conversation(rec) -> dict:
     if type(n_prompt) is not int or not 0 <= n_prompt < len(out):
         raise ValueError("'prompt_messages' must be an int smaller than the number of messages")
     if not any(m["role"] == "assistant" for m in out[n_prompt:]):
-        raise ValueError("no assistant message to train on" + (" after the prompt ('prompt_messages')" if n_prompt else ""))
+        raise ValueError("no assistant message to train on"
+                         + (" after the prompt ('prompt_messages')" if n_prompt else ""))
     return {"messages": out, "tools": tools, "prompt_messages": n_prompt}
 
 
@@ -292,17 +294,17 @@ def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_co
         return str(out)
     teacher = (f"conversations of the scripted teacher (writing without asking in {skips_confirm:.0%} of them: "
                "--cold-start-skips-confirm)" if skips_confirm else "expert conversations")
-    cli.main_print(f"[grpo] cold start: no --init-from given, so making one: {cfg.num_tasks} {teacher} on {env}:{split}, "
-                   f"then SFT of the pretrained '{model}' base ({cfg.epochs:g} epochs) -> {out}")
+    cli.main_print(f"[grpo] cold start: no --init-from given, so making one: {cfg.num_tasks} {teacher} on "
+                   f"{env}:{split}, then SFT of the pretrained '{model}' base ({cfg.epochs:g} epochs) -> {out}")
     cfg.out = str(out)
     train(cfg, make_cold_start(cfg))  # its own Accelerator: GRPO's checkpoints hold GRPO's state only
     return str(out)
 
 
 def windows(conversations: list[dict], sizes=(1, 2, 4)) -> list[dict]:
-    """The pretraining drills of 'tiny' (`pretrain_tiny`): each agent message that carries arguments (a tool call, or text with a
-    digit: "I will cancel order o42") with the last 1, 2 and 4 messages before it, cut to begin at a user
-    message, without the system prompt and tools. Only that agent message is trained.
+    """The pretraining drills of 'tiny' (`pretrain_tiny`): each agent message that carries arguments (a tool
+    call, or text with a digit: "I will cancel order o42") with the last 1, 2 and 4 messages before it, cut to
+    begin at a user message, without the system prompt and tools. Only that agent message is trained.
 
     Why a model trained from scratch needs it: the agent must copy ids, names and items from the dialogue into
     its calls. At initialization attention is spread evenly over the context, so in a ~900-token shop episode
@@ -315,7 +317,8 @@ def windows(conversations: list[dict], sizes=(1, 2, 4)) -> list[dict]:
         msgs = conv["messages"]
         for i in range(max(1, conv.get("prompt_messages", 0)), len(msgs)):
             m = msgs[i]
-            if m["role"] != "assistant" or not (m.get("tool_calls") or any(c.isdigit() for c in str(m.get("content") or ""))):
+            if m["role"] != "assistant" or not (
+                    m.get("tool_calls") or any(c.isdigit() for c in str(m.get("content") or ""))):
                 continue
             starts = set()
             for w in sizes:
@@ -381,7 +384,8 @@ def nothing_fits(cfg: SFTConfig, model, skipped: list[int]) -> str:
 def fit(acc, model, opt, sched, data, steps: int, batch_size: int, micro_batch_size: int, pad_id: int,
         seed: int, grad_clip: float, tag: str, log_every: int = 10) -> float:
     """`steps` optimizer steps of `batch_size` sequences drawn in seeded epochs: token-mean NLL of the masked
-    tokens, one normalizer per step over all micro-batches and processes (invariant 3). Returns the mean loss."""
+    tokens, one normalizer per step over all micro-batches and processes (docs/invariants.md, 3). Returns the
+    mean loss."""
     rng, order, t0 = random.Random(seed), [], time.time()
     run_loss = torch.zeros((), device=acc.device)
     model.train()
@@ -455,9 +459,9 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     shard.configure_deepspeed(acc, micro_batch_size=cfg.micro_batch_size, grad_clip=cfg.grad_clip, program="sft.py")
     model, opt = acc.prepare(model, opt)
     shard.expose_head(model)
-    acc.print(f"[sft] {len(data)} conversations of {min(len(i) for i, _ in data)}-{max(len(i) for i, _ in data)} tokens "
-              f"({len(skipped)} longer than {max_len} skipped: --max-len), {sum(sum(m) for _, m in data)} trained "
-              f"tokens, {total} steps of {cfg.batch_size}")
+    acc.print(f"[sft] {len(data)} conversations of {min(len(i) for i, _ in data)}-{max(len(i) for i, _ in data)} "
+              f"tokens ({len(skipped)} longer than {max_len} skipped: --max-len), {sum(sum(m) for _, m in data)} "
+              f"trained tokens, {total} steps of {cfg.batch_size}")
     fit(acc, model, opt, sched, data, total, cfg.batch_size, cfg.micro_batch_size, tok.pad_token_id, cfg.seed,
         cfg.grad_clip, "")
     out = Path(cfg.out)

@@ -68,9 +68,9 @@ def check_accelerator(acc, program: str = "grpo.py") -> None:
                   ds.zero_stage if ds is not None else None)
     if ds is not None and ds.zero_stage == 3 and not getattr(ds, "zero3_init_flag", True) \
             and getattr(acc, "is_main_process", True):
-        print(f"[{program.removesuffix('.py')}] warning: ZeRO-3 without zero3_init_flag: the DeepSpeed engine moves the "
-              "whole model onto every GPU before partitioning it; set zero3_init_flag: true in the accelerate config",
-              flush=True)
+        print(f"[{program.removesuffix('.py')}] warning: ZeRO-3 without zero3_init_flag: the DeepSpeed engine moves "
+              "the whole model onto every GPU before partitioning it; set zero3_init_flag: true in the accelerate "
+              "config", flush=True)
     if ds is not None and ds.zero_stage == 3:  # the rollout's gather (full_weights): fail now, not after loading
         try:
             from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation  # noqa: F401
@@ -126,8 +126,8 @@ def micro_batch(acc, model, last: bool):
 
 def backward(acc, model, loss) -> None:
     """Backward of one micro-batch's share of the step loss. A DeepSpeed engine's own backward, unscaled by its
-    gradient_accumulation_steps (the loss is normalized over the whole step already, invariant 3); Accelerate's
-    backward would also step the engine after every micro-batch."""
+    gradient_accumulation_steps (the loss is normalized over the whole step already, docs/invariants.md, 3);
+    Accelerate's backward would also step the engine after every micro-batch."""
     if is_deepspeed(model):
         model.backward(loss, scale_wrt_gas=False)
     else:

@@ -51,7 +51,7 @@ import grpo  # noqa: E402
 import muarl  # noqa: E402
 import sft  # noqa: E402
 from envs import make_env  # noqa: E402
-from eval import _line, _text, pass_hat_k, write_png  # noqa: E402
+from eval import pass_hat_k  # noqa: E402
 from rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
 
 ARMS = {1: "cold start", 2: "+ more SFT", 3: "+ GRPO, dynamic user", 4: "+ GRPO, static user",
@@ -203,30 +203,18 @@ def table(results: dict, args, minutes: float, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ---- pictures, drawn with eval.py's numpy canvas (no plotting library) ----
-def panel(img, y0: int, h: int, w: int, title: str, series: list, x_range: tuple, ymax: float, xlabel: str) -> None:
-    """One chart: series = [(points [(x, y)], color, width)]; x from x_range[0] to [1], y from 0 to ymax."""
-    pad, (x0, x1) = 44, x_range
-    x_of = lambda x: pad + (x - x0) / max(x1 - x0, 1e-9) * (w - 2 * pad)
-    y_of = lambda y: y0 + h - pad - y / max(ymax, 1e-9) * (h - 2 * pad)
-    img[y0 + pad - 4:y0 + h - pad + 1, pad - 1] = 0
-    img[y0 + h - pad, pad - 1:w - pad + 1] = 0
-    _text(img, pad, y0 + 10, title, (0, 0, 0))
-    _text(img, 4, int(y_of(ymax)) - 4, f"{ymax:.0f}" if ymax >= 100 else f"{ymax:.3g}", (0, 0, 0))
-    _text(img, 4, int(y_of(0)) - 4, "0", (0, 0, 0))
-    _text(img, pad, y0 + h - pad + 8, f"{x0:.4g}", (0, 0, 0))
-    _text(img, w - pad - 4 * 2 * len(f"{x1:.4g}"), y0 + h - pad + 8, f"{x1:.4g}", (0, 0, 0))
-    _text(img, w // 2 - 4 * len(xlabel), y0 + h - pad + 8, xlabel, (0, 0, 0))
-    for pts, color, width in series:
-        for (xa, ya), (xb, yb) in zip(pts, pts[1:]):
-            _line(img, x_of(xa), y_of(ya), x_of(xb), y_of(yb), color, width)
-        for x, y in pts:
-            _line(img, x_of(x) - 2, y_of(y), x_of(x) + 2, y_of(y), color, width + 2)
+# ---- pictures (matplotlib, Agg) ----
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
-def legend(img, y: int, arms) -> None:
-    for i, arm in enumerate(arms):
-        _text(img, 44, y + 20 * i, f"{arm} {ARMS[arm]}".replace(",", " -").replace("+ ", ""), COLORS[arm])
+def _color(arm: int) -> tuple:
+    return tuple(c / 255 for c in COLORS[arm])
 
 
 def mean_curve(curves: list[list]) -> list:
@@ -235,46 +223,52 @@ def mean_curve(curves: list[list]) -> list:
             for i in range(min(len(c) for c in curves))]
 
 
+def _draw(ax, curves: list[list], arm: int) -> None:
+    """An arm's seeds (thin) and their mean (thick, labelled)."""
+    for c in curves:
+        ax.plot(*zip(*c), color=_color(arm), lw=0.8, alpha=0.5, marker=".", ms=3)
+    ax.plot(*zip(*mean_curve(curves)), color=_color(arm), lw=2.2, marker="o", ms=4, label=f"{arm} {ARMS[arm]}")
+
+
 def plot_pass1(results: dict, path) -> None:
-    import numpy as np
-
-    W, H = 760, 320
-    img = np.full((H + 20 * len(ARMS), W, 3), 255, dtype=np.uint8)
-    series, xmax, ymax = [], 1.0, 0.1
+    """Greedy test pass^1 against the dynamic user over seconds of training after the cold start, per arm."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 5), constrained_layout=True)
     for arm in ARMS:
-        curves = [results[s][arm]["curve"] for s in results]
-        series += [(c, COLORS[arm], 1) for c in curves] + [(mean_curve(curves), COLORS[arm], 3)]
-        xmax = max([xmax] + [x for c in curves for x, _ in c])
-        ymax = max([ymax] + [y for c in curves for _, y in c])
-    panel(img, 0, H, W, "test pass^1 greedy against the dynamic user - thin: seeds, thick: mean", series, (0, xmax),
-          min(1.0, ymax * 1.1), "seconds of training after the cold start")
-    legend(img, H + 4, ARMS)
-    write_png(path, img)
+        _draw(ax, [results[s][arm]["curve"] for s in results], arm)
+    ax.set(title="test pass^1 (greedy, dynamic user): seeds thin, mean thick",
+           xlabel="seconds of training after the cold start", ylabel="pass^1")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=9)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
-DYNAMICS = [("reward per step", "reward_mean", 1), ("turns per episode", "turns_mean", 0),
-            ("response tokens per episode", "response_tokens_mean", 0), ("groups all correct", "all_correct_ratio", 1),
-            ("groups all wrong", "all_wrong_ratio", 1),
-            ("transfers to a human per episode", "tool_calls/transfer_to_human_agents", 1),
-            ("episodes that wrote without a yes", "reward_info/unconfirmed_writes", 1)]
+DYNAMICS = [("reward per step", "reward_mean", "mean reward"), ("turns per episode", "turns_mean", "turns"),
+            ("response tokens per episode", "response_tokens_mean", "tokens"),
+            ("groups all correct", "all_correct_ratio", "fraction"), ("groups all wrong", "all_wrong_ratio", "fraction"),
+            ("transfers to a human per episode", "tool_calls/transfer_to_human_agents", "calls"),
+            ("episodes that wrote without a yes", "reward_info/unconfirmed_writes", "fraction")]
 
 
 def plot_dynamics(results: dict, path) -> None:
-    """Per GRPO step, arms 3-5 (seeds thin, mean thick); shares on a 0-1 axis, counts up to their maximum."""
-    import numpy as np
-
-    W, H = 760, 200
-    img = np.full((H * len(DYNAMICS) + 20 * 3, W, 3), 255, dtype=np.uint8)
-    for k, (title, key, share) in enumerate(DYNAMICS):
-        series, ymax, xmax = [], 1.0 if share else 1e-9, 1
+    """Per GRPO step, arms 3-5 (seeds thin, mean thick): the training dynamics the paper tracks."""
+    plt = _plt()
+    fig, axes = plt.subplots(4, 2, figsize=(11, 12), sharex=True, constrained_layout=True)
+    for ax, (title, key, unit) in zip(axes.flat, DYNAMICS):
         for arm in (3, 4, 5):
-            curves = [[(r["step"], r.get(key, 0.0)) for r in results[s][arm]["dynamics"]] for s in results]
-            series += [(c, COLORS[arm], 1) for c in curves] + [(mean_curve(curves), COLORS[arm], 3)]
-            ymax = max([ymax] + [y for c in curves for _, y in c])
-            xmax = max([xmax] + [x for c in curves for x, _ in c])
-        panel(img, H * k, H, W, title, series, (1, xmax), ymax * (1 if share else 1.05), "grpo step")
-    legend(img, H * len(DYNAMICS) + 4, (3, 4, 5))
-    write_png(path, img)
+            _draw(ax, [[(r["step"], r.get(key, 0.0)) for r in results[s][arm]["dynamics"]] for s in results], arm)
+        ax.set(title=title, ylabel=unit)
+        ax.grid(alpha=0.3)
+    for ax in (axes[-1, 0], axes[-2, 1]):  # the lowest panel of each column
+        ax.set_xlabel("GRPO step")
+        ax.tick_params(labelbottom=True)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    axes.flat[-1].axis("off")
+    axes.flat[-1].legend(handles, labels, loc="center", fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def replot(out: Path) -> None:

@@ -24,7 +24,7 @@ threshold (WORKER_ENV), so every tensor is its own mapping, unmapped on free: re
 live tensors, and a buffer cannot hide in heap pages that an earlier phase left resident.
 tracemalloc would not see torch's allocations at all, and ru_maxrss alone would also count the setup.
 
-Timing: this CPU's speed drifts by 2x and more between minutes (shared host, see DESIGN.md), so
+Timing: this CPU's speed drifts by 2x and more between minutes (a shared host), so
 timing runs in one more subprocess per vocabulary that holds both variants, warms both up, then
 alternates them (naive, chunked, chunked, naive, ...) for --rounds rounds and reports the ratio of
 the fastest run of each: interleaving exposes both to the same drift, the minimum filters the

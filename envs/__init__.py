@@ -4,7 +4,7 @@ An environment is a set of tasks plus the means to play one episode of a task:
 
     env = make_env("tau2:retail")            # or "tau2:airline", "tau2:telecom", "tau2:mock", "shop", "bfcl:multi_turn"
     task = env.tasks("train")[0]
-    session = env.start(task)                # fresh state: its own copy of the database (invariant 4)
+    session = env.start(task)                # fresh state: its own copy of the database (docs/invariants.md, 4)
     env.system_prompt(task), env.tools(task) # what the agent is shown (policy text, OpenAI tool schemas)
     session.call_tool("get_order_details", {"order_id": "#W1"})   # -> ToolResult(content, error)
     reward, info = session.reward(messages)  # at the end, from the episode's OpenAI-format messages

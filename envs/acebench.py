@@ -57,7 +57,8 @@ GREETING = "Is there anything you need help with today?"
 FINISH = "finish conversation"
 # Multi-step: ACEBench's agent rules without the text-call format (its prompt is only the format and these).
 MULTI_STEP_PROMPT = """You are an AI system that completes the user's task with the provided tools.
-- If a task requires multiple steps (with strict sequential relationships between steps), execute them step by step, and decide how to proceed based on the results returned from each execution.
+- If a task requires multiple steps (with strict sequential relationships between steps), execute them step by step, \
+and decide how to proceed based on the results returned from each execution.
 - Generally do not use parallel calls: call one function at a time.
 - When you believe the task is completed, reply without a tool call."""
 
@@ -281,7 +282,8 @@ def check_class(name: str, got: dict, expected: dict) -> list[str]:
                 if not isinstance(value, dict) or key not in value:
                     errors.append(f"class({name}) attributes({attr}) wrong: no {key!r}")
                 elif value[key] != want:
-                    errors.append(f"class({name}) attributes({attr}.{key}) wrong: expected {want!r}, got {value[key]!r}")
+                    errors.append(f"class({name}) attributes({attr}.{key}) wrong: expected {want!r}, "
+                                  f"got {value[key]!r}")
         elif value != expected[attr]:
             errors.append(f"class({name}) attributes({attr}) wrong: expected {expected[attr]!r}, got {value!r}")
     return errors

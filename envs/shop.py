@@ -130,7 +130,8 @@ def make_task(split: str, index: int, seed: int = 0) -> Task:
     topic = None
     if kind == "transfer":
         topic = rng.choice(["address", "compensation", "card", "cancel_delivered", "return_pending"])
-        status = {"cancel_delivered": "delivered", "return_pending": "pending"}.get(topic) or rng.choice(["pending", "delivered"])
+        status = ({"cancel_delivered": "delivered", "return_pending": "pending"}.get(topic)
+                  or rng.choice(["pending", "delivered"]))
         target = add_order(uid, status, rng.randint(1, 3))
     else:
         n_items = 2 if change_type == "other_item" else 1
@@ -150,14 +151,16 @@ def make_task(split: str, index: int, seed: int = 0) -> Task:
         name = f"{first} {last}" if i == 0 or (i == 1 and same_name) else f"{rng.choice(FIRST)} {rng.choice(LAST)}"
         taken = {x["email"] for x in db["users"].values()}
         email = next(e for e in (name.replace(" ", ".").lower() + m for m in rng.sample(MAILS, 3)) if e not in taken)
-        orders = mine if i == 0 else [add_order(u, rng.choice(["pending", "delivered"]), 1) for _ in range(rng.randint(1, 2))]
+        orders = mine if i == 0 else [add_order(u, rng.choice(["pending", "delivered"]), 1)
+                                      for _ in range(rng.randint(1, 2))]
         db["users"][u] = {"name": name, "email": email, "zip": zips[i], "orders": orders}
 
     items = db["orders"][target]["items"]
     item = rng.choice(items)
     product = item.split()[1]
     new = f"{rng.choice([c for c in catalog[product] if c != item.split()[0]])} {product}"
-    action = {"transfer": {"cancel_delivered": "cancel", "return_pending": "return"}.get(topic, "other")}.get(kind, kind)
+    action = {"transfer": {"cancel_delivered": "cancel", "return_pending": "return"}.get(topic, "other")
+              }.get(kind, kind)
     goal = {"action": action, "order": target, "hint": item, "item": item if action in ("return", "exchange") else None,
             "new": new if action == "exchange" else None, "topic": topic}
     change = None
@@ -172,7 +175,8 @@ def make_task(split: str, index: int, seed: int = 0) -> Task:
     final = change or goal
     gold = {"cancel": [["cancel_order", {"order_id": final["order"]}]],
             "return": [["return_item", {"order_id": final["order"], "item": final["item"]}]],
-            "exchange": [["exchange_item", {"order_id": final["order"], "item": final["item"], "new_item": final["new"]}]],
+            "exchange": [["exchange_item", {"order_id": final["order"], "item": final["item"],
+                                            "new_item": final["new"]}]],
             }.get(final["action"]) if kind != "transfer" else [["transfer_to_human_agents", {}]]
     user = db["users"][uid]
     data = {"seed": task_seed, "db": db, "user_id": uid, "kind": kind, "goal": goal, "change": change,
@@ -193,8 +197,8 @@ def _describe(want: dict, knows_id: bool) -> str:
             "exchange": f"exchange the {want['item']} from {ref} for the {want['new']}"}[want["action"]]
 
 
-SCENARIO_END = ("Say yes only to exactly the action you want. When it is done, thank the agent and end with ###STOP###; "
-                "also end with ###STOP### if the agent transfers you.")
+SCENARIO_END = ("Say yes only to exactly the action you want. When it is done, thank the agent and end with "
+                "###STOP###; also end with ###STOP### if the agent transfers you.")
 
 
 def _scenario(d: dict, user: dict, static: bool = False) -> str:
@@ -222,7 +226,7 @@ class ToolError(Exception):
 class ShopSession:
     def __init__(self, task: Task):
         self.task = task
-        self.db = copy.deepcopy(task.data["db"])  # invariant 4: nothing leaks between episodes
+        self.db = copy.deepcopy(task.data["db"])  # docs/invariants.md, 4: nothing leaks between episodes
         self.user_id = None  # set by a successful find_user; the order tools refuse to work without it
 
     def call_tool(self, name: str, arguments: dict, requestor: str = "assistant") -> ToolResult:

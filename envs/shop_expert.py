@@ -77,7 +77,8 @@ class ShopExpert:
             return say("Which color do you want instead?")
         tool, args, text = {
             "cancel": ("cancel_order", {"order_id": order}, f"I will cancel order {order}."),
-            "return": ("return_item", {"order_id": order, "item": item}, f"I will return the {item} from order {order}."),
+            "return": ("return_item", {"order_id": order, "item": item},
+                       f"I will return the {item} from order {order}."),
             "exchange": ("exchange_item", {"order_id": order, "item": item, "new_item": new},
                          f"I will exchange the {item} for the {new} in order {order}."),
         }[action]
@@ -89,8 +90,8 @@ class ShopExpert:
 def _read(messages: list[dict]) -> dict:
     """What the expert knows: identity details, the user's current request, and what the tools returned."""
     s = {"email": None, "name": None, "zip": None, "user": None, "orders": [], "fetched": {}, "tried": set(),
-         "action": None, "order": None, "hint": None, "mentions": [], "last_write": False, "wrote": False, "said_yes": False,
-         "last_agent_text": None}
+         "action": None, "order": None, "hint": None, "mentions": [], "last_write": False, "wrote": False,
+         "said_yes": False, "last_agent_text": None}
     calls = {}
     for m in messages:
         role, text = m.get("role"), str(m.get("content") or "")

@@ -99,7 +99,8 @@ class ShopUser:
             return "Oh, okay. Thanks. ###STOP###"
         parts = []
         if "email" in t and d["knows_email"]:
-            parts.append(self._pick([f"My email is {u['email']}.", f"It's {u['email']}.", f"Sure, {u['email']}."], turn))
+            parts.append(self._pick([f"My email is {u['email']}.", f"It's {u['email']}.",
+                                     f"Sure, {u['email']}."], turn))
         elif "email" in t or ("name" in t and "zip" in t):
             sorry = "I don't remember my email. " if "email" in t else ""
             parts.append(sorry + self._pick([f"My name is {u['name']} and my zip is {u['zip']}.",

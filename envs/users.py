@@ -206,7 +206,8 @@ class OpenAIUserSim(UserSim):
         self.base_url = base_url or os.environ.get("OPENAI_BASE_URL")
         self.api_key = api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"  # local servers ignore it
         self.temperature, self.max_tokens = temperature, max_tokens
-        self.max_concurrency, self.max_retries, self.backoff, self.timeout = max_concurrency, max_retries, backoff, timeout
+        self.max_concurrency, self.max_retries, self.backoff, self.timeout = (
+            max_concurrency, max_retries, backoff, timeout)
         self.max_tool_rounds = max_tool_rounds
         self._loop = None
 
@@ -340,7 +341,8 @@ class HFUserSim(UserSim):
         with torch.no_grad():
             out = self.model.generate(**batch, max_new_tokens=self.max_new_tokens, pad_token_id=self.tok.pad_token_id,
                                       eos_token_id=self.end_of_turn, **sampling)
-        return [s.strip() for s in self.tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)]
+        return [s.strip() for s in self.tok.batch_decode(out[:, batch["input_ids"].shape[1]:],
+                                                         skip_special_tokens=True)]
 
     async def opening(self, env, task) -> str | None:
         history = message_history(env, task)

@@ -421,23 +421,26 @@ def test_copy_loss_matches_a_loop(tiny_tok, tiny_lm):
 
 
 def test_plot_curves_writes_a_png_with_each_curve(tmp_path):
-    import struct
-    import zlib
-
-    import numpy as np
-
     rows = [{"step": i + 1, "reward_mean": i / 9, "all_correct_ratio": 0.1, "all_wrong_ratio": 0.5, "turns_mean": 7.0,
-             "reward_info/unconfirmed_writes": 0.3} for i in range(10)]
-    evaluation.plot_curves(rows, tmp_path / "c.png", before=0.2, after=0.6)
-    data = (tmp_path / "c.png").read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
-    w, h = struct.unpack(">II", data[16:24])
-    idat = data[data.index(b"IDAT") + 4:data.index(b"IEND") - 8]
-    raw = np.frombuffer(zlib.decompress(idat), dtype=np.uint8).reshape(h, 1 + w * 3)
-    assert (raw[:, 0] == 0).all()
-    pixels = {tuple(p) for p in raw[:, 1:].reshape(-1, 3)}
-    for name, color in evaluation.CURVE_COLORS.items():
-        assert color in pixels, name
+             "response_tokens_mean": 40.0, "kl": 0.001 * i, "entropy": 1.5, "reward_info/unconfirmed_writes": 0.3}
+            for i in range(10)]
+    drawn = evaluation.plot_curves(rows, tmp_path / "c.png", before=0.2, after=0.6)
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert drawn == {
+        "reward": ["reward (sampled episodes)", "mean of the last 5 steps", "test pass^1 before (0.20, greedy)",
+                   "test pass^1 after (0.60, greedy)"],
+        "group outcomes": ["groups all correct", "groups all wrong", "episodes that wrote without a yes"],
+        "episode length": ["agent turns per episode", "sampled tokens per episode"],
+        "KL and entropy": ["KL to the reference (k3)", "policy entropy"]}
+    # From a run directory, as `python eval.py --plot RUN_DIR` does; a line cut short by a crash is skipped.
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 11, "rew')
+    (run / "summary.json").write_text(json.dumps({"eval/before/pass1": 0.2, "eval/after/pass1": None}))
+    evaluation.main(["--plot", str(run)])
+    assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit, match="no metrics.jsonl"):
+        evaluation.main(["--plot", str(tmp_path)])
 
 
 def test_reference_kl_is_zero_at_step_one_under_bf16(ckpt, tiny_tok, bf16_accelerator):
