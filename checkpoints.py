@@ -9,7 +9,7 @@ had is lost. sft.py and grpo.py use it.
     save   run_dir/checkpoints/step-N (model, tokenizer, run config; optimizer, scheduler and RNG states unless
            --save-weights-only), written atomically, `latest` updated, older ones pruned (--keep-checkpoints)
     find   the checkpoint --resume names (a checkpoint or a run directory; the newest complete step when `latest`
-           is unreadable)
+           is unreadable); resume_settings: its saved settings and the few a resume may change
     load   its optimizer, scheduler and RNG states into the prepared Accelerator; the step to continue from
 """
 import json
@@ -223,6 +223,22 @@ def newest(ckpt_dir: Path) -> Path:
         raise SystemExit(f"grpo.py: --resume: {latest} {why}, and {ckpt_dir} holds no complete checkpoint")
     cli.main_print(f"[grpo] --resume: {latest} {why}; using the newest complete checkpoint, {steps[-1].name}")
     return steps[-1]
+
+
+def resume_settings(path: Path, cfg, given: set, resumable: tuple) -> tuple[dict, dict]:
+    """The settings a resumed run continues with: the checkpoint's, with the options given on the command line that
+    may change (`resumable`; an option equal to the saved value is no change). Returns (settings, changes: name ->
+    [saved, new]); any other change is refused, naming it."""
+    saved = json.loads((path / "model" / "muarl_config.json").read_text())["grpo"]
+    changes = {k: [saved.get(k), getattr(cfg, k)] for k in sorted(given - {"resume"})
+               if k == "recipe" or saved.get(k) != getattr(cfg, k)}
+    fixed = [k for k in changes if k not in resumable]
+    if fixed:
+        raise SystemExit(f"grpo.py: --resume continues the run with its saved settings; "
+                         f"{', '.join('--' + k.replace('_', '-') for k in fixed)} cannot change in it (only "
+                         f"{', '.join('--' + k.replace('_', '-') for k in resumable)} can); start a new run with "
+                         f"--init-from {path / 'model'} to change them")
+    return {**saved, **{k: new for k, (_, new) in changes.items()}}, changes
 
 
 def step_of(path: Path) -> int:

@@ -35,9 +35,6 @@ from loss import (AGGS, DEFAULT_CHUNK_SIZE, LOG_RATIO_CLAMP, RATIO_LEVELS, group
 from metrics import episode_summary, reward_checks  # noqa: F401  (re-exported)
 from metrics import rollout_metrics as step_metrics  # noqa: F401
 
-# =========================================================================================================
-# ---- the training loop ----
-# =========================================================================================================
 @dataclass
 class Config:
     """GRPO with a simulated user. Defaults: the paper's algorithm settings at a CPU-sized scale (the small
@@ -49,8 +46,7 @@ class Config:
     """cold-start (SFT) checkpoint to start from; with --model tiny and none given, one is made and cached"""
     cold_start_skips_confirm: float = 0.6
     """the cold start made when no --init-from is given: share of the scripted teacher's write conversations in which
-    it writes without asking the user first (sft.py --teacher-skips-confirm). Filtered on the database, ~48% of the
-    kept write conversations skip, and the cold-started policy skips in most write episodes; the reward settles it"""
+    it writes without asking the user first (sft.py --teacher-skips-confirm), a decision the reward settles"""
     env: str = "shop"
     """environment: 'shop' (small domain; 'shop:static': its user says everything at once and never changes its
     mind) or 'tau2:<retail|airline|telecom|mock>'"""
@@ -79,8 +75,7 @@ class Config:
     group_size: int = 8
     """episodes per task, G (the paper: 8)"""
     lr: float = 2e-4
-    """learning rate, constant after warm-up (the paper: 1e-6 for Qwen3; the tiny model needs more, and degrades
-    above ~5e-4: bench/README.md)"""
+    """learning rate, constant after warm-up (the paper: 1e-6 for Qwen3; the tiny model needs more)"""
     warmup_steps: int = 0
     """linear warm-up steps"""
     kl_coef: float = 0.001
@@ -111,9 +106,8 @@ class Config:
     grad_clip: float = 1.0
     """gradient-norm clip (the paper: 1.0)"""
     temperature: float = 0.7
-    """sampling temperature (the paper: 1.0, which --recipe paper sets), applied identically when the trainer scores
-    the tokens. The tiny default samples at 0.7: at 1.0 its samples make copy errors its greedy decoding does not
-    (success 0.37 sampled vs 0.59 greedy), noise GRPO then has to average out"""
+    """sampling temperature, applied identically when the trainer scores the tokens (the paper: 1.0, which --recipe
+    paper sets; the tiny model's samples make copy errors at 1.0 that its greedy decoding does not)"""
     top_p: float = 1.0
     """nucleus sampling (1.0: off)"""
     max_turns: int = 30
@@ -130,8 +124,7 @@ class Config:
     bf16: bool = False
     """bf16 mixed precision (GPU)"""
     optimizer: str = "adamw"
-    """'adamw' (the paper) or 'sgd' (plain SGD: the step scales with the gradient, not about lr per weight; its
-    --lr is on another scale, ~0.1-1 for the tiny model)"""
+    """'adamw' (the paper) or 'sgd' (plain SGD: its --lr is on another scale, ~0.1-1 for the tiny model)"""
     freeze: str = ""
     """regular expression: parameters whose name it matches are not trained (e.g. 'embed_tokens': the embeddings,
     and with them a tied output layer); '' trains all"""
@@ -388,17 +381,8 @@ def options(argv) -> tuple[Config, Path | None, dict]:
     if not cfg.resume:
         return cfg, None, {}
     resume_from = checkpoints.find(cfg.resume)
-    saved = json.loads((resume_from / "model" / "muarl_config.json").read_text())["grpo"]
-    changes = {k: [saved.get(k), getattr(cfg, k)] for k in sorted(given - {"resume"})
-               if k == "recipe" or saved.get(k) != getattr(cfg, k)}
-    fixed = [k for k in changes if k not in RESUMABLE]
-    if fixed:
-        raise SystemExit(f"grpo.py: --resume continues the run with its saved settings; "
-                         f"{', '.join('--' + k.replace('_', '-') for k in fixed)} cannot change in it (only "
-                         f"{', '.join('--' + k.replace('_', '-') for k in RESUMABLE)} can); start a new run with "
-                         f"--init-from {resume_from / 'model'} to change them")
-    cfg = Config(**{**saved, **{k: new for k, (_, new) in changes.items()}, "resume": cfg.resume, "overwrite": False})
-    return cfg, resume_from, changes
+    saved, changes = checkpoints.resume_settings(resume_from, cfg, given, RESUMABLE)
+    return Config(**{**saved, "resume": cfg.resume, "overwrite": False}), resume_from, changes
 
 
 def set_up(cfg: Config, resume_from: Path | None, changes: dict) -> SimpleNamespace:
