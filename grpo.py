@@ -98,7 +98,8 @@ class Config:
     does (without its resampling: the step is smaller); counted as dropped_groups"""
     ratio_level: str = "token"
     """importance ratio: 'token' (PPO/GRPO, the paper) or 'sequence' (GSPO: each episode's geometric-mean ratio,
-    clipped as one; use with --agg seq-mean-token-mean and GSPO's clip ranges, e.g. 3e-4 / 4e-4)"""
+    clipped as one; use with --agg seq-mean-token-mean and GSPO's clip ranges, e.g. 3e-4 / 4e-4). It differs from
+    'token' only off-policy, i.e. with --updates-per-batch > 1: with one update the ratio is 1 either way"""
     updates_per_batch: int = 1
     """policy updates per rollout batch (the paper: 1, so old logprobs are the current ones and cost nothing)"""
     micro_batch_size: int = 4
@@ -187,6 +188,9 @@ def validate(cfg: Config, world: int) -> None:
         bad("optimizer", f"{cfg.optimizer!r} is not 'adamw' or 'sgd'")
     if cfg.agg not in AGGS:
         bad("agg", f"{cfg.agg!r} is not one of {sorted(AGGS)}")
+    if cfg.ratio_level == "sequence" and cfg.updates_per_batch == 1:
+        cli.main_print("[grpo] warning: --ratio-level sequence with --updates-per-batch 1: on-policy the ratio is 1 "
+                       "for every token and GSPO's update equals GRPO's with --agg seq-mean-token-mean")
     if cfg.advantage not in ADVANTAGES:
         bad("advantage", f"{cfg.advantage!r} is not one of {sorted(ADVANTAGES)}")
     try:  # the loss's own checks of its options (a fork's new option included), on a one-token batch
@@ -308,6 +312,7 @@ def decide(episodes, cfg) -> tuple[torch.Tensor, list[int], int]:
 
 def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, pad_id: int) -> dict:
     """One rollout batch -> `updates_per_batch` optimizer steps. Returns the update's metrics (over all processes)."""
+    model.train()  # the rollout and the evaluation leave it in eval mode; gradient checkpointing needs train mode
     adv, rows, dropped = decide(episodes, cfg)
     seqs = [(episodes[i].input_ids, episodes[i].loss_mask) for i in rows]
     local = sum(sum(m) for _, m in seqs) if cfg.agg == "token-mean" else sum(1 for _, m in seqs if any(m))
@@ -350,6 +355,8 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
                     raise RuntimeError(f"token_logprobs returned {logp.dtype}, not float32: the loss would be rounded")
                 loss, met = grpo_loss(logp, old[k] if old else logp.detach(), ref[k], a, mask, normalizer=normalizer,
                                       max_len=cfg.max_context, **loss_options(cfg))
+                if ref[k] is None:
+                    met.pop("kl")  # no reference, no KL: absent rather than a 0 that reads as a measurement
                 # DDP, FSDP2 and DeepSpeed average gradients over processes; the normalizer is already global, so
                 # undo the mean.
                 shard.backward(acc, model, loss * acc.num_processes)

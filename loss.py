@@ -181,8 +181,9 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, 
 
     log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)                # [B, T]
     if ratio_level == "sequence":  # the episode's mean log-ratio as every token's value, each token's gradient
-        seq = (logp - old_logp).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)   # [B, 1]
-        log_ratio = torch.where(mask, seq.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) + logp - logp.detach(),
+        seq = ((logp - old_logp).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).detach()  # [B, 1]
+        inside = seq.abs() < LOG_RATIO_CLAMP  # beyond the clamp no gradient, as for the token-level ratio
+        log_ratio = torch.where(mask, seq.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) + (logp - logp.detach()) * inside,
                                 zero)
     ratio = torch.exp(log_ratio)
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_low, 1 + clip_high))

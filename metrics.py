@@ -6,8 +6,9 @@
                        micro-batches and processes, reduced in one collective with the same names on every process
     console_line       the step's line on the console
 
-A fork that adds a metric returns it from its loss (loss.grpo_loss's metrics dict) or its rollout summary and names
-it here once; tests/test_grpo.py fails when a returned metric is missing from METRICS. Imports nothing of the project.
+A fork that adds a metric returns it from its loss (loss.grpo_loss's metrics dict) or its rollout summary, names
+it in METRICS and gives it a kind (TOKEN_MEANS, MAXES, SUMS); Accumulator refuses a metric of no kind, and
+tests/test_grpo.py fails when one is missing from METRICS. Imports nothing of the project.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ METRICS = {
     "episodes": "episodes in the step",
     "dropped_groups": "groups left out of the update by --drop-uniform-groups (all rewards equal)",
     "trained_tokens": "agent-sampled tokens the update trained on, over all processes (the token-mean normalizer)",
-    "loss": "the step's GRPO loss (surrogate + KL term), summed over micro-batches and processes",
+    "loss": "the step's GRPO loss (surrogate + KL term), summed over micro-batches and processes, averaged over "
+            "updates",
     "kl": "mean k3 estimate of KL(policy || reference) over trained tokens",
     "approx_kl": "mean k3 estimate of KL between the sampling policy and the current one (0 with one update per batch)",
     "clip_frac_low": "fraction of trained tokens whose ratio is clipped below (A < 0)",
@@ -116,8 +118,15 @@ class Accumulator:
         self.maxes = dict.fromkeys(MAXES, 0.0)
 
     def add(self, metrics: dict, tokens: float) -> None:
-        """One micro-batch's metrics (0-dim tensors or floats) over its `tokens` trained tokens."""
+        """One micro-batch's metrics (0-dim tensors or floats) over its `tokens` trained tokens. A metric of no
+        known kind is an error: a fork's new metric needs its name in METRICS and its kind above, or it would be
+        lost."""
         for k, v in metrics.items():
+            if k == "n_tokens":
+                continue
+            if not (k in self.weights or k in self.maxes or k in self.sums):
+                raise KeyError(f"metric {k!r} has no kind: add it to metrics.METRICS and to TOKEN_MEANS, MAXES or "
+                               "SUMS")
             v = float(v)
             if k in self.weights:
                 if tokens:
@@ -136,7 +145,8 @@ class Accumulator:
         if acc.num_processes > 1:
             means, sums = acc.reduce(means, reduction="sum"), acc.reduce(sums, reduction="sum")
             maxes = acc.reduce(maxes, reduction="max")
-        out = {k: (s / w).item() if w else 0.0 for k, (s, w) in zip(TOKEN_MEANS, means)}
+        # a mean over no token (nothing trained, no reference for kl) is absent, not a 0 that reads as a measurement
+        out = {k: (s / w).item() for k, (s, w) in zip(TOKEN_MEANS, means) if w}
         out.update({k: v.item() for k, v in zip(SUMS, sums)})
         out.update({k: v.item() for k, v in zip(MAXES, maxes)})
         return out

@@ -494,9 +494,24 @@ def test_token_and_sequence_ratios_agree_on_one_token_sequences():
     logp, old, ref, adv, _ = random_batch(B=5, T=6, seed=4)
     mask = torch.zeros(5, 6, dtype=torch.bool)
     mask[:, 2] = True
-    a = grpo_loss(logp, old, ref, adv, mask, ratio_level="token")[0]
-    b = grpo_loss(logp, old, ref, adv, mask, ratio_level="sequence")[0]
-    assert a.item() == pytest.approx(b.item(), rel=1e-12)
+    grads = []
+    for level in ("token", "sequence"):
+        x = logp.clone().requires_grad_(True)
+        loss = grpo_loss(x, old, ref, adv, mask, ratio_level=level)[0]
+        loss.backward()
+        grads.append((loss.item(), x.grad))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-12)
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-12, atol=0)
+
+
+def test_sequence_ratio_beyond_the_clamp_has_no_gradient():
+    logp, old, _, adv, mask = random_batch(B=4, T=5, seed=6)
+    old = old.clone()
+    old[2] -= 30.0  # episode 2's log-ratio is +30, beyond LOG_RATIO_CLAMP
+    adv = -adv.abs()  # negative advantages: no clip would stop the gradient without the clamp
+    x = logp.clone().requires_grad_(True)
+    grpo_loss(x, old, None, adv, mask, dual_clip=None, kl_coef=0.0, ratio_level="sequence")[0].backward()
+    assert x.grad[2].abs().sum() == 0 and x.grad[[1, 3]].abs().sum() > 0
 
 
 def test_uniform_groups_against_a_loop():
@@ -570,17 +585,55 @@ def test_drop_uniform_groups_with_every_group_uniform_makes_no_update():
     assert m["dropped_groups"] == 2 and m["trained_tokens"] == 0 and "grad_norm" not in m
 
 
-def test_a_new_loss_option_reaches_the_loss_by_its_name():
+def test_a_new_loss_option_reaches_the_loss_by_its_name(monkeypatch):
     """A Config field named like a grpo_loss keyword is passed to it with no call site to edit (loss_options), and
     the loss's own check of a bad value fails at start naming the option."""
+    import dataclasses
+    import inspect
+
     import grpo
 
     opts = grpo.loss_options(grpo.Config(ratio_level="sequence", clip_low=0.1))
     assert opts["ratio_level"] == "sequence" and opts["clip_low"] == 0.1 and "normalizer" not in opts
+
+    def forked_loss(*args, entropy_bonus=0.0, **kw):  # a fork's new keyword, and its Config field of the same name
+        if entropy_bonus < 0:
+            raise ValueError(f"entropy_bonus must be >= 0, got {entropy_bonus}")
+        return grpo_loss(*args, **kw)
+    forked_loss.__signature__ = inspect.Signature([*inspect.signature(grpo_loss).parameters.values(),
+                                                   inspect.Parameter("entropy_bonus", inspect.Parameter.KEYWORD_ONLY,
+                                                                     default=0.0)])
+    Forked = dataclasses.make_dataclass("Forked", [("entropy_bonus", float, 0.0)], bases=(grpo.Config,))
+    monkeypatch.setattr(grpo, "grpo_loss", forked_loss)
+    assert grpo.loss_options(Forked(entropy_bonus=0.01))["entropy_bonus"] == 0.01
+    with pytest.raises(SystemExit, match="--entropy-bonus: entropy_bonus must be >= 0"):
+        grpo.validate(Forked(entropy_bonus=-1.0), 1)
+    monkeypatch.undo()
     with pytest.raises(SystemExit, match="--ratio-level: ratio_level must be one of"):
         grpo.validate(grpo.Config(ratio_level="episode"), 1)
     with pytest.raises(SystemExit, match="--advantage: 'rloo' is not one of"):
         grpo.validate(grpo.Config(advantage="rloo"), 1)
+
+
+def test_the_update_runs_in_train_mode_and_unknown_metrics_are_refused():
+    import metrics
+
+    import cli
+    import grpo
+
+    eps = _episodes([1, 0, 1, 0])
+
+    model = tiny_model(dtype=torch.float32).eval()  # as the rollout and the evaluation leave it
+    modes = []
+    model.register_forward_pre_hook(lambda module, args: modes.append(module.training))
+    cfg = grpo.Config(group_size=4, micro_batch_size=4, optimizer="sgd", lr=0.1, max_context=64, kl_coef=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    out = grpo.train_on_episodes(eps, model, None, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                                 cli.make_accelerator(), cfg, pad_id=0)
+    assert modes and all(modes)  # gradient checkpointing only runs in train mode
+    assert "kl" not in out and "entropy" in out  # no reference: no kl, rather than a 0
+    with pytest.raises(KeyError, match="'new_metric' has no kind"):
+        metrics.Accumulator().add({"new_metric": 1.0}, 3)
 
 
 def test_every_metric_the_loss_returns_is_named_in_metrics():
