@@ -75,14 +75,22 @@ def write_json_atomic(path, obj) -> None:
     os.replace(tmp, path)
 
 
-def make_accelerator(**kwargs):
+def make_accelerator(dist_timeout: float | None = None, **kwargs):
     """An Accelerator that also joins CPU-only processes started by torchrun (over gloo): Accelerate only
-    treats a CPU run as distributed when told `cpu=True`, otherwise each process trains alone."""
+    treats a CPU run as distributed when told `cpu=True`, otherwise each process trains alone. `dist_timeout`:
+    seconds a process waits for the others at a collective (the process group's timeout; NCCL's default is 10
+    minutes, too short for a step whose rollout waits on a slow user endpoint)."""
+    from datetime import timedelta
+
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
 
     plugin = fsdp2_plugin(kwargs.get("mixed_precision", "no"))
     if plugin is not None and "fsdp_plugin" not in kwargs:
         kwargs["fsdp_plugin"] = plugin
+    if dist_timeout:
+        kwargs["kwargs_handlers"] = [*kwargs.get("kwargs_handlers", []),
+                                     InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout))]
     acc = Accelerator(cpu=not torch.cuda.is_available(), **kwargs)
     if acc.device.type == "cpu":
         # `accelerate launch` sets OMP_NUM_THREADS=1 when it has no config, which halves a 2-core machine:
@@ -170,3 +178,10 @@ class option_errors:
         if kind is SystemExit and isinstance(exc.code, str):
             raise SystemExit(f"{self.prefix}: {exc.code}") from None
         return False
+
+
+def is_collective_timeout(e: BaseException) -> bool:
+    """Whether an error is a collective that waited past the process group's timeout (gloo, NCCL)."""
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and ("timed out" in text or "timeout" in text) and (
+        "gloo" in text or "nccl" in text or "wait" in text or type(e).__name__ == "DistBackendError")

@@ -75,6 +75,8 @@ class EvalConfig:
     """sampling seed"""
     out_dir: str = ""
     """output directory (default: runs/eval-<env>-<time>)"""
+    dist_timeout: float = 7200.0
+    """seconds a process waits for the others (they finish their episodes at different times) before it stops"""
     plot: str = ""
     """draw a grpo.py run directory's learning curves (RUN_DIR/curves.png, from its metrics.jsonl) and exit"""
 
@@ -290,7 +292,7 @@ def main(argv=None):
         raise SystemExit("eval.py: --trials must be >= 1")
     if cfg.user_retries < 0 or not cfg.user_timeout > 0:
         raise SystemExit("eval.py: --user-retries must be >= 0 and --user-timeout > 0")
-    acc = cli.make_accelerator()
+    acc = cli.make_accelerator(cfg.dist_timeout)
     options = {"reward": cfg.env_reward} if cfg.env_reward else {}
     if cfg.env.startswith("acebench:") and cfg.acebench_root:
         options["root"] = cfg.acebench_root

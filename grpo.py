@@ -153,6 +153,10 @@ class Config:
     """episodes per step saved as readable conversations (episodes.jsonl)"""
     eval_tasks: int = 64
     """test-split tasks evaluated (greedy, pass^1) before and after training; 0 skips"""
+    dist_timeout: float = 7200.0
+    """seconds a process waits for the others at a collective before the run stops, naming this option (NCCL's
+    default is 10 minutes; a process's rollout can wait far longer on a slow user endpoint, or the others on a large
+    checkpoint being written)"""
     memory_check: bool = True
     """on a GPU, stop at start when the estimated memory per GPU (printed) exceeds it; its KV-cache term assumes
     every episode reaches --max-context, a worst case"""
@@ -177,7 +181,7 @@ RECIPES = {
 # serves the user so (a --user-model that names another model changes the user itself: your call, recorded in
 # resumes.jsonl). Anything else continues with the run's saved settings; giving another value is refused.
 RESUMABLE = ("steps", "user_base_url", "user_model", "user_concurrency", "user_timeout", "user_retries",
-             "report_to", "log_episodes", "save_every", "keep_checkpoints", "memory_check")
+             "report_to", "log_episodes", "save_every", "keep_checkpoints", "memory_check", "dist_timeout")
 
 
 def validate(cfg: Config, world: int) -> None:
@@ -220,6 +224,8 @@ def validate(cfg: Config, world: int) -> None:
         bad("dual_clip", "must be > 1 (or 0 to disable)")
     if not cfg.user_timeout > 0:
         bad("user_timeout", "must be > 0 seconds")
+    if not cfg.dist_timeout > 0:
+        bad("dist_timeout", "must be > 0 seconds")
     if not cfg.temperature > 0:
         bad("temperature", "must be > 0")
     if not 0 < cfg.top_p <= 1:
@@ -398,7 +404,8 @@ def set_up(cfg: Config, resume_from: Path | None, changes: dict) -> SimpleNamesp
     from envs import make_env
     from rollout import RolloutConfig, check_max_context, make_user_sim, user_sim_options
 
-    acc = cli.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no", log_with=cfg.report_to or None)
+    acc = cli.make_accelerator(cfg.dist_timeout, mixed_precision="bf16" if cfg.bf16 else "no",
+                               log_with=cfg.report_to or None)
     validate(cfg, acc.num_processes)
     shard.check_accelerator(acc)
     muarl.seed_everything(cfg.seed)
@@ -458,7 +465,9 @@ def load_policy(run) -> None:
     config = shard.read_config(start)  # before loading, when the start names a config (directory, hub id)
     if config is not None:
         check_memory(config)
-    load_on, attn = shard.load_device(acc), muarl.attention_implementation(acc.device)
+    # flash-attn only where the forward runs in bf16 (--bf16's autocast): it refuses fp32 inputs
+    load_on = shard.load_device(acc)
+    attn = muarl.attention_implementation(acc.device, torch.bfloat16 if cfg.bf16 else torch.float32)
     with load_errors:
         model, run.tok = muarl.load_model(start, device=load_on, seed=cfg.seed, dtype=torch.float32,
                                           attn_implementation=attn)
@@ -619,12 +628,20 @@ def write(run, results: dict) -> None:
 
 def main(argv=None):
     """The paper's pipeline, phase by phase."""
-    run = set_up(*options(argv))        # settings, run directory, environment, user, cold start, policy, reference
-    results = evaluate(run, "before") if run.first_step == 0 else {}
-    train(run)                          # the GRPO loop
-    if run.first_step < run.cfg.steps:
-        results.update(evaluate(run, "after"))
-    write(run, results)
+    cfg, resume_from, changes = options(argv)
+    try:
+        run = set_up(cfg, resume_from, changes)  # run directory, environment, user, cold start, policy, reference
+        results = evaluate(run, "before") if run.first_step == 0 else {}
+        train(run)                               # the GRPO loop
+        if run.first_step < run.cfg.steps:
+            results.update(evaluate(run, "after"))
+        write(run, results)
+    except RuntimeError as e:
+        if not cli.is_collective_timeout(e):
+            raise
+        raise SystemExit(f"grpo.py: this process waited more than --dist-timeout {cfg.dist_timeout:g} s for another "
+                         f"at a collective (a rollout that waited on the user, a process that died, a slow disk): "
+                         f"{str(e)[:300]}") from e
     return SimpleNamespace(run_dir=run.dir, model=run.acc.unwrap_model(run.model), results=results)
 
 

@@ -371,9 +371,11 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def attention_implementation(device: torch.device) -> str:
-    """flash_attention_2 when importable on CUDA, sdpa otherwise."""
-    if device.type == "cuda":
+def attention_implementation(device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """flash_attention_2 when it imports on CUDA and the forward runs in `dtype` bf16 or fp16 (the weights' dtype, or
+    autocast's: transformers casts fp32 queries to autocast's dtype for it); sdpa otherwise. flash-attn refuses fp32
+    inputs, so an fp32 model outside autocast (a run without --bf16) must not get it."""
+    if device.type == "cuda" and (dtype or default_dtype(device)) in (torch.bfloat16, torch.float16):
         try:
             import flash_attn  # noqa: F401
 
@@ -528,7 +530,7 @@ def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, 
 
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
-    attn = attn_implementation or attention_implementation(device)
+    attn = attn_implementation or attention_implementation(device, dtype)
     tok = load_tokenizer(name)
     if name == "tiny":
         torch.manual_seed(seed)

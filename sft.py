@@ -110,6 +110,8 @@ class SFTConfig:
     """trade compute for memory on long conversations"""
     seed: int = 0
     """seed for data order, initialization of 'tiny' and the teacher's episodes"""
+    dist_timeout: float = 7200.0
+    """seconds a process waits for the others at a collective before it stops (NCCL's default: 10 minutes)"""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -436,7 +438,7 @@ def check_batch(batch_size: int, processes: int) -> None:
 def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     """Fine-tune on the conversations; returns the checkpoint directory. 'tiny' starts from its pretrained base."""
     start = str(pretrain_tiny(cfg)) if cfg.model == "tiny" else cfg.model
-    acc = accelerator or cli.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
+    acc = accelerator or cli.make_accelerator(cfg.dist_timeout, mixed_precision="bf16" if cfg.bf16 else "no")
     check_backend(acc)
     check_batch(cfg.batch_size, acc.num_processes)
     muarl.seed_everything(cfg.seed)
@@ -446,7 +448,8 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     # Under FSDP2 loaded in host memory and sharded onto the GPUs by acc.prepare (shard.load_device).
     with cli.option_errors("sft.py: --model"):
         model, tok = muarl.load_model(start, device=shard.load_device(acc), seed=cfg.seed, dtype=torch.float32,
-                                      attn_implementation=muarl.attention_implementation(acc.device))
+                                      attn_implementation=muarl.attention_implementation(
+                                          acc.device, torch.bfloat16 if cfg.bf16 else torch.float32))
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     max_len = length_limit(cfg, model)

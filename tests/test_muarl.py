@@ -244,3 +244,29 @@ def test_smollm2_tokenizer_deltas():
     assert tok.decode(ids) == full and ids == muarl.encode_text(tok, full)
     agent_text = "".join(muarl.format_assistant(m) + "<|im_end|>" for m in CONVERSATION if m["role"] == "assistant")
     assert tok.decode([t for t, m in zip(ids, mask) if m]) == agent_text
+
+
+def test_flash_attention_only_where_the_forward_runs_in_bf16_or_fp16(monkeypatch):
+    """flash-attn refuses fp32 inputs: an fp32 policy without --bf16 on a GPU must get sdpa (grpo.py and sft.py pass
+    the compute dtype, bf16 only under --bf16's autocast)."""
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))  # as if it were installed
+    cuda = torch.device("cuda")
+    assert muarl.attention_implementation(cuda, torch.float32) == "sdpa"
+    assert muarl.attention_implementation(cuda, torch.bfloat16) == "flash_attention_2"
+    assert muarl.attention_implementation(cuda, torch.float16) == "flash_attention_2"
+    assert muarl.attention_implementation(cuda) == "flash_attention_2"  # load_model's default on a GPU: bf16
+    assert muarl.attention_implementation(torch.device("cpu"), torch.bfloat16) == "sdpa"
+    monkeypatch.delitem(sys.modules, "flash_attn")
+    monkeypatch.setattr("builtins.__import__", _no_flash(__import__))
+    assert muarl.attention_implementation(cuda, torch.bfloat16) == "sdpa"  # not installed
+
+
+def _no_flash(real_import):
+    def fake(name, *args, **kwargs):
+        if name == "flash_attn":
+            raise ImportError("no flash_attn")
+        return real_import(name, *args, **kwargs)
+    return fake

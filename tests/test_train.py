@@ -217,6 +217,39 @@ def test_two_processes_drop_uniform_groups_in_step(tmp_path, ckpt):
     assert any(r["trained_tokens"] > 0 for r in rows)  # and train-1's trained
 
 
+def _torchrun(tmp_path, argv, prologue="", port=29519, timeout=600):
+    """grpo.main under torchrun on two CPU processes; `prologue` runs first in each (e.g. to slow one down)."""
+    script = tmp_path / "dist.py"
+    script.write_text(f"import os, sys, time\nsys.path.insert(0, {ROOT!r})\n{prologue}\nimport grpo\n"
+                      "grpo.main(sys.argv[1:])\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           str(script), *argv]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_a_process_that_waits_past_the_timeout_stops_naming_the_option(tmp_path, ckpt):
+    """One process's rollout takes longer than --dist-timeout: the other, waiting at the step's first collective,
+    stops with an error that names the option instead of hanging (or dying at NCCL's fixed 10 minutes)."""
+    slow = ("import rollout\nif os.environ['RANK'] == '1':\n    real = rollout.rollout\n"
+            "    rollout.rollout = lambda *a, **k: (time.sleep(12), real(*a, **k))[1]\n")
+    r = _torchrun(tmp_path, grpo_args(ckpt, tmp_path / "run", "--dist-timeout", "3", "--steps", "1"), slow, 29519)
+    assert r.returncode != 0
+    assert "waited more than --dist-timeout 3 s for another at a collective" in r.stderr + r.stdout, r.stderr[-3000:]
+
+
+def test_a_process_whose_episodes_all_failed_keeps_in_step(tmp_path, ckpt):
+    """Each process rolls out one task; every episode of train-0 fails on infrastructure (a NaN reward), so one
+    process has nothing to train on in every step: it runs the same collectives as the other (empty micro-batches,
+    the same metric names), and the run ends."""
+    args = grpo_args(ckpt, tmp_path / "run", "--steps", "2")
+    args[args.index("tests.fake_env:FakeEnv")] = "tests.fake_env:NanEnv"
+    r = _torchrun(tmp_path, args, port=29520)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = metrics(tmp_path / "run")
+    assert [row["infra_failed"] for row in rows] == [4, 4] and all(row["trained_tokens"] > 0 for row in rows)
+
+
 # ---------------------------------------------------------------------------------------------------------
 def test_sft_data_errors_name_file_and_line(tmp_path):
     p = tmp_path / "d.jsonl"
