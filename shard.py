@@ -156,9 +156,9 @@ def optimizer_step(acc, model, opt, grad_clip: float) -> tuple[float, bool]:
 
 
 def configure_deepspeed(acc, *, micro_batch_size: int, grad_clip: float, program: str = "grpo.py") -> None:
-    """Before acc.prepare under DeepSpeed: the engine clips at grad_clip, takes micro-batches of micro_batch_size and
+    """Before acc.prepare under DeepSpeed: the engine clips at grad_clip, takes micro-batches of micro_batch_size,
     counts one micro-batch a step (the loop sets the accumulation boundary itself, and normalizes the loss over the
-    whole step). The config must not bring its own optimizer or scheduler: the loop builds AdamW and its warm-up."""
+    whole step) and reduces gradients in fp32. The config must not bring its own optimizer or scheduler: the loop builds AdamW and its warm-up."""
     ds = getattr(acc.state, "deepspeed_plugin", None)
     if ds is None:
         return
@@ -167,8 +167,11 @@ def configure_deepspeed(acc, *, micro_batch_size: int, grad_clip: float, program
         if section in config:
             raise SystemExit(f"{program}: the DeepSpeed config has a '{section}' section: remove it; {program} builds "
                              "its own AdamW and learning-rate warm-up from its options (--lr, --warmup-steps).")
+    # Gradients are reduced in fp32, as under DDP (fp32 master weights) and FSDP2 (cli.fsdp2_plugin): DeepSpeed's
+    # default reduces them in the compute dtype, bf16 under --bf16, which rounds away small per-process gradients.
     config.update(gradient_clipping=grad_clip, train_micro_batch_size_per_gpu=micro_batch_size,
-                  gradient_accumulation_steps=1, train_batch_size=micro_batch_size * acc.num_processes)
+                  gradient_accumulation_steps=1, train_batch_size=micro_batch_size * acc.num_processes,
+                  communication_data_type="fp32")
 
 
 def expose_head(model) -> None:

@@ -4,6 +4,10 @@ import sys
 # Tests import the flat top-level modules (muarl, rollout, grpo, envs) from the repository root.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The suite runs on the CPU, where its tolerances were calibrated, even on a GPU machine: the GPU paths are
+# bench/gpu.py's to check. MUARL_TESTS_ON_GPU=1 leaves the GPUs visible.
+if os.environ.get("MUARL_TESTS_ON_GPU") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import copy  # noqa: E402

@@ -91,3 +91,12 @@ def test_docs_cite_what_exists():
     table = readme[readme.index("| metric | meaning |"):].split("\n\n")[0]
     named = {n for row in table.splitlines()[2:] for n in re.findall(r"`([^`]+)`", row.split("|")[1])}
     assert named - {"eval/before/pass1", "eval/after/pass1"} == set(metrics.METRICS)
+
+
+def test_the_suite_runs_on_the_cpu():
+    """tests/conftest.py hides the GPUs (CPU-calibrated tolerances; the GPU checks are bench/gpu.py's), so that
+    `./run pytest` on a GPU machine tests what it tests here."""
+    import torch
+
+    if os.environ.get("MUARL_TESTS_ON_GPU") != "1":
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and not torch.cuda.is_available()

@@ -155,6 +155,7 @@ def test_deepspeed_config_is_set_from_the_options_and_brings_no_optimizer():
     shard.configure_deepspeed(acc, micro_batch_size=2, grad_clip=0.7)
     assert (config["gradient_clipping"], config["train_micro_batch_size_per_gpu"],
             config["gradient_accumulation_steps"], config["train_batch_size"]) == (0.7, 2, 1, 8)
+    assert config["communication_data_type"] == "fp32"  # gradients reduced in fp32, as under DDP and FSDP2
     config["scheduler"] = {"type": "WarmupLR"}
     with pytest.raises(SystemExit, match="'scheduler' section"):
         shard.configure_deepspeed(acc, micro_batch_size=2, grad_clip=0.7)
