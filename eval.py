@@ -75,6 +75,12 @@ class EvalConfig:
     """sampling seed"""
     out_dir: str = ""
     """output directory (default: runs/eval-<env>-<time>)"""
+    rollout_batch: int = 0
+    """at most this many episodes decode together on one process (0: all); on a GPU the others' KV caches wait in
+    host memory (tau2 retail with --trials 4 is ~40 GB of cache per GPU at 8B if all decode at once)"""
+    memory_check: bool = True
+    """on a GPU, stop at start when the estimated memory (weights and the decoding episodes' KV cache at
+    --max-context, printed) exceeds it"""
     dist_timeout: float = 7200.0
     """seconds a process waits for the others (they finish their episodes at different times) before it stops"""
     plot: str = ""
@@ -292,6 +298,8 @@ def main(argv=None):
         raise SystemExit("eval.py: --trials must be >= 1")
     if cfg.user_retries < 0 or not cfg.user_timeout > 0:
         raise SystemExit("eval.py: --user-retries must be >= 0 and --user-timeout > 0")
+    if cfg.rollout_batch < 0:
+        raise SystemExit("eval.py: --rollout-batch must be >= 0 (0: every episode decodes at once)")
     acc = cli.make_accelerator(cfg.dist_timeout)
     options = {"reward": cfg.env_reward} if cfg.env_reward else {}
     if cfg.env.startswith("acebench:") and cfg.acebench_root:
@@ -305,17 +313,30 @@ def main(argv=None):
     else:
         from rollout import RolloutConfig, check_max_context, make_user_sim, rollout
 
+        import shard
+
+        mine = tasks[acc.process_index::acc.num_processes]
+        live = len(mine) * cfg.trials
+        decoding = min(live, cfg.rollout_batch or live)
+        bf16 = muarl.default_dtype(acc.device) == torch.bfloat16  # load_model's default: bf16 on GPU, fp32 on CPU
         with cli.option_errors("eval.py: --agent"):
-            model, tok = muarl.load_model(cfg.agent, device=acc.device)  # bf16 on GPU, fp32 on CPU
+            muarl.check_local(cfg.agent)
+            config = shard.read_config(cfg.agent)
+            if config is not None:  # before loading: weights and the decoding episodes' KV cache
+                shard.check_memory(config, world=acc.num_processes, sharded=False, bf16=bf16, reference=False,
+                                   max_context=cfg.max_context, episodes=decoding, device=acc.device,
+                                   check=cfg.memory_check, program="eval.py", inference=True,
+                                   parked=live - decoding if acc.device.type != "cpu" else 0)
+            model, tok = muarl.load_model(cfg.agent, device=acc.device)
         check_max_context(tok, env, tasks, cfg.max_context, "eval.py")
         model.eval()
         user_sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
         sampling = RolloutConfig(temperature=max(cfg.temperature, 1e-5), greedy=cfg.temperature == 0,
                                   max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context,
-                                  max_turns=cfg.max_turns)
+                                  max_turns=cfg.max_turns, max_batch=cfg.rollout_batch,
+                                  park_device="cpu" if cfg.rollout_batch and acc.device.type != "cpu" else "")
         gen = torch.Generator(acc.device).manual_seed(cfg.seed * 1_000_003 + acc.process_index)
-        eps = rollout(model, tok, env, tasks[acc.process_index::acc.num_processes], cfg.trials, user_sim, sampling,
-                      gen)
+        eps = rollout(model, tok, env, mine, cfg.trials, user_sim, sampling, gen)
         episodes = [e.to_json() for e in eps]
     episodes = gather_object(episodes)
     if acc.is_main_process:

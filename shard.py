@@ -158,7 +158,8 @@ def optimizer_step(acc, model, opt, grad_clip: float) -> tuple[float, bool]:
 def configure_deepspeed(acc, *, micro_batch_size: int, grad_clip: float, program: str = "grpo.py") -> None:
     """Before acc.prepare under DeepSpeed: the engine clips at grad_clip, takes micro-batches of micro_batch_size,
     counts one micro-batch a step (the loop sets the accumulation boundary itself, and normalizes the loss over the
-    whole step) and reduces gradients in fp32. The config must not bring its own optimizer or scheduler: the loop builds AdamW and its warm-up."""
+    whole step) and reduces gradients in fp32. The config must not bring its own optimizer or scheduler: the loop
+    builds AdamW and its warm-up."""
     ds = getattr(acc.state, "deepspeed_plugin", None)
     if ds is None:
         return
@@ -288,8 +289,9 @@ def plain(t):
 
 def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf16: bool = False,
                     reference: bool = True, kv_bytes_per_token: int = 0, max_context: int = 0,
-                    episodes: int = 0, parked: int = 0, unit: int = 0) -> dict:
-    """Bytes per GPU, by what holds them, for a policy of n_params parameters trained with AdamW.
+                    episodes: int = 0, parked: int = 0, unit: int = 0, inference: bool = False) -> dict:
+    """Bytes per GPU, by what holds them, for a policy of n_params parameters trained with AdamW (or, with
+    `inference`, only evaluated, as eval.py does: its weights in the compute dtype and the KV cache, nothing else).
 
     sharded: FSDP2 or ZeRO-3 over `world` GPUs (else DDP: each GPU holds everything; ZeRO-3 under bf16 also keeps
     a bf16 partition, 2 bytes a parameter / N, and its reference in bf16, not counted apart). bf16: compute in bf16
@@ -320,6 +322,13 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
     """
     shards = world if sharded else 1
     compute = 2 if bf16 else 4
+    if inference:  # eval.py: each process loads the whole model in the compute dtype and decodes
+        kv, host_kv = kv_bytes_per_token * max_context * episodes, kv_bytes_per_token * max_context * parked
+        est = {"weights": n_params * compute, "kv_cache": kv, "host_kv_cache": host_kv,
+               "rollout_peak": n_params * compute + kv, "load_peak": n_params * compute,
+               "host_load": n_params * compute, "host_peak": max(n_params * compute, host_kv)}
+        est["peak"] = est["rollout_peak"]
+        return est
     grads = 2 if (not sharded and world > 1) else 1  # DDP keeps its reduction buckets beside param.grad
     est = {
         "weights": n_params * compute if (sharded or bf16) else 0,
@@ -390,14 +399,16 @@ def host_memory_bytes() -> int:
 
 
 def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bool, max_context: int,
-                 episodes: int, device, check: bool = True, program: str = "grpo.py", parked: int = 0) -> dict:
+                 episodes: int, device, check: bool = True, program: str = "grpo.py", parked: int = 0,
+                 inference: bool = False) -> dict:
     """Print memory_estimate for this run; on a CUDA device, SystemExit when its peak exceeds the device's memory,
     or when what all processes on this machine hold in host memory at once exceeds it (unless check is False),
     naming the options that change it."""
     shapes = meta_model(config)
     est = memory_estimate(sum(p.numel() for p in shapes.parameters()), world=world, sharded=sharded, bf16=bf16,
                           reference=reference, kv_bytes_per_token=kv_bytes_per_token(config, bf16),
-                          max_context=max_context, episodes=episodes, parked=parked, unit=largest_unit(shapes))
+                          max_context=max_context, episodes=episodes, parked=parked, unit=largest_unit(shapes),
+                          inference=inference)
     backend = f"sharded over {world}" if sharded else ("DDP" if world > 1 else "one process")
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"[{program.removesuffix('.py')}] estimated memory per GPU ({backend}): "
@@ -421,7 +432,7 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
             f"{gib(host)}. Run fewer processes per machine or a smaller model; --no-memory-check runs anyway.")
     have = torch.cuda.get_device_properties(device).total_memory
     if est["peak"] > have:
-        phase = max(("load", "rollout", "update"), key=lambda k: est[f"{k}_peak"])
+        phase = max(("load", "rollout", "update"), key=lambda k: est.get(f"{k}_peak", 0))
         raise SystemExit(
             f"{program}: the estimated {phase} peak of {gib(est['peak'])} per GPU exceeds this GPU's {gib(have)} "
             f"({backend}; the KV cache term, {gib(est['kv_cache'])}, assumes {episodes} decoding episodes per "

@@ -25,7 +25,7 @@ ALLOWED = {  # module -> the project modules it may import
     "muarl": {"envs", "cli"},
     "rollout": {"envs", "muarl"},
     "sft": {"envs", "cli", "muarl", "loss", "rollout", "shard", "checkpoints"},
-    "eval": {"envs", "cli", "muarl", "rollout"},
+    "eval": {"envs", "cli", "muarl", "rollout", "shard"},
     "shard": set(),
     "metrics": set(),
     "checkpoints": {"cli", "shard"},

@@ -419,6 +419,25 @@ def test_eval_main_writes_summary(tmp_path, ckpt):
     assert len((tmp_path / "ev" / "episodes.jsonl").read_text().splitlines()) == 6
 
 
+def test_eval_rollout_batch_and_memory_estimate(tmp_path, ckpt, capsys):
+    """eval.py decodes --rollout-batch episodes at a time (the same greedy episodes as all at once) and prints its
+    memory estimate, an inference one: weights and the decoding episodes' KV cache, no optimizer or reference."""
+    import shard
+
+    eps = {}
+    for batch in ("0", "2"):
+        evaluation.main(["--agent", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--num-tasks", "3", "--trials", "2",
+                         "--max-new-tokens", "8", "--rollout-batch", batch, "--out-dir", str(tmp_path / batch)])
+        eps[batch] = [json.loads(line)["messages"] for line in open(tmp_path / batch / "episodes.jsonl")]
+    assert eps["0"] == eps["2"]
+    out = capsys.readouterr().out
+    assert "[eval] estimated memory per GPU" in out and "kv_cache" in out and "optimizer" not in out
+    est = shard.memory_estimate(1000, bf16=True, kv_bytes_per_token=10, max_context=100, episodes=2, parked=3,
+                                inference=True)
+    assert est == {"weights": 2000, "kv_cache": 2000, "host_kv_cache": 3000, "rollout_peak": 4000, "load_peak": 2000,
+                   "host_load": 2000, "host_peak": 3000, "peak": 4000}
+
+
 def test_pretrain_tiny_stops_at_the_copy_target_and_is_cached(tmp_path, monkeypatch):
     import muarl
 
