@@ -1,0 +1,362 @@
+"""bench/gpu.py: one command that checks the GPU paths on one GPU, offline, and writes what it found.
+
+    ./run python bench/gpu.py --out gpu-report          # on a GPU machine (nothing is downloaded)
+    ./run python bench/gpu.py --cpu --out /tmp/report   # the same checks at toy size on the CPU (in the test suite)
+
+The models are built from configs, never downloaded: Qwen3's architecture at the 0.6B shape (28 layers, hidden 1024,
+16 heads, 8 KV heads) and at the 8B attention shape with 4 layers (hidden 4096, 32 heads, 8 KV heads), with the tiny
+tokenizer; on the CPU a 2-layer toy of the same architecture. Random weights, with the end-of-turn logit raised so
+that turns end (bench/rollout.py's `end_turns_sooner`). The environment is the shop domain with its scripted user.
+
+Checks, in order; each is PASS, FAIL or SKIP (with why) and its figures, in OUT/report.md (and OUT/report.json):
+  versions   torch, transformers, accelerate, the device, flash-attn, deepspeed
+  engine     the engine's greedy episodes equal reference_rollout's (ids and loss masks), fp32 sdpa, with max_batch
+             0 and 2 and with parking in host memory on and off (invariant 5, on this device)
+  flash      bf16: sdpa against flash-attn, greedy: where the tokens first differ, the sampler log-prob difference
+  kv_peak    peak GPU memory of a rollout at long contexts against shard.memory_estimate (weights + KV cache)
+  decode     the engine's decode tokens/s against a bare greedy loop over the same model and batch (a ratio)
+  train      2 SFT steps, then 2 GRPO steps (bf16 and gradient checkpointing on a GPU): kl 0 at step 1, a finite
+             gradient norm, no skipped update, logprob_gap ~0, the peak memory against the start-up estimate; then
+             --resume for one more step
+  fsdp2      the same GRPO steps under `accelerate launch` with FSDP2, one process (GPU)
+  zero3      the same with DeepSpeed ZeRO-3 where deepspeed imports (GPU)
+A failing check does not stop the others; the exit status is 1 when any failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+import muarl  # noqa: E402
+
+SHAPES = {  # name -> Qwen3Config overrides (vocabulary: the tiny tokenizer's)
+    "toy": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16),
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128),
+    "qwen3-8b-attn-4l": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=4, num_attention_heads=32,
+                             num_key_value_heads=8, head_dim=128),
+}
+
+
+def build(tok, shape: str, device, dtype=torch.float32, attn="sdpa", seed=0):
+    """A random Qwen3-architecture model of `shape` whose turns end after ~12 tokens."""
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = muarl.tiny_config(len(tok), arch="qwen3", pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
+                            eos_token_id=muarl.end_of_turn_id(tok), max_position_embeddings=40960, **SHAPES[shape])
+    cfg._attn_implementation = attn
+    model = Qwen3ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    return model
+
+
+def turns_end(model, tok, env, tasks):
+    """Raise the end-of-turn logit until sampled turns average ~12 tokens (bench/rollout.py's end_turns_sooner, loaded
+    from its file: the name `rollout` is the project's module)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_rollout", ROOT / "bench" / "rollout.py")
+    bench_rollout = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_rollout)
+    openings = [muarl.prompt_ids(tok, [{"role": "system", "content": env.system_prompt(t)},
+                                       {"role": "user", "content": env.scripted_user(t).opening()}], env.tools(t))
+                for t in tasks[:4]]
+    bench_rollout.end_turns_sooner(model, tok, [o[-200:] for o in openings], 12.0)
+
+
+class Padded:
+    """An environment whose system prompt is padded by `n` words: openings near a long context cap."""
+
+    def __init__(self, env, n: int):
+        self.env, self.n = env, n
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def system_prompt(self, task):
+        return self.env.system_prompt(task) + "\n" + " ".join(["note"] * self.n)
+
+
+class Report:
+    def __init__(self, out: Path):
+        self.out, self.rows = out, []
+
+    def run(self, name, fn, *args):
+        t0 = time.time()
+        try:
+            status, figures = fn(*args)
+        except Exception as e:  # a check that crashed is a FAIL with its error; the others still run
+            status, figures = "FAIL", {"error": f"{e.__class__.__name__}: {e}"[:600],
+                                       "trace": traceback.format_exc()[-1500:]}
+        figures["seconds"] = round(time.time() - t0, 1)
+        self.rows.append({"check": name, "status": status, **figures})
+        print(f"[gpu] {name}: {status} {json.dumps({k: v for k, v in figures.items() if k != 'trace'})[:400]}",
+              flush=True)
+        self.write()
+
+    def write(self):
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "report.json").write_text(json.dumps(self.rows, indent=2, default=str))
+        lines = ["# bench/gpu.py report", "", "| check | status | figures |", "|---|---|---|"]
+        for r in self.rows:
+            figs = "; ".join(f"{k} {v}" for k, v in r.items() if k not in ("check", "status", "trace"))
+            lines.append(f"| {r['check']} | {r['status']} | {figs.replace('|', '/')} |")
+        (self.out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+# ---- the checks ---------------------------------------------------------------------------------------------------
+def versions(device):
+    import accelerate
+    import transformers
+
+    figs = {"torch": torch.__version__, "transformers": transformers.__version__, "accelerate": accelerate.__version__,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    for pkg in ("flash_attn", "deepspeed"):
+        try:
+            figs[pkg] = __import__(pkg).__version__
+        except Exception as e:  # not installed, or a build that does not import
+            figs[pkg] = f"no ({e.__class__.__name__})"
+    return "PASS", figs
+
+
+def engine(model, tok, env, tasks, device):
+    """Greedy: the engine (batched, KV cache across turns) plays exactly the reference rollout's episodes."""
+    from rollout import RolloutConfig, make_user_sim, reference_rollout, rollout
+
+    base = RolloutConfig(greedy=True, max_new_tokens=24, max_turns=4, max_context=2048)
+    sim = make_user_sim("scripted")
+    ref = [reference_rollout(model, tok, env, t, sim, base) for t in tasks]
+    figs, ok = {"episodes": len(ref), "turns": sum(e.turns for e in ref)}, True
+    for name, cfg in (("all", base), ("max_batch 2", RolloutConfig(**{**base.__dict__, "max_batch": 2})),
+                      ("parked", RolloutConfig(**{**base.__dict__, "max_batch": 2, "park_device": "cpu"}))):
+        eps = rollout(model, tok, env, tasks, 1, sim, cfg)
+        same = sum(a.input_ids == b.input_ids and a.loss_mask == b.loss_mask for a, b in zip(eps, ref))
+        figs[name] = f"{same}/{len(ref)} equal"
+        ok &= same == len(ref)
+    return ("PASS" if ok else "FAIL"), figs
+
+
+def flash(tok, env, tasks, device, shape):
+    """bf16 greedy with sdpa and with flash-attn on the same weights: where they part, and the log-prob gap."""
+    if device.type != "cuda":
+        return "SKIP", {"why": "needs CUDA"}
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError as e:
+        return "SKIP", {"why": f"flash-attn does not import ({e})"}
+    from rollout import RolloutConfig, make_user_sim, rollout
+
+    cfg = RolloutConfig(greedy=True, max_new_tokens=64, max_turns=3, max_context=4096)
+    runs = {}
+    for attn in ("sdpa", "flash_attention_2"):
+        model = build(tok, shape, device, torch.bfloat16, attn)
+        turns_end(model, tok, env, tasks)
+        runs[attn] = rollout(model, tok, env, tasks, 1, make_user_sim("scripted"), cfg)
+        del model
+        torch.cuda.empty_cache()
+    first, gaps = [], []
+    for a, b in zip(runs["sdpa"], runs["flash_attention_2"]):
+        n = next((i for i, (x, y) in enumerate(zip(a.input_ids, b.input_ids)) if x != y), None)
+        first.append(n if n is not None else "none")
+        same = [i for i in range(min(len(a.logprobs), len(b.logprobs), n or 10**9)) if a.loss_mask[i]]
+        gaps += [abs(a.logprobs[i] - b.logprobs[i]) for i in same]
+    return "PASS", {"first_divergence": first, "logprob_gap_mean": sum(gaps) / max(1, len(gaps)),
+                    "logprob_gap_max": max(gaps, default=0.0)}
+
+
+def kv_peak(tok, env, tasks, device, shape, contexts):
+    """A rollout's peak GPU memory at long contexts against the estimate's weights + KV cache."""
+    if device.type != "cuda":
+        return "SKIP", {"why": "needs CUDA"}
+    import shard
+    from rollout import RolloutConfig, make_user_sim, rollout
+
+    model = build(tok, shape, device, torch.bfloat16)
+    turns_end(model, tok, env, tasks)
+    n_params = sum(p.numel() for p in model.parameters())
+    figs, ok = {}, True
+    for ctx in contexts:
+        # the system prompt padded so that every episode opens near the context cap: the KV cache's worst case
+        long_env = Padded(env, max(0, ctx - 1200))
+        cfg = RolloutConfig(greedy=True, max_new_tokens=64, max_turns=2, max_context=ctx)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        eps = rollout(model, tok, long_env, tasks, 1, make_user_sim("scripted"), cfg)
+        peak = torch.cuda.max_memory_allocated(device)
+        est = shard.memory_estimate(n_params, bf16=True, kv_bytes_per_token=shard.kv_bytes_per_token(model.config, True),
+                                    max_context=cfg.max_context, episodes=len(tasks), inference=True)
+        longest = max(len(e.input_ids) for e in eps)
+        figs[f"ctx {ctx}"] = (f"peak {shard.gib(peak)} vs estimate {shard.gib(est['rollout_peak'])} "
+                              f"(longest episode {longest} tokens)")
+        ok &= peak <= est["rollout_peak"] * 1.25
+    return ("PASS" if ok else "FAIL"), figs
+
+
+def decode(model, tok, env, tasks, device, batch, new_tokens):
+    """The engine's greedy decode speed against a bare loop (one forward per token, transformers' DynamicCache, no
+    stopping) over the same model, batch and number of new tokens: what the engine's bookkeeping costs."""
+    from transformers import DynamicCache
+
+    from rollout import RolloutConfig, make_user_sim, rollout
+
+    picked = (tasks * batch)[:batch]
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    cfg = RolloutConfig(greedy=True, max_new_tokens=new_tokens, max_turns=1, max_context=4096)
+    rollout(model, tok, env, picked[:2], 1, make_user_sim("scripted"), cfg)  # warm-up
+    sync()
+    t0 = time.time()
+    eps = rollout(model, tok, env, picked, 1, make_user_sim("scripted"), cfg)
+    sync()
+    t_engine, n_engine = time.time() - t0, sum(e.gen_tokens for e in eps)
+    prompt = [e.input_ids[:len(e.input_ids) - e.gen_tokens] for e in eps]
+    width = max(len(p) for p in prompt)
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompt], device=device)
+    attn = (torch.arange(width, device=device)[None] >= torch.tensor([width - len(p) for p in prompt],
+                                                                      device=device)[:, None]).long()
+    with torch.no_grad():
+        for rounds in (1, 2):  # the first is a warm-up
+            sync()
+            t0, cache, mask, x = time.time(), DynamicCache(), attn, ids
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            steps = max(1, n_engine // len(prompt))
+            for _ in range(steps):
+                out = model(input_ids=x, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+                x = out.logits[:, -1].argmax(-1, keepdim=True)
+                mask = torch.cat([mask, mask.new_ones(len(prompt), 1)], 1)
+                pos = pos[:, -1:] + 1
+            sync()
+            t_bare = time.time() - t0
+    n_bare = steps * len(prompt)
+    ratio = (n_engine / t_engine) / (n_bare / t_bare)
+    return "PASS", {"engine_tokens_per_s": round(n_engine / t_engine, 1), "bare_tokens_per_s": round(n_bare / t_bare, 1),
+                    "engine_over_bare": round(ratio, 3), "batch": len(prompt)}
+
+
+def train(model, tok, device, work: Path, bf16: bool):
+    """2 SFT steps, 2 GRPO steps, --resume for a third, on the saved model; the run's own checks and figures."""
+    import grpo
+    import shard
+    import sft
+
+    start = work / "start"
+    model.save_pretrained(start)
+    tok.save_pretrained(start)
+    common = ["--bf16"] if bf16 else []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    sft.main(["--model", str(start), "--env", "shop", "--num-tasks", "8", "--batch-size", "4", "--micro-batch-size",
+              "2", "--epochs", "1", "--gradient-checkpointing", "--out", str(work / "sft"), "--overwrite", *common])
+    run = work / "grpo"
+    # GRPO on a toy environment of the tests with one mixed group a step (rewards 1, 0 in turn): a real gradient
+    # from the built model, whose turns end (two SFT steps at the tiny model's lr undo that calibration)
+    args = ["--init-from", str(start), "--env", "tests.fake_env:HalfUniformEnv", "--steps", "2", "--tasks-per-step",
+            "2", "--group-size", "4", "--max-new-tokens", "48", "--max-turns", "4", "--max-context", "2048",
+            "--eval-tasks", "0", "--micro-batch-size", "2", "--gradient-checkpointing", "--save-every", "1",
+            "--out-dir", str(run), "--overwrite", "--temperature", "1.0", *common]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    grpo.main(args)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    grpo.main(["--resume", str(run), "--steps", "3"])
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    n = sum(p.numel() for p in model.parameters())
+    est = shard.memory_estimate(n, bf16=bf16, kv_bytes_per_token=shard.kv_bytes_per_token(model.config, bf16),
+                                max_context=2048, episodes=4)
+    checks = {"steps logged once": [r["step"] for r in rows] == [1, 2, 3],
+              "kl 0 at step 1": "kl" in rows[0] and abs(rows[0]["kl"]) < 1e-6,
+              "finite, non-zero grad norm": all(0 < r.get("grad_norm", float("nan")) < float("inf") for r in rows),
+              "no skipped update": all(r["skipped_updates"] == 0 for r in rows),
+              "logprob_gap small": all(r.get("logprob_gap", 0) < (2e-2 if bf16 else 1e-4) for r in rows)}
+    figs = {k: v for k, v in checks.items()}
+    figs.update(kl=[r.get("kl") for r in rows], grad_norm=[r.get("grad_norm") for r in rows],
+                logprob_gap=[r.get("logprob_gap") for r in rows])
+    if peak:
+        figs["peak"] = f"{shard.gib(peak)} vs estimate {shard.gib(est['peak'])} (activations not in the estimate)"
+    return ("PASS" if all(checks.values()) else "FAIL"), figs
+
+
+def launched(kind: str, work: Path, device):
+    """The GRPO steps under `accelerate launch` with FSDP2 or ZeRO-3 on one process (GPU)."""
+    if device.type != "cuda":
+        return "SKIP", {"why": "needs CUDA"}
+    if kind == "zero3":
+        try:
+            import deepspeed  # noqa: F401
+        except Exception as e:
+            return "SKIP", {"why": f"deepspeed does not import ({e.__class__.__name__})"}
+    config = work / f"{kind}.yaml"
+    if kind == "fsdp2":
+        config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nmixed_precision: bf16\n"
+                          "num_machines: 1\nnum_processes: 1\nmachine_rank: 0\nuse_cpu: false\nfsdp_config:\n"
+                          "  fsdp_version: 2\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+                          "  fsdp_transformer_layer_cls_to_wrap: Qwen3DecoderLayer\n"
+                          "  fsdp_reshard_after_forward: true\n  fsdp_state_dict_type: FULL_STATE_DICT\n"
+                          "  fsdp_cpu_ram_efficient_loading: false\n")
+    else:
+        config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nmixed_precision: bf16\n"
+                          "num_machines: 1\nnum_processes: 1\nmachine_rank: 0\nuse_cpu: false\ndeepspeed_config:\n"
+                          "  zero_stage: 3\n  zero3_init_flag: true\n  gradient_accumulation_steps: 1\n"
+                          "  offload_optimizer_device: none\n  offload_param_device: none\n")
+    run = work / f"grpo-{kind}"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(ROOT / "grpo.py"),
+           "--init-from", str(work / "start"), "--env", "tests.fake_env:HalfUniformEnv", "--steps", "2", "--tasks-per-step",
+           "2", "--group-size", "4", "--max-new-tokens", "48", "--max-turns", "4", "--max-context", "2048",
+           "--eval-tasks", "0", "--micro-batch-size", "2", "--bf16", "--gradient-checkpointing",
+           "--out-dir", str(run), "--overwrite"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if r.returncode:
+        return "FAIL", {"exit": r.returncode, "error": r.stderr[-1500:]}
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    ok = (len(rows) == 2 and "kl" in rows[0] and abs(rows[0]["kl"]) < 1e-6
+          and all(r["skipped_updates"] == 0 and 0 < r.get("grad_norm", 0) < float("inf") for r in rows))
+    return ("PASS" if ok else "FAIL"), {"kl": [r.get("kl") for r in rows], "grad_norm": [r.get("grad_norm") for r in rows],
+                                        "logprob_gap": [r.get("logprob_gap") for r in rows]}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu", action="store_true", help="the checks at toy size on the CPU (what the test suite runs)")
+    p.add_argument("--out", default="gpu-report", help="directory for report.md, report.json and the runs")
+    args = p.parse_args(argv)
+    from envs import make_env
+
+    device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
+    if not args.cpu and device.type != "cuda":
+        raise SystemExit("bench/gpu.py: no CUDA device here; --cpu runs the checks at toy size on the CPU")
+    out = Path(args.out)
+    report = Report(out)
+    tok = muarl.load_tokenizer("tiny")
+    env = make_env("shop")
+    tasks = env.tasks("train")[:4]
+    small = "toy" if args.cpu else "qwen3-0.6b"
+    model = build(tok, small, device)
+    turns_end(model, tok, env, tasks)
+    report.run("versions", versions, device)
+    report.run("engine", engine, model, tok, env, tasks, device)
+    report.run("flash", flash, tok, env, tasks, device, small)
+    report.run("kv_peak", kv_peak, tok, env, tasks[:2], device, "qwen3-8b-attn-4l", (8192, 16384, 32768))
+    report.run("decode", decode, model, tok, env, tasks, device, 4 if args.cpu else 16, 16 if args.cpu else 128)
+    report.run("train", train, model, tok, device, out / "work", device.type == "cuda")
+    report.run("fsdp2", launched, "fsdp2", out / "work", device)
+    report.run("zero3", launched, "zero3", out / "work", device)
+    failed = [r["check"] for r in report.rows if r["status"] == "FAIL"]
+    print(f"[gpu] report: {out / 'report.md'}; " + (f"FAILED: {', '.join(failed)}" if failed else "no check failed"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
