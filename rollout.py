@@ -282,7 +282,9 @@ def _stack_cache(model, rows: list[_Row], pending: list[list[int]], room: int, e
     axis (positions are explicit, per row, so padding costs no position):
         [0 .. 0 | parked cache (kv_len_i) | pending (P_i) | pad .. pad | `room` columns for sampled tokens]
     Zeros rather than garbage left of a parked cache (masked out, but 0 * NaN would poison attention). The pending
-    tokens are right-padded so that a pad slot always sees real tokens of its row (else a NaN query)."""
+    tokens are right-padded so that a pad slot always sees real tokens of its row (else a NaN query). Each row's
+    parked copy of a layer is released as soon as it is in the buffer, so that the parked copies and the buffers
+    are not both held whole: the peak is the buffers plus one layer of copies (the rows' kv is consumed)."""
     cfg = model.config.get_text_config(decoder=True)
     if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
         raise NotImplementedError("rollout's padded KV cache supports full-attention models only")
@@ -298,6 +300,7 @@ def _stack_cache(model, rows: list[_Row], pending: list[list[int]], room: int, e
             if lens[i]:
                 keys[i, :, L - lens[i]:L] = r.kv[layer][0]
                 values[i, :, L - lens[i]:L] = r.kv[layer][1]
+                r.kv[layer] = None  # in the buffer now: free the copy before the next layer's buffer is made
         layers.append(_BufferLayer(keys, values, L))
     ids = torch.full((B, W), eot, dtype=torch.long)
     mask = torch.zeros(B, L + W, dtype=torch.long)

@@ -484,3 +484,28 @@ def test_buffer_cache_keeps_rows_and_drops_padding():
     layer = _BufferLayer(keys.clone(), values.clone(), 7)
     layer.batch_select_indices(torch.tensor([4, 0, 2]))  # any order, not only _fill_holes'
     assert torch.equal(layer.keys, keys[[4, 0, 2]][:, :, :7])
+
+
+def test_stacking_releases_each_parked_layer_as_it_goes(tiny_lm, monkeypatch):
+    """The decode batch's buffers and the rows' parked copies are never both held whole (the first GPU review: a
+    peak of about twice the KV term of the estimate): each row's copy of a layer is freed once it is in the buffer,
+    so when the last layer's buffer is allocated only that layer's copies are still alive."""
+    import rollout as engine
+
+    cfg = tiny_lm.config
+    layers, heads, dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    rows = [engine._Row(None, None, None, kv=[(torch.randn(heads, n, dim), torch.randn(heads, n, dim))
+                                               for _ in range(layers)]) for n in (5, 9, 7)]
+    layer_bytes = sum(2 * heads * n * dim * 4 for n in (5, 9, 7))
+    alive, real_zeros = [], torch.zeros
+
+    def zeros(*args, **kwargs):  # each layer's buffer: record the parked copies still held at that moment
+        if len(args) == 4:
+            alive.append(sum(k.numel() * 4 + v.numel() * 4 for r in rows for lay in r.kv if lay is not None
+                             for k, v in [lay]))
+        return real_zeros(*args, **kwargs)
+
+    monkeypatch.setattr(engine.torch, "zeros", zeros)
+    engine._stack_cache(tiny_lm, rows, [[1], [2], [3]], 4, 0)
+    assert alive == [layer_bytes * (layers - i) for i in range(layers)]  # one layer fewer at each
+    assert all(lay is None for r in rows for lay in r.kv)
