@@ -185,3 +185,26 @@ def is_collective_timeout(e: BaseException) -> bool:
     text = str(e).lower()
     return isinstance(e, RuntimeError) and ("timed out" in text or "timeout" in text) and (
         "gloo" in text or "nccl" in text or "wait" in text or type(e).__name__ == "DistBackendError")
+
+
+class outside_zero3_init:
+    """Build or load a model as a plain one even where Accelerate has installed a DeepSpeed ZeRO-3 config, under which
+    transformers builds every model inside `deepspeed.zero.Init` (partitioned at once, its parameters reporting 0
+    elements): for the shapes-only model of the memory estimate, and for models that are only evaluated (eval.py,
+    an `hf` user simulator), which no engine ever gathers."""
+
+    def __enter__(self):
+        try:
+            from transformers.integrations import deepspeed as hf_ds
+        except ImportError:
+            self.hf_ds = None
+            return self
+        # transformers keeps the active config in a module-level weak reference; it has no public getter
+        self.hf_ds, self.saved = hf_ds, hf_ds._hf_deepspeed_config_weak_ref
+        hf_ds._hf_deepspeed_config_weak_ref = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.hf_ds is not None:
+            self.hf_ds._hf_deepspeed_config_weak_ref = self.saved
+        return False

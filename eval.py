@@ -327,7 +327,8 @@ def main(argv=None):
                                    max_context=cfg.max_context, episodes=decoding, device=acc.device,
                                    check=cfg.memory_check, program="eval.py", inference=True,
                                    parked=live - decoding if acc.device.type != "cpu" else 0)
-            model, tok = muarl.load_model(cfg.agent, device=acc.device)
+            with cli.outside_zero3_init():  # evaluated only: never partitioned under a ZeRO-3 config
+                model, tok = muarl.load_model(cfg.agent, device=acc.device)
         check_max_context(tok, env, tasks, cfg.max_context, "eval.py")
         model.eval()
         user_sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))

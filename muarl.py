@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 # The entry points' plumbing moved to cli.py; re-exported for code that used it from here.
-from cli import field_docs, main_print, make_accelerator, parse_config, write_json_atomic  # noqa: F401
+from cli import (field_docs, main_print, make_accelerator, outside_zero3_init, parse_config,  # noqa: F401
+                 write_json_atomic)
 
 CACHE_DIR = Path(os.environ.get("MUARL_CACHE", Path.home() / ".cache" / "muarl"))
 

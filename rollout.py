@@ -46,8 +46,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 from envs import STOP_TOOLS, next_turn, opening_messages, score
 from envs.users import (GREETING, DataUserSim, HFUserSim, OpenAIUserSim, ScriptedUserSim, UserSim,  # noqa: F401
                         UserSimError, said_something)
-from muarl import (Episode, delta_ids, load_model, main_print, parse_assistant, prompt_ids, stop_token_ids,
-                   template_kwargs)
+from muarl import (Episode, delta_ids, load_model, main_print, outside_zero3_init, parse_assistant, prompt_ids,
+                   stop_token_ids, template_kwargs)
 
 log = logging.getLogger("muarl.rollout")
 
@@ -552,7 +552,8 @@ def make_user_sim(name: str, **options) -> UserSim:
     if name == "hf":
         model, tok = options.pop("model", "smollm2-135m"), options.pop("tokenizer", None)
         if isinstance(model, str):
-            model, tok = load_model(model, device=options.pop("device", None))
+            with outside_zero3_init():  # evaluated only: never partitioned by a ZeRO-3 run's config
+                model, tok = load_model(model, device=options.pop("device", None))
         options = dict(model=model, tokenizer=tok, end_of_turn=stop_token_ids(model, tok),
                        template_kwargs=template_kwargs(tok), **options)
     return sims[name](**options) if name == "scripted" else DataUserSim(sims[name](**options))

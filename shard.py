@@ -364,10 +364,13 @@ def read_config(name: str):
 
 
 def meta_model(config):
-    """The causal LM a transformers config describes, on the meta device (shapes only, no memory used)."""
+    """The causal LM a transformers config describes, on the meta device (shapes only, no memory used), never
+    partitioned by an active ZeRO-3 config (its parameters would report 0 elements, and the estimate 0 bytes)."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
+    import cli
+
+    with cli.outside_zero3_init(), torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 
 

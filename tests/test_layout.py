@@ -26,7 +26,7 @@ ALLOWED = {  # module -> the project modules it may import
     "rollout": {"envs", "muarl"},
     "sft": {"envs", "cli", "muarl", "loss", "rollout", "shard", "checkpoints"},
     "eval": {"envs", "cli", "muarl", "rollout", "shard"},
-    "shard": set(),
+    "shard": {"cli"},
     "metrics": set(),
     "checkpoints": {"cli", "shard"},
     "grpo": {"envs", "cli", "muarl", "loss", "rollout", "sft", "eval", "shard", "checkpoints", "metrics"},

@@ -338,3 +338,21 @@ def test_deepspeed_rollout_with_unequal_steps_then_a_training_step(tmp_path, sta
     gloo aborts). grpo.train_on_episodes with the engine and a DeepSpeed reference then gives the one-process
     loss, clipped gradient norm and SGD update."""
     check_rollout_then_train(run_deepspeed("rollout", stage, tmp_path, 29551 + stage))
+
+
+def test_the_estimate_counts_parameters_under_an_active_zero3_config(tiny_lm):
+    """With Accelerate's DeepSpeed ZeRO-3 config installed, transformers builds models inside deepspeed.zero.Init:
+    the estimate's shapes-only model must not be partitioned (its parameters would report 0 elements), and the
+    config is active again afterwards."""
+    pytest.importorskip("deepspeed")
+    from transformers.integrations.deepspeed import (HfDeepSpeedConfig, is_deepspeed_zero3_enabled,
+                                                     unset_hf_deepspeed_config)
+
+    keep = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    try:
+        assert is_deepspeed_zero3_enabled()
+        assert shard.count_params(tiny_lm.config) == sum(p.numel() for p in tiny_lm.parameters())
+        assert is_deepspeed_zero3_enabled()
+    finally:
+        unset_hf_deepspeed_config()
+    del keep
