@@ -255,6 +255,10 @@ def full_weights(model, device):
     saved = []
     for m in modules:
         state = m._get_fsdp_state()
+        if not (hasattr(state, "_auto_reshard_after_forward") and hasattr(state, "_fsdp_param_groups")):
+            raise RuntimeError(f"shard.full_weights reads FSDP2 fields that torch {torch.__version__} does not have "
+                               "(_auto_reshard_after_forward, _fsdp_param_groups; written against torch 2.13): use "
+                               "that torch, or DDP / DeepSpeed ZeRO-3")
         saved.append((state, state._auto_reshard_after_forward,
                       [g.post_forward_mesh_info for g in state._fsdp_param_groups]))
     for m in modules:
