@@ -181,10 +181,11 @@ class option_errors:
 
 
 def is_collective_timeout(e: BaseException) -> bool:
-    """Whether an error is a collective that waited past the process group's timeout (gloo, NCCL)."""
+    """Whether an error is a collective that waited past the process group's timeout. gloo raises it in the process;
+    NCCL's watchdog aborts the process instead (its own message names the timeout), so this sees gloo's."""
     text = str(e).lower()
     return isinstance(e, RuntimeError) and ("timed out" in text or "timeout" in text) and (
-        "gloo" in text or "nccl" in text or "wait" in text or type(e).__name__ == "DistBackendError")
+        type(e).__name__ == "DistBackendError" or "gloo" in text or "nccl" in text or "processgroup" in text)
 
 
 class outside_zero3_init:
