@@ -328,7 +328,7 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
     micro = [order[i:i + cfg.micro_batch_size] for i in range(0, len(order), cfg.micro_batch_size)]
     micro += [[] for _ in range(shard.lockstep_count(acc, len(micro)) - len(micro))]  # empty ones keep step
     out = {"dropped_groups": int(dropped), "trained_tokens": int(tokens), "skipped_updates": 0}
-    stats = metrics.Accumulator()
+    stats, options = metrics.Accumulator(), loss_options(cfg)
     if not normalizer:  # no process has a token to train on (every group dropped): no update this step
         return {**out, **stats.reduce(acc)}
 
@@ -360,7 +360,7 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
                 if logp.dtype != torch.float32:  # e.g. an FSDP2 policy that casts outputs (cli.fsdp2_plugin)
                     raise RuntimeError(f"token_logprobs returned {logp.dtype}, not float32: the loss would be rounded")
                 loss, met = grpo_loss(logp, old[k] if old else logp.detach(), ref[k], a, mask, normalizer=normalizer,
-                                      max_len=cfg.max_context, **loss_options(cfg))
+                                      max_len=cfg.max_context, **options)
                 if ref[k] is None:
                     met.pop("kl")  # no reference, no KL: absent rather than a 0 that reads as a measurement
                 # DDP, FSDP2 and DeepSpeed average gradients over processes; the normalizer is already global, so

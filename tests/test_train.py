@@ -165,21 +165,26 @@ def test_unknown_option_fails(capsys):
     assert "--no-such-option" in capsys.readouterr().err
 
 
-def test_two_processes_end_with_identical_weights(tmp_path, ckpt):
-    """torchrun starts two CPU processes that the Accelerator joins over gloo; each rolls out one task."""
+def _torchrun(tmp_path, argv, prologue="", port=29519, timeout=600):
+    """grpo.main under torchrun on two CPU processes (the Accelerator joins them over gloo); `prologue` runs first in
+    each (e.g. to slow one down). Each process writes a hash of its final weights to OUT/weights-RANK.sha."""
     script = tmp_path / "dist.py"
     script.write_text(
-        "import os, sys, torch, hashlib\n"
-        f"sys.path.insert(0, {ROOT!r})\n"
-        "import grpo\n"
+        f"import os, sys, time, hashlib\nsys.path.insert(0, {ROOT!r})\n{prologue}\nimport grpo\n"
         "res = grpo.main(sys.argv[1:])\n"
         "h = hashlib.sha256(b''.join(v.detach().numpy().tobytes() for v in res.model.state_dict().values()))\n"
-        "open(sys.argv[sys.argv.index('--out-dir') + 1] + f'/weights-{os.environ[\"RANK\"]}.sha', 'w').write(h.hexdigest())\n")
+        "open(sys.argv[sys.argv.index('--out-dir') + 1] + f'/weights-{os.environ[\"RANK\"]}.sha', 'w')"
+        ".write(h.hexdigest())\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           str(script), *argv]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_two_processes_end_with_identical_weights(tmp_path, ckpt):
+    """torchrun starts two CPU processes that the Accelerator joins over gloo; each rolls out one task."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-           str(script), *grpo_args(ckpt, out)]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = _torchrun(tmp_path, grpo_args(ckpt, out), port=29517)
     assert r.returncode == 0, r.stderr[-3000:]
     h0, h1 = (out / "weights-0.sha").read_text(), (out / "weights-1.sha").read_text()
     assert h0 == h1
@@ -195,37 +200,15 @@ def test_two_processes_end_with_identical_weights(tmp_path, ckpt):
 def test_two_processes_drop_uniform_groups_in_step(tmp_path, ckpt):
     """--drop-uniform-groups under torchrun: one process's only group is uniform in every step, so it has nothing to
     train on; it still runs the micro-batches the other one runs (empty ones), and both end with the same weights."""
-    script = tmp_path / "dist.py"
-    script.write_text(
-        "import os, sys, torch, hashlib\n"
-        f"sys.path.insert(0, {ROOT!r})\n"
-        "import grpo\n"
-        "res = grpo.main(sys.argv[1:])\n"
-        "h = hashlib.sha256(b''.join(v.detach().numpy().tobytes() for v in res.model.state_dict().values()))\n"
-        "open(sys.argv[sys.argv.index('--out-dir') + 1] + f'/weights-{os.environ[\"RANK\"]}.sha', 'w').write(h.hexdigest())\n")
     out = tmp_path / "run"
     args = grpo_args(ckpt, out, "--drop-uniform-groups", "--steps", "3")
     args[args.index("tests.fake_env:FakeEnv")] = "tests.fake_env:HalfUniformEnv"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29518",
-           str(script), *args]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = _torchrun(tmp_path, args, port=29518)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (out / "weights-0.sha").read_text() == (out / "weights-1.sha").read_text()
     rows = metrics(out)
     assert all(r["dropped_groups"] >= 1 for r in rows)  # train-0's group, every step
     assert any(r["trained_tokens"] > 0 for r in rows)  # and train-1's trained
-
-
-def _torchrun(tmp_path, argv, prologue="", port=29519, timeout=600):
-    """grpo.main under torchrun on two CPU processes; `prologue` runs first in each (e.g. to slow one down)."""
-    script = tmp_path / "dist.py"
-    script.write_text(f"import os, sys, time\nsys.path.insert(0, {ROOT!r})\n{prologue}\nimport grpo\n"
-                      "grpo.main(sys.argv[1:])\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           str(script), *argv]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def test_a_process_that_waits_past_the_timeout_stops_naming_the_option(tmp_path, ckpt):
