@@ -326,7 +326,8 @@ def main(argv=None):
                 shard.check_memory(config, world=acc.num_processes, sharded=False, bf16=bf16, reference=False,
                                    max_context=cfg.max_context, episodes=decoding, device=acc.device,
                                    check=cfg.memory_check, program="eval.py", inference=True,
-                                   parked=live - decoding if acc.device.type != "cpu" else 0)
+                                   parked=live - decoding if acc.device.type != "cpu" else 0,
+                                   prefill_tokens=RolloutConfig.prefill_tokens)
             with cli.outside_zero3_init():  # evaluated only: never partitioned under a ZeRO-3 config
                 model, tok = muarl.load_model(cfg.agent, device=acc.device)
         check_max_context(tok, env, tasks, cfg.max_context, "eval.py")

@@ -455,13 +455,16 @@ def load_policy(run) -> None:
         muarl.check_local(start)
 
     def check_memory(config):
+        from rollout import RolloutConfig
+
         per_process = cfg.tasks_per_step // acc.num_processes * cfg.group_size
         live = max(per_process, -(-cfg.eval_tasks // acc.num_processes))
         decoding = min(live, cfg.rollout_batch or live)
         shard.check_memory(config, world=acc.num_processes, sharded=shard.shards_weights(acc),
                            bf16=cfg.bf16, reference=cfg.kl_coef > 0, max_context=cfg.max_context,
                            episodes=decoding, parked=live - decoding if acc.device.type != "cpu" else 0,
-                           device=acc.device, check=cfg.memory_check)
+                           device=acc.device, check=cfg.memory_check,
+                           prefill_tokens=RolloutConfig.prefill_tokens)
     config = shard.read_config(start)  # before loading, when the start names a config (directory, hub id)
     if config is not None:
         check_memory(config)

@@ -229,6 +229,18 @@ def shard_like(ref_model, policy, param_dtype=None) -> None:
     fully_shard(ref_model, mesh=mesh, mp_policy=mp)
 
 
+def _param_groups(state) -> list | None:
+    """An FSDP2 state's parameter groups (private): a list in torch 2.13, one optional group before; None when
+    neither field exists."""
+    groups = state.__dict__.get("_fsdp_param_groups")  # 2.13 also has a property _fsdp_param_group
+    if isinstance(groups, list):
+        return groups
+    if "_fsdp_param_group" in state.__dict__:
+        group = state.__dict__["_fsdp_param_group"]
+        return [] if group is None else [group]
+    return None
+
+
 @contextlib.contextmanager
 def full_weights(model, device):
     """Inside: every parameter of a sharded `model` (FSDP2, ZeRO-3) is whole on this process and stays so through
@@ -251,25 +263,29 @@ def full_weights(model, device):
     with torch.no_grad():
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
     # Each module's reshard-after-forward setting, restored exactly afterwards: the root's is specially off
-    # (FSDP2's default) and accelerate may set the others either way. torch has no getter, hence the private fields.
+    # (FSDP2's default) and accelerate may set the others either way. torch has no getter, hence the private fields:
+    # each param group's post_forward_mesh_info (torch 2.13 keeps a list of groups, earlier torch one group, as
+    # _fsdp_param_group) and, where it exists, the state's _auto_reshard_after_forward (torch 2.13).
     saved = []
     for m in modules:
         state = m._get_fsdp_state()
-        if not (hasattr(state, "_auto_reshard_after_forward") and hasattr(state, "_fsdp_param_groups")):
+        groups = _param_groups(state)
+        if groups is None:
             raise RuntimeError(f"shard.full_weights reads FSDP2 fields that torch {torch.__version__} does not have "
-                               "(_auto_reshard_after_forward, _fsdp_param_groups; written against torch 2.13): use "
-                               "that torch, or DDP / DeepSpeed ZeRO-3")
-        saved.append((state, state._auto_reshard_after_forward,
-                      [g.post_forward_mesh_info for g in state._fsdp_param_groups]))
+                               "(_fsdp_param_groups or _fsdp_param_group; seen in torch 2.11 and 2.13): use one of "
+                               "those, or DDP / DeepSpeed ZeRO-3")
+        saved.append((state, getattr(state, "_auto_reshard_after_forward", None), groups,
+                      [g.post_forward_mesh_info for g in groups]))
     for m in modules:
         m.unshard()
         m.set_reshard_after_forward(False, recurse=False)
     try:
         yield
     finally:
-        for state, auto, infos in saved:
-            state._auto_reshard_after_forward = auto
-            for group, info in zip(state._fsdp_param_groups, infos):
+        for state, auto, groups, infos in saved:
+            if hasattr(state, "_auto_reshard_after_forward"):
+                state._auto_reshard_after_forward = auto
+            for group, info in zip(groups, infos):
                 group.post_forward_mesh_info = info
         for m in modules:
             m.reshard()
@@ -293,7 +309,8 @@ def plain(t):
 
 def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf16: bool = False,
                     reference: bool = True, kv_bytes_per_token: int = 0, max_context: int = 0,
-                    episodes: int = 0, parked: int = 0, unit: int = 0, inference: bool = False) -> dict:
+                    episodes: int = 0, parked: int = 0, unit: int = 0, inference: bool = False,
+                    prefill: int = 0) -> dict:
     """Bytes per GPU, by what holds them, for a policy of n_params parameters trained with AdamW (or, with
     `inference`, only evaluated, as eval.py does: its weights in the compute dtype and the KV cache, nothing else).
 
@@ -303,6 +320,7 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
     episodes: episodes one process decodes at once in a rollout (each holds its KV cache across turns).
     parked: episodes one process keeps waiting in host memory (--rollout-batch below its episodes, on a GPU).
     unit: parameters of the largest piece sharding moves onto the GPU whole (largest_unit).
+    prefill: activation bytes of one prefill forward (prefill_bytes), held during the rollout beside its KV cache.
 
       weights         the full weights in the compute dtype, as the forward uses them: FSDP2 gathers them for the
                       rollout; DDP keeps them (in fp32 these are the master weights themselves, counted there;
@@ -315,10 +333,11 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
       reference       the frozen reference, fp32 like the policy's master weights (grpo.load_reference: the same
                       precision path, so kl is 0 until the policy moves) (/ N under FSDP2); 0 without a KL term
       kv_cache        kv_bytes_per_token x max_context x episodes: the worst case, every episode at the context cap
+      prefill         one prefill forward's activations (the rollout prefills in chunks of prefill_tokens)
       host_kv_cache   the same for the parked episodes, in host memory (not GPU memory: not in the peaks)
       host_load       host memory while loading: one full fp32 model per process (the policy, then the reference)
       host_peak       the larger of host_load and host_kv_cache (they are not held at the same time)
-    The rollout holds weights + master_weights + optimizer + reference + kv_cache; the update holds master_weights +
+    The rollout holds weights + master_weights + optimizer + reference + kv_cache + prefill; the update holds master_weights +
     gradients + optimizer + reference (+ weights under DDP); loading holds, under DDP, the whole fp32 policy (and its
     reduction buckets) and then the reference; under FSDP2 (load_device: loaded in host memory, then sharded) the
     shards of both plus one unit whole; `peak` is the largest. The optimizer's moments appear at the first update.
@@ -328,8 +347,8 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
     compute = 2 if bf16 else 4
     if inference:  # eval.py: each process loads the whole model in the compute dtype and decodes
         kv, host_kv = kv_bytes_per_token * max_context * episodes, kv_bytes_per_token * max_context * parked
-        est = {"weights": n_params * compute, "kv_cache": kv, "host_kv_cache": host_kv,
-               "rollout_peak": n_params * compute + kv, "load_peak": n_params * compute,
+        est = {"weights": n_params * compute, "kv_cache": kv, "prefill": prefill, "host_kv_cache": host_kv,
+               "rollout_peak": n_params * compute + kv + prefill, "load_peak": n_params * compute,
                "host_load": n_params * compute, "host_peak": max(n_params * compute, host_kv)}
         est["peak"] = est["rollout_peak"]
         return est
@@ -341,11 +360,12 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
         "optimizer": n_params * 8 // shards,
         "reference": n_params * 4 // shards if reference else 0,
         "kv_cache": kv_bytes_per_token * max_context * episodes,
+        "prefill": prefill,
         "host_kv_cache": kv_bytes_per_token * max_context * parked,
     }
     held = est["master_weights"] + est["optimizer"] + est["reference"]
     held += n_params * 4 if grads == 2 else 0  # DDP allocates its reduction buckets at wrap time and keeps them
-    est["rollout_peak"] = held + est["weights"] + est["kv_cache"]
+    est["rollout_peak"] = held + est["weights"] + est["kv_cache"] + prefill
     est["update_peak"] = held + est["gradients"] // grads + (0 if sharded else est["weights"])
     if sharded:
         est["load_peak"] = (n_params * 4 // shards) * (2 if reference else 1) + unit * 4
@@ -407,7 +427,7 @@ def host_memory_bytes() -> int:
 
 def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bool, max_context: int,
                  episodes: int, device, check: bool = True, program: str = "grpo.py", parked: int = 0,
-                 inference: bool = False) -> dict:
+                 inference: bool = False, prefill_tokens: int = 0) -> dict:
     """Print memory_estimate for this run; on a CUDA device, SystemExit when its peak exceeds the device's memory,
     or when what all processes on this machine hold in host memory at once exceeds it (unless check is False),
     naming the options that change it."""
@@ -415,7 +435,9 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
     est = memory_estimate(sum(p.numel() for p in shapes.parameters()), world=world, sharded=sharded, bf16=bf16,
                           reference=reference, kv_bytes_per_token=kv_bytes_per_token(config, bf16),
                           max_context=max_context, episodes=episodes, parked=parked, unit=largest_unit(shapes),
-                          inference=inference)
+                          inference=inference,
+                          prefill=prefill_bytes(config, bf16, min(prefill_tokens or max_context * episodes,
+                                                                  max_context * episodes), max_context))
     backend = f"sharded over {world}" if sharded else ("DDP" if world > 1 else "one process")
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"[{program.removesuffix('.py')}] estimated memory per GPU ({backend}): "
@@ -455,6 +477,17 @@ def kv_bytes_per_token(config, bf16: bool) -> int:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return 2 * cfg.num_hidden_layers * kv_heads * head_dim * (2 if bf16 else 4)
+
+
+def prefill_bytes(config, bf16: bool, tokens: int, context: int) -> int:
+    """Activations of one prefill forward of `tokens` tokens (rollout's prefill_tokens, rows x columns) whose keys
+    reach `context` positions: per token the MLP's three intermediates and ~4 hidden-size tensors in the compute
+    dtype, and the attention mask over the keys (a boolean and its additive form). An approximation from the model's
+    shape, compared with what an H100 measured in bench/gpu.py's kv_peak check (bench/README.md)."""
+    cfg = config.get_text_config(decoder=True)
+    compute = 2 if bf16 else 4
+    inter = getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
+    return tokens * (4 * cfg.hidden_size + 3 * inter) * compute + tokens * context * (1 + compute)
 
 
 def gib(n: int) -> str:

@@ -13,7 +13,8 @@ environment is the shop domain with its scripted user. Only report.md and report
 Checks, in order; each is PASS, FAIL or SKIP (with why) and its figures, in OUT/report.md (and OUT/report.json):
   versions   torch, transformers, accelerate, the device, flash-attn, deepspeed
   engine     the engine's greedy episodes equal reference_rollout's (ids and loss masks), fp32 sdpa, with max_batch
-             0 and 2 and with parking in host memory on and off (invariant 5, on this device)
+             0 and 2, with parking in host memory on and off, and with the prefill in chunks (invariant 5, on this
+             device)
   flash      bf16: sdpa against flash-attn, greedy: where the tokens first differ, the sampler log-prob difference
   kv_peak    peak GPU memory of a rollout at long contexts against shard.memory_estimate (weights + KV cache)
   decode     the engine's decode tokens/s against a bare greedy loop over the same model and batch (a ratio)
@@ -109,6 +110,9 @@ def sampled_turns_end(model, tok, env, tasks) -> None:
     bench_rollout.end_turns_sooner(model, tok, [o[-200:] for o in openings(tok, env, tasks[:4])], 12.0)
 
 
+CHECKS = ("versions", "engine", "flash", "kv_peak", "decode", "train", "fsdp2", "zero3")
+
+
 class Padded:
     """An environment whose system prompt is padded by `n` words: openings near a long context cap."""
 
@@ -173,7 +177,8 @@ def engine(model, tok, env, tasks, device):
     ref = [reference_rollout(model, tok, env, t, sim, base) for t in tasks]
     figs, ok = {"episodes": len(ref), "turns": sum(e.turns for e in ref)}, True
     for name, cfg in (("all", base), ("max_batch 2", RolloutConfig(**{**base.__dict__, "max_batch": 2})),
-                      ("parked", RolloutConfig(**{**base.__dict__, "max_batch": 2, "park_device": "cpu"}))):
+                      ("parked", RolloutConfig(**{**base.__dict__, "max_batch": 2, "park_device": "cpu"})),
+                      ("prefill chunks", RolloutConfig(**{**base.__dict__, "prefill_tokens": 256}))):
         eps = rollout(model, tok, env, tasks, 1, sim, cfg)
         same = sum(a.input_ids == b.input_ids and a.loss_mask == b.loss_mask for a, b in zip(eps, ref))
         figs[name] = f"{same}/{len(ref)} equal"
@@ -230,11 +235,13 @@ def kv_peak(tok, env, tasks, device, shape, contexts):
         torch.cuda.reset_peak_memory_stats(device)
         eps = rollout(model, tok, long_env, tasks, 1, make_user_sim("scripted"), cfg)
         peak = torch.cuda.max_memory_allocated(device)
+        prefill = shard.prefill_bytes(model.config, True, min(cfg.prefill_tokens, ctx * len(tasks)), ctx)
         est = shard.memory_estimate(n_params, bf16=True, kv_bytes_per_token=shard.kv_bytes_per_token(model.config, True),
-                                    max_context=cfg.max_context, episodes=len(tasks), inference=True)
+                                    max_context=cfg.max_context, episodes=len(tasks), inference=True, prefill=prefill)
         decoded &= all(e.gen_tokens > 0 for e in eps)
-        figs[f"ctx {ctx}"] = (f"peak {shard.gib(peak)}, estimate {shard.gib(est['rollout_peak'])} (weights + KV, no "
-                              f"activations), ratio {peak / est['rollout_peak']:.2f}; longest episode "
+        figs[f"ctx {ctx}"] = (f"peak {shard.gib(peak)}, estimate {shard.gib(est['rollout_peak'])} (weights + KV + a prefill chunk, no other "
+                              f"activations beyond one prefill chunk's), ratio {peak / est['rollout_peak']:.2f}; of "
+                              f"which prefill {shard.gib(prefill)}; longest episode "
                               f"{max(len(e.input_ids) for e in eps)} tokens, {sum(e.gen_tokens for e in eps)} sampled")
     # PASS when every episode decoded at every context; the ratio is the finding (the estimate counts no prefill
     # activations, which a 32k prefill holds: a ratio well above 1 says memory_estimate needs that term)
@@ -285,19 +292,25 @@ def decode(model, tok, env, tasks, device, batch, new_tokens):
                     "engine_over_bare": round(ratio, 3), "batch": len(prompt)}
 
 
-def train(model, tok, env, tasks, device, work: Path, bf16: bool):
-    """2 SFT steps, 2 GRPO steps, --resume for a third, on the saved model; the run's own checks and figures."""
+def save_start(model, tok, env, tasks, work: Path) -> Path:
+    """The runs' starting checkpoint: a CPU copy of `model` (kept out of the GPU's peak) whose sampled turns end."""
     import copy
 
+    start = work / "start"
+    model = copy.deepcopy(model).to("cpu")
+    sampled_turns_end(model, tok, env, tasks)
+    model.save_pretrained(start)
+    tok.save_pretrained(start)
+    return start
+
+
+def train(model, tok, env, tasks, device, work: Path, bf16: bool):
+    """2 SFT steps, 2 GRPO steps, --resume for a third, on the saved model; the run's own checks and figures."""
     import grpo
     import shard
     import sft
 
-    start = work / "start"
-    model = copy.deepcopy(model).to("cpu")  # this script's own copy is not the run's: kept out of the GPU's peak
-    sampled_turns_end(model, tok, env, tasks)
-    model.save_pretrained(start)
-    tok.save_pretrained(start)
+    start = save_start(model, tok, env, tasks, work)
     common = ["--bf16"] if bf16 else []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -333,7 +346,7 @@ def train(model, tok, env, tasks, device, work: Path, bf16: bool):
     return ("PASS" if all(checks.values()) else "FAIL"), figs
 
 
-def launched(kind: str, work: Path, device):
+def launched(kind: str, work: Path, out: Path, device):
     """The GRPO steps under `accelerate launch` with FSDP2 or ZeRO-3 on one process (GPU)."""
     if device.type != "cuda":
         return "SKIP", {"why": "needs CUDA"}
@@ -362,8 +375,12 @@ def launched(kind: str, work: Path, device):
            "--eval-tasks", "0", "--micro-batch-size", "2", "--bf16", "--gradient-checkpointing",
            "--out-dir", str(run), "--overwrite"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    if r.returncode:
-        return "FAIL", {"exit": r.returncode, "error": r.stderr[-1500:]}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{kind}.log").write_text(r.stdout + "\n---- stderr ----\n" + r.stderr)
+    if r.returncode:  # the launched process's own traceback comes before the launcher's (ChildFailedError)
+        first = r.stderr.find("Traceback")
+        return "FAIL", {"exit": r.returncode, "log": str(out / f"{kind}.log"),
+                        "error": r.stderr[first:first + 3000] if first >= 0 else r.stderr[-3000:]}
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     ok = (len(rows) == 2 and "kl" in rows[0] and abs(rows[0]["kl"]) < 1e-6
           and all(r["skipped_updates"] == 0 and 0 < r.get("grad_norm", 0) < float("inf") for r in rows))
@@ -376,7 +393,11 @@ def main(argv=None):
     p.add_argument("--cpu", action="store_true", help="the checks at toy size on the CPU (what the test suite runs)")
     p.add_argument("--out", default="gpu-report", help="directory for report.md and report.json")
     p.add_argument("--work", default="", help="directory for the models and runs (default: a temporary one)")
+    p.add_argument("--only", default="", help=f"comma-separated checks to run (default: all of {', '.join(CHECKS)})")
     args = p.parse_args(argv)
+    only = [c for c in args.only.split(",") if c] or list(CHECKS)
+    if set(only) - set(CHECKS):
+        p.error(f"--only: unknown check(s) {sorted(set(only) - set(CHECKS))}; the checks are {', '.join(CHECKS)}")
     from envs import make_env
 
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
@@ -393,14 +414,19 @@ def main(argv=None):
     small = "toy" if args.cpu else "qwen3-0.6b"
     model = build(tok, small, device)
     greedy_turns_end(model, tok, env, tasks)
-    report.run("versions", versions, device)
-    report.run("engine", engine, model, tok, env, tasks, device)
-    report.run("flash", flash, tok, env, tasks, device, small)
-    report.run("kv_peak", kv_peak, tok, env, tasks[:2], device, "qwen3-8b-attn-4l", (8192, 16384, 32768))
-    report.run("decode", decode, model, tok, env, tasks, device, 4 if args.cpu else 16, 16 if args.cpu else 128)
-    report.run("train", train, model, tok, env, tasks, device, work, device.type == "cuda")
-    report.run("fsdp2", launched, "fsdp2", work, device)
-    report.run("zero3", launched, "zero3", work, device)
+    checks = {"versions": (versions, device),
+              "engine": (engine, model, tok, env, tasks, device),
+              "flash": (flash, tok, env, tasks, device, small),
+              "kv_peak": (kv_peak, tok, env, tasks[:2], device, "qwen3-8b-attn-4l", (8192, 16384, 32768)),
+              "decode": (decode, model, tok, env, tasks, device, 4 if args.cpu else 16, 16 if args.cpu else 128),
+              "train": (train, model, tok, env, tasks, device, work, device.type == "cuda"),
+              "fsdp2": (launched, "fsdp2", work, out, device),
+              "zero3": (launched, "zero3", work, out, device)}
+    assert list(checks) == list(CHECKS)
+    if "train" not in only and {"fsdp2", "zero3"} & set(only) and device.type == "cuda":
+        save_start(model, tok, env, tasks, work)  # the launched runs start from the checkpoint train saves
+    for name in only:
+        report.run(name, *checks[name])
     failed = [r["check"] for r in report.rows if r["status"] == "FAIL"]
     print(f"[gpu] report: {out / 'report.md'}; " + (f"FAILED: {', '.join(failed)}" if failed else "no check failed"))
     return 1 if failed else 0

@@ -149,11 +149,13 @@ def test_engine_plays_the_reference_episodes(lm, tiny_tok):
     at a time, re-encoding each turn), and the same sampler logprobs up to float error. `lm`'s logits are far
     enough from ties that greedy choices do not flip between the two numerically different paths. The max_batch
     configuration parks waiting episodes' caches with park_device='cpu', as grpo.py does on a GPU; on this CPU that
-    move is a no-op, so what it checks here is the plumbing, not the host-device copies."""
+    move is a no-op, so what it checks here is the plumbing, not the host-device copies. The last configuration
+    prefills in chunks of 37 columns (prefill_tokens 150 over 4 rows), so every opening takes several forwards."""
     env, endings = FakeEnv(n_tasks=4), set()
     for cfg in (GREEDY, RolloutConfig(greedy=True, max_new_tokens=30, max_turns=3, max_context=720, max_batch=3,
                                       park_device="cpu"),
-                RolloutConfig(greedy=True, max_new_tokens=64, max_turns=8, max_context=700)):
+                RolloutConfig(greedy=True, max_new_tokens=64, max_turns=8, max_context=700),
+                RolloutConfig(greedy=True, max_new_tokens=64, max_turns=8, prefill_tokens=150)):  # 37-column chunks
         fast = rollout(lm, tiny_tok, env, env.tasks(), 1, make_user_sim("scripted"), cfg)
         slow = [reference_rollout(lm, tiny_tok, env, t, make_user_sim("scripted"), cfg) for t in env.tasks()]
         for a, b in zip(fast, slow):
