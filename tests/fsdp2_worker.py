@@ -48,9 +48,20 @@ def perturbed(model, seed=1, scale=0.02):
     return ref
 
 
-def fsdp2(model, mesh):
+def fsdp2(model, mesh, layout="accelerate"):
+    """Shard `model` as Accelerate's FSDP2 does (1.15, fsdp2_prepare_model; layout "accelerate": each decoder layer,
+    the input embedding its own unit unless tied, the tail [final norm, (tied embedding,) output layer] one unit
+    that stays gathered after its forward, then the root), or by the plain recipe (layout "layers": each decoder
+    layer, then the root, which then holds the norm and the output layer)."""
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
+    if layout == "accelerate":
+        emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+        tied = emb.weight is head.weight
+        if not tied:
+            fully_shard(emb, mesh=mesh)
+        fully_shard([model.model.norm, emb, head] if tied else [model.model.norm, head], mesh=mesh,
+                    reshard_after_forward=False)
     fully_shard(model, mesh=mesh)
     return model
 
@@ -89,7 +100,7 @@ def one_process_backward(plain, plain_ref, ids, attn, mask, adv, old, N):
     return ref_lp
 
 
-def grads(acc, mesh, tok, tied):
+def grads(acc, mesh, tok, tied, layout):
     """The GRPO loss's gradients, FSDP2 over 2 processes (each half the rows, two micro-batches, the loss times the
     number of processes and one global normalizer, as grpo.train_on_episodes) vs one process on all rows; twice,
     with an optimizer step between."""
@@ -97,7 +108,7 @@ def grads(acc, mesh, tok, tied):
     policy = tiny_model(tok, tied)
     ref = perturbed(policy)
     plain, plain_ref = copy.deepcopy(policy), copy.deepcopy(ref)
-    fsdp2(policy, mesh)
+    fsdp2(policy, mesh, layout)
     shard.shard_like(ref, policy)
     ids, attn, mask, adv, old, N = grad_batch(tok, world, plain)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0) for m in (plain, policy)]
@@ -195,7 +206,8 @@ def main():
     mesh = init_device_mesh("cpu", (acc.num_processes,))
     tok = muarl.tiny_tokenizer(TEST_CORPUS, vocab_size=512, split_digits=False)
     if mode == "grads":
-        result = {f"tied={t}": grads(acc, mesh, tok, t) for t in (True, False)}
+        result = {f"tied={t} {layout}": grads(acc, mesh, tok, t, layout) for t in (True, False)
+                  for layout in ("layers", "accelerate")}
     else:
         result = rollout_then_train(acc, mesh, tok)
     finish(acc, out_path, result)

@@ -46,9 +46,11 @@ def run_worker(mode, tmp_path, port, worker="fsdp2_worker.py", args=(), env=None
 def test_fsdp2_gradients_equal_one_process(tmp_path):
     """GRPO loss over token_logprobs (run inside the sharded forward) with a sharded reference: the gradients and
     their norm over 2 processes x 2 micro-batches equal one process's on all rows, tied and untied output layer,
-    before and after an AdamW step."""
+    sharded by the plain recipe and as Accelerate's FSDP2 does (the output layer in a unit of its own, whose forward
+    never runs: the chunked head reads its weight), before and after an AdamW step."""
     res = run_worker("grads", tmp_path, 29541)
-    for layout in ("tied=True", "tied=False"):
+    assert len(res) == 4
+    for layout in res:  # tied and untied output layer; the plain layout and Accelerate's (fsdp2_worker.fsdp2)
         for it in ("iter0", "iter1"):
             r = res[layout][it]
             assert r["grads_are_dtensors"], layout  # really sharded
@@ -320,7 +322,8 @@ def test_deepspeed_gradients_equal_one_process(tmp_path, stage):
     shard.expose_head. Not covered: Accelerate's own DeepSpeed branch (acc.prepare ignores DeepSpeed when cpu=True),
     bf16, CUDA/NCCL."""
     res = run_deepspeed("grads", stage, tmp_path, 29545 + stage)
-    for layout in ("tied=True", "tied=False"):
+    assert len(res) == 4
+    for layout in res:  # tied and untied output layer; the plain layout and Accelerate's (fsdp2_worker.fsdp2)
         assert res[layout]["head_is_partitioned"] == (stage == 3)
         for it in ("iter0", "iter1"):
             r = res[layout][it]
