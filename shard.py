@@ -333,15 +333,17 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
       reference       the frozen reference, fp32 like the policy's master weights (grpo.load_reference: the same
                       precision path, so kl is 0 until the policy moves) (/ N under FSDP2); 0 without a KL term
       kv_cache        kv_bytes_per_token x max_context x episodes: the worst case, every episode at the context cap
-      prefill         one prefill forward's activations (the rollout prefills in chunks of prefill_tokens)
       host_kv_cache   the same for the parked episodes, in host memory (not GPU memory: not in the peaks)
+      prefill         one prefill forward's activations (the rollout prefills in chunks of prefill_tokens)
       host_load       host memory while loading: one full fp32 model per process (the policy, then the reference)
       host_peak       the larger of host_load and host_kv_cache (they are not held at the same time)
-    The rollout holds weights + master_weights + optimizer + reference + kv_cache + prefill; the update holds master_weights +
-    gradients + optimizer + reference (+ weights under DDP); loading holds, under DDP, the whole fp32 policy (and its
-    reduction buckets) and then the reference; under FSDP2 (load_device: loaded in host memory, then sharded) the
-    shards of both plus one unit whole; `peak` is the largest. The optimizer's moments appear at the first update.
-    Activations, logits chunks and the allocator's slack are not counted: leave room for them.
+    The rollout holds weights + master_weights + optimizer + reference + kv_cache + prefill; the update holds
+    master_weights + gradients + optimizer + reference (+ weights under DDP); loading holds, under DDP, the whole
+    fp32 policy (and its reduction buckets) and then the reference; under FSDP2 (load_device: loaded in host memory,
+    then sharded) the shards of both plus one unit whole; `peak` is the largest. The optimizer's moments appear at
+    the first update.
+    Other activations, logits chunks and the allocator's slack are not counted: leave room for them (on an H100 a
+    rollout peaked at ~1.5x weights + kv_cache + prefill; bench/README.md).
     """
     shards = world if sharded else 1
     compute = 2 if bf16 else 4

@@ -184,6 +184,32 @@ def test_memory_estimate_worked_example():
     assert (one["weights"], one["master_weights"], one["gradients"], one["reference"]) == (0, 40, 40, 0)
 
 
+def test_prefill_activations_are_in_the_rollout_peak(tiny_lm):
+    """One prefill chunk's activations (shard.prefill_bytes: the MLP's intermediates, ~4 hidden-size tensors, the
+    attention mask over the keys) are held beside the KV cache: the rollout peak counts them, training or not."""
+    cfg = tiny_lm.config
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    assert shard.prefill_bytes(cfg, bf16=True, tokens=100, context=1000) == 100 * (4 * h + 3 * i) * 2 + 100 * 1000 * 3
+    for inference in (False, True):
+        a = shard.memory_estimate(10**6, kv_bytes_per_token=64, max_context=1000, episodes=2, inference=inference)
+        b = shard.memory_estimate(10**6, kv_bytes_per_token=64, max_context=1000, episodes=2, inference=inference,
+                                  prefill=12345)
+        assert b["prefill"] == 12345 and b["rollout_peak"] == a["rollout_peak"] + 12345
+
+
+def test_full_weights_reads_the_fsdp2_fields_of_torch_2_11_and_2_13():
+    """shard.full_weights restores each FSDP2 param group's post-forward setting; torch 2.13 keeps the groups in a
+    list (_fsdp_param_groups), torch 2.11 one optional group (_fsdp_param_group): the first GPU run (torch 2.11)
+    stopped on a check written for 2.13 only."""
+    from types import SimpleNamespace
+
+    g = SimpleNamespace(post_forward_mesh_info=None)
+    assert shard._param_groups(SimpleNamespace(_fsdp_param_groups=[g])) == [g]
+    assert shard._param_groups(SimpleNamespace(_fsdp_param_group=g)) == [g]
+    assert shard._param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
+    assert shard._param_groups(SimpleNamespace()) is None
+
+
 def test_kv_bytes_per_token_from_config(tiny_lm):
     cfg = tiny_lm.config  # 2 layers, 2 kv heads, head_dim 16
     assert shard.kv_bytes_per_token(cfg, bf16=False) == 2 * 2 * 2 * 16 * 4
