@@ -393,7 +393,9 @@ def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, stops: list[int],
     while True:
         tok, lp = _sample(lm_head(fwd(cache, tok, mask, pos)[:, -1]).float(), cfg, generator)
         done = []
-        for j, (t, l) in enumerate(zip(tok.tolist(), lp.tolist())):
+        # one device-to-host copy a step (token ids are exact in float32): the loop's only per-step host sync
+        drawn, logps = torch.stack([tok.float(), lp]).tolist()
+        for j, (t, l) in enumerate(zip(map(int, drawn), logps)):
             r = rows[active[j]]
             r.new_ids.append(t)
             r.new_logprobs.append(l)
@@ -414,14 +416,14 @@ def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, stops: list[int],
             keep = _fill_holes(len(active), done)
             keep_t = torch.tensor(keep, device=tok.device)
             cache.batch_select_indices(keep_t)
-            mask, tok = mask[keep_t], tok[keep_t]
+            mask, tok, pos = mask[keep_t], tok[keep_t], pos[keep_t]
             active = [active[j] for j in keep]
             first = int(mask.any(0).nonzero()[0])  # leading columns that are padding in every remaining row
             if first:
                 mask = mask[:, first:]
                 for lay in cache.layers:
                     lay.drop_left(first)
-        pos = torch.tensor([[len(rows[i].ep.input_ids) + len(rows[i].new_ids) - 1] for i in active], device=tok.device)
+        pos = pos[:, -1:] + 1  # every row still here took one token: computed on the device, no host copy
         mask, tok = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1), tok[:, None]
 
 

@@ -288,8 +288,21 @@ def decode(model, tok, env, tasks, device, batch, new_tokens):
             t_bare = time.time() - t0
     n_bare = steps * len(prompt)
     ratio = (n_engine / t_engine) / (n_bare / t_bare)
-    return "PASS", {"engine_tokens_per_s": round(n_engine / t_engine, 1), "bare_tokens_per_s": round(n_bare / t_bare, 1),
-                    "engine_over_bare": round(ratio, 3), "batch": len(prompt)}
+    figs = {"engine_tokens_per_s": round(n_engine / t_engine, 1), "bare_tokens_per_s": round(n_bare / t_bare, 1),
+            "engine_over_bare": round(ratio, 3), "batch": len(prompt)}
+    if device.type == "cuda":  # host syncs a decode step: CUDA's sync debug mode warns once per synchronizing call
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                rollout(model, tok, env, picked, 1, make_user_sim("scripted"), cfg)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+        figs["engine_host_syncs_per_step"] = round(syncs / max(1, n_engine // len(prompt)), 2)
+    return "PASS", figs
 
 
 def save_start(model, tok, env, tasks, work: Path) -> Path:
