@@ -29,6 +29,9 @@ METRICS = {
     "reward_info/<check>": "share of episodes where the reward's yes/no check holds (booleans) or its list is not "
                            "empty: shop's db_match, differ (1 - db_match) and unconfirmed_writes (wrote without a yes)",
     "tool_errors_per_episode": "malformed tool calls, unknown tools, bad arguments and tools that raised, per episode",
+    "user_latency_s_mean": "seconds a user reply took, mean over the step's replies (retries included)",
+    "user_latency_s_max": "seconds the slowest user reply of the step took",
+    "user_retries": "requests to the user simulator's endpoint retried in the step (timeouts, 429, 5xx, bad replies)",
     "infra_failed": "episodes lost to the user simulator or evaluator failing, or to a non-finite reward",
     "episodes": "episodes in the step",
     "dropped_groups": "groups left out of the update by --drop-uniform-groups (all rewards equal)",
@@ -76,6 +79,7 @@ def episode_summary(ep) -> dict:
     return {"reward": ep.reward, "valid": not ep.infra_failed, "turns": ep.turns, "gen_tokens": ep.gen_tokens,
             "termination": ep.termination, "tool_calls": dict(ep.tool_calls), "tool_errors": ep.tool_errors,
             "task_id": ep.task_id, "checks": reward_checks(ep.reward_info),
+            "user_seconds": list(ep.user_seconds), "user_retries": ep.user_retries,
             "error": (ep.reward_info or {}).get("error") if ep.infra_failed else None}
 
 
@@ -89,6 +93,10 @@ def rollout_metrics(summaries: list[dict], G: int) -> dict:
         m["turns_mean"] = sum(s["turns"] for s in valid) / len(valid)
         m["response_tokens_mean"] = sum(s["gen_tokens"] for s in valid) / len(valid)
         m["tool_errors_per_episode"] = sum(s["tool_errors"] for s in valid) / len(valid)
+    waits = [w for s in summaries for w in s.get("user_seconds", ())]  # failed episodes too: a slow user shows
+    m["user_latency_s_mean"] = sum(waits) / len(waits) if waits else 0.0
+    m["user_latency_s_max"] = max(waits, default=0.0)
+    m["user_retries"] = sum(s.get("user_retries", 0) for s in summaries)
     groups = [summaries[i:i + G] for i in range(0, n, G)]
     rewards = [r for r in ([s["reward"] for s in g if s["valid"]] for g in groups) if r]
     m["all_correct_ratio"] = sum(all(x == 1.0 for x in r) for r in rewards) / max(1, len(rewards))
@@ -163,6 +171,9 @@ def console_line(m: dict, failed: list[dict], t_roll: float, t_upd: float) -> st
             f"ent {m.get('entropy', 0):.2f} gnorm {m.get('grad_norm', 0):.2f} | {t_roll:.1f}s+{t_upd:.1f}s")
     if m.get("dropped_groups"):
         line += f" | {m['dropped_groups']} uniform groups dropped"
+    if m.get("user_latency_s_max", 0) >= 1 or m.get("user_retries"):  # a slow or flaky user endpoint shows here
+        line += (f" | user {m['user_latency_s_mean']:.1f}s mean, {m['user_latency_s_max']:.1f}s max, "
+                 f"{m['user_retries']} retries")
     if failed:
         line += (f"\n     | {len(failed)} of {m['episodes']} episodes failed on infrastructure, left out; "
                  f"first: {failed[0]['error']}")

@@ -65,6 +65,8 @@ class Episode:
     tool_calls: Counter = field(default_factory=Counter)  # by tool name
     tool_errors: int = 0  # malformed calls, unknown tools, tools that raised
     gen_tokens: int = 0  # tokens the agent sampled
+    user_seconds: list[float] = field(default_factory=list)  # how long each user reply took (all its retries)
+    user_retries: int = 0  # requests to the user simulator's endpoint that were retried
 
     def append(self, ids: list[int], agent: bool, logprobs: list[float] | None = None) -> None:
         """Append ids to the token stream: agent-sampled (trained on) or not."""

@@ -27,16 +27,29 @@ padding slots).
 
 Turns are asynchronous per episode (continuous batching): a batch decodes until fewer than half its rows
 (`refill_below`) are still in their turn; the rest are parked mid-turn (cache, partial turn, last sampled token as
-pending input), the rows that ended their turn run their tools and get their user replies (concurrently), and the
-next batch stacks them back together with the parked rows. So the batch stays at least half full instead of
-draining to the longest turn. Simplification: decoding waits while those user replies run (no overlap with an
-LLM user's latency). bench/rollout.py measures batch occupancy.
+pending input), the rows that ended their turn run their tools, and the next batch stacks them back together with
+the parked rows. So the batch stays at least half full instead of draining to the longest turn.
+
+A user behind an endpoint never stalls decoding: a row whose turn ends with a message to the user leaves the batch,
+its reply is requested at once from a thread of the user simulator's own (an event loop: the endpoint's
+concurrency limit applies there), and the row rejoins the next batch once the reply is in; a batch also returns
+early when enough replies have arrived to be worth re-stacking for. The model runs only in the caller's thread.
+What is not overlapped: tool calls (run between batches, in the decoding thread: they are local database calls
+here), and a user that is local (`UserSim.local`: the scripted user, which answers at once, and an hf user, which
+computes on the same device and is asked for all waiting replies in one batch). Each episode samples from its own
+generator (`episode_seed`), so its tokens do not depend on which rows shared its batches or when replies came back.
+The G episodes of a task share their opening: it is prefilled once and its cache given to each (`_prefill_openings`).
+bench/rollout.py measures batch occupancy and, with --user-latency, how much of a slow user's latency is hidden.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import hashlib
 import json
 import logging
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +58,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from envs import STOP_TOOLS, next_turn, opening_messages, score
 from envs.users import (GREETING, DataUserSim, HFUserSim, OpenAIUserSim, ScriptedUserSim, UserSim,  # noqa: F401
-                        UserSimError, said_something)
+                        UserSimError, retries_of, said_something)
 from muarl import (Episode, delta_ids, load_model, main_print, outside_zero3_init, parse_assistant, prompt_ids,
                    stop_token_ids, template_kwargs)
 
@@ -216,6 +229,7 @@ class _Row:
     new_ids: list[int] = field(default_factory=list)  # this turn's sampled tokens
     new_logprobs: list[float] = field(default_factory=list)
     stop: str = ""  # why this turn's decoding stopped: eot (any stop token) | max_new_tokens | context
+    gen: torch.Generator | None = None  # this episode's own sampler (episode_seed); None for greedy decoding
 
     @property
     def kv_len(self) -> int:
@@ -334,27 +348,65 @@ def _park(row: _Row, cache: Cache, mask: torch.Tensor, j: int, device: str = "")
     row.kv = [(move(lay.keys[j][:, real]), move(lay.values[j][:, real])) for lay in cache.layers]
 
 
-def _sample(logits: torch.Tensor, cfg: RolloutConfig, generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample(logits: torch.Tensor, cfg: RolloutConfig, gens: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [B, V] float32 -> (token ids [B], recorded logprobs [B]).
 
     The recorded logprob is log_softmax(logits / temperature) of the drawn token: the distribution a trainer
     recomputes with one forward pass. top_p truncation changes what is drawn, not what is recorded, so that
-    old and new policy logprobs in the GRPO ratio mean the same thing."""
+    old and new policy logprobs in the GRPO ratio mean the same thing. A token is drawn by the Gumbel-max rule,
+    argmax(log p + Gumbel noise), with row i's noise from its own generator gens[i] (one uniform draw per
+    vocabulary entry and token): what a row draws does not depend on the other rows of the batch."""
     logp = torch.log_softmax(logits / cfg.temperature, dim=-1)
     if cfg.greedy:
         tok = logits.argmax(dim=-1)
     else:
-        probs = logp.exp()
+        scores = logp
         if cfg.top_p < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
+            sorted_p, order = logp.exp().sort(dim=-1, descending=True)
             drop = sorted_p.cumsum(-1) - sorted_p > cfg.top_p  # keep the smallest prefix reaching top_p
-            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-        tok = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            scores = logp.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+        V = logits.shape[-1]
+        if gens is None or any(g is None for g in gens):
+            u = torch.rand(logits.shape, device=logits.device)
+        else:
+            u = torch.stack([torch.rand(V, generator=g, device=logits.device) for g in gens])
+        tok = (scores - torch.log(-torch.log(u.clamp(min=1e-20)))).argmax(dim=-1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(1)
 
 
+def _prefill(model, rows: list[_Row], pending: list[list[int]], cfg: RolloutConfig, eot: int,
+             park_device: str = "") -> None:
+    """Feed each row its pending tokens (none sampled: the cache only), in one batch, in column chunks of at most
+    cfg.prefill_tokens tokens a forward, and park each row's cache on it."""
+    dec = model.get_decoder()
+    cache, ids, mask, pos = _stack_cache(model, rows, pending, 0, eot)
+    L, W = mask.shape[1] - ids.shape[1], ids.shape[1]
+    step = max(1, cfg.prefill_tokens // len(rows)) if cfg.prefill_tokens else W
+    for c in range(0, W, step):  # each chunk attends to the cache so far and to itself (causally)
+        dec(input_ids=ids[:, c:c + step], attention_mask=mask[:, :L + c + step], position_ids=pos[:, c:c + step],
+            past_key_values=cache, use_cache=True)
+    for j, r in enumerate(rows):
+        _park(r, cache, mask, j, park_device)
+
+
 @torch.no_grad()
-def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, stops: list[int], generator=None) -> None:
+def _prefill_openings(model, groups: list[list[_Row]], cfg: RolloutConfig, eot: int) -> None:
+    """Each task's opening (system prompt with tools, first user message: ~4.7k tokens for tau2 retail with Qwen3)
+    is prefilled once for its group: the first episode's cache is computed, its siblings get the same tensors
+    (read-only: stacking copies them into the decoding buffers), and every episode starts by decoding."""
+    leaders = [g[0] for g in groups if len(g[0].ep.input_ids) > 1]
+    n = cfg.max_batch or max(1, len(leaders))
+    for i in range(0, len(leaders), n):
+        part = leaders[i:i + n]
+        _prefill(model, part, [r.ep.input_ids[:-1] for r in part], cfg, eot, cfg.park_device)
+    for g in groups:
+        if g[0].kv is not None:
+            for r in g[1:]:
+                r.kv = list(g[0].kv)
+
+
+@torch.no_grad()
+def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, stops: list[int], ready=None) -> None:
     """Decode the current agent turn of every row, together, until fewer than cfg.refill_below of the rows are
     still decoding. A row whose turn ends gets row.stop; a row still mid-turn keeps stop == "" and its partial
     new_ids / new_logprobs, and the next call continues it (its last sampled token is its pending input). Either
@@ -365,7 +417,8 @@ def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, stops: list[int],
     mid-turn (one pending token) pay no padding for them. Then all rows decode together, one column per step;
     a row that stops leaves the batch (Cache.batch_select_indices). A turn ends on any token of `stops`
     (muarl.stop_token_ids: the end-of-turn token first, which also fills padding slots, then the model's
-    generation-config eos ids)."""
+    generation-config eos ids). `ready` (a callable: how many other rows are ready to join) also ends the call
+    when at least max(1, refill_below x the rows still decoding) could join it (the caller re-stacks them in)."""
     eot, stops = stops[0], set(stops)
     dec, lm_head = model.get_decoder(), model.get_output_embeddings()
     fwd = lambda cache, ids, mask, pos: dec(input_ids=ids, attention_mask=mask, position_ids=pos,
@@ -375,15 +428,8 @@ def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, stops: list[int],
             r.new_ids, r.new_logprobs, r.stop = [], [], ""
     pending = [(r.ep.input_ids + r.new_ids)[r.kv_len:] for r in rows]
     new = [(r, p[:-1]) for r, p in zip(rows, pending) if len(p) > 1]
-    if new:
-        cache, ids, mask, pos = _stack_cache(model, [r for r, _ in new], [p for _, p in new], 0, eot)
-        L, W = mask.shape[1] - ids.shape[1], ids.shape[1]
-        step = max(1, cfg.prefill_tokens // len(new)) if cfg.prefill_tokens else W
-        for c in range(0, W, step):  # each chunk attends to the cache so far and to itself (causally)
-            fwd(cache, ids[:, c:c + step], mask[:, :L + c + step], pos[:, c:c + step])
-        for j, (r, _) in enumerate(new):
-            _park(r, cache, mask, j)
-        del cache, ids, mask, pos  # before the decoding batch's buffers are allocated
+    if new:  # (its buffers are freed before the decoding batch's are allocated)
+        _prefill(model, [r for r, _ in new], [p for _, p in new], cfg, eot)
     budget = [min(cfg.max_new_tokens, cfg.max_context - len(r.ep.input_ids)) for r in rows]
     room = max(b - len(r.new_ids) for b, r in zip(budget, rows))
     cache, tok, mask, pos = _stack_cache(model, rows, [p[-1:] for p in pending], room, eot)
@@ -391,7 +437,7 @@ def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, stops: list[int],
         r.kv = None
     active, B = list(range(len(rows))), len(rows)  # batch position -> index into rows
     while True:
-        tok, lp = _sample(lm_head(fwd(cache, tok, mask, pos)[:, -1]).float(), cfg, generator)
+        tok, lp = _sample(lm_head(fwd(cache, tok, mask, pos)[:, -1]).float(), cfg, [rows[i].gen for i in active])
         done = []
         # one device-to-host copy a step (token ids are exact in float32): the loop's only per-step host sync
         drawn, logps = torch.stack([tok.float(), lp]).tolist()
@@ -408,6 +454,9 @@ def generate_turn(model, rows: list[_Row], cfg: RolloutConfig, stops: list[int],
                 done.append(j)
         still = len(active) - len(done)
         refill = not still or still < cfg.refill_below * B  # return, parking the rest mid-turn
+        if not refill and ready is not None and cfg.refill_below > 0:  # or when enough rows wait to join
+            joinable = min(ready(), (cfg.max_batch or 1 << 30) - still)
+            refill = joinable >= max(1.0, cfg.refill_below * still)
         for j in range(len(active)) if refill else done:
             _park(rows[active[j]], cache, mask, j, cfg.park_device)
         if refill:
@@ -435,29 +484,80 @@ def _finish(row: _Row, termination: str) -> None:
     row.kv = None  # free its cache now
 
 
+def episode_seed(base: int, task_id, sample: int) -> int:
+    """The seed of one episode's sampler: a stable hash of the rollout's base seed, the task and the sample index,
+    so that an episode draws the same tokens whichever episodes shared its batches (tests/test_rollout.py)."""
+    digest = hashlib.blake2b(f"{base}/{task_id}/{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+class _UserThread:
+    """An event loop in a thread of its own, where each episode's between-turn work (its tools, its user's reply)
+    runs while the caller's thread decodes the other episodes. The model only ever runs in the caller's thread (with
+    its autocast, device and sharding state, which are per thread in torch)."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="muarl-users", daemon=True)
+        self.thread.start()
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        """Cancel what still runs (a rollout that raised or was interrupted), stop the loop, join the thread."""
+        async def cancel_all():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self.loop.is_running():
+            try:
+                self.submit(cancel_all()).result(timeout=30)
+            except Exception:  # a task that will not cancel: leave it to the daemon thread's end
+                pass
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=30)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
 def rollout(model, tokenizer, env, tasks: list, group_size: int, user_sim, cfg: RolloutConfig | None = None,
-            generator: torch.Generator | None = None) -> list[Episode]:
+            generator: torch.Generator | None = None, seed: int | None = None) -> list[Episode]:
     """Play `group_size` episodes of every task; returns them task by task, a group's episodes consecutive.
 
     Pass the unwrapped model (under Accelerate each process rolls out its own share of tasks; a sharded model
-    only inside shard.full_weights, since processes decode different numbers of steps). `generator`
-    (on the model's device) makes sampling reproducible; None uses torch's global RNG (seed_everything)."""
+    only inside shard.full_weights, since processes decode different numbers of steps). Each episode samples from
+    its own generator, seeded by episode_seed(seed, task, sample index); `seed` None draws it from `generator`
+    (None: torch's global RNG, which seed_everything seeds), so a run's rollouts are reproducible and an episode's
+    tokens do not depend on the batches it shared (up to the numerics of batched matmuls)."""
     cfg = cfg or RolloutConfig()
+    if seed is None:
+        where = generator.device if generator is not None else "cpu"
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=where))
     was_training = model.training
     model.eval()
+    # A user simulator that answers at once (scripted) or on this device (hf) is asked between decoding batches, in
+    # this thread; any other (an LLM endpoint) from a thread of its own, so that decoding goes on while it answers.
+    users = None if getattr(user_sim, "local", False) else _UserThread()
     try:
-        return asyncio.run(_rollout(model, tokenizer, env, tasks, group_size, user_sim, cfg, generator))
+        return _rollout(model, tokenizer, env, tasks, group_size, user_sim, cfg, seed, users)
     finally:
+        if users is not None:
+            users.close()
         model.train(was_training)
 
 
-async def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, generator) -> list[Episode]:
+def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users) -> list[Episode]:
     stops = stop_token_ids(model, tok)
+    run = (lambda coro: users.submit(coro).result()) if users is not None else asyncio.run
     # The first user message is generated once per task and shared by its group: the G episodes differ only by
     # the agent's samples, which is what the group-relative advantage compares. A task that continues an earlier
     # conversation (tau2's message history) starts from it, as prompt; the opening is None when the agent is next.
-    openings = await asyncio.gather(*(user_sim.opening(env, t) for t in tasks), return_exceptions=True)
-    rows = []
+    openings = run(_gather(*(user_sim.opening(env, t) for t in tasks)))
+    device = model.get_input_embeddings().weight.device
+    rows, groups = [], []
     for task, opening in zip(tasks, openings):
         if isinstance(opening, BaseException) and not isinstance(opening, UserSimError):
             raise opening
@@ -468,10 +568,12 @@ async def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, generator)
         if failed:
             log.warning("user simulator failed to open task %s: %s", task.id, opening)
         opening_ids = [] if failed else prompt_ids(tok, opening_messages(env, task, opening), tools)
+        group = []
         for g in range(group_size):
             ep = Episode(task_id=task.id, sample=g, tools=tools)
             session = env.start(task)  # fresh state per episode (docs/invariants.md, 4)
-            row = _Row(ep, session, None)
+            gen = None if cfg.greedy else torch.Generator(device).manual_seed(episode_seed(seed, task.id, g))
+            row = _Row(ep, session, None, gen=gen)
             rows.append(row)
             if failed:
                 ep.reward_info = {"error": str(opening)}
@@ -482,54 +584,94 @@ async def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, generator)
             row.user = user_sim.start(env, task, session, opening)
             if len(ep.input_ids) >= cfg.max_context:
                 _finish(row, "context_limit")
+            else:
+                group.append(row)
+        groups.append(group)
+    _prefill_openings(model, [g for g in groups if g], cfg, stops[0])
     live = [r for r in rows if not r.ep.termination]
+    waiting: dict[concurrent.futures.Future, _Row] = {}  # rows whose user's reply is on its way (user thread)
 
-    while live:
-        # Continuous batching: the batch decodes until half its rows have ended their turn (refill_below); those
-        # run their tools or get their user's reply and rejoin, next to the rows parked mid-turn, at the next call.
-        batch = live[:cfg.max_batch or len(live)]
-        generate_turn(model, batch, cfg, stops, generator)
-        parked = [r for r in batch if not r.stop]
-        to_user, next_live = [], []
-        for r in (r for r in batch if r.stop):
-            status = agent_turn(r.ep, r.session, tok, r.new_ids, r.new_logprobs, r.stop, cfg.max_turns)
-            if not cfg.reuse_cache:
-                r.kv = None  # the next turn re-encodes the whole conversation
-            if status == "agent":
-                next_live.append(r)
-            elif status == "user":
-                to_user.append(r)
+    def rejoin(r: _Row, status: str) -> None:  # append what was said and line the row up, or end the episode
+        if status == "agent" and not append_delta(r.ep, tok, cfg.max_context):
+            status = "context_limit"
+        if status == "agent":
+            live.append(r)
+        else:
+            _finish(r, status)
+
+    while live or waiting:
+        if not live:  # every episode waits on its user: wait for the first reply (all, for synchronous turns)
+            concurrent.futures.wait(list(waiting), return_when=concurrent.futures.ALL_COMPLETED
+                                    if cfg.refill_below == 0 else concurrent.futures.FIRST_COMPLETED)
+        else:
+            # Continuous batching: the batch decodes until half its rows have ended their turn (refill_below), or
+            # until enough replies have arrived to be worth re-stacking for; the rows that ended run their tools
+            # here and rejoin, or wait for their user's reply, which is on its way while the next batches decode.
+            n = cfg.max_batch or len(live)
+            batch, rest = live[:n], live[n:]
+            generate_turn(model, batch, cfg, stops, ready=(lambda: len(rest) + sum(f.done() for f in waiting))
+                          if users is not None else None)
+            live = [r for r in batch if not r.stop] + rest  # those parked mid-turn first, then those in line
+            to_user = []
+            for r in (r for r in batch if r.stop):
+                status = agent_turn(r.ep, r.session, tok, r.new_ids, r.new_logprobs, r.stop, cfg.max_turns)
+                if not cfg.reuse_cache:
+                    r.kv = None  # the next turn re-encodes the whole conversation
+                if status == "user":
+                    to_user.append(r)
+                else:
+                    rejoin(r, status)
+            if users is None:  # a user that answers at once (scripted) or computes on this device (hf): here
+                for r, (reply, seconds) in zip(to_user, asyncio.run(_ask_all(user_sim, to_user))):
+                    rejoin(r, _take_reply(r, reply, cfg, seconds))
             else:
-                _finish(r, status)
-        # The user replies of the rows that ended their turn run concurrently (an LLM endpoint is the slow part).
-        replies = await user_sim.replies([r.user for r in to_user], [r.ep.messages for r in to_user])
-        for r, reply in zip(to_user, replies):
-            if isinstance(reply, UserSimError):
-                log.warning("user simulator failed for task %s: %s", r.ep.task_id, reply)
-                r.ep.reward_info = {"error": str(reply)}
-                _finish(r, "infra_error")
-                continue
-            if isinstance(reply, BaseException):
-                raise reply
-            if not said_something(reply):  # an empty user turn is a broken user, not a dialogue to score
-                log.warning("user simulator gave an empty reply for task %s: %r", r.ep.task_id, reply)
-                r.ep.reward_info = {"error": f"the user simulator's reply is empty ({reply!r})"}
-                _finish(r, "infra_error")
-                continue
-            r.ep.messages.append({"role": "user", "content": reply})
-            status = next_turn(r.ep.messages, r.ep.turns, cfg.max_turns)
-            if status == "agent":
-                next_live.append(r)
-            else:
-                _finish(r, status)
-        # Next in line: the rows parked mid-turn, those that waited (max_batch), then those starting a new turn.
-        live = parked + live[len(batch):]
-        for r in next_live:
-            if append_delta(r.ep, tok, cfg.max_context):
-                live.append(r)
-            else:
-                _finish(r, "context_limit")
+                for r in to_user:
+                    waiting[users.submit(_ask(user_sim, r))] = r
+                if cfg.refill_below == 0:  # synchronous turns: the next batch starts when every reply is in
+                    concurrent.futures.wait(list(waiting))
+        for f in [f for f in waiting if f.done()]:  # replies that arrived: in the order they were asked
+            r = waiting.pop(f)
+            reply, seconds = f.result()
+            rejoin(r, _take_reply(r, reply, cfg, seconds))
     return [r.ep for r in rows]
+
+
+async def _ask(user_sim, r: _Row) -> tuple:
+    """One episode's user reply (a UserSimError in its place when the simulator failed) and the seconds it took.
+    In the user thread, the user simulator alone touches the row (its own state and, for user-side tools, the
+    episode's session); the episode's tokens and messages are written back in the decoding thread."""
+    t0 = time.perf_counter()
+    reply = (await user_sim.replies([r.user], [r.ep.messages]))[0]
+    return reply, time.perf_counter() - t0
+
+
+async def _ask_all(user_sim, rows: list[_Row]) -> list[tuple]:
+    """Every row's reply in one call (a batched simulator answers them together), with the call's seconds."""
+    t0 = time.perf_counter()
+    replies = await user_sim.replies([r.user for r in rows], [r.ep.messages for r in rows]) if rows else []
+    return [(reply, time.perf_counter() - t0) for reply in replies]
+
+
+async def _gather(*coros) -> list:
+    return list(await asyncio.gather(*coros, return_exceptions=True))
+
+
+def _take_reply(r: _Row, reply, cfg: RolloutConfig, seconds: float) -> str:
+    """Put the user's reply into the episode; returns what follows ("agent", or why the episode ends)."""
+    r.ep.user_seconds.append(round(seconds, 4))
+    r.ep.user_retries = retries_of(r.user)
+    if isinstance(reply, UserSimError):
+        log.warning("user simulator failed for task %s: %s", r.ep.task_id, reply)
+        r.ep.reward_info = {"error": str(reply)}
+        return "infra_error"
+    if isinstance(reply, BaseException):
+        raise reply
+    if not said_something(reply):  # an empty user turn is a broken user, not a dialogue to score
+        log.warning("user simulator gave an empty reply for task %s: %r", r.ep.task_id, reply)
+        r.ep.reward_info = {"error": f"the user simulator's reply is empty ({reply!r})"}
+        return "infra_error"
+    r.ep.messages.append({"role": "user", "content": reply})
+    return next_turn(r.ep.messages, r.ep.turns, cfg.max_turns)
 
 
 def check_max_context(tokenizer, env, tasks: list, max_context: int, program: str = "grpo.py") -> None:

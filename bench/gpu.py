@@ -13,8 +13,8 @@ environment is the shop domain with its scripted user. Only report.md and report
 Checks, in order; each is PASS, FAIL or SKIP (with why) and its figures, in OUT/report.md (and OUT/report.json):
   versions   torch, transformers, accelerate, the device, flash-attn, deepspeed
   engine     the engine's greedy episodes equal reference_rollout's (ids and loss masks), fp32 sdpa, with max_batch
-             0 and 2, with parking in host memory on and off, and with the prefill in chunks (invariant 5, on this
-             device)
+             0 and 2, with parking in host memory on and off, with the prefill in chunks, and with a user whose
+             replies take 10-90 ms, fetched while the other episodes decode (invariant 5, on this device)
   flash      bf16: sdpa against flash-attn, greedy: where the tokens first differ, the sampler log-prob difference
   kv_peak    peak GPU memory of a rollout at long contexts against shard.memory_estimate (weights + KV cache)
   decode     the engine's decode tokens/s against a bare greedy loop over the same model and batch (a ratio)
@@ -100,14 +100,19 @@ def greedy_turns_end(model, tok, env, tasks, rate: float = 1 / 12) -> None:
 
 def sampled_turns_end(model, tok, env, tasks) -> None:
     """As greedy_turns_end, for sampling at temperature 1: turns average ~12 tokens (bench/rollout.py's
-    end_turns_sooner, loaded from its file: the name `rollout` is the project's module). For the training check,
+    end_turns_sooner). For the training check,
     whose episodes are sampled and score only when the dialogue ends."""
+    bench_rollout().end_turns_sooner(model, tok, [o[-200:] for o in openings(tok, env, tasks[:4])], 12.0)
+
+
+def bench_rollout():
+    """bench/rollout.py as a module, loaded from its file (the name `rollout` is the project's module)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_rollout", ROOT / "bench" / "rollout.py")
-    bench_rollout = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_rollout)
-    bench_rollout.end_turns_sooner(model, tok, [o[-200:] for o in openings(tok, env, tasks[:4])], 12.0)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 CHECKS = ("versions", "engine", "flash", "kv_peak", "decode", "train", "fsdp2", "zero3")
@@ -176,10 +181,14 @@ def engine(model, tok, env, tasks, device):
     sim = make_user_sim("scripted")
     ref = [reference_rollout(model, tok, env, t, sim, base) for t in tasks]
     figs, ok = {"episodes": len(ref), "turns": sum(e.turns for e in ref)}, True
-    for name, cfg in (("all", base), ("max_batch 2", RolloutConfig(**{**base.__dict__, "max_batch": 2})),
-                      ("parked", RolloutConfig(**{**base.__dict__, "max_batch": 2, "park_device": "cpu"})),
-                      ("prefill chunks", RolloutConfig(**{**base.__dict__, "prefill_tokens": 256}))):
-        eps = rollout(model, tok, env, tasks, 1, sim, cfg)
+    slow = bench_rollout().SlowUser(sim, 0.05, 0.04)  # replies fetched from the user thread while others decode
+    def with_(**kw):
+        return RolloutConfig(**{**base.__dict__, **kw})
+
+    for name, cfg, user in (("all", base, sim), ("max_batch 2", with_(max_batch=2), sim),
+                            ("parked", with_(max_batch=2, park_device="cpu"), sim),
+                            ("prefill chunks", with_(prefill_tokens=256), sim), ("slow user", base, slow)):
+        eps = rollout(model, tok, env, tasks, 1, user, cfg)
         same = sum(a.input_ids == b.input_ids and a.loss_mask == b.loss_mask for a, b in zip(eps, ref))
         figs[name] = f"{same}/{len(ref)} equal"
         ok &= same == len(ref)

@@ -16,6 +16,16 @@ its end-of-turn token, so its output-embedding row is pushed up (`end_turns_soon
 tokens. Sampling is seeded per variant; the variants' samples differ, so throughput is reported per generated
 token (tokens/s), with the tokens and context lengths of each run.
 
+With --user-latency S [--user-jitter J] it measures instead how much of a slow user's latency the engine hides.
+Workload: the default run's cold start (`--agent`, default: grpo.py's own cold start, made and cached if missing)
+on 8 shop tasks x 4 samples, up to 14 turns (`--tasks`, `--group`, `--turns` change it), sampling at grpo.py's
+temperature 0.7, 128 new tokens a turn; its scripted user waits S +- J seconds (uniform, seeded per episode and
+reply) before each reply. Interleaved round by round in one process: the wall time with an instant user, the wall
+time at S, the wall time at S with the user asked between decoding batches while decoding waits (`local`: how the
+engine worked before it overlapped replies with decoding), and the critical-path bound: for each episode, its sampled tokens x the instant run's time per decoding
+step plus its own waits; the bound is the largest of those and the instant run's wall time. Nothing can finish
+sooner than its longest episode's chain of decoding steps and replies, so wall / bound is the latency not hidden.
+
 Rows that end their turn rejoin the batch mid-way through the others' turns (continuous batching, see rollout.py),
 so the batch stays at least half full. Each run reports its mean decode batch (rows per decoding step) and the mean
 cache length a step attends over; the last line prices a decode step at that batch and context against batch 1,
@@ -105,18 +115,109 @@ def step_cost(model, batch: int, context: int, steps: int = 30) -> float:
     return (time.perf_counter() - t) / steps
 
 
+class SlowUser:
+    """A user simulator that waits `latency` +- `jitter` seconds (asyncio.sleep: it holds no thread) before each of
+    its wrapped simulator's replies, and records every wait by episode (start order)."""
+
+    def __init__(self, sim, latency: float, jitter: float, seed: int = 0, local: bool = False):
+        self.sim, self.latency, self.jitter, self.seed = sim, latency, jitter, seed
+        self.local = local  # True: the rollout asks between decoding batches and waits (no overlap), for comparison
+        self.waits: list[list[float]] = []
+
+    async def opening(self, env, task):
+        return await self.sim.opening(env, task)
+
+    def start(self, env, task, session, opening):
+        self.waits.append([])
+        return len(self.waits) - 1, self.sim.start(env, task, session, opening)
+
+    async def replies(self, states, conversations):
+        import asyncio
+        import random
+
+        async def one(state, messages):
+            k, inner = state
+            rng = random.Random(f"{self.seed}/{k}/{len(self.waits[k])}")
+            wait = max(0.0, self.latency + rng.uniform(-self.jitter, self.jitter))
+            self.waits[k].append(wait)
+            await asyncio.sleep(wait)
+            return (await self.sim.replies([inner], [messages]))[0]
+
+        return list(await asyncio.gather(*(one(s, m) for s, m in zip(states, conversations))))
+
+
+def latency_bench(args):
+    """--user-latency: the wall time with an instant and a slow user against the critical-path bound."""
+    from envs import make_env
+
+    if args.agent:
+        agent = args.agent
+    else:
+        import sft
+
+        agent = sft.cold_start("tiny", "shop", "train", 0, False, 0.6)  # grpo.py's defaults
+    model, tok = muarl.load_model(agent)
+    env = make_env("shop")
+    tasks = env.tasks("train")[:args.tasks]
+    cfg = RolloutConfig(temperature=0.7, max_new_tokens=128, max_turns=args.turns)
+    steps = [0]
+    model.get_decoder().register_forward_pre_hook(
+        lambda m, a, kw: steps.__setitem__(0, steps[0] + (kw["input_ids"].shape[1] == 1)), with_kwargs=True)
+    print(f"agent {agent}; {len(tasks)} shop tasks x {args.group}, max_turns {args.turns}, temperature 0.7; "
+          f"user latency {args.user_latency:g} s +- {args.user_jitter:g} s; torch threads {torch.get_num_threads()}")
+
+    def play(latency, seed, local=False):
+        user = SlowUser(make_user_sim("scripted"), latency, args.user_jitter if latency else 0.0, seed, local)
+        steps[0] = 0
+        t = time.perf_counter()
+        eps = rollout(model, tok, env, tasks, args.group, user, cfg, seed=seed)
+        return eps, time.perf_counter() - t, steps[0], user.waits
+
+    play(0.0, 0)  # warm-up
+    ratios = []
+    for r in range(args.rounds):
+        eps0, wall0, steps0, _ = play(0.0, 1 + r)
+        eps, wall, _, waits = play(args.user_latency, 1 + r)
+        _, wall_blocking, _, _ = play(args.user_latency, 1 + r, local=True)
+        per_step = wall0 / max(1, steps0)
+        chains = [e.gen_tokens * per_step + sum(w) for e, w in zip(eps, waits)]
+        bound = max(wall0, max(chains))
+        ratios.append(wall / bound)
+        replies = sum(len(w) for w in waits)
+        same = sum(a.input_ids == b.input_ids for a, b in zip(eps0, eps))
+        print(f"round {r}: instant user {wall0:.1f} s ({steps0} decoding steps, {per_step * 1e3:.1f} ms each); "
+              f"user at {args.user_latency:g} s {wall:.1f} s ({replies} replies, longest episode's waits "
+              f"{max(sum(w) for w in waits):.1f} s); bound {bound:.1f} s -> wall / bound {wall / bound:.2f}x "
+              f"(target <= 1.3x); {same}/{len(eps)} episodes token-identical to the instant run's; the same user "
+              f"asked between decoding batches, decoding waiting on it (UserSim.local, the engine's way before it "
+              f"overlapped): {wall_blocking:.1f} s, {wall_blocking / bound:.2f}x the bound", flush=True)
+    print(f"mean wall / bound over {args.rounds} rounds: {sum(ratios) / len(ratios):.2f}x")
+    opens = [e.loss_mask.index(1) - 1 for e in eps0[::args.group] if 1 in e.loss_mask]  # prefilled opening tokens
+    print(f"group openings prefilled once: {sum(opens)} tokens for {len(opens)} tasks, instead of "
+          f"{sum(opens) * args.group} for their {len(opens) * args.group} episodes")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", type=int, default=8)
     ap.add_argument("--group", type=int, default=4)
-    ap.add_argument("--turns", type=int, default=12, help="max_turns; the scripted user never stops first")
+    ap.add_argument("--turns", type=int, default=None,
+                    help="max_turns (default 12; 14 for the latency bench); the throughput bench's user never stops")
     ap.add_argument("--turn", type=float, default=40, help="mean agent turn length to aim for (tokens)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
     ap.add_argument("--variants", default="cache,reencode,single")
+    ap.add_argument("--user-latency", type=float, default=None, help="seconds a user reply takes (the latency bench)")
+    ap.add_argument("--user-jitter", type=float, default=0.5, help="+- seconds around --user-latency (uniform)")
+    ap.add_argument("--agent", default="", help="the latency bench's agent (default: grpo.py's cold start)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.turns = args.turns or (14 if args.user_latency is not None else 12)
+    if args.user_latency is not None:
+        if args.user_latency < 0 or args.user_jitter < 0:
+            ap.error("--user-latency and --user-jitter must be >= 0")
+        return latency_bench(args)
     from envs.shop import ShopEnv
 
     model, tok = muarl.load_model("tiny", seed=0)

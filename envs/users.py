@@ -78,7 +78,13 @@ def user_system_prompt(task, with_tools: bool = False) -> str:
 
 class UserSim:
     """The interface. `opening` runs once per task; `start` makes one episode's state; `replies` answers every
-    episode waiting on its user at once (list in, list out; a failure comes back as a UserSimError in its slot)."""
+    episode waiting on its user at once (list in, list out; a failure comes back as a UserSimError in its slot).
+
+    `local` False (an LLM behind an endpoint): the rollout asks it from a thread of its own, one episode at a time,
+    and decodes the other episodes while it answers. True (answers at once, or computes on the agent's device): the
+    rollout asks it for every waiting episode at once, between decoding batches."""
+
+    local = False
 
     async def opening(self, env, task) -> str | None:
         """The user's first message; None when the task's message history leaves the agent to speak first."""
@@ -126,7 +132,10 @@ class _SyncUser:
 
 
 class ScriptedUserSim(UserSim):
-    """The environment's rule-based user (env.scripted_user): deterministic, free, for tests and tiny runs."""
+    """The environment's rule-based user (env.scripted_user): deterministic, free, for tests and tiny runs. local:
+    it answers at once, so the rollout asks it between decoding batches rather than from a thread of its own."""
+
+    local = True
 
     async def opening(self, env, task) -> str:
         return env.scripted_user(task).opening()
@@ -149,6 +158,7 @@ class _ChatState:
     tools: list[dict]
     seen: int  # agent-visible messages already mirrored into history
     stop: str = ""  # the benchmark's own way for the user to end (ACEBench: "finish conversation")
+    retries: int = 0  # requests to the endpoint retried so far in this episode (OpenAIUserSim)
 
     def said(self, text: str) -> str:
         """The user's message as the episode records it: a stop marker added when it ends the benchmark's way, so
@@ -229,7 +239,7 @@ class OpenAIUserSim(UserSim):
             self._sem, self._loop = asyncio.Semaphore(self.max_concurrency), loop
         return self._openai
 
-    async def _complete(self, messages: list[dict], tools: list[dict]):
+    async def _complete(self, messages: list[dict], tools: list[dict], state: _ChatState | None = None):
         import openai
 
         client = self._client()
@@ -250,6 +260,8 @@ class OpenAIUserSim(UserSim):
                 raise UserSimError(f"{self.name} failed: {e!r}") from e
             except ValueError as e:  # a reply that is not a chat completion (HTML, bad JSON, no choices, no text)
                 retriable, error = True, e
+            if state is not None and retriable and attempt < self.max_retries:
+                state.retries += 1  # counted in the episode (Episode.user_retries) and the step's metrics
             if not retriable or attempt == self.max_retries:
                 raise UserSimError(f"{self.name} failed after {attempt + 1} attempts "
                                    f"(--user-retries {self.max_retries}, --user-timeout {self.timeout:g}s): "
@@ -269,7 +281,7 @@ class OpenAIUserSim(UserSim):
     async def reply(self, state: _ChatState, messages):
         _flip_new(state, messages)
         for _ in range(self.max_tool_rounds + 1):
-            msg = await self._complete(state.history, state.tools)
+            msg = await self._complete(state.history, state.tools, state)
             if not (state.tools and msg.tool_calls):
                 state.history.append({"role": "assistant", "content": msg.content or ""})
                 return state.said(msg.content or "")
@@ -310,6 +322,13 @@ def _usable_message(resp, tools_offered: bool):
     return msg
 
 
+def retries_of(state) -> int:
+    """Endpoint retries so far in an episode's user state (a DataUserSim state is (simulator, state))."""
+    if isinstance(state, tuple):
+        state = state[-1]
+    return getattr(state, "retries", 0)
+
+
 class HFUserSim(UserSim):
     """A local transformers chat model as the user, for offline runs: plain HF generate over the flipped
     conversations of all waiting episodes in one left-padded batch. User-side tools are not supported.
@@ -317,7 +336,12 @@ class HFUserSim(UserSim):
     model, tokenizer: loaded (rollout.make_user_sim("hf", model=NAME) loads one by name). end_of_turn: the token, or
     list of tokens, that end the user's message (default: the tokenizer's eos and every eos_token_id of the model's
     generation config, as Qwen3 lists two); template_kwargs: extra chat-template variables (Qwen3's
-    enable_thinking=False)."""
+    enable_thinking=False).
+
+    local: it computes on the agent's device, so the rollout asks it for every waiting reply in one batch, in the
+    decoding thread, between decoding batches, instead of overlapping its replies with decoding."""
+
+    local = True
 
     def __init__(self, model, tokenizer, max_new_tokens: int = 256, temperature: float = 0.0,
                  end_of_turn: int | list[int] | None = None, template_kwargs: dict | None = None):

@@ -17,5 +17,6 @@ def test_gpu_checks_pass_at_toy_size_on_the_cpu(tmp_path):
     assert {c for c, row in rows.items() if row["status"] == "PASS"} == {"versions", "engine", "decode", "train"}
     assert all(rows[c]["why"] == "needs CUDA" for c in ("flash", "kv_peak", "fsdp2", "zero3"))
     assert rows["engine"]["all"] == rows["engine"]["max_batch 2"] == rows["engine"]["parked"] == "4/4 equal"
+    assert rows["engine"]["prefill chunks"] == rows["engine"]["slow user"] == "4/4 equal"
     assert rows["train"]["kl"][0] == 0.0 and all(g > 0 for g in rows["train"]["grad_norm"])
     assert (tmp_path / "report.md").read_text().startswith("# bench/gpu.py report")

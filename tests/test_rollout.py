@@ -239,6 +239,127 @@ def test_mid_turn_parking_changes_nothing(lm, tiny_tok, monkeypatch, max_batch):
         assert torch.allclose(torch.tensor(ep.logprobs[1:])[mask], ref[mask], atol=1e-4)
 
 
+class LaggingUser:
+    """The scripted user, answering its k-th reply of task `tid` after delay(tid, k) seconds (asyncio.sleep), or
+    failing it where fail(tid, k); `log` records (tid, asked, answered) for every reply."""
+
+    def __init__(self, delay, fail=lambda tid, k: False):
+        self.sim, self.delay, self.fail, self.log = make_user_sim("scripted"), delay, fail, []
+
+    async def opening(self, env, task):
+        return await self.sim.opening(env, task)
+
+    def start(self, env, task, session, opening):
+        return [task.id, 0, self.sim.start(env, task, session, opening)]
+
+    async def replies(self, states, conversations):
+        import asyncio
+        import time
+
+        async def one(state, messages):
+            tid, k, inner = state
+            state[1] += 1
+            asked = time.perf_counter()
+            await asyncio.sleep(self.delay(tid, k))
+            self.log.append((tid, asked, time.perf_counter()))
+            if self.fail(tid, k):
+                return UserSimError(f"endpoint down (task {tid}, reply {k})")
+            return (await self.sim.replies([inner], [messages]))[0]
+
+        return list(await asyncio.gather(*(one(s, m) for s, m in zip(states, conversations))))
+
+
+def _decode_times(model):
+    """Timestamps of the decoder's one-column forwards (decoding steps), and the hook's handle."""
+    import time
+
+    times = []
+    handle = model.get_decoder().register_forward_pre_hook(
+        lambda m, a, kw: times.append(time.perf_counter()) if kw["input_ids"].shape[1] == 1 else None,
+        with_kwargs=True)
+    return times, handle
+
+
+def test_a_slow_user_reply_does_not_stop_the_others(lm, tiny_tok):
+    """Task t0's user takes 0.4 s a reply, the others answer at once: the other episodes keep decoding while t0's
+    replies are on their way (decoding steps fall inside every slow reply), t0's replies arrive after the others have
+    finished turns and rejoin then, and the greedy episodes are exactly the instant user's."""
+    env = FakeEnv(n_tasks=4)
+    want = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), GREEDY)
+    user = LaggingUser(lambda tid, k: 0.4 if tid == "t0" else 0.0)
+    times, handle = _decode_times(lm)
+    try:
+        got = rollout(lm, tiny_tok, env, env.tasks(), 2, user, GREEDY)
+    finally:
+        handle.remove()
+    assert [e.input_ids for e in got] == [e.input_ids for e in want]
+    assert [e.loss_mask for e in got] == [e.loss_mask for e in want] and [e.reward for e in got] == [
+        e.reward for e in want]
+    slow = [(a, b) for tid, a, b in user.log if tid == "t0"]
+    assert len(slow) >= 4
+    overlapped = [sum(a < t < b for t in times) for a, b in slow]
+    assert sum(n > 0 for n in overlapped) >= len(slow) // 2 and sum(overlapped) > 20, overlapped
+    assert all(w >= 0.4 for e in got if e.task_id == "t0" for w in e.user_seconds)
+    others_done = max(b for tid, a, b in user.log if tid != "t0")
+    assert max(b for a, b in slow) > others_done  # the last slow reply came after the others were all done
+
+
+def test_a_user_failing_mid_way_ends_only_its_episodes(lm, tiny_tok):
+    """Task t1's user fails its second reply after 0.2 s while the other tasks' users take 0.05 s: t1's episodes end
+    as infra_error with the error, the others are exactly the instant user's episodes, and nothing waits forever."""
+    env = FakeEnv(n_tasks=4)
+    want = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), GREEDY)
+    user = LaggingUser(lambda tid, k: 0.2 if tid == "t1" else 0.05, fail=lambda tid, k: tid == "t1" and k == 1)
+    got = rollout(lm, tiny_tok, env, env.tasks(), 2, user, GREEDY)
+    for a, b in zip(got, want):
+        if a.task_id == "t1":
+            assert a.termination == "infra_error" and a.infra_failed and "reply 1" in a.reward_info["error"]
+            assert len(a.user_seconds) == 2
+        else:
+            assert (a.input_ids, a.termination, a.reward) == (b.input_ids, b.termination, b.reward)
+
+
+def test_sampled_episodes_do_not_depend_on_batching(lm, tiny_tok):
+    """Each episode samples from its own generator (rollout.episode_seed): the same seed gives the same sampled
+    episodes whether all decode together, one at a time or four at a time, and with a user whose latency varies by
+    episode (so rows rejoin in another order and share batches with other rows); another seed differs."""
+    env = FakeEnv(n_tasks=3)
+    cfg = RolloutConfig(temperature=1.0, max_new_tokens=24, max_turns=4, top_p=0.95)
+
+    def run(seed, user=None, **kw):
+        eps = rollout(lm, tiny_tok, env, env.tasks(), 3, user or make_user_sim("scripted"),
+                      RolloutConfig(**{**cfg.__dict__, **kw}), seed=seed)
+        return [e.input_ids for e in eps]
+
+    base = run(7)
+    assert len({tuple(x) for x in base}) > 3  # the samples of a group differ
+    assert run(7, max_batch=1) == base
+    assert run(7, max_batch=4) == base
+    assert run(7, user=LaggingUser(lambda tid, k: 0.01 * ((int(tid[1:]) * 7 + k * 3) % 5))) == base
+    assert run(8) != base
+
+
+def test_a_groups_opening_is_prefilled_once(lm, tiny_tok, monkeypatch):
+    """The G episodes of a task share their opening's cache: the opening prefill has one row per task, not per
+    episode, and its tokens are each task's opening once; the greedy episodes are still the reference's."""
+    import rollout as R
+
+    calls = []
+    real = R._prefill
+    monkeypatch.setattr(R, "_prefill", lambda model, rows, pending, *a, **k: (
+        calls.append([len(p) for p in pending]), real(model, rows, pending, *a, **k))[1])
+    env = FakeEnv(n_tasks=3)
+    eps = rollout(lm, tiny_tok, env, env.tasks(), 4, make_user_sim("scripted"), GREEDY)
+    openings = [len(muarl.prompt_ids(tiny_tok, [{"role": "system", "content": env.system_prompt(t)},
+                                                {"role": "user", "content": env.scripted_user(t).opening()}],
+                                     env.tools(t))) for t in env.tasks()]
+    assert calls[0] == [n - 1 for n in openings]  # 3 rows, not 12
+    assert all(len(c) <= 12 and max(c) < min(openings) for c in calls[1:])  # later prefills: deltas only
+    ref = [reference_rollout(lm, tiny_tok, env, t, make_user_sim("scripted"), GREEDY) for t in env.tasks()]
+    for i, e in enumerate(eps):
+        assert e.input_ids == ref[i // 4].input_ids and e.loss_mask == ref[i // 4].loss_mask
+
+
 def test_episode_layout_and_groups(lm, tiny_tok):
     env = FakeEnv(n_tasks=2)
     tasks = env.tasks()
@@ -383,6 +504,7 @@ def test_openai_user_sim_flips_roles_and_retries(lm, tiny_tok):
     retried = [b for _, b in server.requests if b == failed[0]]
     # the group's two greedy episodes are identical, so they sent this request twice; one was retried once
     assert len(retried) == 3
+    assert sum(e.user_retries for e in eps) == 1  # that retry is counted in its episode (and the step's metrics)
     assert any(e.messages[2:].count({"role": "user", "content": _user_replies(failed[0], 0)[1]["content"]})
                for e in eps)
 
@@ -398,6 +520,7 @@ def test_openai_user_sim_permanent_failure(lm, tiny_tok):
         server.close()
     talked = [e for e in eps if e.termination not in ("response_truncated", "transfer")]
     assert talked and all(e.termination == "infra_error" and e.infra_failed for e in talked)
+    assert all(e.user_retries == 2 for e in talked)  # --user-retries 2, both spent
     assert all("error" in e.reward_info for e in talked)
     assert all(e.termination == "infra_error" and e.infra_failed and not e.input_ids for e in failed_open)
 

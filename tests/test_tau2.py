@@ -315,7 +315,7 @@ class ScriptedLLMUser(OpenAIUserSim):
         super().__init__(model="script")
         self.script, self.requests = script, []
 
-    async def _complete(self, messages, tools):
+    async def _complete(self, messages, tools, state=None):
         self.requests.append(json.loads(json.dumps(messages)))
         text, calls = self.script(messages)
         calls = [SimpleNamespace(id=f"u{len(self.requests)}_{k}",
