@@ -58,7 +58,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from envs import STOP_TOOLS, next_turn, opening_messages, score
 from envs.users import (GREETING, DataUserSim, HFUserSim, OpenAIUserSim, ScriptedUserSim, UserSim,  # noqa: F401
-                        UserSimError, retries_of, said_something)
+                        UserSimError, opening_retries, retries_of, said_something)
 from muarl import (Episode, delta_ids, load_model, main_print, outside_zero3_init, parse_assistant, prompt_ids,
                    stop_token_ids, template_kwargs)
 
@@ -230,6 +230,7 @@ class _Row:
     new_logprobs: list[float] = field(default_factory=list)
     stop: str = ""  # why this turn's decoding stopped: eot (any stop token) | max_new_tokens | context
     gen: torch.Generator | None = None  # this episode's own sampler (episode_seed); None for greedy decoding
+    retries_seen: int = 0  # the user state's retry count already added to ep.user_retries
 
     @property
     def kv_len(self) -> int:
@@ -343,9 +344,10 @@ def _compute_dtype_device(model) -> tuple[torch.dtype, torch.device]:
 def _park(row: _Row, cache: Cache, mask: torch.Tensor, j: int, device: str = "") -> None:
     """Copy batch row j's cache out to the row, without its holes (onto `device` when given:
     RolloutConfig.park_device)."""
-    real = mask[j].bool()
+    real = mask[j].nonzero().squeeze(1)  # one host sync a row (a boolean index would sync once per tensor)
     move = (lambda t: t.to(device)) if device else (lambda t: t)
-    row.kv = [(move(lay.keys[j][:, real]), move(lay.values[j][:, real])) for lay in cache.layers]
+    row.kv = [(move(lay.keys[j].index_select(1, real)), move(lay.values[j].index_select(1, real)))
+              for lay in cache.layers]
 
 
 def _sample(logits: torch.Tensor, cfg: RolloutConfig, gens: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -365,12 +367,13 @@ def _sample(logits: torch.Tensor, cfg: RolloutConfig, gens: list | None = None) 
             sorted_p, order = logp.exp().sort(dim=-1, descending=True)
             drop = sorted_p.cumsum(-1) - sorted_p > cfg.top_p  # keep the smallest prefix reaching top_p
             scores = logp.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
-        V = logits.shape[-1]
+        V = logits.shape[-1]  # float64 noise: float32's would never draw a token ~20 nats below the top one
         if gens is None or any(g is None for g in gens):
-            u = torch.rand(logits.shape, device=logits.device)
+            u = torch.rand(logits.shape, device=logits.device, dtype=torch.float64)
         else:
-            u = torch.stack([torch.rand(V, generator=g, device=logits.device) for g in gens])
-        tok = (scores - torch.log(-torch.log(u.clamp(min=1e-20)))).argmax(dim=-1)
+            u = torch.stack([torch.rand(V, generator=g, device=g.device, dtype=torch.float64) for g in gens])
+        gumbel = -torch.log(-torch.log(u.clamp(min=1e-300)))
+        tok = (scores.double() + gumbel.to(logits.device)).argmax(dim=-1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(1)
 
 
@@ -492,11 +495,12 @@ def episode_seed(base: int, task_id, sample: int) -> int:
 
 
 class _UserThread:
-    """An event loop in a thread of its own, where each episode's between-turn work (its tools, its user's reply)
-    runs while the caller's thread decodes the other episodes. The model only ever runs in the caller's thread (with
-    its autocast, device and sharding state, which are per thread in torch)."""
+    """An event loop in a thread of its own, where the user simulator's requests run while the caller's thread
+    decodes. The model only ever runs in the caller's thread (with its autocast, device and sharding state, which
+    are per thread in torch); the user thread touches only the user simulator's state of the episodes it answers."""
 
-    def __init__(self):
+    def __init__(self, user_sim):
+        self.user_sim = user_sim
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="muarl-users", daemon=True)
         self.thread.start()
@@ -504,23 +508,37 @@ class _UserThread:
     def submit(self, coro) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
+    def wait(self, futures, first: bool) -> None:
+        """Wait for the first of `futures` (or all), in slices, so that a user thread that died fails loudly
+        instead of leaving the rollout waiting forever."""
+        how = concurrent.futures.FIRST_COMPLETED if first else concurrent.futures.ALL_COMPLETED
+        while True:
+            done, pending = concurrent.futures.wait(futures, timeout=5.0, return_when=how)
+            if done if first else not pending:
+                return
+            if not self.thread.is_alive():
+                raise RuntimeError("the user simulator's thread stopped with requests still waiting")
+
     def close(self) -> None:
-        """Cancel what still runs (a rollout that raised or was interrupted), stop the loop, join the thread."""
+        """Cancel what still runs (a rollout that raised or was interrupted), release the simulator's client, stop
+        the loop and join the thread."""
         async def cancel_all():
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await self.user_sim.aclose()
 
-        if self.loop.is_running():
-            try:
+        try:
+            if self.thread.is_alive():
                 self.submit(cancel_all()).result(timeout=30)
-            except Exception:  # a task that will not cancel: leave it to the daemon thread's end
-                pass
+        except Exception:  # a task that will not cancel, or a client that will not close: the thread is a daemon
+            log.warning("the user simulator's thread did not shut down cleanly", exc_info=True)
+        finally:  # stop() is safe before run_forever starts and after it ended
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=30)
-        if not self.thread.is_alive():
-            self.loop.close()
+            if not self.thread.is_alive():
+                self.loop.close()
 
 
 def rollout(model, tokenizer, env, tasks: list, group_size: int, user_sim, cfg: RolloutConfig | None = None,
@@ -533,20 +551,24 @@ def rollout(model, tokenizer, env, tasks: list, group_size: int, user_sim, cfg: 
     (None: torch's global RNG, which seed_everything seeds), so a run's rollouts are reproducible and an episode's
     tokens do not depend on the batches it shared (up to the numerics of batched matmuls)."""
     cfg = cfg or RolloutConfig()
-    if seed is None:
+    if seed is None:  # drawn the same on every process (seed_everything): the process index makes them differ
         where = generator.device if generator is not None else "cpu"
         seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=where))
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        seed = episode_seed(seed, f"process {rank}", 0)
     was_training = model.training
     model.eval()
     # A user simulator that answers at once (scripted) or on this device (hf) is asked between decoding batches, in
     # this thread; any other (an LLM endpoint) from a thread of its own, so that decoding goes on while it answers.
-    users = None if getattr(user_sim, "local", False) else _UserThread()
+    users = None if getattr(user_sim, "local", False) else _UserThread(user_sim)
     try:
         return _rollout(model, tokenizer, env, tasks, group_size, user_sim, cfg, seed, users)
     finally:
-        if users is not None:
-            users.close()
-        model.train(was_training)
+        try:
+            if users is not None:
+                users.close()
+        finally:
+            model.train(was_training)
 
 
 def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users) -> list[Episode]:
@@ -558,7 +580,7 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users) -> 
     openings = run(_gather(*(user_sim.opening(env, t) for t in tasks)))
     device = model.get_input_embeddings().weight.device
     rows, groups = [], []
-    for task, opening in zip(tasks, openings):
+    for i, (task, opening) in enumerate(zip(tasks, openings)):
         if isinstance(opening, BaseException) and not isinstance(opening, UserSimError):
             raise opening
         if opening is not None and not isinstance(opening, UserSimError) and not said_something(opening):
@@ -568,11 +590,12 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users) -> 
         if failed:
             log.warning("user simulator failed to open task %s: %s", task.id, opening)
         opening_ids = [] if failed else prompt_ids(tok, opening_messages(env, task, opening), tools)
-        group = []
+        group, retried = [], opening_retries(user_sim, task)
         for g in range(group_size):
-            ep = Episode(task_id=task.id, sample=g, tools=tools)
+            ep = Episode(task_id=task.id, sample=g, tools=tools, user_retries=retried if g == 0 else 0)
             session = env.start(task)  # fresh state per episode (docs/invariants.md, 4)
-            gen = None if cfg.greedy else torch.Generator(device).manual_seed(episode_seed(seed, task.id, g))
+            # by the task's place in `tasks` too: a task drawn twice in a step gets two different groups
+            gen = None if cfg.greedy else torch.Generator(device).manual_seed(episode_seed(seed, f"{i}:{task.id}", g))
             row = _Row(ep, session, None, gen=gen)
             rows.append(row)
             if failed:
@@ -601,8 +624,7 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users) -> 
 
     while live or waiting:
         if not live:  # every episode waits on its user: wait for the first reply (all, for synchronous turns)
-            concurrent.futures.wait(list(waiting), return_when=concurrent.futures.ALL_COMPLETED
-                                    if cfg.refill_below == 0 else concurrent.futures.FIRST_COMPLETED)
+            users.wait(list(waiting), first=cfg.refill_below > 0)
         else:
             # Continuous batching: the batch decodes until half its rows have ended their turn (refill_below), or
             # until enough replies have arrived to be worth re-stacking for; the rows that ended run their tools
@@ -628,7 +650,7 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users) -> 
                 for r in to_user:
                     waiting[users.submit(_ask(user_sim, r))] = r
                 if cfg.refill_below == 0:  # synchronous turns: the next batch starts when every reply is in
-                    concurrent.futures.wait(list(waiting))
+                    users.wait(list(waiting), first=False)
         for f in [f for f in waiting if f.done()]:  # replies that arrived: in the order they were asked
             r = waiting.pop(f)
             reply, seconds = f.result()
@@ -659,7 +681,8 @@ async def _gather(*coros) -> list:
 def _take_reply(r: _Row, reply, cfg: RolloutConfig, seconds: float) -> str:
     """Put the user's reply into the episode; returns what follows ("agent", or why the episode ends)."""
     r.ep.user_seconds.append(round(seconds, 4))
-    r.ep.user_retries = retries_of(r.user)
+    r.ep.user_retries = (r.ep.user_retries - r.retries_seen) + retries_of(r.user)  # the opening's stay counted
+    r.retries_seen = retries_of(r.user)
     if isinstance(reply, UserSimError):
         log.warning("user simulator failed for task %s: %s", r.ep.task_id, reply)
         r.ep.reward_info = {"error": str(reply)}

@@ -86,6 +86,10 @@ class UserSim:
 
     local = False
 
+    async def aclose(self) -> None:
+        """Release what the simulator holds on the running event loop (an HTTP client); the rollout calls it before
+        the loop of its user thread closes."""
+
     async def opening(self, env, task) -> str | None:
         """The user's first message; None when the task's message history leaves the agent to speak first."""
         raise NotImplementedError
@@ -220,6 +224,7 @@ class OpenAIUserSim(UserSim):
             max_concurrency, max_retries, backoff, timeout)
         self.max_tool_rounds = max_tool_rounds
         self._loop = None
+        self.opening_retries: dict[str, int] = {}  # task id -> retried requests of its opening, until collected
 
     @property
     def name(self) -> str:
@@ -239,7 +244,7 @@ class OpenAIUserSim(UserSim):
             self._sem, self._loop = asyncio.Semaphore(self.max_concurrency), loop
         return self._openai
 
-    async def _complete(self, messages: list[dict], tools: list[dict], state: _ChatState | None = None):
+    async def _complete(self, messages: list[dict], tools: list[dict], state=None):
         import openai
 
         client = self._client()
@@ -268,12 +273,21 @@ class OpenAIUserSim(UserSim):
                                    f"{error!r}") from error
             await asyncio.sleep(self.backoff * 2 ** attempt)
 
+    async def aclose(self) -> None:
+        if self._loop is asyncio.get_running_loop():
+            await self._openai.close()
+            self._loop = None
+
     async def opening(self, env, task) -> str | None:
         # Shared by the group before any session exists, so the opening runs no user tools.
         history = message_history(env, task)
         if not user_speaks_next(history):
             return None
-        return (await self._complete(_user_view(task, history, bool(env.user_tools(task))), [])).content
+        counter = _Retries()
+        try:
+            return (await self._complete(_user_view(task, history, bool(env.user_tools(task))), [], counter)).content
+        finally:  # the rollout adds them to the group's first episode (opening_retries)
+            self.opening_retries[task.id] = self.opening_retries.get(task.id, 0) + counter.retries
 
     def start(self, env, task, session, opening):
         return _chat_state(env, task, session, opening, env.user_tools(task))
@@ -320,6 +334,15 @@ def _usable_message(resp, tools_offered: bool):
     if not isinstance(msg.content, str) or not msg.content.strip():
         raise MalformedReply(f"the reply's message is empty (content {msg.content!r})")
     return msg
+
+
+class _Retries:
+    retries = 0
+
+
+def opening_retries(sim, task) -> int:
+    """Retried requests of `task`'s opening so far (OpenAIUserSim; 0 for the others), taken out of the count."""
+    return (getattr(sim, "opening_retries", None) or {}).pop(task.id, 0)
 
 
 def retries_of(state) -> int:
@@ -402,6 +425,13 @@ class DataUserSim(UserSim):
         if name == "sim":
             raise AttributeError(name)
         return getattr(self.sim, name)
+
+    @property
+    def local(self) -> bool:  # the scripted user it also asks is local: the wrapped simulator decides
+        return self.sim.local
+
+    async def aclose(self) -> None:
+        await self.sim.aclose()
 
     def _pick(self, task) -> UserSim:
         return self.scripted if (task.meta.get("user_sim") or {}).get("scripted") else self.sim

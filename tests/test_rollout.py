@@ -149,13 +149,15 @@ def test_engine_plays_the_reference_episodes(lm, tiny_tok):
     at a time, re-encoding each turn), and the same sampler logprobs up to float error. `lm`'s logits are far
     enough from ties that greedy choices do not flip between the two numerically different paths. The max_batch
     configuration parks waiting episodes' caches with park_device='cpu', as grpo.py does on a GPU; on this CPU that
-    move is a no-op, so what it checks here is the plumbing, not the host-device copies. The last configuration
-    prefills in chunks of 37 columns (prefill_tokens 150 over 4 rows), so every opening takes several forwards."""
+    move is a no-op, so what it checks here is the plumbing, not the host-device copies. The last two configurations
+    prefill in chunks of 37 and of 2 columns (prefill_tokens 150 and 8 over 4 rows): every opening takes several
+    forwards, and so do the later turns' deltas, whose rows hold caches of different lengths."""
     env, endings = FakeEnv(n_tasks=4), set()
     for cfg in (GREEDY, RolloutConfig(greedy=True, max_new_tokens=30, max_turns=3, max_context=720, max_batch=3,
                                       park_device="cpu"),
                 RolloutConfig(greedy=True, max_new_tokens=64, max_turns=8, max_context=700),
-                RolloutConfig(greedy=True, max_new_tokens=64, max_turns=8, prefill_tokens=150)):  # 37-column chunks
+                RolloutConfig(greedy=True, max_new_tokens=64, max_turns=8, prefill_tokens=150),  # 37-column chunks
+                RolloutConfig(greedy=True, max_new_tokens=64, max_turns=8, prefill_tokens=8)):  # 2-column chunks
         fast = rollout(lm, tiny_tok, env, env.tasks(), 1, make_user_sim("scripted"), cfg)
         slow = [reference_rollout(lm, tiny_tok, env, t, make_user_sim("scripted"), cfg) for t in env.tasks()]
         for a, b in zip(fast, slow):
@@ -298,7 +300,7 @@ def test_a_slow_user_reply_does_not_stop_the_others(lm, tiny_tok):
     slow = [(a, b) for tid, a, b in user.log if tid == "t0"]
     assert len(slow) >= 4
     overlapped = [sum(a < t < b for t in times) for a, b in slow]
-    assert sum(n > 0 for n in overlapped) >= len(slow) // 2 and sum(overlapped) > 20, overlapped
+    assert sum(n > 0 for n in overlapped) >= len(slow) // 2, overlapped
     assert all(w >= 0.4 for e in got if e.task_id == "t0" for w in e.user_seconds)
     others_done = max(b for tid, a, b in user.log if tid != "t0")
     assert max(b for a, b in slow) > others_done  # the last slow reply came after the others were all done
@@ -337,6 +339,46 @@ def test_sampled_episodes_do_not_depend_on_batching(lm, tiny_tok):
     assert run(7, max_batch=4) == base
     assert run(7, user=LaggingUser(lambda tid, k: 0.01 * ((int(tid[1:]) * 7 + k * 3) % 5))) == base
     assert run(8) != base
+
+
+def test_the_sampler_draws_from_the_truncated_distribution():
+    """rollout._sample (Gumbel-max over log p, the tokens outside top_p masked): the drawn frequencies are the
+    top_p-truncated, renormalized distribution, no token outside it is ever drawn, the recorded logprob is the full
+    tempered one; per-row generators give each row its own draws."""
+    from rollout import _sample
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0]).repeat(40000, 1)
+    cfg = RolloutConfig(temperature=0.8, top_p=0.8)
+    torch.manual_seed(0)
+    tok, lp = _sample(logits, cfg)
+    p = torch.softmax(logits[0] / 0.8, -1)
+    keep = (torch.cumsum(p, 0) - p) <= 0.8  # the smallest prefix (by probability) that reaches top_p
+    want = torch.where(keep, p, 0) / p[keep].sum()
+    got = torch.bincount(tok, minlength=5).double() / len(tok)
+    assert torch.allclose(got, want.double(), atol=0.01) and (got[~keep] == 0).all()
+    assert torch.allclose(lp, torch.log(p)[tok], atol=1e-6)
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2, 1)]
+    a, _ = _sample(logits[:3], RolloutConfig(), gens)
+    b, _ = _sample(logits[:1], RolloutConfig(), [torch.Generator().manual_seed(1)])
+    assert a[0] == a[2] == b[0]  # a row's draw depends on its generator alone
+
+
+def test_a_failing_user_thread_leaves_nothing_behind(lm, tiny_tok):
+    """A user simulator that raises something other than UserSimError (a bug) fails the rollout with that error;
+    the user thread is stopped and the model is back in training mode."""
+    import threading
+
+    class Broken(LaggingUser):
+        async def replies(self, states, conversations):
+            raise ValueError("a bug in the user simulator")
+
+    env = FakeEnv(n_tasks=2)
+    lm.train()
+    with pytest.raises(ValueError, match="a bug in the user simulator"):
+        rollout(lm, tiny_tok, env, env.tasks(), 2, Broken(lambda tid, k: 0.0), GREEDY)
+    assert lm.training
+    lm.eval()
+    assert not [t for t in threading.enumerate() if t.name == "muarl-users"]
 
 
 def test_a_groups_opening_is_prefilled_once(lm, tiny_tok, monkeypatch):
@@ -523,6 +565,7 @@ def test_openai_user_sim_permanent_failure(lm, tiny_tok):
     assert all(e.user_retries == 2 for e in talked)  # --user-retries 2, both spent
     assert all("error" in e.reward_info for e in talked)
     assert all(e.termination == "infra_error" and e.infra_failed and not e.input_ids for e in failed_open)
+    assert [e.user_retries for e in failed_open] == [2, 0]  # the opening's retries, counted once for the group
 
 
 def test_openai_user_tools(lm, tiny_tok):
@@ -549,9 +592,15 @@ def test_openai_user_tools(lm, tiny_tok):
     assert any(m["role"] == "tool" for _, b in server.requests for m in b["messages"])
 
 
-def test_hf_user_sim(lm, tiny_lm, tiny_tok):
+def test_hf_user_sim(lm, tiny_lm, tiny_tok, monkeypatch):
+    """A local model as the user: asked in the decoding thread (never from the user thread: it computes on the
+    agent's device, here with the agent's own model and tokenizer), all waiting replies in one batch."""
+    import rollout as R
+
     env = FakeEnv(n_tasks=2)
     sim = make_user_sim("hf", model=lm, tokenizer=tiny_tok, max_new_tokens=6)  # a user that says something
+    assert sim.local and make_user_sim("scripted").local and not make_user_sim("openai", base_url="http://x").local
+    monkeypatch.setattr(R, "_UserThread", None)  # a user thread would fail here
     eps = rollout(lm, tiny_tok, env, env.tasks(), 2, sim, RolloutConfig(greedy=True, max_new_tokens=64, max_turns=3))
     assert not any(ep.infra_failed for ep in eps)
     for ep in eps:
