@@ -34,8 +34,9 @@ A user behind an endpoint never stalls decoding: a row whose turn ends with a me
 its reply is requested at once from a thread of the user simulator's own (an event loop: the endpoint's
 concurrency limit applies there), and the row rejoins the next batch once the reply is in; a batch also returns
 early when enough replies have arrived to be worth re-stacking for. The model runs only in the caller's thread.
-What is not overlapped: tool calls (run between batches, in the decoding thread: they are local database calls
-here), and a user that is local (`UserSim.local`: the scripted user, which answers at once, and an hf user, which
+Tool calls run between batches, in the decoding thread (local database calls), unless the environment says they
+are slow (`slow_tools = True`: a remote service); then they run from the user thread too while others decode. Not
+overlapped: a user that is local (`UserSim.local`: the scripted user, which answers at once, and an hf user, which
 computes on the same device and is asked for all waiting replies in one batch). Each episode samples from its own
 generator (`episode_seed`), so its tokens do not depend on which rows shared its batches or when replies came back.
 The G episodes of a task share their opening: it is prefilled once and its cache given to each (`_prefill_openings`).
@@ -182,13 +183,28 @@ def agent_turn(ep: Episode, session, tokenizer, ids: list[int], logprobs: list[f
     eot (on any stop token: the end-of-turn token or another eos of the model's generation config, dropped from the
     text) | max_new_tokens | context. Returns what follows: "agent" (to read its tool results), "user", or why
     the episode ended."""
+    text = record_turn(ep, tokenizer, ids, logprobs, stop)
+    if text is None:  # cut off mid-message: its text kept, nothing run
+        return "response_truncated" if stop == "max_new_tokens" else "context_limit"
+    return after_tools(ep, run_tool_calls(ep, session, text), max_turns)
+
+
+def record_turn(ep: Episode, tokenizer, ids: list[int], logprobs: list[float], stop: str) -> str | None:
+    """agent_turn's first half: the sampled ids enter the episode; returns their text (without the stop token), or
+    None when decoding was cut off (max_new_tokens, context), the text then recorded as the agent's message."""
     ep.append(ids, agent=True, logprobs=logprobs)
     ep.turns += 1
     text = tokenizer.decode(ids[:-1] if stop == "eot" else ids, skip_special_tokens=False)
-    if stop != "eot":  # cut off mid-message: keep the text, run nothing
+    if stop != "eot":
         ep.messages.append({"role": "assistant", "content": text})
-        return "response_truncated" if stop == "max_new_tokens" else "context_limit"
-    msg, results, ran_stop_tool = run_tool_calls(ep, session, text)
+        return None
+    return text
+
+
+def after_tools(ep: Episode, outcome: tuple, max_turns: int) -> str:
+    """agent_turn's last half: the message and its tool results (run_tool_calls' outcome) enter the conversation;
+    returns what follows ("agent", "user", or why the episode ended)."""
+    msg, results, ran_stop_tool = outcome
     ep.messages += [msg] + results
     return next_turn(ep.messages, ep.turns, max_turns, ran_stop_tool)
 
@@ -559,8 +575,10 @@ def rollout(model, tokenizer, env, tasks: list, group_size: int, user_sim, cfg: 
     was_training = model.training
     model.eval()
     # A user simulator that answers at once (scripted) or on this device (hf) is asked between decoding batches, in
-    # this thread; any other (an LLM endpoint) from a thread of its own, so that decoding goes on while it answers.
-    users = None if getattr(user_sim, "local", False) else _UserThread(user_sim)
+    # this thread; any other (an LLM endpoint) from a thread of its own, so that decoding goes on while it answers,
+    # and so are the tools of an environment that says they are slow (env.slow_tools: a remote service).
+    slow = getattr(user_sim, "local", False) is False or getattr(env, "slow_tools", False)
+    users = _UserThread(user_sim) if slow else None
     try:
         return _rollout(model, tokenizer, env, tasks, group_size, user_sim, cfg, seed, users)
     finally:
@@ -612,7 +630,9 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users) -> 
         groups.append(group)
     _prefill_openings(model, [g for g in groups if g], cfg, stops[0])
     live = [r for r in rows if not r.ep.termination]
-    waiting: dict[concurrent.futures.Future, _Row] = {}  # rows whose user's reply is on its way (user thread)
+    waiting: dict[concurrent.futures.Future, _Row] = {}  # rows whose tools or user reply are on their way
+    slow_tools = getattr(env, "slow_tools", False)
+    local = users is None or getattr(user_sim, "local", False)  # users: the thread, for the user or slow tools
 
     def rejoin(r: _Row, status: str) -> None:  # append what was said and line the row up, or end the episode
         if status == "agent" and not append_delta(r.ep, tok, cfg.max_context):
@@ -622,13 +642,22 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users) -> 
         else:
             _finish(r, status)
 
+    def ask(rows: list[_Row]) -> None:  # rows whose turn went to the user
+        if local:  # a user that answers at once (scripted) or computes on this device (hf): here, in one call
+            for r, (reply, seconds) in zip(rows, asyncio.run(_ask_all(user_sim, rows))):
+                rejoin(r, _take_reply(r, reply, seconds, cfg))
+        else:
+            for r in rows:
+                waiting[users.submit(_ask(user_sim, r))] = r
+
     while live or waiting:
-        if not live:  # every episode waits on its user: wait for the first reply (all, for synchronous turns)
+        if not live:  # every episode waits on its user or tools: wait for the first (all, for synchronous turns)
             users.wait(list(waiting), first=cfg.refill_below > 0)
         else:
             # Continuous batching: the batch decodes until half its rows have ended their turn (refill_below), or
             # until enough replies have arrived to be worth re-stacking for; the rows that ended run their tools
-            # here and rejoin, or wait for their user's reply, which is on its way while the next batches decode.
+            # here (in the user thread when the environment says its tools are slow) and rejoin, or wait for their
+            # user's reply, which is on its way while the next batches decode.
             n = cfg.max_batch or len(live)
             batch, rest = live[:n], live[n:]
             generate_turn(model, batch, cfg, stops, ready=(lambda: len(rest) + sum(f.done() for f in waiting))
@@ -636,26 +665,40 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users) -> 
             live = [r for r in batch if not r.stop] + rest  # those parked mid-turn first, then those in line
             to_user = []
             for r in (r for r in batch if r.stop):
-                status = agent_turn(r.ep, r.session, tok, r.new_ids, r.new_logprobs, r.stop, cfg.max_turns)
+                if slow_tools and r.stop == "eot":
+                    waiting[users.submit(_tools(r, record_turn(r.ep, tok, r.new_ids, r.new_logprobs, r.stop)))] = r
+                    status = "tools"
+                else:
+                    status = agent_turn(r.ep, r.session, tok, r.new_ids, r.new_logprobs, r.stop, cfg.max_turns)
                 if not cfg.reuse_cache:
                     r.kv = None  # the next turn re-encodes the whole conversation
                 if status == "user":
                     to_user.append(r)
+                elif status != "tools":
+                    rejoin(r, status)
+            ask(to_user)
+            if cfg.refill_below == 0 and waiting:  # synchronous turns: the next batch starts when all are back
+                users.wait(list(waiting), first=False)
+        to_user = []
+        for f in [f for f in waiting if f.done()]:  # replies and tool results that arrived, in the order asked
+            r = waiting.pop(f)
+            kind, *out = f.result()
+            if kind == "tools":
+                status = after_tools(r.ep, out[0], cfg.max_turns)
+                if status == "user":
+                    to_user.append(r)
                 else:
                     rejoin(r, status)
-            if users is None:  # a user that answers at once (scripted) or computes on this device (hf): here
-                for r, (reply, seconds) in zip(to_user, asyncio.run(_ask_all(user_sim, to_user))):
-                    rejoin(r, _take_reply(r, reply, cfg, seconds))
             else:
-                for r in to_user:
-                    waiting[users.submit(_ask(user_sim, r))] = r
-                if cfg.refill_below == 0:  # synchronous turns: the next batch starts when every reply is in
-                    users.wait(list(waiting), first=False)
-        for f in [f for f in waiting if f.done()]:  # replies that arrived: in the order they were asked
-            r = waiting.pop(f)
-            reply, seconds = f.result()
-            rejoin(r, _take_reply(r, reply, cfg, seconds))
+                rejoin(r, _take_reply(r, *out, cfg))
+        ask(to_user)
     return [r.ep for r in rows]
+
+
+async def _tools(r: _Row, text: str) -> tuple:
+    """One episode's tool calls (an environment with slow_tools: a remote service), in a worker thread of the user
+    thread's loop so that the loop keeps serving the other requests; the decoding thread appends the results."""
+    return "tools", await asyncio.to_thread(run_tool_calls, r.ep, r.session, text)
 
 
 async def _ask(user_sim, r: _Row) -> tuple:
@@ -664,7 +707,7 @@ async def _ask(user_sim, r: _Row) -> tuple:
     episode's session); the episode's tokens and messages are written back in the decoding thread."""
     t0 = time.perf_counter()
     reply = (await user_sim.replies([r.user], [r.ep.messages]))[0]
-    return reply, time.perf_counter() - t0
+    return "user", reply, time.perf_counter() - t0
 
 
 async def _ask_all(user_sim, rows: list[_Row]) -> list[tuple]:
@@ -678,7 +721,7 @@ async def _gather(*coros) -> list:
     return list(await asyncio.gather(*coros, return_exceptions=True))
 
 
-def _take_reply(r: _Row, reply, cfg: RolloutConfig, seconds: float) -> str:
+def _take_reply(r: _Row, reply, seconds: float, cfg: RolloutConfig) -> str:
     """Put the user's reply into the episode; returns what follows ("agent", or why the episode ends)."""
     r.ep.user_seconds.append(round(seconds, 4))
     r.ep.user_retries = (r.ep.user_retries - r.retries_seen) + retries_of(r.user)  # the opening's stay counted

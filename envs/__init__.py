@@ -94,6 +94,8 @@ class EnvSession(Protocol):
 
 class Environment(Protocol):
     name: str
+    # Optional: slow_tools = True when a tool call takes time (a remote service): the rollout then runs tool calls
+    # from its user thread while other episodes decode, instead of between decoding batches. Default False.
 
     def tasks(self, split: str) -> list[Task]:
         """Tasks of a split ("train", "test", ...). Raises ValueError naming the known splits."""

@@ -321,6 +321,40 @@ def test_a_user_failing_mid_way_ends_only_its_episodes(lm, tiny_tok):
             assert (a.input_ids, a.termination, a.reward) == (b.input_ids, b.termination, b.reward)
 
 
+def test_slow_tools_run_while_the_others_decode(lm, tiny_tok, monkeypatch):
+    """An environment whose tools are slow (slow_tools = True; here task t0's tool step takes 0.3 s a turn, whether
+    or not the turn called a tool) has them run from the user thread: the other episodes decode meanwhile, and the
+    greedy episodes are exactly the plain environment's."""
+    import time
+
+    import rollout as R
+
+    env = FakeEnv(n_tasks=3)
+    want = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), GREEDY)
+    spans, real = [], R.run_tool_calls
+
+    def slow(ep, session, text):
+        t0 = time.perf_counter()
+        if ep.task_id == "t0":
+            time.sleep(0.3)
+        out = real(ep, session, text)
+        spans.append((ep.task_id, t0, time.perf_counter()))
+        return out
+
+    monkeypatch.setattr(R, "run_tool_calls", slow)
+    env.slow_tools = True
+    times, handle = _decode_times(lm)
+    try:
+        got = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), GREEDY)
+    finally:
+        handle.remove()
+    assert [e.input_ids for e in got] == [e.input_ids for e in want]
+    assert [(e.termination, e.reward, e.turns) for e in got] == [(e.termination, e.reward, e.turns) for e in want]
+    slow_spans = [(a, b) for tid, a, b in spans if tid == "t0"]
+    assert len(slow_spans) >= 4
+    assert sum(any(a < t < b for t in times) for a, b in slow_spans) >= len(slow_spans) // 2
+
+
 def test_sampled_episodes_do_not_depend_on_batching(lm, tiny_tok):
     """Each episode samples from its own generator (rollout.episode_seed): the same seed gives the same sampled
     episodes whether all decode together, one at a time or four at a time, and with a user whose latency varies by
