@@ -660,7 +660,9 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users) -> 
             # user's reply, which is on its way while the next batches decode.
             n = cfg.max_batch or len(live)
             batch, rest = live[:n], live[n:]
-            generate_turn(model, batch, cfg, stops, ready=(lambda: len(rest) + sum(f.done() for f in waiting))
+            # (rows in line for a place, `rest`, are not counted: re-stacking for them would move the caches of the
+            # rows still decoding through host memory under park_device, at every turn's end)
+            generate_turn(model, batch, cfg, stops, ready=(lambda: sum(f.done() for f in waiting))
                           if users is not None else None)
             live = [r for r in batch if not r.stop] + rest  # those parked mid-turn first, then those in line
             to_user = []
