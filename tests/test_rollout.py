@@ -415,6 +415,30 @@ def test_a_failing_user_thread_leaves_nothing_behind(lm, tiny_tok):
     assert not [t for t in threading.enumerate() if t.name == "muarl-users"]
 
 
+def test_ctrl_c_while_replies_are_on_their_way(lm, tiny_tok):
+    """Ctrl-C (KeyboardInterrupt) in the decoding thread while a slow user's replies are on their way: the rollout
+    stops at once, cancels the requests, leaves no user thread behind and puts the model back in training mode."""
+    import os
+    import signal
+    import threading
+    import time
+
+    env = FakeEnv(n_tasks=3)
+    lm.train()
+    timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
+    t0 = time.perf_counter()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            rollout(lm, tiny_tok, env, env.tasks(), 2, LaggingUser(lambda tid, k: 30.0), GREEDY)
+    finally:
+        timer.cancel()
+    assert time.perf_counter() - t0 < 20  # not the 30 s a reply would take
+    assert lm.training
+    lm.eval()
+    assert not [t for t in threading.enumerate() if t.name == "muarl-users"]
+
+
 def test_a_groups_opening_is_prefilled_once(lm, tiny_tok, monkeypatch):
     """The G episodes of a task share their opening's cache: the opening prefill has one row per task, not per
     episode, and its tokens are each task's opening once; the greedy episodes are still the reference's."""
