@@ -14,6 +14,7 @@ import grpo
 import muarl
 import sft
 from conftest import ends_turns
+from envs.users import GREETING
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,6 +66,37 @@ def test_grpo_moves_every_parameter_and_logs(tmp_path, ckpt, start_lm):
     assert json.loads((ck / "model" / "muarl_config.json").read_text())["grpo"]["group_size"] == 4
     episodes = [json.loads(line) for line in open(tmp_path / "run" / "episodes.jsonl")]
     assert episodes and episodes[0]["messages"][0]["role"] == "system"
+
+
+def test_grpo_with_a_slow_flaky_user_endpoint_logs_its_latency_and_retries(tmp_path, ckpt, capsys):
+    """GRPO against a real OpenAI-compatible endpoint (a local HTTP server) whose replies take 0.3 s and whose first
+    reply request fails with a 500: the step's metrics carry the user's latency and the retry, and the console line
+    shows them."""
+    import time
+
+    from conftest import ChatServer
+
+    failed = []
+
+    def script(body, n):
+        if body["messages"][-1]["content"] == GREETING:  # an opening: at once
+            return 200, {"content": "Hello, I need help."}
+        time.sleep(0.3)
+        if not failed:
+            failed.append(n)
+            return 500, {}
+        return 200, {"content": "Thanks, that is all. ###STOP###"}
+
+    server = ChatServer(script)
+    try:
+        grpo.main(grpo_args(ckpt, tmp_path / "run", "--user-sim", "openai", "--user-base-url", server.url,
+                            "--user-model", "sim"))
+    finally:
+        server.close()
+    rows = metrics(tmp_path / "run")
+    assert rows[0]["user_retries"] + rows[1]["user_retries"] == 1
+    assert all(0.3 <= r["user_latency_s_mean"] <= r["user_latency_s_max"] for r in rows)
+    assert "retries" in capsys.readouterr().out  # the console line shows a slow or flaky user
 
 
 def test_step_metrics_average_the_rewards_checks():
