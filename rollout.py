@@ -577,10 +577,10 @@ def rollout(model, tokenizer, env, tasks: list, group_size: int, user_sim, cfg: 
     # A user simulator that answers at once (scripted) or on this device (hf) is asked between decoding batches, in
     # this thread; any other (an LLM endpoint) from a thread of its own, so that decoding goes on while it answers,
     # and so are the tools of an environment that says they are slow (env.slow_tools: a remote service).
-    slow = getattr(user_sim, "local", False) is False or getattr(env, "slow_tools", False)
-    users = _UserThread(user_sim) if slow else None
+    local, slow_tools = getattr(user_sim, "local", False), getattr(env, "slow_tools", False)
+    users = None if local and not slow_tools else _UserThread(user_sim)
     try:
-        return _rollout(model, tokenizer, env, tasks, group_size, user_sim, cfg, seed, users)
+        return _rollout(model, tokenizer, env, tasks, group_size, user_sim, cfg, seed, users, local, slow_tools)
     finally:
         try:
             if users is not None:
@@ -589,7 +589,7 @@ def rollout(model, tokenizer, env, tasks: list, group_size: int, user_sim, cfg: 
             model.train(was_training)
 
 
-def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users) -> list[Episode]:
+def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, local, slow_tools) -> list[Episode]:
     stops = stop_token_ids(model, tok)
     run = (lambda coro: users.submit(coro).result()) if users is not None else asyncio.run
     # The first user message is generated once per task and shared by its group: the G episodes differ only by
@@ -631,8 +631,6 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users) -> 
     _prefill_openings(model, [g for g in groups if g], cfg, stops[0])
     live = [r for r in rows if not r.ep.termination]
     waiting: dict[concurrent.futures.Future, _Row] = {}  # rows whose tools or user reply are on their way
-    slow_tools = getattr(env, "slow_tools", False)
-    local = users is None or getattr(user_sim, "local", False)  # users: the thread, for the user or slow tools
 
     def rejoin(r: _Row, status: str) -> None:  # append what was said and line the row up, or end the episode
         if status == "agent" and not append_delta(r.ep, tok, cfg.max_context):
@@ -726,8 +724,9 @@ async def _gather(*coros) -> list:
 def _take_reply(r: _Row, reply, seconds: float, cfg: RolloutConfig) -> str:
     """Put the user's reply into the episode; returns what follows ("agent", or why the episode ends)."""
     r.ep.user_seconds.append(round(seconds, 4))
-    r.ep.user_retries = (r.ep.user_retries - r.retries_seen) + retries_of(r.user)  # the opening's stay counted
-    r.retries_seen = retries_of(r.user)
+    retried = retries_of(r.user)  # the episode's count so far; ep.user_retries also holds its opening's
+    r.ep.user_retries += retried - r.retries_seen
+    r.retries_seen = retried
     if isinstance(reply, UserSimError):
         log.warning("user simulator failed for task %s: %s", r.ep.task_id, reply)
         r.ep.reward_info = {"error": str(reply)}
