@@ -98,7 +98,7 @@ def step_cost(model, batch: int, context: int, steps: int = 30) -> float:
     device at all (on a small CPU a step's cost grows with the batch; on a GPU it stays nearly flat)."""
     from transformers.cache_utils import Cache
 
-    from rollout import _BufferLayer
+    from engine import _BufferLayer
 
     c = model.config
     kv = lambda: torch.randn(batch, c.num_key_value_heads, context + steps + 8, c.head_dim, device=model.device)

@@ -5,7 +5,8 @@
     cli.py     the entry points' plumbing: config dataclass as command line, Accelerator, atomic JSON
     shard.py   how the model is spread over GPUs: backends refused, the rollout's gathered weights, memory
     muarl.py   the floor of the agent's side: Episode, tokenization, tool-call format, model loading
-    rollout.py the agent playing episodes (reference and fast engine)
+    engine.py  batched decoding with each episode's KV cache kept across turns (torch and transformers only)
+    rollout.py the agent playing episodes: the reference, and the episode loop over the engine
     sft.py, eval.py    cold start and evaluation, on the rollout
     metrics.py the names and meanings of what a run logs, and how micro-batches and processes combine them
     checkpoints.py     model directories and a GRPO run's checkpoints and directory (save, find, load, resume)
@@ -23,7 +24,8 @@ ALLOWED = {  # module -> the project modules it may import
     "loss": set(),
     "cli": set(),
     "muarl": {"envs", "cli"},
-    "rollout": {"envs", "muarl"},
+    "engine": set(),
+    "rollout": {"envs", "muarl", "engine"},
     "sft": {"envs", "cli", "muarl", "loss", "rollout", "shard", "checkpoints"},
     "eval": {"envs", "cli", "muarl", "rollout", "shard"},
     "shard": {"cli"},

@@ -376,10 +376,10 @@ def test_sampled_episodes_do_not_depend_on_batching(lm, tiny_tok):
 
 
 def test_the_sampler_draws_from_the_truncated_distribution():
-    """rollout._sample (Gumbel-max over log p, the tokens outside top_p masked): the drawn frequencies are the
+    """engine._sample (Gumbel-max over log p, the tokens outside top_p masked): the drawn frequencies are the
     top_p-truncated, renormalized distribution, no token outside it is ever drawn, the recorded logprob is the full
     tempered one; per-row generators give each row its own draws."""
-    from rollout import _sample
+    from engine import _sample
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0]).repeat(40000, 1)
     cfg = RolloutConfig(temperature=0.8, top_p=0.8)
@@ -442,11 +442,11 @@ def test_ctrl_c_while_replies_are_on_their_way(lm, tiny_tok):
 def test_a_groups_opening_is_prefilled_once(lm, tiny_tok, monkeypatch):
     """The G episodes of a task share their opening's cache: the opening prefill has one row per task, not per
     episode, and its tokens are each task's opening once; the greedy episodes are still the reference's."""
-    import rollout as R
+    import engine
 
     calls = []
-    real = R._prefill
-    monkeypatch.setattr(R, "_prefill", lambda model, rows, pending, *a, **k: (
+    real = engine._prefill
+    monkeypatch.setattr(engine, "_prefill", lambda model, rows, pending, *a, **k: (
         calls.append([len(p) for p in pending]), real(model, rows, pending, *a, **k))[1])
     env = FakeEnv(n_tasks=3)
     eps = rollout(lm, tiny_tok, env, env.tasks(), 4, make_user_sim("scripted"), GREEDY)
@@ -701,7 +701,7 @@ def test_openai_user_sim_as_text_level_user_for_play():
 
 def test_buffer_cache_keeps_rows_and_drops_padding():
     """The decode cache's row removal (rows fill holes in place) and left trim equal plain indexing and slicing."""
-    from rollout import _BufferLayer, _fill_holes
+    from engine import _BufferLayer, _fill_holes
 
     keys, values = torch.randn(6, 2, 10, 4), torch.randn(6, 2, 10, 4)
     for done in ([1], [0, 5], [2, 3, 4], [5], [0, 1, 2, 3, 4]):
@@ -722,7 +722,7 @@ def test_stacking_releases_each_parked_layer_as_it_goes(tiny_lm, monkeypatch):
     """The decode batch's buffers and the rows' parked copies are never both held whole (the first GPU review: a
     peak of about twice the KV term of the estimate): each row's copy of a layer is freed once it is in the buffer,
     so when the last layer's buffer is allocated only that layer's copies are still alive."""
-    import rollout as engine
+    import engine
 
     cfg = tiny_lm.config
     layers, heads, dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim

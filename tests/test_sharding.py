@@ -218,7 +218,7 @@ def test_kv_bytes_per_token_from_config(tiny_lm):
 
 def test_kv_cache_in_the_compute_dtype(tiny_lm):
     """Under bf16 autocast the rollout's cache is bf16 (half the memory), though the weights are fp32 masters."""
-    from rollout import _Row, _stack_cache
+    from engine import _Row, _stack_cache
     from muarl import Episode
 
     rows = [_Row(Episode(task_id="t"), None, None)]
