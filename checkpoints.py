@@ -1,8 +1,9 @@
 """checkpoints.py: checkpoints and run directories, written so that a run can be resumed exactly and nothing a user
 had is lost. sft.py and grpo.py use it.
 
-    save_pretrained  a Hugging Face model directory (weights, tokenizer, the run's config), written beside its
-           target and renamed; never over files that are not a checkpoint's (check_out refuses them at start)
+    save_pretrained  a Hugging Face model directory (weights, tokenizer, the run's config; LoRA adapters in PEFT's
+           format), written beside its target and renamed; never over files that are not a checkpoint's (check_out
+           refuses them at start)
     claim  the run directory, checked at start: a new one, or an existing run only with --resume or --overwrite
     open_run  once the run has loaded: --overwrite removes only the files a run writes; --resume cuts the logs back
            to the resumed step and records what it changed; config.json
@@ -20,6 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import cli
+import lora
 import shard
 
 
@@ -27,7 +29,8 @@ import shard
 # deleted when a checkpoint is replaced.
 CHECKPOINT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "config.json",
                     "generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
-                    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "muarl_config.json")
+                    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "muarl_config.json",
+                    "adapter_config.json")
 
 
 def not_checkpoint_files(out: Path) -> list[str]:
@@ -70,7 +73,12 @@ def save_pretrained(acc, model, tok, out: Path, run_config: dict) -> None:
     error = [None]
     if acc.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
-        acc.unwrap_model(model).save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        unwrapped = acc.unwrap_model(model)
+        if lora.is_adapted(unwrapped):  # the adapters only, in PEFT's format (PeftModel.from_pretrained loads them)
+            unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True, save_embedding_layers=False)
+            (tmp / "README.md").unlink(missing_ok=True)  # peft's generated model card: not a file a checkpoint keeps
+        else:
+            unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True)
         tok.save_pretrained(tmp)
         cli.write_json_atomic(tmp / "muarl_config.json", run_config)
         other = not_checkpoint_files(out) if out.is_dir() else []

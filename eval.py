@@ -25,7 +25,9 @@ from math import comb
 from pathlib import Path
 
 import cli
+import lora
 import muarl
+import shard
 from rollout import user_sim_options  # noqa: F401  (re-exported: it was defined here)
 
 
@@ -85,6 +87,9 @@ class EvalConfig:
     """seconds a process waits for the others (they finish their episodes at different times) before it stops"""
     plot: str = ""
     """draw a grpo.py run directory's learning curves (RUN_DIR/curves.png, from its metrics.jsonl) and exit"""
+    merge_lora: str = ""
+    """write the --agent adapter checkpoint (--lora-rank) merged into its base to this directory (a full model with
+    its tokenizer, for serving or another start) and exit"""
 
 
 def pass_hat_k(successes: int, trials: int, k: int) -> float:
@@ -281,6 +286,27 @@ def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
     return out
 
 
+def merge_adapters(agent: str, out: str) -> Path:
+    """An adapter checkpoint folded into its base (W + scale x B A, in fp32), saved as a full model in the base's own
+    dtype (bf16 for Qwen3) with the tokenizer; `out` is refused when it holds anything (nothing is overwritten)."""
+    import torch
+
+    import checkpoints
+
+    if not lora.is_adapter_dir(agent):
+        raise SystemExit(f"eval.py: --merge-lora: --agent {agent} is not an adapter checkpoint (no "
+                         f"{lora.ADAPTER_CONFIG}); it is a full model already")
+    checkpoints.check_out(out, overwrite=False, program="eval.py")
+    model, tok = muarl.load_model(agent, device="cpu", dtype=torch.float32)
+    merged = lora.merge(model)
+    stored = getattr(shard.read_config(lora.base_of(agent)) or merged.config, "dtype", None)
+    if stored in (torch.bfloat16, torch.float16, "bfloat16", "float16"):
+        merged = merged.to(getattr(torch, str(stored).removeprefix("torch.")))
+    checkpoints.save_pretrained(cli.make_accelerator(), merged, tok, Path(out),
+                                {"merged": {"adapters": str(Path(agent).resolve()), "base": lora.base_of(agent)}})
+    return Path(out)
+
+
 def main(argv=None):
     import torch
     from accelerate.utils import gather_object
@@ -294,6 +320,9 @@ def main(argv=None):
     if not cfg.agent:
         raise SystemExit("eval.py: --agent is required (a checkpoint directory, hub id, smollm2-135m or "
                          "openai:<model>)")
+    if cfg.merge_lora:
+        print(f"[eval] {cfg.agent} merged into its base: {merge_adapters(cfg.agent, cfg.merge_lora)}")
+        return
     if cfg.trials < 1:
         raise SystemExit("eval.py: --trials must be >= 1")
     if cfg.user_retries < 0 or not cfg.user_timeout > 0:
@@ -313,15 +342,13 @@ def main(argv=None):
     else:
         from rollout import RolloutConfig, check_max_context, make_user_sim, rollout
 
-        import shard
-
         mine = tasks[acc.process_index::acc.num_processes]
         live = len(mine) * cfg.trials
         decoding = min(live, cfg.rollout_batch or live)
         bf16 = muarl.default_dtype(acc.device) == torch.bfloat16  # load_model's default: bf16 on GPU, fp32 on CPU
         with cli.option_errors("eval.py: --agent"):
             muarl.check_local(cfg.agent)
-            config = shard.read_config(cfg.agent)
+            config = shard.read_config(lora.base_of(cfg.agent) if lora.is_adapter_dir(cfg.agent) else cfg.agent)
             if config is not None:  # before loading: weights and the decoding episodes' KV cache
                 shard.check_memory(config, world=acc.num_processes, sharded=False, bf16=bf16, reference=False,
                                    max_context=cfg.max_context, episodes=decoding, device=acc.device,

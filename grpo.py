@@ -27,6 +27,7 @@ import torch
 
 import checkpoints
 import cli
+import lora
 import metrics
 import muarl
 import shard
@@ -129,6 +130,18 @@ class Config:
     freeze: str = ""
     """regular expression: parameters whose name it matches are not trained (e.g. 'embed_tokens': the embeddings,
     and with them a tied output layer); '' trains all"""
+    lora_rank: int = 0
+    """LoRA: train adapters of this rank on --lora-target-modules, the start model frozen in the compute dtype (bf16
+    with --bf16); the reference is then the policy with its adapters switched off, no second copy (lora.py). 0: train
+    the whole model"""
+    lora_alpha: float = 0.0
+    """LoRA scale: an adapter's output is multiplied by alpha / rank (0: alpha = 2 x rank)"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' inputs while training (not while sampling: above 0 the trainer's log-probs differ
+    from the sampler's, and logprob_gap shows it)"""
+    lora_target_modules: str = lora.DEFAULT_TARGETS
+    """layers that get adapters, by the last part of their name, comma-separated (default: the attention and MLP
+    projections of Llama/Qwen-style models)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (long contexts)"""
     seed: int = 0
@@ -237,6 +250,9 @@ def validate(cfg: Config, world: int) -> None:
     if cfg.model == "tiny" and not cfg.init_from and not cfg.resume and cfg.env.split(":")[0] != "shop":
         bad("env", f"{cfg.env!r} with the 'tiny' model needs a cold-start checkpoint (--init-from): the embedded cold "
                    "start and the tiny base are made on 'shop' only")
+    lora.check_options(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules, "grpo.py")
+    if cfg.lora_rank and cfg.freeze:
+        bad("freeze", "with --lora-rank only the adapters train already; drop --freeze")
     if cfg.bf16 and not torch.cuda.is_available():
         bad("bf16", "needs a GPU (on this CPU bf16 decoding was measured slower; see bench/dtype.py)")
 
@@ -346,7 +362,8 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
             old = [token_logprobs(model, b[0], b[1], temperature=cfg.temperature) for b in batches]
     ref = [None] * len(batches)
     if ref_model is not None and cfg.kl_coef > 0:
-        with torch.no_grad(), acc.autocast():  # the policy's precision path (load_reference)
+        # The policy's precision path (load_reference); with LoRA the reference is the policy, its adapters off.
+        with torch.no_grad(), acc.autocast(), lora.adapters_off(ref_model):
             ref = [token_logprobs(ref_model, b[0], b[1], temperature=cfg.temperature) for b in batches]
         if shard.is_sharded(ref_model):  # no backward will reshard its root: free the gathered weights now
             ref_model.reshard()
@@ -408,6 +425,8 @@ def set_up(cfg: Config, resume_from: Path | None, changes: dict) -> SimpleNamesp
                                log_with=cfg.report_to or None)
     validate(cfg, acc.num_processes)
     shard.check_accelerator(acc)
+    if cfg.lora_rank:
+        lora.check_backend(acc)
     muarl.seed_everything(cfg.seed)
     run_dir = resume_from.parents[1] if resume_from else Path(
         cfg.out_dir or f"runs/grpo-{cfg.env.replace(':', '-')}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -447,7 +466,9 @@ def load_policy(run) -> None:
     """The policy (fp32 master weights: a bf16 AdamW step of lr 1e-6 rounds to nothing; --bf16 runs the forward
     passes under autocast), its optimizer and scheduler, prepared by Accelerate, and the frozen reference. Under
     FSDP2 the policy is loaded in host memory and sharded onto the GPUs by acc.prepare (under ZeRO-3 partitioned as
-    it loads); the reference after it, so that host memory holds one full model at a time (shard.load_device)."""
+    it loads); the reference after it, so that host memory holds one full model at a time (shard.load_device).
+    With --lora-rank: the start frozen in the compute dtype with fp32 adapters, and the reference is the policy with
+    the adapters off (an adapter checkpoint as the start is merged into its base first: lora.py)."""
     cfg, acc = run.cfg, run.acc
     start = cfg.init_from or cfg.model
     load_errors = cli.option_errors(f"grpo.py: {'--init-from' if cfg.init_from else '--model'}")
@@ -460,24 +481,33 @@ def load_policy(run) -> None:
         per_process = cfg.tasks_per_step // acc.num_processes * cfg.group_size
         live = max(per_process, -(-cfg.eval_tasks // acc.num_processes))
         decoding = min(live, cfg.rollout_batch or live)
+        adapters = lora.adapter_params(shard.meta_model(config), cfg.lora_rank, cfg.lora_target_modules)
         shard.check_memory(config, world=acc.num_processes, sharded=shard.shards_weights(acc),
-                           bf16=cfg.bf16, reference=cfg.kl_coef > 0, max_context=cfg.max_context,
-                           episodes=decoding, parked=live - decoding if acc.device.type != "cpu" else 0,
-                           device=acc.device, check=cfg.memory_check,
-                           prefill_tokens=RolloutConfig.prefill_tokens)
+                           bf16=cfg.bf16, reference=cfg.kl_coef > 0 and not cfg.lora_rank,
+                           max_context=cfg.max_context, episodes=decoding,
+                           parked=live - decoding if acc.device.type != "cpu" else 0, device=acc.device,
+                           check=cfg.memory_check, prefill_tokens=RolloutConfig.prefill_tokens, lora=adapters)
     config = shard.read_config(start)  # before loading, when the start names a config (directory, hub id)
     if config is not None:
         check_memory(config)
     # flash-attn only where the forward runs in bf16 (--bf16's autocast): it refuses fp32 inputs
     load_on = shard.load_device(acc)
-    attn = muarl.attention_implementation(acc.device, torch.bfloat16 if cfg.bf16 else torch.float32)
+    compute = torch.bfloat16 if cfg.bf16 else torch.float32
+    attn = muarl.attention_implementation(acc.device, compute)
     with load_errors:
-        model, run.tok = muarl.load_model(start, device=load_on, seed=cfg.seed, dtype=torch.float32,
-                                          attn_implementation=attn)
+        model, run.tok = muarl.load_model(start, device=load_on, seed=cfg.seed, attn_implementation=attn,
+                                          dtype=compute if cfg.lora_rank else torch.float32, merge_adapters=True)
     if config is None:
         check_memory(model.config)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+        if cfg.lora_rank:  # the frozen embeddings' output must require grad for the checkpointed layers' backward
+            model.enable_input_require_grads()
+    if cfg.lora_rank:
+        model = lora.add_adapters(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                                  targets=cfg.lora_target_modules, base=start, program="grpo.py")
+        acc.print(f"[grpo] --lora-rank {cfg.lora_rank}: {lora.describe(model)}; the reference is the policy with "
+                  "its adapters off")
     if cfg.freeze:
         frozen = freeze(model, cfg.freeze)
         acc.print(f"[grpo] --freeze {cfg.freeze!r}: {frozen:,} of {sum(p.numel() for p in model.parameters()):,} "
@@ -491,11 +521,15 @@ def load_policy(run) -> None:
     shard.configure_deepspeed(acc, micro_batch_size=cfg.micro_batch_size, grad_clip=cfg.grad_clip)
     run.model, run.opt = acc.prepare(model, opt)
     shard.expose_head(run.model)
-    run.ref = load_reference(start, load_on, cfg.seed, attn) if cfg.kl_coef > 0 else None
-    if run.ref is not None and shard.is_sharded(run.model):
-        shard.shard_like(run.ref, run.model, param_dtype=torch.bfloat16 if cfg.bf16 else None)
-    elif run.ref is not None and shard.is_deepspeed(run.model):
-        run.ref = shard.deepspeed_reference(run.ref, acc.state.deepspeed_plugin.deepspeed_config)
+    if cfg.lora_rank:  # the reference is the policy itself, scored with its adapters off (train_on_episodes)
+        run.ref = acc.unwrap_model(run.model) if cfg.kl_coef > 0 else None
+        lora.checkpoint_hooks(acc)  # checkpoints hold the adapters, not the frozen base
+    else:
+        run.ref = load_reference(start, load_on, cfg.seed, attn) if cfg.kl_coef > 0 else None
+        if run.ref is not None and shard.is_sharded(run.model):
+            shard.shard_like(run.ref, run.model, param_dtype=torch.bfloat16 if cfg.bf16 else None)
+        elif run.ref is not None and shard.is_deepspeed(run.model):
+            run.ref = shard.deepspeed_reference(run.ref, acc.state.deepspeed_plugin.deepspeed_config)
     acc.register_for_checkpointing(run.sched)
 
 

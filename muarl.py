@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import lora
 # The entry points' plumbing moved to cli.py; re-exported for code that used it from here.
 from cli import (field_docs, main_print, make_accelerator, outside_zero3_init, parse_config,  # noqa: F401
                  write_json_atomic)
@@ -501,7 +502,7 @@ def check_local(name: str) -> Path | None:
     p = Path(name).expanduser()
     if not p.exists():
         raise SystemExit(f"{name}: no such directory (a local path, so it is not looked up on the hub)")
-    if not (p / "config.json").exists():
+    if not (p / "config.json").exists() and not lora.is_adapter_dir(p):
         inside = ", ".join(sorted(c.name for c in p.iterdir())[:8]) if p.is_dir() else "it is a file"
         raise SystemExit(f"{name}: not a model directory: no config.json ({inside or 'it is empty'})")
     return p
@@ -525,15 +526,29 @@ def load_tokenizer(name: str):
     return tok
 
 
-def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, seed: int = 0):
+def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, seed: int = 0,
+               merge_adapters: bool = False):
     """(model, tokenizer) for `tiny`, `smollm2-135m`, a local checkpoint directory, or a hub id (Qwen3 ...).
 
-    `tiny` is freshly initialized (seeded): it is meant to be trained from scratch on the small domain."""
+    `tiny` is freshly initialized (seeded): it is meant to be trained from scratch on the small domain.
+    An adapter checkpoint (lora.py; PEFT's format) is loaded on its base, in `dtype`, as a peft model that computes
+    what was trained; with merge_adapters, as a plain model with the adapters folded into the weights (a start for
+    training: grpo.py --init-from)."""
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
     attn = attn_implementation or attention_implementation(device, dtype)
+    if lora.is_adapter_dir(name):
+        base = lora.base_of(name)
+        try:
+            model, _ = load_model(base, device=device, dtype=dtype, attn_implementation=attn, seed=seed,
+                                  merge_adapters=True)
+        except SystemExit as e:
+            raise SystemExit(f"{name}: the base model of these adapters (adapter_config.json's "
+                             f"base_model_name_or_path) did not load: {e}") from None
+        model = lora.load(name, model)
+        return (lora.merge(model) if merge_adapters else model), load_tokenizer(name)
     tok = load_tokenizer(name)
     if name == "tiny":
         torch.manual_seed(seed)

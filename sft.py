@@ -28,6 +28,7 @@ import torch
 
 import checkpoints
 import cli
+import lora
 import muarl
 import shard
 from envs import OpenAIAgent
@@ -108,6 +109,15 @@ class SFTConfig:
     """bf16 mixed precision: fp32 master weights, forward passes under bf16 autocast (GPU)"""
     gradient_checkpointing: bool = False
     """trade compute for memory on long conversations"""
+    lora_rank: int = 0
+    """LoRA: train adapters of this rank, the model frozen in the compute dtype; the checkpoint holds the adapters
+    (PEFT's format), which grpo.py --init-from merges into the base (lora.py). 0: train the whole model"""
+    lora_alpha: float = 0.0
+    """LoRA scale: an adapter's output is multiplied by alpha / rank (0: alpha = 2 x rank)"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' inputs while training"""
+    lora_target_modules: str = lora.DEFAULT_TARGETS
+    """layers that get adapters, by the last part of their name, comma-separated"""
     seed: int = 0
     """seed for data order, initialization of 'tiny' and the teacher's episodes"""
     dist_timeout: float = 7200.0
@@ -440,24 +450,36 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     start = str(pretrain_tiny(cfg)) if cfg.model == "tiny" else cfg.model
     acc = accelerator or cli.make_accelerator(cfg.dist_timeout, mixed_precision="bf16" if cfg.bf16 else "no")
     check_backend(acc)
+    lora.check_options(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules, "sft.py")
+    if cfg.lora_rank:
+        lora.check_backend(acc, "sft.py")
     check_batch(cfg.batch_size, acc.num_processes)
     muarl.seed_everything(cfg.seed)
     # fp32 master weights, as grpo.main keeps the policy's; --bf16 runs the passes under autocast (fit). AdamW on
     # bf16 weights rounds a step of lr 5e-6 away for most weights (measured: 7.5% of them moved in 10 steps). The
     # checkpoint is saved in fp32 too: rounding it to bf16 would drop those small updates all the same.
-    # Under FSDP2 loaded in host memory and sharded onto the GPUs by acc.prepare (shard.load_device).
+    # Under FSDP2 loaded in host memory and sharded onto the GPUs by acc.prepare (shard.load_device). With LoRA the
+    # frozen model is in the compute dtype, the adapters in fp32 (lora.add_adapters).
+    compute = torch.bfloat16 if cfg.bf16 else torch.float32
     with cli.option_errors("sft.py: --model"):
-        model, tok = muarl.load_model(start, device=shard.load_device(acc), seed=cfg.seed, dtype=torch.float32,
-                                      attn_implementation=muarl.attention_implementation(
-                                          acc.device, torch.bfloat16 if cfg.bf16 else torch.float32))
+        model, tok = muarl.load_model(start, device=shard.load_device(acc), seed=cfg.seed, merge_adapters=True,
+                                      dtype=compute if cfg.lora_rank else torch.float32,
+                                      attn_implementation=muarl.attention_implementation(acc.device, compute))
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+        if cfg.lora_rank:
+            model.enable_input_require_grads()
+    if cfg.lora_rank:
+        model = lora.add_adapters(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                                  targets=cfg.lora_target_modules, base=start, program="sft.py")
+        acc.print(f"[sft] --lora-rank {cfg.lora_rank}: {lora.describe(model)}")
     max_len = length_limit(cfg, model)
     data, skipped = encode(tok, conversations, max_len)
     if not data:
         raise NothingFits(f"sft.py: --max-len: {nothing_fits(cfg, model, skipped)}")
     total = max(1, int(cfg.epochs * max(1, len(data) // cfg.batch_size)))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                            weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.warmup_steps, total))
     shard.configure_deepspeed(acc, micro_batch_size=cfg.micro_batch_size, grad_clip=cfg.grad_clip, program="sft.py")
     model, opt = acc.prepare(model, opt)

@@ -310,7 +310,7 @@ def plain(t):
 def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf16: bool = False,
                     reference: bool = True, kv_bytes_per_token: int = 0, max_context: int = 0,
                     episodes: int = 0, parked: int = 0, unit: int = 0, inference: bool = False,
-                    prefill: int = 0) -> dict:
+                    prefill: int = 0, lora: int = 0) -> dict:
     """Bytes per GPU, by what holds them, for a policy of n_params parameters trained with AdamW (or, with
     `inference`, only evaluated, as eval.py does: its weights in the compute dtype and the KV cache, nothing else).
 
@@ -321,6 +321,8 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
     parked: episodes one process keeps waiting in host memory (--rollout-batch below its episodes, on a GPU).
     unit: parameters of the largest piece sharding moves onto the GPU whole (largest_unit).
     prefill: activation bytes of one prefill forward (prefill_bytes), held during the rollout beside its KV cache.
+    lora: parameters of LoRA adapters (lora.adapter_params); then the base is frozen in the compute dtype (`weights`),
+      and master_weights, gradients and optimizer count the adapters only; no reference (the adapters switched off).
 
       weights         the full weights in the compute dtype, as the forward uses them: FSDP2 gathers them for the
                       rollout; DDP keeps them (in fp32 these are the master weights themselves, counted there;
@@ -355,6 +357,18 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
         est["peak"] = est["rollout_peak"]
         return est
     grads = 2 if (not sharded and world > 1) else 1  # DDP keeps its reduction buckets beside param.grad
+    if lora:  # the frozen base in the compute dtype, everything trained is the adapters' (DDP or one process)
+        kv, host_kv = kv_bytes_per_token * max_context * episodes, kv_bytes_per_token * max_context * parked
+        est = {"weights": n_params * compute, "master_weights": lora * 4, "gradients": grads * lora * 4,
+               "optimizer": lora * 8, "reference": 0, "kv_cache": kv, "prefill": prefill, "host_kv_cache": host_kv}
+        held = est["weights"] + est["master_weights"] + est["optimizer"] + (lora * 4 if grads == 2 else 0)
+        est["rollout_peak"] = held + kv + prefill
+        est["update_peak"] = held + lora * 4
+        est["load_peak"] = n_params * compute + lora * 4 * grads
+        est["host_load"] = n_params * compute
+        est["host_peak"] = max(est["host_load"], host_kv)
+        est["peak"] = max(est["rollout_peak"], est["update_peak"], est["load_peak"])
+        return est
     est = {
         "weights": n_params * compute if (sharded or bf16) else 0,
         "master_weights": n_params * 4 // shards,
@@ -429,7 +443,7 @@ def host_memory_bytes() -> int:
 
 def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bool, max_context: int,
                  episodes: int, device, check: bool = True, program: str = "grpo.py", parked: int = 0,
-                 inference: bool = False, prefill_tokens: int = 0) -> dict:
+                 inference: bool = False, prefill_tokens: int = 0, lora: int = 0) -> dict:
     """Print memory_estimate for this run; on a CUDA device, SystemExit when its peak exceeds the device's memory,
     or when what all processes on this machine hold in host memory at once exceeds it (unless check is False),
     naming the options that change it."""
@@ -437,10 +451,11 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
     est = memory_estimate(sum(p.numel() for p in shapes.parameters()), world=world, sharded=sharded, bf16=bf16,
                           reference=reference, kv_bytes_per_token=kv_bytes_per_token(config, bf16),
                           max_context=max_context, episodes=episodes, parked=parked, unit=largest_unit(shapes),
-                          inference=inference,
+                          inference=inference, lora=lora,
                           prefill=prefill_bytes(config, bf16, min(prefill_tokens or max_context * episodes,
                                                                   max_context * episodes), max_context))
     backend = f"sharded over {world}" if sharded else ("DDP" if world > 1 else "one process")
+    backend += f", LoRA adapters of {lora:,} parameters" if lora else ""
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"[{program.removesuffix('.py')}] estimated memory per GPU ({backend}): "
               + ", ".join(f"{k} {gib(v)}" for k, v in est.items()) + " (activations not counted)", flush=True)
@@ -458,7 +473,8 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
                 f"wait off the GPU at --max-context {max_context}, the worst case). Raise --rollout-batch (fewer "
                 "wait), lower --max-context or --tasks-per-step; --no-memory-check runs anyway.")
         raise SystemExit(
-            f"{program}: loading needs an estimated {need} of host memory per process (the whole model in fp32, "
+            f"{program}: loading needs an estimated {need} of host memory per process (the whole model in "
+            f"{'the compute dtype' if lora else 'fp32'}, "
             f"before it is moved to the GPU or sharded), {total} for the {local} on this machine, more than its "
             f"{gib(host)}. Run fewer processes per machine or a smaller model; --no-memory-check runs anyway.")
     have = torch.cuda.get_device_properties(device).total_memory
@@ -469,7 +485,8 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
             f"({backend}; the KV cache term, {gib(est['kv_cache'])}, assumes {episodes} decoding episodes per "
             f"process at --max-context {max_context}). Set --rollout-batch (episodes decoding at once; the "
             "others' caches wait in host memory), lower --max-context or --tasks-per-step, add GPUs, shard with "
-            "FSDP2 (fsdp_version 2), or set --kl-coef 0 (no reference); --no-memory-check runs anyway.")
+            "FSDP2 (fsdp_version 2), train LoRA adapters on a frozen base (--lora-rank, e.g. 64), or set "
+            "--kl-coef 0 (no reference); --no-memory-check runs anyway.")
     return est
 
 

@@ -165,3 +165,18 @@ def bf16_accelerator():
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def start_lm(tiny_tok, tiny_lm):
+    """tiny_lm ending its sampled turns early enough for dialogues to finish normally (and be scored)."""
+    return ends_turns(tiny_lm, tiny_tok)
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory, tiny_tok, start_lm):
+    """start_lm and the test tokenizer as a checkpoint directory (read only: the runs' --init-from)."""
+    path = tmp_path_factory.mktemp("init")
+    start_lm.save_pretrained(path)
+    tiny_tok.save_pretrained(path)
+    return path

@@ -10,20 +10,12 @@ import pytest
 import eval as evaluation
 import grpo
 import sft
-from conftest import ChatServer, ends_turns
+from conftest import ChatServer
 from envs.users import OpenAIUserSim, UserSimError
 from rollout import RolloutConfig, make_user_sim, rollout
 from tests.fake_env import FakeEnv
 
 GREEDY = RolloutConfig(greedy=True, max_new_tokens=64, max_turns=8)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory, tiny_tok, tiny_lm):
-    path = tmp_path_factory.mktemp("init")
-    ends_turns(tiny_lm, tiny_tok).save_pretrained(path)
-    tiny_tok.save_pretrained(path)
-    return path
 
 
 def grpo_args(ckpt, out, *extra):

@@ -4,6 +4,7 @@
     loss.py    the GRPO math, pure functions on tensors
     cli.py     the entry points' plumbing: config dataclass as command line, Accelerator, atomic JSON
     shard.py   how the model is spread over GPUs: backends refused, the rollout's gathered weights, memory
+    lora.py    LoRA adapters (peft): added, switched off for the reference, loaded, merged, checkpointed
     muarl.py   the floor of the agent's side: Episode, tokenization, tool-call format, model loading
     engine.py  batched decoding with each episode's KV cache kept across turns (torch and transformers only)
     rollout.py the agent playing episodes: the reference, and the episode loop over the engine
@@ -23,15 +24,16 @@ ALLOWED = {  # module -> the project modules it may import
     "envs": {"envs"},
     "loss": set(),
     "cli": set(),
-    "muarl": {"envs", "cli"},
+    "lora": set(),
+    "muarl": {"envs", "cli", "lora"},
     "engine": set(),
     "rollout": {"envs", "muarl", "engine"},
-    "sft": {"envs", "cli", "muarl", "loss", "rollout", "shard", "checkpoints"},
-    "eval": {"envs", "cli", "muarl", "rollout", "shard"},
+    "sft": {"envs", "cli", "muarl", "loss", "rollout", "shard", "checkpoints", "lora"},
+    "eval": {"envs", "cli", "muarl", "rollout", "shard", "checkpoints", "lora"},
     "shard": {"cli"},
     "metrics": set(),
-    "checkpoints": {"cli", "shard"},
-    "grpo": {"envs", "cli", "muarl", "loss", "rollout", "sft", "eval", "shard", "checkpoints", "metrics"},
+    "checkpoints": {"cli", "shard", "lora"},
+    "grpo": {"envs", "cli", "muarl", "loss", "rollout", "sft", "eval", "shard", "checkpoints", "metrics", "lora"},
 }
 
 

@@ -13,24 +13,9 @@ import eval as evaluation
 import grpo
 import muarl
 import sft
-from conftest import ends_turns
 from envs.users import GREETING
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def start_lm(tiny_tok, tiny_lm):
-    """A random model that ends its turns early enough for dialogues to finish normally (and be scored)."""
-    return ends_turns(tiny_lm, tiny_tok)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory, tiny_tok, start_lm):
-    path = tmp_path_factory.mktemp("init")
-    start_lm.save_pretrained(path)
-    tiny_tok.save_pretrained(path)
-    return path
 
 
 def grpo_args(ckpt, out, *extra):

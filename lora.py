@@ -1,0 +1,184 @@
+"""lora.py: LoRA adapters (the peft library) for grpo.py and sft.py, eval.py and muarl.load_model.
+
+With --lora-rank R the policy is its start model, frozen in the compute dtype (bf16 on a GPU), plus low-rank adapters
+on the target layers, trained in fp32. The frozen reference of the KL term is then the same network with its adapters
+switched off: no second copy of the weights, and kl is exactly 0 until the adapters move (a fresh adapter's B is 0).
+
+    add_adapters    wrap a loaded model in adapters (peft.get_peft_model): base frozen, adapters fp32; targets that
+                    match no layer are refused naming --lora-target-modules and showing the model's linear layers
+    adapters_off    the reference: the policy with its adapters disabled, for the span of a `with`
+    is_adapter_dir, load
+                    an adapter checkpoint (PEFT's format: adapter_config.json + adapter_model.safetensors, loadable
+                    with PeftModel.from_pretrained) on its base, itself any start: a model directory, a hub id, or
+                    another adapter checkpoint (merged)
+    merge           the adapters folded into the base weights: a plain model for serving (eval.py --merge-lora)
+    adapter_params  the parameters adapters add to a model of a given config (shard.memory_estimate)
+    check_backend   one process and DDP run LoRA; FSDP2 and DeepSpeed are refused at start, by name
+    checkpoint_hooks
+                    Accelerate's save_state keeps the adapters only (the base is on disk already: the run's start)
+
+Why the start is merged when it is an adapter checkpoint (grpo.py --init-from runs/sft-lora): the reference must be
+the starting policy, and "adapters off" must give it; so the cold start's adapters become part of the base, and
+GRPO trains new ones on top.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from pathlib import Path
+
+import torch
+
+# The attention and MLP projections of Llama/Qwen/Mistral-style decoders.
+DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def check_options(rank: int, alpha: float, dropout: float, targets: str, program: str) -> None:
+    """SystemExit naming the option when a --lora-* value cannot work."""
+    def bad(opt, why):
+        raise SystemExit(f"{program}: --lora-{opt}: {why}")
+    if rank < 0:
+        bad("rank", "must be >= 0 (0: no adapters, the whole model is trained)")
+    if alpha < 0:
+        bad("alpha", "must be >= 0 (0: twice the rank)")
+    if not 0 <= dropout < 1:
+        bad("dropout", "must be in [0, 1)")
+    if rank and not [t for t in targets.split(",") if t.strip()]:
+        bad("target-modules", "names no module (a comma-separated list of layer names, e.g. q_proj,v_proj)")
+
+
+def linear_names(model) -> list[str]:
+    """The distinct last names of the model's linear layers (what --lora-target-modules can name)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+
+
+def add_adapters(model, *, rank: int, alpha: float, dropout: float, targets: str, base: str,
+                 program: str = "grpo.py"):
+    """`model` wrapped in fresh LoRA adapters (a peft.PeftModel): only the adapters require grad; they are fp32
+    whatever the base's dtype (peft's autocast_adapter_dtype). `base` is what the adapters were trained on, recorded
+    in the checkpoint's adapter_config.json (a local path made absolute, so the checkpoint loads from anywhere)."""
+    from peft import LoraConfig, get_peft_model
+
+    wanted = [t.strip() for t in targets.split(",") if t.strip()]
+    # Matched on a module's last name (peft's rule for a list), checked here so the error can name the option.
+    hit = [n for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in wanted and isinstance(m, torch.nn.Linear)]
+    missing = sorted(set(wanted) - {n.rsplit(".", 1)[-1] for n in hit})
+    if not hit or missing:
+        raise SystemExit(f"{program}: --lora-target-modules: {', '.join(missing or wanted)} "
+                         f"match{'es' if len(missing or wanted) == 1 else ''} no linear layer of this model; its "
+                         f"linear layers are named: {', '.join(linear_names(model)[:12])}")
+    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=dropout, target_modules=wanted,
+                        bias="none", task_type="CAUSAL_LM")
+    model = get_peft_model(model, config, autocast_adapter_dtype=True)
+    for p in model.parameters():  # adapters in fp32 on a fp32 base too (peft casts only 16-bit bases)
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+    model.peft_config["default"].base_model_name_or_path = base_name(base)
+    return model
+
+
+def base_name(start: str) -> str:
+    """A start as a checkpoint should record it: a local directory as an absolute path, anything else as given."""
+    p = Path(start).expanduser()
+    return str(p.resolve()) if p.exists() else start
+
+
+def is_adapted(model) -> bool:
+    """Whether `model` (unwrapped) carries peft adapters."""
+    return callable(getattr(model, "disable_adapter", None)) and hasattr(model, "peft_config")
+
+
+def adapters_off(model):
+    """Context: `model` with its adapters disabled (the frozen reference), or `model` as it is when it has none."""
+    return model.disable_adapter() if is_adapted(model) else contextlib.nullcontext()
+
+
+def is_adapter_dir(name) -> bool:
+    return (Path(str(name)).expanduser() / ADAPTER_CONFIG).is_file()
+
+
+def base_of(path) -> str:
+    """The base an adapter checkpoint was trained on (its adapter_config.json's base_model_name_or_path)."""
+    cfg_file = Path(path) / ADAPTER_CONFIG
+    try:
+        base = json.loads(cfg_file.read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{cfg_file}: unreadable ({e.__class__.__name__}: {e})") from None
+    if not base:
+        raise SystemExit(f"{cfg_file}: names no base model (base_model_name_or_path); set it to the directory or hub "
+                         "id the adapters were trained on")
+    return base
+
+
+def load(path, base_model, trainable: bool = False):
+    """The adapter checkpoint at `path` on `base_model` (loaded by the caller from base_of(path))."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(base_model, str(path), is_trainable=trainable)
+
+
+def merge(model):
+    """A plain transformers model with the adapters folded into its weights (W + scale x B A)."""
+    return model.merge_and_unload() if is_adapted(model) else model
+
+
+def adapter_params(model, rank: int, targets: str = DEFAULT_TARGETS) -> int:
+    """Parameters the adapters add to `model` (shapes only: a meta model will do): rank x (in + out) for every
+    targeted linear layer."""
+    wanted = {t.strip() for t in targets.split(",") if t.strip()}
+    return sum(rank * (m.in_features + m.out_features) for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in wanted)
+
+
+def check_backend(acc, program: str = "grpo.py") -> None:
+    """LoRA runs on one process and under DDP. FSDP2 and DeepSpeed with adapters are not implemented (the rollout's
+    gathered weights, the reference with adapters off and the adapter-only checkpoints are written for a replicated
+    model): refused at start, naming the combination."""
+    kind = str(getattr(acc.distributed_type, "value", acc.distributed_type))
+    if kind in ("FSDP", "DEEPSPEED"):
+        name = "FSDP2" if kind == "FSDP" else "DeepSpeed"
+        raise SystemExit(f"{program}: --lora-rank with {name} is not supported: LoRA runs on one GPU or under DDP "
+                         "(multi-GPU), where the frozen base in bf16 and the adapters fit each GPU (e.g. Qwen3-8B at "
+                         "rank 64; the estimate is printed at start). Use DDP, or --lora-rank 0 to shard the full "
+                         f"model with {name}.")
+
+
+def trainable_names(model) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def checkpoint_hooks(acc) -> None:
+    """Make Accelerate's save_state/load_state hold the adapters only: the frozen base is the run's start, already on
+    disk, and would make each checkpoint the size of the model. Loading checks that the file holds exactly the
+    adapters, so a resume can never run on half-restored weights."""
+    def keep_adapters(models, weights, output_dir):
+        for k, model in enumerate(models):
+            wanted = set(trainable_names(model))
+            weights[k] = {n: t for n, t in weights[k].items() if n in wanted}
+
+    def load_adapters(models, input_dir):
+        from safetensors.torch import load_file
+
+        for k, model in enumerate(list(models)):
+            path = Path(input_dir) / ("model.safetensors" if k == 0 else f"model_{k}.safetensors")
+            state = load_file(str(path))
+            wanted = set(trainable_names(model))
+            if set(state) != wanted:
+                odd = sorted(set(state) ^ wanted)
+                raise SystemExit(f"{path}: holds other weights than this run's adapters ({', '.join(odd[:4])}, ...):"
+                                 " was it saved with other --lora-* settings?")
+            model.load_state_dict(state, strict=False)
+        models.clear()  # loaded here; Accelerate loads optimizer, scheduler and RNG states as usual
+
+    acc.register_save_state_pre_hook(keep_adapters)
+    acc.register_load_state_pre_hook(load_adapters)
+
+
+def describe(model) -> str:
+    """'N adapter parameters on M layers (x% of the model)' for the start-up line."""
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    layers = sum(1 for name, _ in model.named_modules() if re.search(r"\.lora_A$", name))
+    return f"{n:,} adapter parameters on {layers} layers ({100 * n / max(total, 1):.2f}% of {total:,})"

@@ -1,0 +1,247 @@
+"""LoRA adapters (--lora-rank, lora.py) end to end on the toy environment: only the adapters train (GRPO and SFT),
+the reference is the base with them off (kl exactly 0 at step 1), adapter checkpoints resume exactly, evaluate,
+start new runs and merge; bad options and backends are refused at start, by name. The two-process DDP test and
+the learning test with LoRA are in test_sharding.py and test_learning.py."""
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import eval as evaluation
+import grpo
+import lora
+import muarl
+import sft
+from envs import make_env
+from fake_env import choice_conversation
+from loss import token_logprobs
+from rollout import RolloutConfig, make_user_sim, rollout
+
+
+def lora_args(start, out, *extra):
+    return ["--init-from", str(start), "--env", "tests.fake_env:FakeEnv", "--steps", "2", "--tasks-per-step", "2",
+            "--group-size", "4", "--max-new-tokens", "48", "--max-context", "512", "--eval-tasks", "0",
+            "--lr", "1e-2", "--micro-batch-size", "3", "--temperature", "1.0", "--out-dir", str(out),
+            "--lora-rank", "4", *extra]
+
+
+def split(model):
+    """(the base's weights under the plain model's names, the adapters' weights) of a peft model."""
+    base, adapters = {}, {}
+    for name, t in model.get_base_model().state_dict().items():
+        if ".lora_" in name:
+            adapters[name] = t.detach().clone()
+        else:
+            base[name.replace(".base_layer", "")] = t.detach().clone()
+    return base, adapters
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, ckpt):
+    """A two-step GRPO run with adapters of rank 4 (kl coefficient 0.1, so the KL term weighs in the update)."""
+    out = tmp_path_factory.mktemp("lora") / "run"
+    res = grpo.main(lora_args(ckpt, out, "--kl-coef", "0.1"))
+    return SimpleNamespace(out=out, model=res.model, ckpt=out / "checkpoints" / "step-000002" / "model")
+
+
+def test_grpo_with_lora_trains_the_adapters_only(lora_run, start_lm):
+    base, adapters = split(lora_run.model)
+    start = {k: v for k, v in start_lm.state_dict().items()}
+    assert base.keys() == start.keys()
+    for name, w in start.items():  # the frozen base: bit-identical
+        assert torch.equal(w, base[name]), f"base weight {name} moved"
+    assert len(adapters) == 2 * 7 * 2  # A and B on 7 projections of 2 layers
+    for name, w in adapters.items():  # B starts at 0: each one moved (A: the next test)
+        if ".lora_B." in name:
+            assert w.abs().sum() > 0, f"{name} did not move"
+    assert all(p.dtype == torch.float32 for n, p in lora_run.model.named_parameters() if p.requires_grad)
+    rows = metrics(lora_run.out)
+    assert rows[0]["kl"] == 0.0  # the reference is the policy with its adapters off, and B = 0 at step 1
+    assert rows[1]["kl"] > 0
+    assert rows[0]["logprob_gap"] < 1e-4  # the rollout decodes with the adapters on, as the trainer scores
+
+
+def test_lora_adapters_that_got_a_gradient_moved(lora_run, ckpt):
+    """After step 2 every A moved too (its gradient is 0 at step 1, where B is 0): compared with the adapters a run
+    starts from (same seed, same init)."""
+    first = grpo.main(lora_args(ckpt, lora_run.out.parent / "one-step", "--kl-coef", "0.1", "--steps", "1",
+                                "--lr", "1e-12"))
+    _, start_adapters = split(first.model)
+    _, adapters = split(lora_run.model)
+    moved = [n for n in adapters if not torch.allclose(adapters[n], start_adapters[n], atol=1e-9, rtol=0)]
+    assert sorted(moved) == sorted(adapters), sorted(set(adapters) - set(moved))
+
+
+def test_lora_checkpoint_is_peft_format_and_small(lora_run, ckpt, start_lm):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    files = sorted(p.name for p in lora_run.ckpt.iterdir())
+    assert "adapter_config.json" in files and "adapter_model.safetensors" in files
+    assert "model.safetensors" not in files and "README.md" not in files
+    assert json.loads((lora_run.ckpt / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        str(ckpt.resolve())
+    # Accelerate's state holds the adapters only (the base is the run's start, on disk already).
+    state = load_file(str(lora_run.ckpt.parent / "accelerate" / "model.safetensors"))
+    assert state and all(".lora_" in k for k in state)
+    # Loadable with PEFT's own API on the base loaded separately.
+    from transformers import AutoModelForCausalLM
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt), str(lora_run.ckpt))
+    ours, theirs = split(lora_run.model)[1], split(loaded)[1]
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_lora_reference_is_the_base_loaded_separately(lora_run, ckpt, tiny_tok):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, len(tiny_tok), (3, 40), generator=g)
+    attn = torch.ones_like(ids)
+    attn[1, 30:] = 0
+    base, _ = muarl.load_model(str(ckpt), device="cpu", dtype=torch.float32)
+    model = lora_run.model
+    with torch.no_grad():
+        with lora.adapters_off(model):
+            ref = token_logprobs(model, ids, attn)
+        on = token_logprobs(model, ids, attn)
+        alone = token_logprobs(base, ids, attn)
+    assert torch.equal(ref * attn, alone * attn)
+    assert not torch.equal(on * attn, alone * attn)  # the adapters are back on after the `with`
+
+
+def test_lora_resume_continues_exactly(tmp_path, ckpt):
+    full = grpo.main(lora_args(ckpt, tmp_path / "a", "--steps", "4", "--save-every", "2"))
+    grpo.main(lora_args(ckpt, tmp_path / "b", "--steps", "2", "--save-every", "2"))
+    resumed = grpo.main(["--resume", str(tmp_path / "b"), "--steps", "4"])
+    a, b = full.model.state_dict(), resumed.model.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    la, lb = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert [r["loss"] for r in la] == [r["loss"] for r in lb]
+    assert [r["kl"] for r in la] == [r["kl"] for r in lb]
+
+
+def test_lora_state_of_other_settings_is_refused_on_load(lora_run, tmp_path):
+    """An Accelerate state whose file does not hold exactly this run's adapters stops the resume, naming the file."""
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    model = lora.add_adapters(muarl.load_model(str(lora_run.ckpt), device="cpu", merge_adapters=True)[0], rank=8,
+                              alpha=0, dropout=0.0, targets="q_proj", base="x")
+    model = acc.prepare(model)
+    lora.checkpoint_hooks(acc)
+    with pytest.raises(SystemExit, match="other weights than this run's adapters"):
+        acc.load_state(str(lora_run.ckpt.parent / "accelerate"))
+
+
+def test_eval_and_merge_an_adapter_checkpoint(lora_run, tmp_path, tiny_tok):
+    evaluation.main(["--agent", str(lora_run.ckpt), "--env", "tests.fake_env:FakeEnv", "--num-tasks", "3",
+                     "--max-new-tokens", "8", "--out-dir", str(tmp_path / "ev")])
+    assert json.loads((tmp_path / "ev" / "summary.json").read_text())["episodes"] == 3
+    out = tmp_path / "merged"
+    evaluation.main(["--agent", str(lora_run.ckpt), "--merge-lora", str(out)])
+    assert (out / "config.json").exists() and (out / "model.safetensors").exists()
+    assert not (out / "adapter_config.json").exists()
+    adapted, tok = muarl.load_model(str(lora_run.ckpt), device="cpu")
+    merged, _ = muarl.load_model(str(out), device="cpu")
+    assert lora.is_adapted(adapted) and not lora.is_adapted(merged)
+    env = make_env("tests.fake_env:FakeEnv")
+    greedy = RolloutConfig(greedy=True, max_new_tokens=24, max_context=512, max_turns=4)
+    a = rollout(adapted, tok, env, env.tasks("test")[:4], 1, make_user_sim("scripted"), greedy, seed=0)
+    b = rollout(merged, tok, env, env.tasks("test")[:4], 1, make_user_sim("scripted"), greedy, seed=0)
+    assert sum(len(e.input_ids) for e in a) > 4 * 40
+    assert [e.input_ids for e in a] == [e.input_ids for e in b]
+    with pytest.raises(SystemExit, match="holds a checkpoint|already holds"):  # never over what is there
+        evaluation.main(["--agent", str(lora_run.ckpt), "--merge-lora", str(out)])
+    with pytest.raises(SystemExit, match="not an adapter checkpoint"):
+        evaluation.main(["--agent", str(out), "--merge-lora", str(tmp_path / "again")])
+
+
+def test_grpo_from_an_adapter_checkpoint_starts_from_it_merged(lora_run, tmp_path):
+    """--init-from an adapter checkpoint: the start (and so the reference) is it merged into its base, and new
+    adapters train on top: kl 0 at step 1 again, and the base equals the checkpoint merged."""
+    res = grpo.main(lora_args(lora_run.ckpt, tmp_path / "run", "--steps", "1"))
+    assert metrics(tmp_path / "run")[0]["kl"] == 0.0
+    merged, _ = muarl.load_model(str(lora_run.ckpt), device="cpu", dtype=torch.float32, merge_adapters=True)
+    base, _ = split(res.model)
+    for name, w in merged.state_dict().items():
+        assert torch.equal(w, base[name]), name
+    new = json.loads((tmp_path / "run" / "checkpoints" / "step-000001" / "model" / "adapter_config.json").read_text())
+    assert new["base_model_name_or_path"] == str(lora_run.ckpt.resolve())
+    again, _ = muarl.load_model(str(tmp_path / "run" / "checkpoints" / "step-000001" / "model"), device="cpu")
+    assert lora.is_adapted(again)  # its base (adapters on their base) loads in turn
+
+
+def test_sft_with_lora_trains_the_adapters_only(tmp_path, ckpt, start_lm):
+    data = [choice_conversation("left") for _ in range(16)]
+    out = sft.train(sft.SFTConfig(model=str(ckpt), out=str(tmp_path / "sft"), epochs=4, batch_size=8, lr=1e-2,
+                                  lora_rank=4), data)
+    assert (out / "adapter_config.json").exists() and not (out / "model.safetensors").exists()
+    model, tok = muarl.load_model(str(out), device="cpu")
+    base, adapters = split(model)
+    for name, w in start_lm.state_dict().items():
+        assert torch.equal(w, base[name]), f"base weight {name} moved"
+    assert all(adapters[k].abs().sum() > 0 for k in adapters if ".lora_B." in k)
+    # It learned: the agent's tokens are likelier with the adapters than without.
+    ids, _, mask = muarl.collate(sft.encode(tok, data[:2], 4096)[0], tok.pad_token_id)
+    with torch.no_grad():
+        on = (token_logprobs(model, ids, (ids != -1).long()) * mask).sum()
+        with lora.adapters_off(model):
+            off = (token_logprobs(model, ids, (ids != -1).long()) * mask).sum()
+    assert on > off + 1.0
+    # SFT then GRPO with adapters, the paper's pipeline: GRPO starts from the cold start merged.
+    grpo.main(lora_args(out, tmp_path / "grpo", "--steps", "1"))
+    assert metrics(tmp_path / "grpo")[0]["kl"] == 0.0
+
+
+@pytest.mark.parametrize("argv, option, shown", [
+    (["--lora-target-modules", "qq_proj,v_proj"], "--lora-target-modules", "q_proj"),
+    (["--lora-rank", "-1"], "--lora-rank", "must be >= 0"),
+    (["--lora-dropout", "1.5"], "--lora-dropout", "[0, 1)"),
+    (["--freeze", "embed"], "--freeze", "only the adapters train"),
+])
+def test_bad_lora_options_fail_at_start_naming_them(tmp_path, ckpt, argv, option, shown):
+    with pytest.raises(SystemExit) as e:
+        grpo.main(lora_args(ckpt, tmp_path / "run", *argv))
+    assert option in str(e.value) and shown in str(e.value)
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+@pytest.mark.parametrize("kind, named", [("FSDP", "FSDP2"), ("DEEPSPEED", "DeepSpeed")])
+def test_lora_with_a_sharding_backend_is_refused_by_name(kind, named):
+    acc = SimpleNamespace(distributed_type=kind)
+    for program in ("grpo.py", "sft.py"):
+        with pytest.raises(SystemExit) as e:
+            lora.check_backend(acc, program)
+        assert f"{program}: --lora-rank with {named} is not supported" in str(e.value)
+    for fine in ("NO", "MULTI_GPU", "MULTI_CPU"):
+        lora.check_backend(SimpleNamespace(distributed_type=fine))
+
+
+def test_lora_memory_estimate_for_qwen3_8b_rank_64_on_one_80gb_gpu():
+    """The README's figure: Qwen3-8B's shape (the config written out: nothing downloaded) with adapters of rank 64 on
+    every projection, bf16, one process, 8 episodes decoding at the paper's 32k context (--recipe paper's
+    --rollout-batch 8). Full fine-tuning needs ~4x the GPU; with LoRA the peak fits one 80 GB GPU."""
+    from transformers import Qwen3Config
+
+    import shard
+
+    config = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+    meta = shard.meta_model(config)
+    n = sum(p.numel() for p in meta.parameters())
+    adapters = lora.adapter_params(meta, 64)
+    assert 8.1e9 < n < 8.3e9 and 170e6 < adapters < 180e6  # 174.6M: rank x (in + out) of 252 projections
+    kv = shard.kv_bytes_per_token(config, bf16=True)
+    common = dict(bf16=True, kv_bytes_per_token=kv, max_context=32768, episodes=8,
+                  prefill=shard.prefill_bytes(config, True, 8192, 32768))
+    with_lora = shard.memory_estimate(n, lora=adapters, reference=True, **common)
+    full = shard.memory_estimate(n, reference=True, **common)
+    print(f"Qwen3-8B rank 64: LoRA peak {shard.gib(with_lora['peak'])}, full {shard.gib(full['peak'])}")
+    assert with_lora["reference"] == 0 and with_lora["weights"] == 2 * n
+    assert with_lora["optimizer"] == 8 * adapters and with_lora["gradients"] == 4 * adapters
+    assert with_lora["peak"] < 75 * 2**30 < full["peak"]
