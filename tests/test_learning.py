@@ -2,8 +2,8 @@
 
 A tiny model is fine-tuned (sft.py) to pick the left door 30% of the time in ChoiceEnv (tests/fake_env.py), then
 trained by grpo.main itself (real rollout, real loss, real optimizer, one process) with reward 1 for `left`.
-The reward must rise above 0.8 within a few dozen steps; with the sign of the advantages flipped, the same run
-must not rise (it falls towards 0).
+The reward must rise above 0.8 within a few dozen steps (above 0.6 with LoRA adapters in place of full training);
+with the sign of the advantages flipped, the same run must not rise (it falls towards 0), with adapters too.
 
 lr 1e-3 with 5 warm-up steps: measured here, 2e-3 without warm-up collapses the 0.1M-parameter policy within a few
 steps (Adam's first steps move every weight by ~lr whatever its gradient) and 1e-4 does not move it in 30. A sign error, advantages given to the wrong episodes, or a loss mask on the
@@ -30,27 +30,35 @@ def start(tmp_path_factory, tiny_tok, tiny_lm):
     return sft.train(sft.SFTConfig(model=str(init), out=str(out), epochs=40, batch_size=8, lr=5e-3, seed=0), data)
 
 
-def run(start, out, monkeypatch=None, flip=False):
+# The same run with LoRA adapters of rank 8 on every projection, the base frozen (--lora-rank). Measured here over 30
+# steps: lr 3e-3 and 5e-3 climb to ~0.7 (the rest: turns that run past --max-new-tokens, which the frozen output layer
+# cannot sharpen away as the full run does), 1e-2 collapses at step 13 (81% truncated turns).
+LORA = ["--lora-rank", "8", "--lr", "5e-3"]
+
+
+def run(start, out, monkeypatch=None, flip=False, extra=()):
     if flip:  # the negative control: every advantage with the opposite sign
         real = grpo.group_advantages
         monkeypatch.setattr(grpo, "group_advantages", lambda *a, **k: -real(*a, **k))
     grpo.main(["--init-from", str(start), "--env", "tests.fake_env:ChoiceEnv", "--steps", str(STEPS),
                "--tasks-per-step", "4", "--group-size", "8", "--lr", "1e-3", "--warmup-steps", "5", "--max-new-tokens", "32",
                "--max-context", "640", "--max-turns", "4", "--eval-tasks", "0", "--save-every", "1000",
-               "--micro-batch-size", "16", "--temperature", "1.0", "--out-dir", str(out)])
+               "--micro-batch-size", "16", "--temperature", "1.0", "--out-dir", str(out), *extra])
     return [json.loads(line)["reward_mean"] for line in open(out / "metrics.jsonl")]
 
 
-def test_grpo_reward_climbs(start, tmp_path):
-    rewards = run(start, tmp_path / "run")
+@pytest.mark.parametrize("extra", [(), LORA], ids=["full", "lora"])
+def test_grpo_reward_climbs(start, tmp_path, extra):
+    rewards = run(start, tmp_path / "run", extra=extra)
     print("reward per step:", " ".join(f"{r:.2f}" for r in rewards))
     first, last = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
     assert 0.1 <= first <= 0.6, f"the starting policy should pick left 20-50% of the time, got {first:.2f}"
-    assert last > 0.8, f"GRPO did not learn the choice: reward {first:.2f} -> {last:.2f}"
+    assert last > (0.6 if extra else 0.8), f"GRPO did not learn the choice: reward {first:.2f} -> {last:.2f}"
 
 
-def test_grpo_with_flipped_advantages_does_not_climb(start, tmp_path, monkeypatch):
-    rewards = run(start, tmp_path / "run", monkeypatch, flip=True)
+@pytest.mark.parametrize("extra", [(), LORA], ids=["full", "lora"])
+def test_grpo_with_flipped_advantages_does_not_climb(start, tmp_path, monkeypatch, extra):
+    rewards = run(start, tmp_path / "run", monkeypatch, flip=True, extra=extra)
     print("reward per step:", " ".join(f"{r:.2f}" for r in rewards))
     first, last = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
     assert 0.1 <= first <= 0.6, f"the starting policy should pick left 20-50% of the time, got {first:.2f}"
