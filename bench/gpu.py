@@ -21,6 +21,9 @@ Checks, in order; each is PASS, FAIL or SKIP (with why) and its figures, in OUT/
   train      2 SFT steps, then 2 GRPO steps (bf16 and gradient checkpointing on a GPU): kl 0 at step 1, a finite
              gradient norm, no skipped update, logprob_gap ~0, the peak memory against the start-up estimate; then
              --resume for one more step
+  lora       the same GRPO steps with --lora-rank 16 (the base frozen in bf16 on a GPU, fp32 adapters, the reference
+             the base with the adapters off): kl exactly 0 at step 1, the base bit-identical after, adapter-only
+             checkpoints, --resume, the peak memory against the start-up estimate with its LoRA terms
   fsdp2      the same GRPO steps under `accelerate launch` with FSDP2, one process (GPU)
   zero3      the same with DeepSpeed ZeRO-3 where deepspeed imports (GPU)
 A failing check does not stop the others; the exit status is 1 when any failed.
@@ -115,7 +118,7 @@ def bench_rollout():
     return module
 
 
-CHECKS = ("versions", "engine", "flash", "kv_peak", "decode", "train", "fsdp2", "zero3")
+CHECKS = ("versions", "engine", "flash", "kv_peak", "decode", "train", "lora", "fsdp2", "zero3")
 
 
 class Padded:
@@ -371,6 +374,53 @@ def train(model, tok, env, tasks, device, work: Path, bf16: bool):
     return ("PASS" if all(checks.values()) else "FAIL"), figs
 
 
+def lora_steps(model, tok, device, work: Path, bf16: bool):
+    """The train check's GRPO steps with LoRA adapters of rank 16 on every projection, then --resume for a third."""
+    import grpo
+    import lora
+    import shard
+
+    start, run = work / "start", work / "grpo-lora"
+    args = ["--init-from", str(start), "--env", "tests.fake_env:HalfUniformEnv", "--steps", "2", "--tasks-per-step",
+            "2", "--group-size", "4", "--max-new-tokens", "48", "--max-turns", "4", "--max-context", "2048",
+            "--eval-tasks", "0", "--micro-batch-size", "2", "--gradient-checkpointing", "--save-every", "1",
+            "--out-dir", str(run), "--overwrite", "--temperature", "1.0", "--lora-rank", "16", "--lr", "1e-3",
+            *(["--bf16"] if bf16 else [])]
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    res = grpo.main(args)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    base, _ = muarl.load_model(str(start), device="cpu", dtype=torch.bfloat16 if bf16 else torch.float32)
+    trained = {k.replace(".base_layer", ""): v for k, v in res.model.get_base_model().state_dict().items()
+               if ".lora_" not in k}
+    base_same = all(torch.equal(v, trained[k].cpu()) for k, v in base.state_dict().items())
+    adapters_fp32 = all(p.dtype == torch.float32 for p in res.model.parameters() if p.requires_grad)
+    del res
+    grpo.main(["--resume", str(run), "--steps", "3"])
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    ckpt = run / "checkpoints" / "step-000003" / "model"
+    n = sum(p.numel() for p in model.parameters())
+    est = shard.memory_estimate(n, bf16=bf16, kv_bytes_per_token=shard.kv_bytes_per_token(model.config, bf16),
+                                max_context=2048, episodes=8, lora=lora.adapter_params(model, 16))
+    checks = {"steps logged once": [r["step"] for r in rows] == [1, 2, 3],
+              "kl exactly 0 at step 1": rows[0].get("kl") == 0.0,
+              "kl > 0 after": all(r.get("kl", 0) > 0 for r in rows[1:]),
+              "finite, non-zero grad norm": all(0 < r.get("grad_norm", float("nan")) < float("inf") for r in rows),
+              "no skipped update": all(r["skipped_updates"] == 0 for r in rows),
+              "logprob_gap small": all(r.get("logprob_gap", 0) < (2e-2 if bf16 else 1e-4) for r in rows),
+              "base bit-identical": base_same, "adapters fp32": adapters_fp32,
+              "adapter-only checkpoint": (ckpt / "adapter_model.safetensors").exists()
+              and not (ckpt / "model.safetensors").exists()}
+    figs = dict(checks)
+    figs.update(kl=[r.get("kl") for r in rows], grad_norm=[r.get("grad_norm") for r in rows],
+                logprob_gap=[r.get("logprob_gap") for r in rows],
+                checkpoint_mb=round(sum(f.stat().st_size for f in ckpt.iterdir()) / 2**20, 1))
+    if peak:
+        figs["peak"] = f"{shard.gib(peak)} vs estimate {shard.gib(est['peak'])} (activations not in the estimate)"
+    return ("PASS" if all(checks.values()) else "FAIL"), figs
+
+
 def launched(kind: str, work: Path, out: Path, device):
     """The GRPO steps under `accelerate launch` with FSDP2 or ZeRO-3 on one process (GPU)."""
     if device.type != "cuda":
@@ -445,11 +495,12 @@ def main(argv=None):
               "kv_peak": (kv_peak, tok, env, tasks[:2], device, "qwen3-8b-attn-4l", (8192, 16384, 32768)),
               "decode": (decode, model, tok, env, tasks, device, 4 if args.cpu else 16, 16 if args.cpu else 128),
               "train": (train, model, tok, env, tasks, device, work, device.type == "cuda"),
+              "lora": (lora_steps, model, tok, device, work, device.type == "cuda"),
               "fsdp2": (launched, "fsdp2", work, out, device),
               "zero3": (launched, "zero3", work, out, device)}
     assert list(checks) == list(CHECKS)
-    if "train" not in only and {"fsdp2", "zero3"} & set(only) and device.type == "cuda":
-        save_start(model, tok, env, tasks, work)  # the launched runs start from the checkpoint train saves
+    if "train" not in only and ({"fsdp2", "zero3"} & set(only) and device.type == "cuda" or "lora" in only):
+        save_start(model, tok, env, tasks, work)  # the runs start from the checkpoint train saves
     for name in only:
         report.run(name, *checks[name])
     failed = [r["check"] for r in report.rows if r["status"] == "FAIL"]
