@@ -548,7 +548,9 @@ def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, 
             raise SystemExit(f"{name}: the base model of these adapters (adapter_config.json's "
                              f"base_model_name_or_path) did not load: {e}") from None
         model = lora.load(name, model)
-        return (lora.merge(model) if merge_adapters else model), load_tokenizer(name)
+        # muarl's checkpoints keep the tokenizer beside the adapters; adapters from elsewhere use their base's
+        has_tok = any((Path(name).expanduser() / f).exists() for f in TOKENIZER_FILES)
+        return (lora.merge(model) if merge_adapters else model), load_tokenizer(name if has_tok else base)
     tok = load_tokenizer(name)
     if name == "tiny":
         torch.manual_seed(seed)

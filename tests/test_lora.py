@@ -245,3 +245,23 @@ def test_lora_memory_estimate_for_qwen3_8b_rank_64_on_one_80gb_gpu():
     assert with_lora["reference"] == 0 and with_lora["weights"] == 2 * n
     assert with_lora["optimizer"] == 8 * adapters and with_lora["gradients"] == 4 * adapters
     assert with_lora["peak"] < 75 * 2**30 < full["peak"]
+
+
+def test_adapters_saved_by_peft_itself_load_on_their_base(tmp_path, ckpt, start_lm):
+    """Adapters from elsewhere (PeftModel.save_pretrained: no tokenizer, no muarl config) load through
+    muarl.load_model, eval.py's loader, with their base's tokenizer, and compute base + adapters."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    theirs = get_peft_model(AutoModelForCausalLM.from_pretrained(ckpt),
+                            LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    theirs.save_pretrained(tmp_path / "adapters")
+    assert not (tmp_path / "adapters" / "tokenizer.json").exists()
+    model, tok = muarl.load_model(str(tmp_path / "adapters"), device="cpu", dtype=torch.float32)
+    assert len(tok) == len(muarl.load_tokenizer(str(ckpt)))
+    ids = torch.randint(0, len(tok), (2, 20), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones_like(ids)
+    with torch.no_grad():
+        assert torch.equal(token_logprobs(model, ids, attn), token_logprobs(theirs.eval(), ids, attn))
+        assert not torch.equal(token_logprobs(model, ids, attn), token_logprobs(start_lm, ids, attn))
