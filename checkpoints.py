@@ -41,22 +41,23 @@ def not_checkpoint_files(out: Path) -> list[str]:
                   if p.is_dir() or not any(fnmatch.fnmatch(p.name, pat) for pat in CHECKPOINT_FILES))
 
 
-def check_out(out: str, overwrite: bool, program: str = "sft.py") -> None:
+def check_out(out: str, overwrite: bool | None, program: str = "sft.py", option: str = "--out") -> None:
     """Refuse, at start, an output directory whose contents the run would destroy: anything that is there unless
-    --overwrite, and even with it anything that is not a checkpoint's file."""
+    --overwrite (None: the program has no such option), and even with it anything that is not a checkpoint's file."""
     p = Path(out)
     if p.exists() and not p.is_dir():
-        raise SystemExit(f"{program}: --out: {p} is a file, not a directory")
+        raise SystemExit(f"{program}: {option}: {p} is a file, not a directory")
     if not p.exists() or not any(p.iterdir()):
         return
     other = not_checkpoint_files(p)
     if other:
-        raise SystemExit(f"{program}: --out: {p} holds files that are not a checkpoint's ({', '.join(other[:8])}"
+        raise SystemExit(f"{program}: {option}: {p} holds files that are not a checkpoint's ({', '.join(other[:8])}"
                          f"{', ...' if len(other) > 8 else ''}); writing the checkpoint there would delete them: "
-                         "choose another --out")
+                         f"choose another {option}")
     if not overwrite:
-        raise SystemExit(f"{program}: --out: {p} already holds a checkpoint; replace it with --overwrite, or choose "
-                         "another --out")
+        raise SystemExit(f"{program}: {option}: {p} already holds a checkpoint; "
+                         + ("replace it with --overwrite, or choose " if overwrite is not None else "choose ")
+                         + f"another {option}")
 
 
 def save_pretrained(acc, model, tok, out: Path, run_config: dict) -> None:

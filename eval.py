@@ -90,6 +90,9 @@ class EvalConfig:
     merge_lora: str = ""
     """write the --agent adapter checkpoint (--lora-rank) merged into its base to this directory (a full model with
     its tokenizer, for serving or another start) and exit"""
+    merge_dtype: str = ""
+    """dtype of the merged weights: '' the base model's own (bf16 for Qwen3: each merged weight rounded once), or
+    float32, bfloat16, float16"""
 
 
 def pass_hat_k(successes: int, trials: int, k: int) -> float:
@@ -286,9 +289,10 @@ def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
     return out
 
 
-def merge_adapters(agent: str, out: str) -> Path:
-    """An adapter checkpoint folded into its base (W + scale x B A, in fp32), saved as a full model in the base's own
-    dtype (bf16 for Qwen3) with the tokenizer; `out` is refused when it holds anything (nothing is overwritten)."""
+def merge_adapters(agent: str, out: str, dtype: str = "") -> Path:
+    """An adapter checkpoint folded into its base (W + scale x B A, in fp32), saved as a full model with the tokenizer
+    in `dtype` ('': the dtype the base model's config declares, fp32 when it declares none); `out` is refused when
+    it holds anything (nothing is overwritten)."""
     import torch
 
     import checkpoints
@@ -296,12 +300,15 @@ def merge_adapters(agent: str, out: str) -> Path:
     if not lora.is_adapter_dir(agent):
         raise SystemExit(f"eval.py: --merge-lora: --agent {agent} is not an adapter checkpoint (no "
                          f"{lora.ADAPTER_CONFIG}); it is a full model already")
-    checkpoints.check_out(out, overwrite=False, program="eval.py")
+    if dtype not in ("", "float32", "bfloat16", "float16"):
+        raise SystemExit(f"eval.py: --merge-dtype: {dtype!r} is not float32, bfloat16 or float16 ('': the base's)")
+    checkpoints.check_out(out, overwrite=None, program="eval.py", option="--merge-lora")
+    base_config = shard.read_config(lora.base_chain(agent)[-1])
+    dtype = dtype or str(getattr(base_config, "dtype", None) or "float32").removeprefix("torch.")
     model, tok = muarl.load_model(agent, device="cpu", dtype=torch.float32)
-    merged = lora.merge(model)
-    stored = getattr(shard.read_config(lora.base_of(agent)) or merged.config, "dtype", None)
-    if stored in (torch.bfloat16, torch.float16, "bfloat16", "float16"):
-        merged = merged.to(getattr(torch, str(stored).removeprefix("torch.")))
+    merged = lora.merge(model).to(getattr(torch, dtype if dtype in ("bfloat16", "float16") else "float32"))
+    print(f"[eval] merged in fp32, saved in {merged.dtype}"
+          + (" (each weight rounded once)" if merged.dtype != torch.float32 else ""))
     checkpoints.save_pretrained(cli.make_accelerator(), merged, tok, Path(out),
                                 {"merged": {"adapters": str(Path(agent).resolve()), "base": lora.base_of(agent)}})
     return Path(out)
@@ -321,7 +328,7 @@ def main(argv=None):
         raise SystemExit("eval.py: --agent is required (a checkpoint directory, hub id, smollm2-135m or "
                          "openai:<model>)")
     if cfg.merge_lora:
-        print(f"[eval] {cfg.agent} merged into its base: {merge_adapters(cfg.agent, cfg.merge_lora)}")
+        print(f"[eval] {cfg.agent} merged into its base: {merge_adapters(cfg.agent, cfg.merge_lora, cfg.merge_dtype)}")
         return
     if cfg.trials < 1:
         raise SystemExit("eval.py: --trials must be >= 1")

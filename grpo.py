@@ -250,7 +250,8 @@ def validate(cfg: Config, world: int) -> None:
     if cfg.model == "tiny" and not cfg.init_from and not cfg.resume and cfg.env.split(":")[0] != "shop":
         bad("env", f"{cfg.env!r} with the 'tiny' model needs a cold-start checkpoint (--init-from): the embedded cold "
                    "start and the tiny base are made on 'shop' only")
-    lora.check_options(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules, "grpo.py")
+    lora.check_options(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules, "grpo.py",
+                       defaults=Config)
     if cfg.lora_rank and cfg.freeze:
         bad("freeze", "with --lora-rank only the adapters train already; drop --freeze")
     if cfg.bf16 and not torch.cuda.is_available():
@@ -276,7 +277,7 @@ def load_reference(start: str, device, seed: int = 0, attn_implementation=None):
     fp32 under autocast, and kl was not 0 at step 1. Cost: 4 bytes a parameter instead of 2 (no gradients, no
     optimizer state)."""
     ref, _ = muarl.load_model(start, device=device, seed=seed, dtype=torch.float32,
-                              attn_implementation=attn_implementation)
+                              attn_implementation=attn_implementation, merge_adapters=True)
     return ref.eval().requires_grad_(False)
 
 
@@ -363,7 +364,7 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
     ref = [None] * len(batches)
     if ref_model is not None and cfg.kl_coef > 0:
         # The policy's precision path (load_reference); with LoRA the reference is the policy, its adapters off.
-        with torch.no_grad(), acc.autocast(), lora.adapters_off(ref_model):
+        with torch.no_grad(), acc.autocast(), lora.adapters_off(ref_model, enabled=cfg.lora_rank > 0):
             ref = [token_logprobs(ref_model, b[0], b[1], temperature=cfg.temperature) for b in batches]
         if shard.is_sharded(ref_model):  # no backward will reshard its root: free the gathered weights now
             ref_model.reshard()
@@ -432,6 +433,8 @@ def set_up(cfg: Config, resume_from: Path | None, changes: dict) -> SimpleNamesp
         cfg.out_dir or f"runs/grpo-{cfg.env.replace(':', '-')}-{time.strftime('%Y%m%d-%H%M%S')}")
     # An existing run is refused now unless --resume or --overwrite; nothing is removed until the run has loaded.
     run_dir = checkpoints.claim(acc, run_dir, resuming=resume_from is not None, overwrite=cfg.overwrite)
+    if cfg.lora_rank and cfg.overwrite:  # the adapters' checkpoints need their base where it is
+        lora.check_base_kept(cfg.init_from or cfg.model, run_dir, "grpo.py: --overwrite")
     cfg.out_dir = str(run_dir)
     if cfg.report_to:
         acc.init_trackers(run_dir.name, config=asdict(cfg))
@@ -481,31 +484,43 @@ def load_policy(run) -> None:
         per_process = cfg.tasks_per_step // acc.num_processes * cfg.group_size
         live = max(per_process, -(-cfg.eval_tasks // acc.num_processes))
         decoding = min(live, cfg.rollout_batch or live)
-        adapters = lora.adapter_params(shard.meta_model(config), cfg.lora_rank, cfg.lora_target_modules)
+        adapters = 0
+        if cfg.lora_rank:  # a target that matches nothing stops here, before the weights load
+            shapes = shard.meta_model(config)
+            lora.check_targets(shapes, cfg.lora_target_modules, "grpo.py")
+            adapters = lora.adapter_params(shapes, cfg.lora_rank, cfg.lora_target_modules)
         shard.check_memory(config, world=acc.num_processes, sharded=shard.shards_weights(acc),
                            bf16=cfg.bf16, reference=cfg.kl_coef > 0 and not cfg.lora_rank,
                            max_context=cfg.max_context, episodes=decoding,
                            parked=live - decoding if acc.device.type != "cpu" else 0, device=acc.device,
                            check=cfg.memory_check, prefill_tokens=RolloutConfig.prefill_tokens, lora=adapters)
-    config = shard.read_config(start)  # before loading, when the start names a config (directory, hub id)
+    # Before loading, when the start names a config (a directory, a hub id, adapters on one of those)
+    config = shard.read_config(lora.base_chain(start)[-1])
     if config is not None:
         check_memory(config)
+    adapter_start = lora.is_adapter_dir(start)
+    if adapter_start and shard.is_zero3_plugin(acc):
+        raise SystemExit(f"grpo.py: --init-from {start} holds adapters, which ZeRO-3 cannot merge into a base it "
+                         "partitions as it loads: merge them first (eval.py --agent CHECKPOINT --merge-lora OUT) and "
+                         "start from OUT")
     # flash-attn only where the forward runs in bf16 (--bf16's autocast): it refuses fp32 inputs
     load_on = shard.load_device(acc)
     compute = torch.bfloat16 if cfg.bf16 else torch.float32
     attn = muarl.attention_implementation(acc.device, compute)
     with load_errors:
         model, run.tok = muarl.load_model(start, device=load_on, seed=cfg.seed, attn_implementation=attn,
-                                          dtype=compute if cfg.lora_rank else torch.float32, merge_adapters=True)
+                                          dtype=compute if cfg.lora_rank else torch.float32)
+    if adapter_start:
+        model = merged_start(run, model, start)
     if config is None:
         check_memory(model.config)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         if cfg.lora_rank:  # the frozen embeddings' output must require grad for the checkpointed layers' backward
-            model.enable_input_require_grads()
+            model.enable_input_require_grads()  # (transformers 5.23 does it too; earlier versions may not)
     if cfg.lora_rank:
         model = lora.add_adapters(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                                  targets=cfg.lora_target_modules, base=start, program="grpo.py")
+                                  targets=cfg.lora_target_modules, base=start, program="grpo.py", autocast=cfg.bf16)
         acc.print(f"[grpo] --lora-rank {cfg.lora_rank}: {lora.describe(model)}; the reference is the policy with "
                   "its adapters off")
     if cfg.freeze:
@@ -531,6 +546,28 @@ def load_policy(run) -> None:
         elif run.ref is not None and shard.is_deepspeed(run.model):
             run.ref = shard.deepspeed_reference(run.ref, acc.state.deepspeed_plugin.deepspeed_config)
     acc.register_for_checkpointing(run.sched)
+
+
+def merged_start(run, model, start: str):
+    """A start that is an adapter checkpoint, folded into its base, whose dtype it keeps: the reference is this
+    merged model, so what the merge changed is measured (on the first task's opening) and said. In bf16 each merged
+    weight is rounded once (W + dW to 8 bits of mantissa); in fp32 the change is at rounding level."""
+    from envs import opening_messages
+
+    task = run.tasks[0]
+    ids = muarl.prompt_ids(run.tok, opening_messages(run.env, task, None), run.env.tools(task))[:1024]
+    device = next(model.parameters()).device
+    x = torch.tensor([ids], device=device)
+    with torch.no_grad(), run.acc.autocast():
+        before = token_logprobs(model, x, torch.ones_like(x))
+        model = lora.merge(model)
+        after = token_logprobs(model, x, torch.ones_like(x))
+    gap = (before - after)[:, 1:].abs()
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    run.acc.print(f"[grpo] --init-from {start}: its adapters merged into the base ({dtype}); the start's log-probs of "
+                  f"the first task's opening ({len(ids)} tokens) moved by {gap.mean().item():.2g} on average, "
+                  f"{gap.max().item():.2g} at most; the reference is this merged start")
+    return model
 
 
 def play(run, tasks: list, group_size: int, sampling, generator=None) -> list:

@@ -35,10 +35,15 @@ DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def check_options(rank: int, alpha: float, dropout: float, targets: str, program: str) -> None:
-    """SystemExit naming the option when a --lora-* value cannot work."""
+def check_options(rank: int, alpha: float, dropout: float, targets: str, program: str, defaults=None) -> None:
+    """SystemExit naming the option when a --lora-* value cannot work, or (given the config class, `defaults`) is
+    set away from its default without --lora-rank, where it would do nothing."""
     def bad(opt, why):
         raise SystemExit(f"{program}: --lora-{opt}: {why}")
+    if defaults is not None and not rank:
+        for opt, value in (("alpha", alpha), ("dropout", dropout), ("target-modules", targets)):
+            if value != getattr(defaults, "lora_" + opt.replace("-", "_")):
+                bad(opt, "has no effect without --lora-rank (0: no adapters)")
     if rank < 0:
         bad("rank", "must be >= 0 (0: no adapters, the whole model is trained)")
     if alpha < 0:
@@ -54,21 +59,29 @@ def linear_names(model) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
 
 
+def check_targets(model, targets: str, program: str = "grpo.py") -> None:
+    """SystemExit naming --lora-target-modules when a name in it matches no linear layer of `model` (shapes only: a
+    meta model will do), showing the names there are. Matched on a module's last name, peft's rule for a list."""
+    wanted = [t.strip() for t in targets.split(",") if t.strip()]
+    there = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    missing = [t for t in wanted if t not in there]
+    if missing:
+        raise SystemExit(f"{program}: --lora-target-modules: {', '.join(missing)} "
+                         f"match{'es' if len(missing) == 1 else ''} no linear layer of this model; its linear layers "
+                         f"are named: {', '.join(sorted(there)[:12])}")
+
+
 def add_adapters(model, *, rank: int, alpha: float, dropout: float, targets: str, base: str,
-                 program: str = "grpo.py"):
+                 program: str = "grpo.py", autocast: bool = False):
     """`model` wrapped in fresh LoRA adapters (a peft.PeftModel): only the adapters require grad; they are fp32
     whatever the base's dtype (peft's autocast_adapter_dtype). `base` is what the adapters were trained on, recorded
-    in the checkpoint's adapter_config.json (a local path made absolute, so the checkpoint loads from anywhere)."""
+    in the checkpoint's adapter_config.json (a local path made absolute, so the checkpoint loads from anywhere).
+    autocast: every forward runs under autocast (--bf16), which casts the adapters' inputs itself; peft's own cast of
+    each adapted layer's input to fp32 would only add a copy of it per layer, so it is turned off."""
     from peft import LoraConfig, get_peft_model
 
+    check_targets(model, targets, program)
     wanted = [t.strip() for t in targets.split(",") if t.strip()]
-    # Matched on a module's last name (peft's rule for a list), checked here so the error can name the option.
-    hit = [n for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in wanted and isinstance(m, torch.nn.Linear)]
-    missing = sorted(set(wanted) - {n.rsplit(".", 1)[-1] for n in hit})
-    if not hit or missing:
-        raise SystemExit(f"{program}: --lora-target-modules: {', '.join(missing or wanted)} "
-                         f"match{'es' if len(missing or wanted) == 1 else ''} no linear layer of this model; its "
-                         f"linear layers are named: {', '.join(linear_names(model)[:12])}")
     config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=dropout, target_modules=wanted,
                         bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(model, config, autocast_adapter_dtype=True)
@@ -76,6 +89,10 @@ def add_adapters(model, *, rank: int, alpha: float, dropout: float, targets: str
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
     model.peft_config["default"].base_model_name_or_path = base_name(base)
+    if autocast:
+        for module in model.modules():
+            if hasattr(module, "cast_input_dtype_enabled"):  # peft's tuner layers
+                module.cast_input_dtype_enabled = False
     return model
 
 
@@ -90,9 +107,10 @@ def is_adapted(model) -> bool:
     return callable(getattr(model, "disable_adapter", None)) and hasattr(model, "peft_config")
 
 
-def adapters_off(model):
-    """Context: `model` with its adapters disabled (the frozen reference), or `model` as it is when it has none."""
-    return model.disable_adapter() if is_adapted(model) else contextlib.nullcontext()
+def adapters_off(model, enabled: bool = True):
+    """Context: `model` with its adapters disabled (the frozen reference of a --lora-rank run), or `model` as it is
+    when it has none or `enabled` is False."""
+    return model.disable_adapter() if enabled and is_adapted(model) else contextlib.nullcontext()
 
 
 def is_adapter_dir(name) -> bool:
@@ -112,6 +130,31 @@ def base_of(path) -> str:
     return base
 
 
+def base_chain(name) -> list[str]:
+    """`name` and the bases under it, down to a full model or hub id: an adapter checkpoint's base can be another
+    adapter checkpoint (GRPO's adapters on a LoRA cold start). Refuses a chain that loops."""
+    chain = [str(name)]
+    while is_adapter_dir(chain[-1]):
+        base = base_of(chain[-1])
+        if base_name(base) in {base_name(c) for c in chain}:
+            raise SystemExit(f"{chain[-1]}: its adapter_config.json names {base} as its base, which is in its own "
+                             f"chain of bases ({' -> '.join(chain)}): point base_model_name_or_path at the model the "
+                             "adapters were trained on")
+        chain.append(base)
+    return chain
+
+
+def check_base_kept(start: str, out, what: str) -> None:
+    """SystemExit when writing to `out` would delete the model the adapters are trained on (`start`, or a base under
+    it): their checkpoints would name a base that is gone."""
+    out = Path(out).expanduser().resolve()
+    for name in base_chain(start):
+        p = Path(name).expanduser()
+        if p.exists() and (p.resolve() == out or out in p.resolve().parents):
+            raise SystemExit(f"{what}: {out} holds {name}, the base the adapters are trained on; writing there would "
+                             "delete it and leave the adapters without their base: choose another output")
+
+
 def load(path, base_model, trainable: bool = False):
     """The adapter checkpoint at `path` on `base_model` (loaded by the caller from base_of(path))."""
     from peft import PeftModel
@@ -120,8 +163,9 @@ def load(path, base_model, trainable: bool = False):
 
 
 def merge(model):
-    """A plain transformers model with the adapters folded into its weights (W + scale x B A)."""
-    return model.merge_and_unload() if is_adapted(model) else model
+    """A plain transformers model with the adapters folded into its weights (W + scale x B A), every weight
+    trainable again as a loaded model's are (peft froze the base)."""
+    return model.merge_and_unload().requires_grad_(True) if is_adapted(model) else model
 
 
 def adapter_params(model, rank: int, targets: str = DEFAULT_TARGETS) -> int:
@@ -153,10 +197,13 @@ def checkpoint_hooks(acc) -> None:
     """Make Accelerate's save_state/load_state hold the adapters only: the frozen base is the run's start, already on
     disk, and would make each checkpoint the size of the model. Loading checks that the file holds exactly the
     adapters, so a resume can never run on half-restored weights."""
+    def plain(name):  # the names of the unwrapped model: a state saved under DDP resumes on one process, and back
+        return name.removeprefix("module.")
+
     def keep_adapters(models, weights, output_dir):
         for k, model in enumerate(models):
             wanted = set(trainable_names(model))
-            weights[k] = {n: t for n, t in weights[k].items() if n in wanted}
+            weights[k] = {plain(n): t for n, t in weights[k].items() if n in wanted}
 
     def load_adapters(models, input_dir):
         from safetensors.torch import load_file
@@ -164,12 +211,13 @@ def checkpoint_hooks(acc) -> None:
         for k, model in enumerate(list(models)):
             path = Path(input_dir) / ("model.safetensors" if k == 0 else f"model_{k}.safetensors")
             state = load_file(str(path))
-            wanted = set(trainable_names(model))
+            inner = getattr(model, "module", model)  # DDP's wrapped model
+            wanted = set(trainable_names(inner))
             if set(state) != wanted:
                 odd = sorted(set(state) ^ wanted)
                 raise SystemExit(f"{path}: holds other weights than this run's adapters ({', '.join(odd[:4])}, ...):"
                                  " was it saved with other --lora-* settings?")
-            model.load_state_dict(state, strict=False)
+            inner.load_state_dict(state, strict=False)
         models.clear()  # loaded here; Accelerate loads optimizer, scheduler and RNG states as usual
 
     acc.register_save_state_pre_hook(keep_adapters)

@@ -540,13 +540,15 @@ def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, 
     dtype = dtype or default_dtype(device)
     attn = attn_implementation or attention_implementation(device, dtype)
     if lora.is_adapter_dir(name):
-        base = lora.base_of(name)
+        base = lora.base_chain(name)[1]  # refuses a chain of bases that loops
         try:
             model, _ = load_model(base, device=device, dtype=dtype, attn_implementation=attn, seed=seed,
                                   merge_adapters=True)
         except SystemExit as e:
             raise SystemExit(f"{name}: the base model of these adapters (adapter_config.json's "
-                             f"base_model_name_or_path) did not load: {e}") from None
+                             f"base_model_name_or_path) did not load: {e}\nIf it moved, point "
+                             "base_model_name_or_path at it; `eval.py --agent CHECKPOINT --merge-lora OUT`, where both "
+                             "load, writes a full model that needs no base") from None
         model = lora.load(name, model)
         # muarl's checkpoints keep the tokenizer beside the adapters; adapters from elsewhere use their base's
         has_tok = any((Path(name).expanduser() / f).exists() for f in TOKENIZER_FILES)

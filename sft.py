@@ -437,6 +437,16 @@ def check_backend(acc) -> None:
     shard.check_accelerator(acc, program="sft.py")
 
 
+def check_lora(cfg: SFTConfig, acc=None) -> None:
+    """The --lora-* options, the backend with them (given `acc`), and that --out is not the base they train on."""
+    lora.check_options(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules, "sft.py",
+                       defaults=SFTConfig)
+    if cfg.lora_rank and acc is not None:
+        lora.check_backend(acc, "sft.py")
+    if cfg.lora_rank and cfg.model != "tiny":
+        lora.check_base_kept(cfg.model, cfg.out, "sft.py: --out")
+
+
 def check_batch(batch_size: int, processes: int) -> None:
     """Every process must run the same number of micro-batches: under FSDP2 and ZeRO-3 each backward is a collective,
     and a process with one more would wait for the others forever."""
@@ -450,9 +460,7 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     start = str(pretrain_tiny(cfg)) if cfg.model == "tiny" else cfg.model
     acc = accelerator or cli.make_accelerator(cfg.dist_timeout, mixed_precision="bf16" if cfg.bf16 else "no")
     check_backend(acc)
-    lora.check_options(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules, "sft.py")
-    if cfg.lora_rank:
-        lora.check_backend(acc, "sft.py")
+    check_lora(cfg, acc)
     check_batch(cfg.batch_size, acc.num_processes)
     muarl.seed_everything(cfg.seed)
     # fp32 master weights, as grpo.main keeps the policy's; --bf16 runs the passes under autocast (fit). AdamW on
@@ -468,10 +476,10 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         if cfg.lora_rank:
-            model.enable_input_require_grads()
+            model.enable_input_require_grads()  # (transformers 5.23 does it too; earlier versions may not)
     if cfg.lora_rank:
         model = lora.add_adapters(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                                  targets=cfg.lora_target_modules, base=start, program="sft.py")
+                                  targets=cfg.lora_target_modules, base=start, program="sft.py", autocast=cfg.bf16)
         acc.print(f"[sft] --lora-rank {cfg.lora_rank}: {lora.describe(model)}")
     max_len = length_limit(cfg, model)
     data, skipped = encode(tok, conversations, max_len)
@@ -595,6 +603,8 @@ def main(argv=None):
         checkpoints.check_out(cfg.out, cfg.overwrite)
         with cli.option_errors("sft.py: --model"):
             muarl.check_local(cfg.model)
+        check_lora(cfg, cli.make_accelerator(cfg.dist_timeout, mixed_precision="bf16" if cfg.bf16 else "no")
+                   if cfg.lora_rank else None)  # before any data is made
     if cfg.data_out and Path(cfg.data_out).exists() and not cfg.overwrite:
         raise SystemExit(f"sft.py: --data-out: {cfg.data_out} exists; replace it with --overwrite, or choose another")
     if cfg.data_out and cfg.data and Path(cfg.data_out).resolve() == Path(cfg.data).resolve():

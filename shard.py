@@ -103,6 +103,12 @@ def is_zero3(model) -> bool:
     return is_deepspeed(model) and model.zero_optimization_stage() == 3
 
 
+def is_zero3_plugin(acc) -> bool:
+    """Whether the chosen backend is DeepSpeed ZeRO-3, before anything is prepared."""
+    ds = getattr(acc.state, "deepspeed_plugin", None)
+    return ds is not None and ds.zero_stage == 3
+
+
 def shards_weights(acc) -> bool:
     """Whether the chosen backend holds 1/N of the weights per process (FSDP2, ZeRO-3), before anything is prepared."""
     ds = getattr(acc.state, "deepspeed_plugin", None)
@@ -484,9 +490,10 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
             f"{program}: the estimated {phase} peak of {gib(est['peak'])} per GPU exceeds this GPU's {gib(have)} "
             f"({backend}; the KV cache term, {gib(est['kv_cache'])}, assumes {episodes} decoding episodes per "
             f"process at --max-context {max_context}). Set --rollout-batch (episodes decoding at once; the "
-            "others' caches wait in host memory), lower --max-context or --tasks-per-step, add GPUs, shard with "
-            "FSDP2 (fsdp_version 2), train LoRA adapters on a frozen base (--lora-rank, e.g. 64), or set "
-            "--kl-coef 0 (no reference); --no-memory-check runs anyway.")
+            "others' caches wait in host memory), lower --max-context or --tasks-per-step, "
+            + ("lower --lora-rank or use a smaller model (LoRA runs on one GPU or DDP, each holding the whole base)"
+               if lora else "add GPUs, shard with FSDP2 (fsdp_version 2), train LoRA adapters on a frozen base "
+               "(--lora-rank, e.g. 64), or set --kl-coef 0 (no reference)") + "; --no-memory-check runs anyway.")
     return est
 
 

@@ -22,8 +22,8 @@ Checks, in order; each is PASS, FAIL or SKIP (with why) and its figures, in OUT/
              gradient norm, no skipped update, logprob_gap ~0, the peak memory against the start-up estimate; then
              --resume for one more step
   lora       the same GRPO steps with --lora-rank 16 (the base frozen in bf16 on a GPU, fp32 adapters, the reference
-             the base with the adapters off): kl exactly 0 at step 1, the base bit-identical after, adapter-only
-             checkpoints, --resume, the peak memory against the start-up estimate with its LoRA terms
+             the base with the adapters off): kl 0 at step 1, the base bit-identical after, adapter-only
+             checkpoints, --resume; the peak memory reported beside the start-up estimate with its LoRA terms
   fsdp2      the same GRPO steps under `accelerate launch` with FSDP2, one process (GPU)
   zero3      the same with DeepSpeed ZeRO-3 where deepspeed imports (GPU)
 A failing check does not stop the others; the exit status is 1 when any failed.
@@ -396,15 +396,17 @@ def lora_steps(model, tok, device, work: Path, bf16: bool):
                if ".lora_" not in k}
     base_same = all(torch.equal(v, trained[k].cpu()) for k, v in base.state_dict().items())
     adapters_fp32 = all(p.dtype == torch.float32 for p in res.model.parameters() if p.requires_grad)
-    del res
+    del res, trained
     grpo.main(["--resume", str(run), "--steps", "3"])
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     ckpt = run / "checkpoints" / "step-000003" / "model"
     n = sum(p.numel() for p in model.parameters())
     est = shard.memory_estimate(n, bf16=bf16, kv_bytes_per_token=shard.kv_bytes_per_token(model.config, bf16),
-                                max_context=2048, episodes=8, lora=lora.adapter_params(model, 16))
+                                max_context=2048, episodes=8, lora=lora.adapter_params(model, 16),
+                                prefill=shard.prefill_bytes(model.config, bf16, 8 * 2048, 2048))
     checks = {"steps logged once": [r["step"] for r in rows] == [1, 2, 3],
-              "kl exactly 0 at step 1": rows[0].get("kl") == 0.0,
+              # exactly 0 on the CPU (a fresh adapter's B is 0); a GPU may pick other kernels with and without grad
+              "kl 0 at step 1": "kl" in rows[0] and abs(rows[0]["kl"]) < 1e-6,
               "kl > 0 after": all(r.get("kl", 0) > 0 for r in rows[1:]),
               "finite, non-zero grad norm": all(0 < r.get("grad_norm", float("nan")) < float("inf") for r in rows),
               "no skipped update": all(r["skipped_updates"] == 0 for r in rows),

@@ -65,8 +65,7 @@ def one_step(acc) -> dict:
     after = {n: p.detach() for n, p in acc.unwrap_model(model).named_parameters() if p.requires_grad}
     return {"after": {n: after[n].flatten().tolist() for n in after},
             "before": {n: before[n].flatten().tolist() for n in before},
-            "kl": m["kl"], "frozen_grads": sum(p.grad is not None for p in acc.unwrap_model(model).parameters()
-                                                if not p.requires_grad)}
+            "kl": m["kl"]}
 
 
 if __name__ == "__main__":

@@ -155,8 +155,9 @@ def test_eval_and_merge_an_adapter_checkpoint(lora_run, tmp_path, tiny_tok):
     b = rollout(merged, tok, env, env.tasks("test")[:4], 1, make_user_sim("scripted"), greedy, seed=0)
     assert sum(len(e.input_ids) for e in a) > 4 * 40
     assert [e.input_ids for e in a] == [e.input_ids for e in b]
-    with pytest.raises(SystemExit, match="holds a checkpoint|already holds"):  # never over what is there
+    with pytest.raises(SystemExit) as e:  # never over what is there
         evaluation.main(["--agent", str(lora_run.ckpt), "--merge-lora", str(out)])
+    assert str(e.value).startswith(f"eval.py: --merge-lora: {out} already holds a checkpoint; choose another")
     with pytest.raises(SystemExit, match="not an adapter checkpoint"):
         evaluation.main(["--agent", str(out), "--merge-lora", str(tmp_path / "again")])
 
@@ -199,10 +200,11 @@ def test_sft_with_lora_trains_the_adapters_only(tmp_path, ckpt, start_lm):
 
 
 @pytest.mark.parametrize("argv, option, shown", [
-    (["--lora-target-modules", "qq_proj,v_proj"], "--lora-target-modules", "q_proj"),
+    (["--lora-target-modules", "attn_proj,v_proj"], "--lora-target-modules", "gate_proj"),
     (["--lora-rank", "-1"], "--lora-rank", "must be >= 0"),
     (["--lora-dropout", "1.5"], "--lora-dropout", "[0, 1)"),
     (["--freeze", "embed"], "--freeze", "only the adapters train"),
+    (["--lora-rank", "0", "--lora-alpha", "32"], "--lora-alpha", "no effect without --lora-rank"),
 ])
 def test_bad_lora_options_fail_at_start_naming_them(tmp_path, ckpt, argv, option, shown):
     with pytest.raises(SystemExit) as e:
@@ -265,3 +267,82 @@ def test_adapters_saved_by_peft_itself_load_on_their_base(tmp_path, ckpt, start_
     with torch.no_grad():
         assert torch.equal(token_logprobs(model, ids, attn), token_logprobs(theirs.eval(), ids, attn))
         assert not torch.equal(token_logprobs(model, ids, attn), token_logprobs(start_lm, ids, attn))
+
+
+def test_full_training_from_an_adapter_checkpoint_keeps_its_adapters_in_the_reference(lora_run, tmp_path, capsys):
+    """--lora-rank 0 --init-from an adapter checkpoint: the policy and the reference are both the checkpoint merged
+    (a reference with the cold start's adapters switched off would pull the policy back to the base): kl is 0 at step
+    1, and what merging changed is measured and said."""
+    args = lora_args(lora_run.ckpt, tmp_path / "run", "--steps", "1")
+    del args[args.index("--lora-rank"):args.index("--lora-rank") + 2]
+    res = grpo.main(args)
+    assert not lora.is_adapted(res.model)
+    assert metrics(tmp_path / "run")[0]["kl"] < 1e-9
+    assert "its adapters merged into the base (float32); the start's log-probs" in capsys.readouterr().out
+
+
+def test_adapters_are_never_written_over_their_base(lora_run, tmp_path, ckpt):
+    """sft.py --out the very model the adapters train on, or grpo.py --overwrite of the run directory that holds the
+    start: refused at start (the adapters' checkpoints would name a base that is gone); a chain of bases that loops
+    is refused when loading, naming it."""
+    with pytest.raises(SystemExit, match="the base the adapters are trained on"):
+        sft.main(["--model", str(lora_run.ckpt), "--out", str(lora_run.ckpt), "--overwrite", "--lora-rank", "2",
+                  "--data", str(tmp_path / "none.jsonl")])
+    assert (lora_run.ckpt / "adapter_model.safetensors").exists()
+    with pytest.raises(SystemExit, match="grpo.py: --overwrite: .* the base the adapters are trained on"):
+        grpo.main(lora_args(lora_run.ckpt, lora_run.out, "--overwrite"))
+    assert (lora_run.ckpt / "adapter_model.safetensors").exists()
+    loop = tmp_path / "loop"
+    loop.mkdir()
+    config = json.loads((lora_run.ckpt / "adapter_config.json").read_text())
+    (loop / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(loop)}))
+    with pytest.raises(SystemExit, match="in its own chain of bases"):
+        muarl.load_model(str(loop), device="cpu")
+
+
+def test_bf16_adapters_take_their_input_from_autocast(tiny_lm):
+    """With --bf16 the base is bf16, the adapters fp32, and every forward runs under autocast, which casts the
+    adapters' inputs: peft's own cast to fp32 (a copy of each adapted layer's input) is off, and the adapters still
+    get fp32 gradients, equal to those with peft's cast (up to bf16 rounding)."""
+    ids = torch.randint(0, tiny_lm.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+
+    def grads(autocast):
+        torch.manual_seed(0)
+        model = lora.add_adapters(copy_of(tiny_lm).to(torch.bfloat16), rank=4, alpha=0, dropout=0.0,
+                                  targets=lora.DEFAULT_TARGETS, base="x", autocast=autocast)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".lora_B." in name:
+                    p.fill_(0.01)
+        flags = {m.cast_input_dtype_enabled for m in model.modules() if hasattr(m, "cast_input_dtype_enabled")}
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            token_logprobs(model, ids, torch.ones_like(ids)).sum().backward()
+        return flags, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    off_flags, off = grads(True)
+    on_flags, on = grads(False)
+    assert off_flags == {False} and on_flags == {True}
+    for name, g in off.items():
+        assert g.dtype == torch.float32 and g.abs().sum() > 0, name
+        assert torch.allclose(g, on[name], rtol=0.05, atol=1e-3), name
+
+
+def copy_of(model):
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def test_lora_under_two_processes_saves_what_one_process_resumes(tmp_path, ckpt):
+    """GRPO with adapters under torchrun (DDP over gloo, two CPU processes): both end with the same weights, and
+    the checkpoint, saved under DDP, resumes on one process (Accelerate's state holds the adapters by their
+    unwrapped names)."""
+    from test_train import _torchrun
+
+    out = tmp_path / "run"
+    r = _torchrun(tmp_path, lora_args(ckpt, out), port=29533)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (out / "weights-0.sha").read_text() == (out / "weights-1.sha").read_text()
+    assert [row["episodes"] for row in metrics(out)] == [8, 8]
+    resumed = grpo.main(["--resume", str(out), "--steps", "3"])
+    assert lora.is_adapted(resumed.model) and [row["step"] for row in metrics(out)] == [1, 2, 3]
