@@ -59,7 +59,8 @@ def one_step(acc) -> dict:
     model, opt = acc.prepare(model, opt)
     eps = episodes(tok)
     mine = [e for i, e in enumerate(eps) if (i // GROUP_SIZE) % acc.num_processes == acc.process_index]
-    run_cfg = grpo.Config(group_size=GROUP_SIZE, micro_batch_size=2, kl_coef=0.1, grad_clip=1e9, temperature=1.0)
+    run_cfg = grpo.Config(group_size=GROUP_SIZE, micro_batch_size=2, kl_coef=0.1, grad_clip=1e9, temperature=1.0,
+                          lora_rank=4)
     ref = acc.unwrap_model(model)  # the reference: the policy with its adapters off
     m = grpo.train_on_episodes(mine, model, ref, opt, sched, acc, run_cfg, tok.pad_token_id)
     after = {n: p.detach() for n, p in acc.unwrap_model(model).named_parameters() if p.requires_grad}
