@@ -327,6 +327,8 @@ def main(argv=None):
     if not cfg.agent:
         raise SystemExit("eval.py: --agent is required (a checkpoint directory, hub id, smollm2-135m or "
                          "openai:<model>)")
+    if cfg.merge_dtype and not cfg.merge_lora:
+        raise SystemExit("eval.py: --merge-dtype: has no effect without --merge-lora OUT")
     if cfg.merge_lora:
         print(f"[eval] {cfg.agent} merged into its base: {merge_adapters(cfg.agent, cfg.merge_lora, cfg.merge_dtype)}")
         return
@@ -355,7 +357,7 @@ def main(argv=None):
         bf16 = muarl.default_dtype(acc.device) == torch.bfloat16  # load_model's default: bf16 on GPU, fp32 on CPU
         with cli.option_errors("eval.py: --agent"):
             muarl.check_local(cfg.agent)
-            config = shard.read_config(lora.base_of(cfg.agent) if lora.is_adapter_dir(cfg.agent) else cfg.agent)
+            config = shard.read_config(lora.base_chain(cfg.agent)[-1])  # adapters: the model at the chain's root
             if config is not None:  # before loading: weights and the decoding episodes' KV cache
                 shard.check_memory(config, world=acc.num_processes, sharded=False, bf16=bf16, reference=False,
                                    max_context=cfg.max_context, episodes=decoding, device=acc.device,

@@ -140,8 +140,8 @@ class Config:
     """dropout on the adapters' inputs while training (not while sampling: above 0 the trainer's log-probs differ
     from the sampler's, and logprob_gap shows it)"""
     lora_target_modules: str = lora.DEFAULT_TARGETS
-    """layers that get adapters, by the last part of their name, comma-separated (default: the attention and MLP
-    projections of Llama/Qwen-style models)"""
+    """layers that get adapters, by the last part of their name, comma-separated (the default: the attention and MLP
+    projections of Llama/Qwen-style models; not the output layer, whose weight the trainer reads directly)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (long contexts)"""
     seed: int = 0
@@ -450,7 +450,8 @@ def set_up(cfg: Config, resume_from: Path | None, changes: dict) -> SimpleNamesp
         import sft  # here: importing grpo for the loss math loads no training stack
 
         cfg.init_from = sft.cold_start(cfg.model, cfg.env, cfg.split, cfg.seed, cfg.bf16, cfg.cold_start_skips_confirm)
-    run = SimpleNamespace(cfg=cfg, acc=acc, dir=run_dir, env=env, tasks=tasks, user_sim=user_sim)
+    run = SimpleNamespace(cfg=cfg, acc=acc, dir=run_dir, env=env, tasks=tasks, user_sim=user_sim,
+                          resume_from=resume_from)
     load_policy(run)
     check_max_context(run.tok, env, tasks, cfg.max_context)
     run.first_step = checkpoints.load(acc, resume_from, cfg.tasks_per_step) if resume_from else 0
@@ -474,7 +475,12 @@ def load_policy(run) -> None:
     the adapters off (an adapter checkpoint as the start is merged into its base first: lora.py)."""
     cfg, acc = run.cfg, run.acc
     start = cfg.init_from or cfg.model
-    load_errors = cli.option_errors(f"grpo.py: {'--init-from' if cfg.init_from else '--model'}")
+    option = "--init-from" if cfg.init_from else "--model"
+    load_errors = cli.option_errors(f"grpo.py: {option}")
+    if getattr(run, "resume_from", None):  # the start comes from the run's saved settings, not the command line
+        load_errors = cli.option_errors(
+            f"grpo.py: --resume: the run's start ({option} in its saved settings, "
+            f"{run.resume_from / 'model' / 'muarl_config.json'}; if it moved, put it back or edit that entry)")
     with load_errors:  # a local path that is not there stops now, not after a hub lookup
         muarl.check_local(start)
 
@@ -521,8 +527,8 @@ def load_policy(run) -> None:
     if cfg.lora_rank:
         model = lora.add_adapters(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                                   targets=cfg.lora_target_modules, base=start, program="grpo.py", autocast=cfg.bf16)
-        acc.print(f"[grpo] --lora-rank {cfg.lora_rank}: {lora.describe(model)}; the reference is the policy with "
-                  "its adapters off")
+        acc.print(f"[grpo] --lora-rank {cfg.lora_rank}: {lora.describe(model)}"
+                  + ("; the reference is the policy with its adapters off" if cfg.kl_coef > 0 else ""))
     if cfg.freeze:
         frozen = freeze(model, cfg.freeze)
         acc.print(f"[grpo] --freeze {cfg.freeze!r}: {frozen:,} of {sum(p.numel() for p in model.parameters()):,} "

@@ -63,7 +63,13 @@ def check_targets(model, targets: str, program: str = "grpo.py") -> None:
     """SystemExit naming --lora-target-modules when a name in it matches no linear layer of `model` (shapes only: a
     meta model will do), showing the names there are. Matched on a module's last name, peft's rule for a list."""
     wanted = [t.strip() for t in targets.split(",") if t.strip()]
-    there = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    heads = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if head is not None and m is head}
+    if heads & set(wanted):
+        raise SystemExit(f"{program}: --lora-target-modules: {', '.join(sorted(heads & set(wanted)))} is the output "
+                         "layer, whose weight the trainer reads directly (loss.token_logprobs' chunked head), so an "
+                         "adapter there would be skipped in training: leave it out")
+    there = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)} - heads
     missing = [t for t in wanted if t not in there]
     if missing:
         raise SystemExit(f"{program}: --lora-target-modules: {', '.join(missing)} "
@@ -84,6 +90,11 @@ def add_adapters(model, *, rank: int, alpha: float, dropout: float, targets: str
     wanted = [t.strip() for t in targets.split(",") if t.strip()]
     config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=dropout, target_modules=wanted,
                         bias="none", task_type="CAUSAL_LM")
+    widths = [min(m.in_features, m.out_features) for n, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in wanted]
+    if widths and rank > min(widths):
+        print(f"[{program.removesuffix('.py')}] warning: --lora-rank {rank} is above the narrowest adapted layer's "
+              f"width ({min(widths)}): such adapters are no longer low-rank", flush=True)
     model = get_peft_model(model, config, autocast_adapter_dtype=True)
     for p in model.parameters():  # adapters in fp32 on a fp32 base too (peft casts only 16-bit bases)
         if p.requires_grad and p.dtype != torch.float32:
@@ -159,7 +170,16 @@ def load(path, base_model, trainable: bool = False):
     """The adapter checkpoint at `path` on `base_model` (loaded by the caller from base_of(path))."""
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(base_model, str(path), is_trainable=trainable)
+    weights = sorted(f.name for f in Path(path).iterdir() if f.name.startswith("adapter_model"))
+    if not weights:
+        raise SystemExit(f"{path}: no adapter weights (adapter_model.safetensors) beside its {ADAPTER_CONFIG}")
+    try:
+        return PeftModel.from_pretrained(base_model, str(path), is_trainable=trainable)
+    except Exception as e:  # a cut-short file (safetensors' own error), other shapes, ...
+        if isinstance(e, (torch.OutOfMemoryError, ImportError)):
+            raise  # not the checkpoint's fault
+        raise SystemExit(f"{path}: could not load the adapters ({', '.join(weights)}): "
+                         f"{e.__class__.__name__}: {str(e)[:300]}") from e
 
 
 def merge(model):

@@ -205,6 +205,7 @@ def test_sft_with_lora_trains_the_adapters_only(tmp_path, ckpt, start_lm):
     (["--lora-dropout", "1.5"], "--lora-dropout", "[0, 1)"),
     (["--freeze", "embed"], "--freeze", "only the adapters train"),
     (["--lora-rank", "0", "--lora-alpha", "32"], "--lora-alpha", "no effect without --lora-rank"),
+    (["--lora-target-modules", "q_proj,lm_head"], "--lora-target-modules", "lm_head is the output layer"),
 ])
 def test_bad_lora_options_fail_at_start_naming_them(tmp_path, ckpt, argv, option, shown):
     with pytest.raises(SystemExit) as e:
@@ -346,3 +347,45 @@ def test_lora_under_two_processes_saves_what_one_process_resumes(tmp_path, ckpt)
     assert [row["episodes"] for row in metrics(out)] == [8, 8]
     resumed = grpo.main(["--resume", str(out), "--steps", "3"])
     assert lora.is_adapted(resumed.model) and [row["step"] for row in metrics(out)] == [1, 2, 3]
+
+
+def test_broken_adapter_files_are_named(lora_run, tmp_path):
+    """Adapter weights that are missing or cut short: one line naming the directory and the file, as a broken full
+    checkpoint gets, never a library traceback about hub repository ids."""
+    import shutil
+
+    for name, damage in (("missing", lambda p: p.unlink()), ("cut", lambda p: p.write_bytes(p.read_bytes()[:40]))):
+        broken = tmp_path / name
+        shutil.copytree(lora_run.ckpt, broken)
+        damage(broken / "adapter_model.safetensors")
+        with pytest.raises(SystemExit) as e:
+            evaluation.main(["--agent", str(broken), "--env", "tests.fake_env:FakeEnv", "--num-tasks", "1"])
+        msg = str(e.value)
+        assert msg.startswith(f"eval.py: --agent: {broken}") and "adapter" in msg and "Repo id" not in msg, msg
+
+
+def test_resume_of_a_run_whose_start_moved_says_where_it_is_named(ckpt, tmp_path):
+    """The start of a LoRA run is the base of its checkpoints: resumed after the start moved, the error says the path
+    comes from the run's saved settings and which file holds it."""
+    import shutil
+
+    start = tmp_path / "start"
+    shutil.copytree(ckpt, start)
+    grpo.main(lora_args(start, tmp_path / "run", "--steps", "1"))
+    start.rename(tmp_path / "moved")
+    with pytest.raises(SystemExit) as e:
+        grpo.main(["--resume", str(tmp_path / "run"), "--steps", "2"])
+    msg = str(e.value)
+    assert msg.startswith("grpo.py: --resume: the run's start (--init-from in its saved settings, ")
+    assert "muarl_config.json; if it moved, put it back or edit that entry)" in msg and str(start) in msg
+
+
+def test_eval_of_chained_adapters_estimates_memory_from_the_root_model(lora_run, tmp_path, capsys):
+    """Adapters on adapters (GRPO's on a LoRA cold start): eval.py reads the root model's config for its memory
+    estimate, as for adapters on a full model."""
+    grpo.main(lora_args(lora_run.ckpt, tmp_path / "run", "--steps", "1"))
+    capsys.readouterr()
+    evaluation.main(["--agent", str(tmp_path / "run" / "checkpoints" / "step-000001" / "model"), "--env",
+                     "tests.fake_env:FakeEnv", "--num-tasks", "1", "--max-new-tokens", "8", "--out-dir",
+                     str(tmp_path / "ev")])
+    assert "[eval] estimated memory per GPU" in capsys.readouterr().out
