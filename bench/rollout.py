@@ -9,6 +9,9 @@ memory out and is shared, so absolute speeds drift; ratios within a round are wh
   reencode  RolloutConfig(reuse_cache=False)                 all episodes in one batch, whole context each turn
   single    RolloutConfig(reuse_cache=True, max_batch=1)     one episode at a time (same cache reuse)
   sync      RolloutConfig(refill_below=0)                    (not by default) as cache, with synchronous turns
+  lora      as cache, on the model with LoRA adapters of rank 16 on every projection, unmerged, as grpo.py
+            --lora-rank decodes (not by default); B = 0, so it plays the very same tokens: the ratio is the cost of
+            the adapters' extra matmuls
 
 The model is `muarl.load_model("tiny")` (random weights) on the shop domain with its scripted user, which keeps
 talking to an agent that makes no sense, so every episode runs to max_turns. A random model almost never samples
@@ -230,7 +233,16 @@ def main():
     base = dict(max_new_tokens=512, max_turns=args.turns)
     variants = {"cache": RolloutConfig(**base), "reencode": RolloutConfig(**base, reuse_cache=False),
                 "single": RolloutConfig(**base, max_batch=1), "sync": RolloutConfig(**base, refill_below=0)}
-    variants = {k: variants[k] for k in args.variants.split(",")}
+    variants = {k: variants[k] for k in args.variants.split(",") if k != "lora"}
+    models = {k: model for k in variants}
+    if "lora" in args.variants.split(","):
+        import copy
+
+        import lora
+
+        variants["lora"] = RolloutConfig(**base)
+        models["lora"] = lora.add_adapters(copy.deepcopy(model), rank=16, alpha=0, dropout=0.0,
+                                           targets=lora.DEFAULT_TARGETS, base="tiny").eval()
     print(f"device {model.device}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
           f"torch threads {torch.get_num_threads()}, {len(tasks)} tasks x {args.group} samples, max_turns {args.turns}")
 
@@ -242,13 +254,14 @@ def main():
             decode["rows"] += kwargs["input_ids"].shape[0]
             decode["context"] += int(kwargs["attention_mask"].sum())
 
-    model.get_decoder().register_forward_pre_hook(count_steps, with_kwargs=True)
+    for m in {id(m): m for m in models.values()}.values():
+        m.get_decoder().register_forward_pre_hook(count_steps, with_kwargs=True)
 
     def run(name, cfg, seed):
         gen = torch.Generator(device=model.device).manual_seed(seed)
         decode.update(steps=0, rows=0, context=0)
         t = time.perf_counter()
-        eps = rollout(model, tok, env, tasks, args.group, make_user_sim("scripted"), cfg, generator=gen)
+        eps = rollout(models[name], tok, env, tasks, args.group, make_user_sim("scripted"), cfg, generator=gen)
         dt = time.perf_counter() - t
         toks = sum(e.gen_tokens for e in eps)
         ctx = sorted(len(e.input_ids) for e in eps)
@@ -265,7 +278,7 @@ def main():
     # warm-up: a small run of each variant (allocator, kernels, paged-out memory)
     for name, cfg in variants.items():
         gen = torch.Generator(device=model.device).manual_seed(0)
-        rollout(model, tok, env, tasks[:2], 2, make_user_sim("scripted"),
+        rollout(models[name], tok, env, tasks[:2], 2, make_user_sim("scripted"),
                 RolloutConfig(**{**cfg.__dict__, "max_turns": 2}), generator=gen)
     results = {k: [] for k in variants}
     for r in range(args.rounds):
