@@ -250,8 +250,7 @@ def validate(cfg: Config, world: int) -> None:
     if cfg.model == "tiny" and not cfg.init_from and not cfg.resume and cfg.env.split(":")[0] != "shop":
         bad("env", f"{cfg.env!r} with the 'tiny' model needs a cold-start checkpoint (--init-from): the embedded cold "
                    "start and the tiny base are made on 'shop' only")
-    lora.check_options(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules, "grpo.py",
-                       defaults=Config)
+    lora.check_options(cfg, "grpo.py")
     if cfg.lora_rank and cfg.freeze:
         bad("freeze", "with --lora-rank only the adapters train already; drop --freeze")
     if cfg.bf16 and not torch.cuda.is_available():
@@ -520,10 +519,8 @@ def load_policy(run) -> None:
         model = merged_start(run, model, start)
     if config is None:
         check_memory(model.config)
-    if cfg.gradient_checkpointing:
+    if cfg.gradient_checkpointing:  # (with LoRA, peft makes the frozen embeddings' output require grad for it)
         model.gradient_checkpointing_enable()
-        if cfg.lora_rank:  # the frozen embeddings' output must require grad for the checkpointed layers' backward
-            model.enable_input_require_grads()  # (transformers 5.23 does it too; earlier versions may not)
     if cfg.lora_rank:
         model = lora.add_adapters(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                                   targets=cfg.lora_target_modules, base=start, program="grpo.py", autocast=cfg.bf16)

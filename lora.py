@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 from pathlib import Path
 
 import torch
@@ -35,14 +34,16 @@ DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def check_options(rank: int, alpha: float, dropout: float, targets: str, program: str, defaults=None) -> None:
-    """SystemExit naming the option when a --lora-* value cannot work, or (given the config class, `defaults`) is
-    set away from its default without --lora-rank, where it would do nothing."""
+def check_options(cfg, program: str) -> None:
+    """SystemExit naming the option when a run config's --lora-* value (grpo.Config, sft.SFTConfig) cannot work, or
+    is set away from its default without --lora-rank, where it would do nothing."""
+    rank, alpha, dropout, targets = cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules
+
     def bad(opt, why):
         raise SystemExit(f"{program}: --lora-{opt}: {why}")
-    if defaults is not None and not rank:
+    if not rank:
         for opt, value in (("alpha", alpha), ("dropout", dropout), ("target-modules", targets)):
-            if value != getattr(defaults, "lora_" + opt.replace("-", "_")):
+            if value != getattr(type(cfg), "lora_" + opt.replace("-", "_")):
                 bad(opt, "has no effect without --lora-rank (0: no adapters)")
     if rank < 0:
         bad("rank", "must be >= 0 (0: no adapters, the whole model is trained)")
@@ -248,5 +249,5 @@ def describe(model) -> str:
     """'N adapter parameters on M layers (x% of the model)' for the start-up line."""
     n = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    layers = sum(1 for name, _ in model.named_modules() if re.search(r"\.lora_A$", name))
+    layers = sum(1 for name, _ in model.named_modules() if name.endswith(".lora_A"))
     return f"{n:,} adapter parameters on {layers} layers ({100 * n / max(total, 1):.2f}% of {total:,})"

@@ -439,8 +439,7 @@ def check_backend(acc) -> None:
 
 def check_lora(cfg: SFTConfig, acc=None) -> None:
     """The --lora-* options, the backend with them (given `acc`), and that --out is not the base they train on."""
-    lora.check_options(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules, "sft.py",
-                       defaults=SFTConfig)
+    lora.check_options(cfg, "sft.py")
     if cfg.lora_rank and acc is not None:
         lora.check_backend(acc, "sft.py")
     if cfg.lora_rank and cfg.model != "tiny":
@@ -473,10 +472,8 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
         model, tok = muarl.load_model(start, device=shard.load_device(acc), seed=cfg.seed, merge_adapters=True,
                                       dtype=compute if cfg.lora_rank else torch.float32,
                                       attn_implementation=muarl.attention_implementation(acc.device, compute))
-    if cfg.gradient_checkpointing:
+    if cfg.gradient_checkpointing:  # (with LoRA, peft makes the frozen embeddings' output require grad for it)
         model.gradient_checkpointing_enable()
-        if cfg.lora_rank:
-            model.enable_input_require_grads()  # (transformers 5.23 does it too; earlier versions may not)
     if cfg.lora_rank:
         model = lora.add_adapters(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                                   targets=cfg.lora_target_modules, base=start, program="sft.py", autocast=cfg.bf16)

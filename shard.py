@@ -111,8 +111,7 @@ def is_zero3_plugin(acc) -> bool:
 
 def shards_weights(acc) -> bool:
     """Whether the chosen backend holds 1/N of the weights per process (FSDP2, ZeRO-3), before anything is prepared."""
-    ds = getattr(acc.state, "deepspeed_plugin", None)
-    return bool(getattr(acc, "is_fsdp2", False)) or (ds is not None and ds.zero_stage == 3)
+    return bool(getattr(acc, "is_fsdp2", False)) or is_zero3_plugin(acc)
 
 
 @contextlib.contextmanager
@@ -355,8 +354,8 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
     """
     shards = world if sharded else 1
     compute = 2 if bf16 else 4
+    kv, host_kv = kv_bytes_per_token * max_context * episodes, kv_bytes_per_token * max_context * parked
     if inference:  # eval.py: each process loads the whole model in the compute dtype and decodes
-        kv, host_kv = kv_bytes_per_token * max_context * episodes, kv_bytes_per_token * max_context * parked
         est = {"weights": n_params * compute, "kv_cache": kv, "prefill": prefill, "host_kv_cache": host_kv,
                "rollout_peak": n_params * compute + kv + prefill, "load_peak": n_params * compute,
                "host_load": n_params * compute, "host_peak": max(n_params * compute, host_kv)}
@@ -364,7 +363,6 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
         return est
     grads = 2 if (not sharded and world > 1) else 1  # DDP keeps its reduction buckets beside param.grad
     if lora:  # the frozen base in the compute dtype, everything trained is the adapters' (DDP or one process)
-        kv, host_kv = kv_bytes_per_token * max_context * episodes, kv_bytes_per_token * max_context * parked
         est = {"weights": n_params * compute, "master_weights": lora * 4, "gradients": grads * lora * 4,
                "optimizer": lora * 8, "reference": 0, "kv_cache": kv, "prefill": prefill, "host_kv_cache": host_kv}
         held = est["weights"] + est["master_weights"] + est["optimizer"] + (lora * 4 if grads == 2 else 0)
@@ -381,9 +379,9 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
         "gradients": grads * n_params * 4 // shards,
         "optimizer": n_params * 8 // shards,
         "reference": n_params * 4 // shards if reference else 0,
-        "kv_cache": kv_bytes_per_token * max_context * episodes,
+        "kv_cache": kv,
         "prefill": prefill,
-        "host_kv_cache": kv_bytes_per_token * max_context * parked,
+        "host_kv_cache": host_kv,
     }
     held = est["master_weights"] + est["optimizer"] + est["reference"]
     held += n_params * 4 if grads == 2 else 0  # DDP allocates its reduction buckets at wrap time and keeps them
