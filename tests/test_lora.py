@@ -244,7 +244,9 @@ def test_lora_memory_estimate_for_qwen3_8b_rank_64_on_one_80gb_gpu():
                   prefill=shard.prefill_bytes(config, True, 8192, 32768))
     with_lora = shard.memory_estimate(n, lora=adapters, reference=True, **common)
     full = shard.memory_estimate(n, reference=True, **common)
-    print(f"Qwen3-8B rank 64: LoRA peak {shard.gib(with_lora['peak'])}, full {shard.gib(full['peak'])}")
+    four = shard.memory_estimate(n, lora=adapters, reference=True, **{**common, "episodes": 4})  # --rollout-batch 4
+    print(f"Qwen3-8B rank 64: LoRA peak {shard.gib(with_lora['peak'])} (4 decoding: {shard.gib(four['peak'])}), "
+          f"full {shard.gib(full['peak'])}")
     assert with_lora["reference"] == 0 and with_lora["weights"] == 2 * n
     assert with_lora["optimizer"] == 8 * adapters and with_lora["gradients"] == 4 * adapters
     assert with_lora["peak"] < 75 * 2**30 < full["peak"]
