@@ -46,14 +46,15 @@ def parse_config(cls, argv=None, recipes: dict | None = None, description: str =
         p.add_argument("--recipe", choices=sorted(recipes), help="a preset of settings, applied before the options")
     for f in dataclasses.fields(cls):
         kind, flag = hints[f.name], "--" + f.name.replace("_", "-")
+        group = groups(p, cls, f.name)
         if kind is bool:
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                            help=f"{docs.get(f.name, '')} (default: {f.default})".replace("%", "%%"))
         else:
             base = (typing.get_args(kind)[0]
                     if typing.get_origin(kind) in (typing.Union, getattr(__import__('types'), 'UnionType', None))
                     else kind)
-            p.add_argument(flag, dest=f.name, type=base, default=None, metavar=base.__name__.upper(),
+            group.add_argument(flag, dest=f.name, type=base, default=None, metavar=base.__name__.upper(),
                            help=f"{docs.get(f.name, '')} (default: {f.default!r})".replace("%", "%%"))
     args = vars(p.parse_args(argv))
     recipe = args.pop("recipe", None)
@@ -65,6 +66,17 @@ def parse_config(cls, argv=None, recipes: dict | None = None, description: str =
     if given is not None:
         given.update([k for k, v in args.items() if v is not None] + (["recipe"] if recipe else []))
     return cls(**values)
+
+
+def groups(parser, cls, name: str):
+    """The --help group of field `name`: the first class in `cls`'s bases (options.py's groups, an entry point's own)
+    that declares it, titled by the first line of that class's docstring."""
+    owner = next(k for k in reversed(cls.__mro__) if name in getattr(k, "__annotations__", {}))
+    title = (owner.__doc__ or owner.__name__).strip().splitlines()[0]
+    made = parser.__dict__.setdefault("_muarl_groups", {})
+    if title not in made:
+        made[title] = parser.add_argument_group(title)
+    return made[title]
 
 
 def write_json_atomic(path, obj) -> None:

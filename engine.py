@@ -1,4 +1,4 @@
-"""The batched decoding engine under rollout.rollout: each live episode (a row) keeps its KV cache across turns,
+"""The batched decoding engine under batched_rollout.rollout: each live episode (a row) keeps its KV cache across turns,
 the rows decode together, and a row that ends its turn leaves the batch with its cache.
 
 `generate_turn` decodes the current agent turn of a batch of rows: it prefills what each row has not seen (in
@@ -6,7 +6,7 @@ column chunks of `prefill_tokens`), stacks the rows' parked caches into prealloc
 `_BufferLayer`), decodes one column a step, and parks a row's cache (`_park`, without padding holes) when it stops
 or when the call returns. `_prefill_openings` prefills a task's opening once for its group. `_sample` draws each
 row's token with the row's own generator. The episode loop that drives it (tools, users, rewards) is rollout.py;
-the settings are rollout.RolloutConfig (read here by attribute).
+the settings are batched_rollout.RolloutConfig (read here by attribute).
 """
 from __future__ import annotations
 

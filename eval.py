@@ -26,13 +26,16 @@ from pathlib import Path
 
 import cli
 import lora
+import models
 import muarl
-import shard
-from rollout import user_sim_options  # noqa: F401  (re-exported: it was defined here)
+import memory
+from batched_rollout import user_sim_options
+from options import SamplingOptions, UserOptions
 
 
 @dataclass
-class EvalConfig:
+class Evaluation:
+    """evaluation: the agent, the tasks, the output"""
     agent: str = ""
     """checkpoint directory, hub id, 'smollm2-135m', 'openai:<model>' (OpenAI-compatible endpoint), or 'expert'
     (the environment's scripted expert)"""
@@ -51,35 +54,10 @@ class EvalConfig:
     """evaluate the first N tasks of the split (0: all)"""
     trials: int = 1
     """trials per task, k (pass^k needs k >= 2)"""
-    user_sim: str = "scripted"
-    """user simulator: 'scripted', 'openai', 'hf' (as in training)"""
-    user_model: str = "gpt-4.1"
-    """user simulator model (the paper evaluates with GPT-4.1)"""
-    user_base_url: str = ""
-    """OpenAI-compatible endpoint of the user simulator (default: OPENAI_BASE_URL)"""
-    user_concurrency: int = 64
-    """requests in flight to the user-simulator endpoint"""
-    user_timeout: float = 60.0
-    """seconds the user simulator's endpoint has to answer one request before it is retried"""
-    user_retries: int = 5
-    """retries of a failed user-simulator request (timeouts, connection errors, 408/409/429, 5xx, malformed replies),
-    with backoff 1, 2, 4, ... s; then the episode ends as infra_error. A call costs at most
-    (retries + 1) x timeout + the backoff (~6.5 minutes with the defaults)"""
-    temperature: float = 0.0
-    """agent sampling temperature (0: greedy)"""
-    max_turns: int = 30
-    """agent turns per episode"""
-    max_new_tokens: int = 1024
-    """new tokens per agent turn"""
-    max_context: int = 32768
-    """tokens per episode"""
     seed: int = 0
     """sampling seed"""
     out_dir: str = ""
     """output directory (default: runs/eval-<env>-<time>)"""
-    rollout_batch: int = 0
-    """at most this many episodes decode together on one process (0: all); on a GPU the others' KV caches wait in
-    host memory (tau2 retail with --trials 4 is ~40 GB of cache per GPU at 8B if all decode at once)"""
     memory_check: bool = True
     """on a GPU, stop at start when the estimated memory (weights and the decoding episodes' KV cache at
     --max-context, printed) exceeds it"""
@@ -93,6 +71,15 @@ class EvalConfig:
     merge_dtype: str = ""
     """dtype of the merged weights: '' the base model's own (bf16 for Qwen3: each merged weight rounded once), or
     float32, bfloat16, float16"""
+
+
+@dataclass
+class EvalConfig(UserOptions, SamplingOptions, Evaluation):
+    """Evaluate an agent: pass^1 and pass^k over --trials per task."""
+    temperature: float = 0.0
+    """agent sampling temperature (0: greedy)"""
+    user_model: str = "gpt-4.1"
+    """user simulator model (the paper evaluates with GPT-4.1)"""
 
 
 def pass_hat_k(successes: int, trials: int, k: int) -> float:
@@ -257,7 +244,7 @@ def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
     """An OpenAI-compatible model (or the env's scripted expert) as the agent, through the text-level driver (no
     token-level record)."""
     from envs import OpenAIAgent, message_history, play
-    from rollout import make_user_sim
+    from batched_rollout import make_user_sim
 
     sim = None
     if cfg.user_sim != "scripted":
@@ -303,9 +290,9 @@ def merge_adapters(agent: str, out: str, dtype: str = "") -> Path:
     if dtype not in ("", "float32", "bfloat16", "float16"):
         raise SystemExit(f"eval.py: --merge-dtype: {dtype!r} is not float32, bfloat16 or float16 ('': the base's)")
     checkpoints.check_out(out, overwrite=None, program="eval.py", option="--merge-lora")
-    base_config = shard.read_config(lora.base_chain(agent)[-1])
+    base_config = memory.read_config(lora.base_chain(agent)[-1])
     dtype = dtype or str(getattr(base_config, "dtype", None) or "float32").removeprefix("torch.")
-    model, tok = muarl.load_model(agent, device="cpu", dtype=torch.float32)
+    model, tok = models.load_model(agent, device="cpu", dtype=torch.float32)
     merged = lora.merge(model).to(getattr(torch, dtype if dtype in ("bfloat16", "float16") else "float32"))
     print(f"[eval] merged in fp32, saved in {merged.dtype}"
           + (" (each weight rounded once)" if merged.dtype != torch.float32 else ""))
@@ -349,30 +336,27 @@ def main(argv=None):
     if cfg.agent.startswith("openai:") or cfg.agent == "expert":
         episodes = run_api_agent(cfg, env, tasks[acc.process_index::acc.num_processes])
     else:
-        from rollout import RolloutConfig, check_max_context, make_user_sim, rollout
+        from batched_rollout import RolloutConfig, check_max_context, make_user_sim, rollout
 
         mine = tasks[acc.process_index::acc.num_processes]
         live = len(mine) * cfg.trials
         decoding = min(live, cfg.rollout_batch or live)
-        bf16 = muarl.default_dtype(acc.device) == torch.bfloat16  # load_model's default: bf16 on GPU, fp32 on CPU
+        bf16 = models.default_dtype(acc.device) == torch.bfloat16  # load_model's default: bf16 on GPU, fp32 on CPU
         with cli.option_errors("eval.py: --agent"):
-            muarl.check_local(cfg.agent)
-            config = shard.read_config(lora.base_chain(cfg.agent)[-1])  # adapters: the model at the chain's root
+            models.check_local(cfg.agent)
+            config = memory.read_config(lora.base_chain(cfg.agent)[-1])  # adapters: the model at the chain's root
             if config is not None:  # before loading: weights and the decoding episodes' KV cache
-                shard.check_memory(config, world=acc.num_processes, sharded=False, bf16=bf16, reference=False,
+                memory.check_memory(config, world=acc.num_processes, sharded=False, bf16=bf16, reference=False,
                                    max_context=cfg.max_context, episodes=decoding, device=acc.device,
                                    check=cfg.memory_check, program="eval.py", inference=True,
                                    parked=live - decoding if acc.device.type != "cpu" else 0,
                                    prefill_tokens=RolloutConfig.prefill_tokens)
             with cli.outside_zero3_init():  # evaluated only: never partitioned under a ZeRO-3 config
-                model, tok = muarl.load_model(cfg.agent, device=acc.device)
+                model, tok = models.load_model(cfg.agent, device=acc.device)
         check_max_context(tok, env, tasks, cfg.max_context, "eval.py")
         model.eval()
         user_sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
-        sampling = RolloutConfig(temperature=max(cfg.temperature, 1e-5), greedy=cfg.temperature == 0,
-                                  max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context,
-                                  max_turns=cfg.max_turns, max_batch=cfg.rollout_batch,
-                                  park_device="cpu" if cfg.rollout_batch and acc.device.type != "cpu" else "")
+        sampling = RolloutConfig.from_options(cfg, on_gpu=acc.device.type != "cpu")
         gen = torch.Generator(acc.device).manual_seed(cfg.seed * 1_000_003 + acc.process_index)
         eps = rollout(model, tok, env, mine, cfg.trials, user_sim, sampling, gen)
         episodes = [e.to_json() for e in eps]

@@ -1,4 +1,4 @@
-"""lora.py: LoRA adapters (the peft library) for grpo.py and sft.py, eval.py and muarl.load_model.
+"""lora.py: LoRA adapters (the peft library) for grpo.py and sft.py, eval.py and models.load_model.
 
 With --lora-rank R the policy is its start model, frozen in the compute dtype (bf16 on a GPU), plus low-rank adapters
 on the target layers, trained in fp32. The frozen reference of the KL term is then the same network with its adapters
@@ -12,7 +12,7 @@ switched off: no second copy of the weights, and kl is exactly 0 until the adapt
                     with PeftModel.from_pretrained) on its base, itself any start: a model directory, a hub id, or
                     another adapter checkpoint (merged)
     merge           the adapters folded into the base weights: a plain model for serving (eval.py --merge-lora)
-    adapter_params  the parameters adapters add to a model of a given config (shard.memory_estimate)
+    adapter_params  the parameters adapters add to a model of a given config (memory.memory_estimate)
     check_backend   one process and DDP run LoRA; FSDP2 and DeepSpeed are refused at start, by name
     checkpoint_hooks
                     Accelerate's save_state keeps the adapters only (the base is on disk already: the run's start)
@@ -68,8 +68,8 @@ def check_targets(model, targets: str, program: str = "grpo.py") -> None:
     heads = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if head is not None and m is head}
     if heads & set(wanted):
         raise SystemExit(f"{program}: --lora-target-modules: {', '.join(sorted(heads & set(wanted)))} is the output "
-                         "layer, whose weight the trainer reads directly (loss.token_logprobs' chunked head), so an "
-                         "adapter there would be skipped in training: leave it out")
+                         "layer, whose weight the trainer reads directly (logprobs.token_logprobs' chunked head), so "
+                         "an adapter there would be skipped in training: leave it out")
     there = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)} - heads
     missing = [t for t in wanted if t not in there]
     if missing:

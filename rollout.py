@@ -1,72 +1,38 @@
-"""The multi-turn rollout: the agent talking to a simulated user and to tools, token in, token out.
+"""rollout.py: one episode, played turn by turn: the agent talking to a simulated user and to tools, token in, token
+out. Read this first; batched_rollout.py plays many episodes at once and is held to the same tokens.
 
-    from rollout import RolloutConfig, make_user_sim, reference_rollout, rollout
-    sim = make_user_sim("scripted")
-    episode = reference_rollout(model, tokenizer, env, task, sim, RolloutConfig())     # one episode: read this first
-    episodes = rollout(model, tokenizer, env, tasks, group_size=8, user_sim=sim,
-                       cfg=RolloutConfig())          # len(episodes) == 8 * len(tasks), a task's 8 consecutive
+    from rollout import Sampling, reference_rollout
+    episode = reference_rollout(model, tokenizer, env, task, user_sim, Sampling(greedy=True))
 
 Turn order (as in the paper and tau2): the system prompt (with the tools, rendered by the chat template) and the
 user's first message open an episode. The agent speaks. A message with tool calls runs them against the episode's
 own environment session and the agent speaks again on the results; a message without tool calls goes to the user
-simulator (envs/users.py), whose reply comes back. The episode rule (envs.next_turn, envs.score) ends it: the user
-says a USER_STOP_MARKER, the agent calls a STOP_TOOLS tool, or `max_turns` agent messages were said. Two caps are
-the engine's own: the context (`max_context`) and an agent turn that hits `max_new_tokens` without its end-of-turn
-token. A user simulator whose endpoint keeps failing ends the episode as infra_error (`infra_failed`: training
-leaves it out instead of scoring it 0).
+simulator (envs/users.py), whose reply comes back. The episode rule (envs.next_turn) ends it: the user says a
+USER_STOP_MARKER, the agent calls a STOP_TOOLS tool, or `max_turns` agent messages were said; two caps are the
+sampler's: the context (`max_context`) and a turn that hits `max_new_tokens` without a stop token. Then the episode
+is scored (envs.score): 1 only when the task is done.
 
-`reference_rollout` plays one episode with HF's `model.generate`, a few dozen lines. `rollout` is the fast engine,
-tested to give the reference's tokens and masks under greedy decoding (tests/test_rollout.py). It is hand-written
-batched decoding over the model's forward with a transformers KV Cache (engine.py; this file drives it). All live
-episodes decode together; a row that ends its turn leaves the batch at once (its cache rows are copied out, minus
-padding holes, and parked on the episode), so a long turn never makes short ones pay. The cache is kept across
-turns: at the next turn only the tokens not yet in it (the agent's last sampled token and the delta of tool results
-or user reply) are prefilled. `reuse_cache=False` re-encodes the whole conversation every turn instead; with greedy
-decoding both give the same tokens (docs/invariants.md, 5, tested). Only full-attention models are supported (a
-sliding window would count padding slots).
-
-Turns are asynchronous per episode (continuous batching): a batch decodes until fewer than half its rows
-(`refill_below`) are still in their turn; the rest are parked mid-turn (cache, partial turn, last sampled token as
-pending input), the rows that ended their turn run their tools, and the next batch stacks them back together with
-the parked rows. So the batch stays at least half full instead of draining to the longest turn.
-
-A user behind an endpoint never stalls decoding: a row whose turn ends with a message to the user leaves the batch,
-its reply is requested at once from a thread of the user simulator's own (an event loop: the endpoint's
-concurrency limit applies there), and the row rejoins the next batch once the reply is in; a batch also returns
-early when enough replies have arrived to be worth re-stacking for. The model runs only in the caller's thread.
-Tool calls run between batches, in the decoding thread (local database calls), unless the environment says they
-are slow (`slow_tools = True`: a remote service); then they run from the user thread too while others decode. Not
-overlapped: a user that is local (`UserSim.local`: the scripted user, which answers at once, and an hf user, which
-computes on the same device and is asked for all waiting replies in one batch). Each episode samples from its own
-generator (`episode_seed`), so its tokens do not depend on which rows shared its batches or when replies came back.
-The G episodes of a task share their opening: it is prefilled once and its cache given to each (`_prefill_openings`).
-bench/rollout.py measures batch occupancy and, with --user-latency, how much of a slow user's latency is hidden.
+What enters the token stream (muarl.py): each agent turn as the ids `model.generate` sampled (loss mask 1, with
+the sampler's log-probs), everything else as a chat-template delta (loss mask 0).
 """
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import hashlib
 import json
 import logging
-import threading
-import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from engine import _prefill_openings, _Row, generate_turn
 from envs import STOP_TOOLS, next_turn, opening_messages, score
-from envs.users import (GREETING, DataUserSim, HFUserSim, OpenAIUserSim, ScriptedUserSim, UserSim,  # noqa: F401
-                        UserSimError, opening_retries, retries_of, said_something)
-from muarl import (Episode, delta_ids, load_model, main_print, outside_zero3_init, parse_assistant, prompt_ids,
-                   stop_token_ids, template_kwargs)
+from muarl import Episode, delta_ids, parse_assistant, prompt_ids, stop_token_ids
 
 log = logging.getLogger("muarl.rollout")
 
 
 @dataclass
-class RolloutConfig:
+class Sampling:
+    """How the agent samples, and the caps of an episode."""
     temperature: float = 1.0
     """sampling temperature (paper: 1.0); recorded logprobs are log_softmax(logits / temperature)"""
     top_p: float = 1.0
@@ -79,51 +45,27 @@ class RolloutConfig:
     """cap on an episode's total tokens (paper: 32k); reaching it ends the episode as context_limit"""
     max_turns: int = 30
     """cap on agent messages per episode (paper: 30)"""
-    reuse_cache: bool = True
-    """keep each episode's KV cache across turns and prefill only the new tokens; False re-encodes every turn"""
-    max_batch: int = 0
-    """at most this many episodes decode in one batch (0: all); bounds GPU memory; 1 = one episode at a time"""
-    park_device: str = ""
-    """where an episode's KV cache waits between its decoding batches (tools, the user's reply, its place in line):
-    '' on the model's device; 'cpu' in host memory, so that with max_batch only the decoding batch's caches are
-    on the GPU (each episode's cache crosses the bus at least twice a turn, more when it is parked mid-turn)"""
-    refill_below: float = 0.5
-    """a decoding batch stops when fewer than this fraction of its rows are still in their turn, parks those
-    mid-turn, and lets the rows that ended their turn rejoin after their tools / user reply (continuous batching;
-    0: turns are synchronous, 1: re-stack whenever a row ends its turn); greedy tokens never depend on it"""
-    prefill_tokens: int = 8192
-    """at most this many tokens (rows x columns) in one prefill forward: a long prefill runs in column chunks
-    that append to the cache, so its activations (MLP, attention mask) stay those of one chunk, not of the whole
-    prompt (bench/gpu.py's kv_peak on an H100, 2 episodes at 32k: 13.4 GiB peak prefilling in one forward, 6.0 GiB
-    in chunks; bench/README.md); 0: the whole prefill in one forward"""
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The reference rollout: one episode, HF generate
-# ---------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def reference_rollout(model, tokenizer, env, task, user_sim: UserSim, cfg: RolloutConfig | None = None) -> Episode:
-    """Play one episode of `task` the plain way; the oracle the engine (`rollout`) is held to.
+def reference_rollout(model, tokenizer, env, task, user_sim, cfg: Sampling | None = None) -> Episode:
+    """Play one episode of `task`; the oracle batched_rollout.rollout is held to (tests/test_rollout.py).
 
-    Each agent turn is one `model.generate` call over the whole conversation so far (HF's KV cache lives within
-    the turn). What the agent sampled enters the episode verbatim, never re-tokenized from its text; everything
-    else enters as a chat-template delta (the turn helpers below). Same Episode record, masks, episode rule and
-    reward as `rollout`; a user simulator that fails raises here (the engine records infra_error). Sampling is
-    HF's (temperature, top_p); the engine's recorded logprob, log_softmax(logits / temperature) of the drawn
-    token, is recorded here too."""
-    cfg = cfg or RolloutConfig()
+    Each agent turn is one `model.generate` call over the whole conversation so far. A user simulator that fails
+    raises here (the batched rollout records infra_error instead)."""
+    cfg = cfg or Sampling()
     stops = stop_token_ids(model, tokenizer)
-    session = env.start(task)
+    session = env.start(task)                       # fresh state per episode (docs/invariants.md, 4)
     user = user_sim.sync_user(env, task, session)
     ep = Episode(task_id=task.id, tools=env.tools(task), messages=opening_messages(env, task, user.opening()))
     ep.append(prompt_ids(tokenizer, ep.messages, ep.tools), agent=False)
     status = "agent" if len(ep.input_ids) < cfg.max_context else "context_limit"
     while status == "agent":
-        ids, logprobs = _generate(model, ep.input_ids, cfg, stops, tokenizer.pad_token_id)
+        ids, logprobs = generate(model, ep.input_ids, cfg, stops, tokenizer.pad_token_id)
         stop = ("eot" if ids[-1] in stops else
                 "context" if len(ep.input_ids) + len(ids) >= cfg.max_context else "max_new_tokens")
         status = agent_turn(ep, session, tokenizer, ids, logprobs, stop, cfg.max_turns)
-        if status == "user":  # sync_user raises UserSimError on a failure, an empty reply included
+        if status == "user":
             ep.messages.append({"role": "user", "content": user.reply(ep.messages)})
             status = next_turn(ep.messages, ep.turns, cfg.max_turns)
         if status == "agent" and not append_delta(ep, tokenizer, cfg.max_context):
@@ -132,9 +74,9 @@ def reference_rollout(model, tokenizer, env, task, user_sim: UserSim, cfg: Rollo
     return ep
 
 
-def _generate(model, input_ids: list[int], cfg: RolloutConfig, stops: list[int], pad: int
-              ) -> tuple[list[int], list[float]]:
-    """One agent turn by `model.generate`: (sampled ids, ending with a stop token unless cut off; their logprobs)."""
+def generate(model, input_ids: list[int], cfg: Sampling, stops: list[int], pad: int) -> tuple[list[int], list[float]]:
+    """One agent turn by `model.generate`: (sampled ids, ending with a stop token unless cut off; their logprobs,
+    log_softmax(logits / temperature) of each drawn token, which is what the trainer recomputes)."""
     ids = torch.tensor([input_ids], device=model.device)
     sampling = dict(do_sample=False) if cfg.greedy else dict(do_sample=True, temperature=cfg.temperature,
                                                             top_p=cfg.top_p, top_k=0)
@@ -147,15 +89,44 @@ def _generate(model, input_ids: list[int], cfg: RolloutConfig, stops: list[int],
 
 
 # ---------------------------------------------------------------------------------------------------------
-# One turn of the agent, shared by both rollouts
+# One turn of the agent (batched_rollout.py uses the same helpers)
 # ---------------------------------------------------------------------------------------------------------
-def run_tool_calls(ep: Episode, session, text: str) -> tuple[dict, list[dict], bool]:
-    """Parse the agent's decoded turn and run its tool calls.
-    Returns (assistant message, tool messages, whether a STOP_TOOLS tool ran).
+def agent_turn(ep: Episode, session, tokenizer, ids: list[int], logprobs: list[float], stop: str,
+               max_turns: int) -> str:
+    """Record a sampled turn and act on it: its ids enter the episode verbatim, its text becomes the assistant
+    message and its tool calls run. `stop` is why sampling stopped: eot (any stop token, dropped from the text) |
+    max_new_tokens | context. Returns what follows: "agent" (to read its tool results), "user", or why the episode
+    ended (a termination of Episode.termination)."""
+    text = record_turn(ep, tokenizer, ids, logprobs, stop)
+    if text is None:  # cut off mid-message: its text kept, nothing run
+        return "response_truncated" if stop == "max_new_tokens" else "context_limit"
+    return after_tools(ep, run_tool_calls(ep, session, text), max_turns)
 
-    Never raises on model output: a malformed call (parse error) or a failing call (unknown tool, bad arguments,
-    a tool that raised: the env's ToolResult(error=True)) becomes an error tool message the agent can read and
-    recover from, counted in ep.tool_errors. Call ids carry the turn number, so they are unique in the episode."""
+
+def record_turn(ep: Episode, tokenizer, ids: list[int], logprobs: list[float], stop: str) -> str | None:
+    """The sampled ids enter the episode (loss mask 1); returns their text without the stop token, or None when
+    sampling was cut off (max_new_tokens, context), the text then recorded as the agent's message."""
+    ep.append(ids, agent=True, logprobs=logprobs)
+    ep.turns += 1
+    text = tokenizer.decode(ids[:-1] if stop == "eot" else ids, skip_special_tokens=False)
+    if stop != "eot":
+        ep.messages.append({"role": "assistant", "content": text})
+        return None
+    return text
+
+
+class ToolOutcome(NamedTuple):
+    """What a turn's text became: the assistant message, one tool message per call, and whether a STOP_TOOLS tool
+    ran (it ends the episode)."""
+    message: dict
+    results: list[dict]
+    stop_tool_ran: bool
+
+
+def run_tool_calls(ep: Episode, session, text: str) -> ToolOutcome:
+    """Parse the agent's turn and run its tool calls against the episode's session. Never raises on model output:
+    a malformed call or a failing one (unknown tool, bad arguments, a tool that raised) becomes an error tool
+    message the agent can read and recover from, counted in ep.tool_errors. Call ids carry the turn number."""
     parsed = parse_assistant(text, call_id_prefix=f"call_{ep.turns}")
     msg = {"role": "assistant", "content": parsed.content}
     if parsed.tool_calls:
@@ -172,40 +143,13 @@ def run_tool_calls(ep: Episode, session, text: str) -> tuple[dict, list[dict], b
             stop = stop or name in STOP_TOOLS
         ep.tool_errors += int(error)
         results.append({"role": "tool", "tool_call_id": call["id"], "name": name, "content": content})
-    return msg, results, stop
+    return ToolOutcome(msg, results, stop)
 
 
-def agent_turn(ep: Episode, session, tokenizer, ids: list[int], logprobs: list[float], stop: str,
-               max_turns: int) -> str:
-    """Record a sampled agent turn and act on it. `ids` enter the episode verbatim (loss mask 1, with the sampler's
-    logprobs); their text becomes the assistant message and its tool calls run. `stop` is why decoding stopped:
-    eot (on any stop token: the end-of-turn token or another eos of the model's generation config, dropped from the
-    text) | max_new_tokens | context. Returns what follows: "agent" (to read its tool results), "user", or why
-    the episode ended."""
-    text = record_turn(ep, tokenizer, ids, logprobs, stop)
-    if text is None:  # cut off mid-message: its text kept, nothing run
-        return "response_truncated" if stop == "max_new_tokens" else "context_limit"
-    return after_tools(ep, run_tool_calls(ep, session, text), max_turns)
-
-
-def record_turn(ep: Episode, tokenizer, ids: list[int], logprobs: list[float], stop: str) -> str | None:
-    """agent_turn's first half: the sampled ids enter the episode; returns their text (without the stop token), or
-    None when decoding was cut off (max_new_tokens, context), the text then recorded as the agent's message."""
-    ep.append(ids, agent=True, logprobs=logprobs)
-    ep.turns += 1
-    text = tokenizer.decode(ids[:-1] if stop == "eot" else ids, skip_special_tokens=False)
-    if stop != "eot":
-        ep.messages.append({"role": "assistant", "content": text})
-        return None
-    return text
-
-
-def after_tools(ep: Episode, outcome: tuple, max_turns: int) -> str:
-    """agent_turn's last half: the message and its tool results (run_tool_calls' outcome) enter the conversation;
-    returns what follows ("agent", "user", or why the episode ended)."""
-    msg, results, ran_stop_tool = outcome
-    ep.messages += [msg] + results
-    return next_turn(ep.messages, ep.turns, max_turns, ran_stop_tool)
+def after_tools(ep: Episode, outcome: ToolOutcome, max_turns: int) -> str:
+    """The message and its tool results enter the conversation; returns what follows (as agent_turn)."""
+    ep.messages += [outcome.message] + outcome.results
+    return next_turn(ep.messages, ep.turns, max_turns, outcome.stop_tool_ran)
 
 
 def append_delta(ep: Episode, tokenizer, max_context: int) -> bool:
@@ -222,302 +166,10 @@ def append_delta(ep: Episode, tokenizer, max_context: int) -> bool:
 
 
 def end_episode(ep: Episode, session, termination: str) -> None:
-    """Score the ended episode by the episode rule (envs.score); an episode lost to infrastructure is not scored."""
+    """Score the ended episode by the episode rule (envs.score); an episode lost to infrastructure is not scored
+    (infra_failed: training leaves it out instead of scoring it 0)."""
     if termination != "infra_error":
         ep.reward, ep.reward_info, termination = score(session, ep.messages, termination)
         if termination == "infra_error":
             log.warning("reward failed for task %s: %s", ep.task_id, ep.reward_info.get("error"))
     ep.termination, ep.infra_failed = termination, termination == "infra_error"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The episode loop
-# ---------------------------------------------------------------------------------------------------------
-def _finish(row: _Row, termination: str) -> None:
-    end_episode(row.ep, row.session, termination)
-    row.kv = None  # free its cache now
-
-
-def episode_seed(base: int, task_id, sample: int) -> int:
-    """The seed of one episode's sampler: a stable hash of the rollout's base seed, the task and the sample index,
-    so that an episode draws the same tokens whichever episodes shared its batches (tests/test_rollout.py)."""
-    digest = hashlib.blake2b(f"{base}/{task_id}/{sample}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
-
-
-class _UserThread:
-    """An event loop in a thread of its own, where the user simulator's requests run while the caller's thread
-    decodes. The model only ever runs in the caller's thread (with its autocast, device and sharding state, which
-    are per thread in torch); the user thread touches only the user simulator's state of the episodes it answers."""
-
-    def __init__(self, user_sim):
-        self.user_sim = user_sim
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="muarl-users", daemon=True)
-        self.thread.start()
-
-    def submit(self, coro) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def wait(self, futures, first: bool) -> None:
-        """Wait for the first of `futures` (or all), in slices, so that a user thread that died fails loudly
-        instead of leaving the rollout waiting forever."""
-        how = concurrent.futures.FIRST_COMPLETED if first else concurrent.futures.ALL_COMPLETED
-        while True:
-            done, pending = concurrent.futures.wait(futures, timeout=5.0, return_when=how)
-            if done if first else not pending:
-                return
-            if not self.thread.is_alive():
-                raise RuntimeError("the user simulator's thread stopped with requests still waiting")
-
-    def close(self) -> None:
-        """Cancel what still runs (a rollout that raised or was interrupted), release the simulator's client, stop
-        the loop and join the thread."""
-        async def cancel_all():
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await self.user_sim.aclose()
-
-        try:
-            if self.thread.is_alive():
-                self.submit(cancel_all()).result(timeout=30)
-        except Exception:  # a task that will not cancel, or a client that will not close: the thread is a daemon
-            log.warning("the user simulator's thread did not shut down cleanly", exc_info=True)
-        finally:  # stop() is safe before run_forever starts and after it ended
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=30)
-            if not self.thread.is_alive():
-                self.loop.close()
-
-
-def rollout(model, tokenizer, env, tasks: list, group_size: int, user_sim, cfg: RolloutConfig | None = None,
-            generator: torch.Generator | None = None, seed: int | None = None) -> list[Episode]:
-    """Play `group_size` episodes of every task; returns them task by task, a group's episodes consecutive.
-
-    Pass the unwrapped model (under Accelerate each process rolls out its own share of tasks; a sharded model
-    only inside shard.full_weights, since processes decode different numbers of steps). Each episode samples from
-    its own generator, seeded by episode_seed(seed, task, sample index); `seed` None draws it from `generator`
-    (None: torch's global RNG, which seed_everything seeds), so a run's rollouts are reproducible and an episode's
-    tokens do not depend on the batches it shared (up to the numerics of batched matmuls)."""
-    cfg = cfg or RolloutConfig()
-    if seed is None:  # drawn the same on every process (seed_everything): the process index makes them differ
-        where = generator.device if generator is not None else "cpu"
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=where))
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        seed = episode_seed(seed, f"process {rank}", 0)
-    was_training = model.training
-    model.eval()
-    # A user simulator that answers at once (scripted) or on this device (hf) is asked between decoding batches, in
-    # this thread; any other (an LLM endpoint) from a thread of its own, so that decoding goes on while it answers,
-    # and so are the tools of an environment that says they are slow (env.slow_tools: a remote service).
-    local, slow_tools = getattr(user_sim, "local", False), getattr(env, "slow_tools", False)
-    users = None if local and not slow_tools else _UserThread(user_sim)
-    try:
-        return _rollout(model, tokenizer, env, tasks, group_size, user_sim, cfg, seed, users, local, slow_tools)
-    finally:
-        try:
-            if users is not None:
-                users.close()
-        finally:
-            model.train(was_training)
-
-
-def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, local, slow_tools) -> list[Episode]:
-    stops = stop_token_ids(model, tok)
-    run = (lambda coro: users.submit(coro).result()) if users is not None else asyncio.run
-    # The first user message is generated once per task and shared by its group: the G episodes differ only by
-    # the agent's samples, which is what the group-relative advantage compares. A task that continues an earlier
-    # conversation (tau2's message history) starts from it, as prompt; the opening is None when the agent is next.
-    openings = run(_gather(*(user_sim.opening(env, t) for t in tasks)))
-    device = model.get_input_embeddings().weight.device
-    rows, groups = [], []
-    for i, (task, opening) in enumerate(zip(tasks, openings)):
-        if isinstance(opening, BaseException) and not isinstance(opening, UserSimError):
-            raise opening
-        if opening is not None and not isinstance(opening, UserSimError) and not said_something(opening):
-            opening = UserSimError(f"the user simulator's opening is empty ({opening!r})")
-        tools = env.tools(task)
-        failed = isinstance(opening, UserSimError)
-        if failed:
-            log.warning("user simulator failed to open task %s: %s", task.id, opening)
-        opening_ids = [] if failed else prompt_ids(tok, opening_messages(env, task, opening), tools)
-        group, retried = [], opening_retries(user_sim, task)
-        for g in range(group_size):
-            ep = Episode(task_id=task.id, sample=g, tools=tools, user_retries=retried if g == 0 else 0)
-            session = env.start(task)  # fresh state per episode (docs/invariants.md, 4)
-            # by the task's place in `tasks` too: a task drawn twice in a step gets two different groups
-            gen = None if cfg.greedy else torch.Generator(device).manual_seed(episode_seed(seed, f"{i}:{task.id}", g))
-            row = _Row(ep, session, None, gen=gen)
-            rows.append(row)
-            if failed:
-                ep.reward_info = {"error": str(opening)}
-                _finish(row, "infra_error")
-                continue
-            ep.messages = opening_messages(env, task, opening)  # the group's episodes share no mutable message
-            ep.append(opening_ids, agent=False)
-            row.user = user_sim.start(env, task, session, opening)
-            if len(ep.input_ids) >= cfg.max_context:
-                _finish(row, "context_limit")
-            else:
-                group.append(row)
-        groups.append(group)
-    _prefill_openings(model, [g for g in groups if g], cfg, stops[0])
-    live = [r for r in rows if not r.ep.termination]
-    waiting: dict[concurrent.futures.Future, _Row] = {}  # rows whose tools or user reply are on their way
-
-    def rejoin(r: _Row, status: str) -> None:  # append what was said and line the row up, or end the episode
-        if status == "agent" and not append_delta(r.ep, tok, cfg.max_context):
-            status = "context_limit"
-        if status == "agent":
-            live.append(r)
-        else:
-            _finish(r, status)
-
-    def ask(rows: list[_Row]) -> None:  # rows whose turn went to the user
-        if local:  # a user that answers at once (scripted) or computes on this device (hf): here, in one call
-            for r, (reply, seconds) in zip(rows, asyncio.run(_ask_all(user_sim, rows))):
-                rejoin(r, _take_reply(r, reply, seconds, cfg))
-        else:
-            for r in rows:
-                waiting[users.submit(_ask(user_sim, r))] = r
-
-    while live or waiting:
-        if not live:  # every episode waits on its user or tools: wait for the first (all, for synchronous turns)
-            users.wait(list(waiting), first=cfg.refill_below > 0)
-        else:
-            # Continuous batching: the batch decodes until half its rows have ended their turn (refill_below), or
-            # until enough replies have arrived to be worth re-stacking for; the rows that ended run their tools
-            # here (in the user thread when the environment says its tools are slow) and rejoin, or wait for their
-            # user's reply, which is on its way while the next batches decode.
-            n = cfg.max_batch or len(live)
-            batch, rest = live[:n], live[n:]
-            # (rows in line for a place, `rest`, are not counted: re-stacking for them would move the caches of the
-            # rows still decoding through host memory under park_device, at every turn's end)
-            generate_turn(model, batch, cfg, stops, ready=(lambda: sum(f.done() for f in waiting))
-                          if users is not None else None)
-            live = [r for r in batch if not r.stop] + rest  # those parked mid-turn first, then those in line
-            to_user = []
-            for r in (r for r in batch if r.stop):
-                if slow_tools and r.stop == "eot":
-                    waiting[users.submit(_tools(r, record_turn(r.ep, tok, r.new_ids, r.new_logprobs, r.stop)))] = r
-                    status = "tools"
-                else:
-                    status = agent_turn(r.ep, r.session, tok, r.new_ids, r.new_logprobs, r.stop, cfg.max_turns)
-                if not cfg.reuse_cache:
-                    r.kv = None  # the next turn re-encodes the whole conversation
-                if status == "user":
-                    to_user.append(r)
-                elif status != "tools":
-                    rejoin(r, status)
-            ask(to_user)
-            if cfg.refill_below == 0 and waiting:  # synchronous turns: the next batch starts when all are back
-                users.wait(list(waiting), first=False)
-        to_user = []
-        for f in [f for f in waiting if f.done()]:  # replies and tool results that arrived, in the order asked
-            r = waiting.pop(f)
-            kind, *out = f.result()
-            if kind == "tools":
-                status = after_tools(r.ep, out[0], cfg.max_turns)
-                if status == "user":
-                    to_user.append(r)
-                else:
-                    rejoin(r, status)
-            else:
-                rejoin(r, _take_reply(r, *out, cfg))
-        ask(to_user)
-    return [r.ep for r in rows]
-
-
-async def _tools(r: _Row, text: str) -> tuple:
-    """One episode's tool calls (an environment with slow_tools: a remote service), in a worker thread of the user
-    thread's loop so that the loop keeps serving the other requests; the decoding thread appends the results."""
-    return "tools", await asyncio.to_thread(run_tool_calls, r.ep, r.session, text)
-
-
-async def _ask(user_sim, r: _Row) -> tuple:
-    """One episode's user reply (a UserSimError in its place when the simulator failed) and the seconds it took.
-    In the user thread, the user simulator alone touches the row (its own state and, for user-side tools, the
-    episode's session); the episode's tokens and messages are written back in the decoding thread."""
-    t0 = time.perf_counter()
-    reply = (await user_sim.replies([r.user], [r.ep.messages]))[0]
-    return "user", reply, time.perf_counter() - t0
-
-
-async def _ask_all(user_sim, rows: list[_Row]) -> list[tuple]:
-    """Every row's reply in one call (a batched simulator answers them together), with the call's seconds."""
-    t0 = time.perf_counter()
-    replies = await user_sim.replies([r.user for r in rows], [r.ep.messages for r in rows]) if rows else []
-    return [(reply, time.perf_counter() - t0) for reply in replies]
-
-
-async def _gather(*coros) -> list:
-    return list(await asyncio.gather(*coros, return_exceptions=True))
-
-
-def _take_reply(r: _Row, reply, seconds: float, cfg: RolloutConfig) -> str:
-    """Put the user's reply into the episode; returns what follows ("agent", or why the episode ends)."""
-    r.ep.user_seconds.append(round(seconds, 4))
-    retried = retries_of(r.user)  # the episode's count so far; ep.user_retries also holds its opening's
-    r.ep.user_retries += retried - r.retries_seen
-    r.retries_seen = retried
-    if isinstance(reply, UserSimError):
-        log.warning("user simulator failed for task %s: %s", r.ep.task_id, reply)
-        r.ep.reward_info = {"error": str(reply)}
-        return "infra_error"
-    if isinstance(reply, BaseException):
-        raise reply
-    if not said_something(reply):  # an empty user turn is a broken user, not a dialogue to score
-        log.warning("user simulator gave an empty reply for task %s: %r", r.ep.task_id, reply)
-        r.ep.reward_info = {"error": f"the user simulator's reply is empty ({reply!r})"}
-        return "infra_error"
-    r.ep.messages.append({"role": "user", "content": reply})
-    return next_turn(r.ep.messages, r.ep.turns, cfg.max_turns)
-
-
-def check_max_context(tokenizer, env, tasks: list, max_context: int, program: str = "grpo.py") -> None:
-    """Refuse a --max-context that no episode can start in (every one would end at 0 turns, scored 0 or trained
-    on nothing), naming both numbers; warn when only some tasks' openings are too long. The opening measured is the
-    system prompt with the tools and the task's earlier messages, before the user's first message: a lower bound."""
-    sample = tasks[:256]
-    lengths = [len(prompt_ids(tokenizer, opening_messages(env, t, None), env.tools(t))) for t in sample]
-    over = [n for n in lengths if n >= max_context]
-    which = f"{len(sample)} tasks" if len(sample) == len(tasks) else f"the first {len(sample)} of {len(tasks)} tasks"
-    if lengths and len(over) == len(lengths):
-        raise SystemExit(f"{program}: --max-context {max_context} is below every task's opening ({min(lengths)} to "
-                         f"{max(lengths)} tokens of system prompt and tools before the user's first message, over "
-                         f"{which}): no episode could start; raise it well above {max(lengths)}")
-    if over:
-        main_print(f"[{program.split('.')[0]}] warning: --max-context {max_context}: {len(over)} of {which} open "
-                   f"with more tokens (up to {max(over)}); their episodes end at once as context_limit")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The other participants by name, for the entry points (sft.py, eval.py, grpo.py)
-# ---------------------------------------------------------------------------------------------------------
-def make_user_sim(name: str, **options) -> UserSim:
-    """"scripted" (env.scripted_user), "openai" (any OpenAI-compatible endpoint), "hf" (a local model: `model` is
-    a loaded model, with `tokenizer`, or a name for muarl.load_model, with an optional `device`). An LLM user
-    leaves the tasks whose user is the data to the environment's script (envs.users.DataUserSim)."""
-    sims = {"scripted": ScriptedUserSim, "openai": OpenAIUserSim, "hf": HFUserSim}
-    if name not in sims:
-        raise ValueError(f"unknown user simulator {name!r}: use one of {sorted(sims)}")
-    if name == "hf":
-        model, tok = options.pop("model", "smollm2-135m"), options.pop("tokenizer", None)
-        if isinstance(model, str):
-            with outside_zero3_init():  # evaluated only: never partitioned by a ZeRO-3 run's config
-                model, tok = load_model(model, device=options.pop("device", None))
-        options = dict(model=model, tokenizer=tok, end_of_turn=stop_token_ids(model, tok),
-                       template_kwargs=template_kwargs(tok), **options)
-    return sims[name](**options) if name == "scripted" else DataUserSim(sims[name](**options))
-
-
-def user_sim_options(cfg) -> dict:
-    """Options of the user simulator named by cfg.user_sim, from the user_* fields of an entry point's config."""
-    if cfg.user_sim == "openai":
-        return dict(model=cfg.user_model, base_url=cfg.user_base_url or None, max_concurrency=cfg.user_concurrency,
-                    timeout=cfg.user_timeout, max_retries=cfg.user_retries)
-    if cfg.user_sim == "hf":
-        return dict(model=cfg.user_model)
-    return {}

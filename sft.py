@@ -1,4 +1,5 @@
-"""Cold-start SFT on multi-turn tool-use conversations, and synthesis of the cold-start data.
+"""sft.py: cold-start SFT on multi-turn tool-use conversations (the conversations: coldstart.py), the `tiny` base's
+pretraining, and the cached cold start grpo.py makes for `tiny` when it is given none.
 
 The paper fine-tunes on ~2,000 multi-turn trajectories before RL. Here the conversations are JSONL lines in
 OpenAI format, {"messages": [...], "tools": [...]}, tokenized exactly as the rollout tokenizes an episode
@@ -16,6 +17,7 @@ imperfect by --teacher-skips-confirm: those whose database is right).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -29,15 +31,18 @@ import torch
 import checkpoints
 import cli
 import lora
-import muarl
+import models
 import shard
-from envs import OpenAIAgent
-from loss import token_logprobs
-from rollout import make_user_sim, user_sim_options
+from coldstart import copy_loss, load_conversations, make_cold_start, windows
+from envs import make_env
+from logprobs import token_logprobs
+from muarl import collate, encode_conversation
+from options import LoraOptions, UserOptions
 
 
 @dataclass
-class SFTConfig:
+class SFT:
+    """SFT: data, teacher, training"""
     model: str = "tiny"
     """model to fine-tune: 'tiny', 'smollm2-135m', a local checkpoint directory or a hub id (Qwen/Qwen3-8B)"""
     data: str = ""
@@ -63,20 +68,6 @@ class SFTConfig:
     """task split the teacher plays"""
     num_tasks: int = 1200
     """how many tasks the teacher plays (episodes with reward 1 are kept; see --teacher-skips-confirm)"""
-    user_sim: str = "scripted"
-    """user simulator for the teacher: 'scripted', 'openai', 'hf' (see envs/users.py)"""
-    user_model: str = "gpt-4o"
-    """user simulator model: the endpoint's model name ('openai') or a checkpoint/hub id ('hf')"""
-    user_base_url: str = ""
-    """OpenAI-compatible endpoint of the user simulator (default: OPENAI_BASE_URL)"""
-    user_concurrency: int = 8
-    """requests in flight to the user-simulator endpoint"""
-    user_timeout: float = 60.0
-    """seconds the user simulator's endpoint has to answer one request before it is retried"""
-    user_retries: int = 5
-    """retries of a failed user-simulator request (timeouts, connection errors, 408/409/429, 5xx, malformed replies),
-    with backoff 1, 2, 4, ... s; then the episode ends as infra_error. A call costs at most
-    (retries + 1) x timeout + the backoff (~6.5 minutes with the defaults)"""
     data_out: str = ""
     """also write the synthesized conversations here (JSONL)"""
     epochs: float = 1.0
@@ -109,243 +100,22 @@ class SFTConfig:
     """bf16 mixed precision: fp32 master weights, forward passes under bf16 autocast (GPU)"""
     gradient_checkpointing: bool = False
     """trade compute for memory on long conversations"""
-    lora_rank: int = 0
-    """LoRA: train adapters of this rank, the model frozen in the compute dtype; the checkpoint holds the adapters
-    (PEFT's format), which grpo.py --init-from merges into the base (lora.py). 0: train the whole model"""
-    lora_alpha: float = 0.0
-    """LoRA scale: an adapter's output is multiplied by alpha / rank (0: alpha = 2 x rank)"""
-    lora_dropout: float = 0.0
-    """dropout on the adapters' inputs while training"""
-    lora_target_modules: str = lora.DEFAULT_TARGETS
-    """layers that get adapters, by the last part of their name, comma-separated"""
     seed: int = 0
     """seed for data order, initialization of 'tiny' and the teacher's episodes"""
     dist_timeout: float = 7200.0
     """seconds a process waits for the others at a collective before it stops (NCCL's default: 10 minutes)"""
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Data
-# ---------------------------------------------------------------------------------------------------------
-ROLES = ("system", "user", "assistant", "tool")
 
 
-def check_conversation(rec) -> dict:
-    """One cold-start record, checked and normalized: {"messages", "tools", "prompt_messages"}. Raises ValueError
-    naming the first problem. Content may be a string or OpenAI content parts (their texts are joined); every tool
-    message must answer a call of the assistant message before it; tool-call arguments must be JSON objects. A
-    conversation that breaks these would put an invalid call, or a result of nothing, under the loss mask."""
-    if not isinstance(rec, dict):
-        raise ValueError(f"a record must be a JSON object, not {type(rec).__name__}")
-    msgs = rec.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise ValueError("'messages' must be a non-empty list")
-    out, calls = [], None  # calls: the ids the last assistant message's tool calls left to answer
-    for i, m in enumerate(msgs):
-        where = f"message {i}"
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise ValueError(f"{where}: role must be one of {', '.join(ROLES)} (got {str(m)[:80]})")
-        m = dict(m)
-        content = m.get("content")
-        if isinstance(content, list):  # OpenAI content parts
-            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
-                       for c in content):
-                raise ValueError(f"{where}: content parts other than text ({str(content)[:80]})")
-            content = "".join(c["text"] for c in content)
-        if content is None and m["role"] == "assistant" and m.get("tool_calls"):
-            content = ""
-        if not isinstance(content, str):
-            raise ValueError(f"{where} ({m['role']}): content must be a string or text parts, not {content!r:.60}")
-        m["content"] = content
-        if m["role"] == "assistant":
-            tool_calls = m.get("tool_calls") or []
-            if not isinstance(tool_calls, list):
-                raise ValueError(f"{where}: 'tool_calls' must be a list")
-            calls = []
-            for j, c in enumerate(tool_calls):
-                fn = c.get("function") if isinstance(c, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-                    raise ValueError(f"{where}, tool call {j}: needs a 'function' with a 'name'")
-                args = fn.get("arguments", "{}")
-                try:
-                    parsed = json.loads(args) if isinstance(args, str) else args
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}, tool call {j} ({fn['name']}): arguments are not JSON ({e})") from None
-                if not isinstance(parsed, dict):
-                    raise ValueError(f"{where}, tool call {j} ({fn['name']}): arguments must be a JSON object")
-                calls.append(c.get("id"))
-            if tool_calls:
-                m["tool_calls"] = tool_calls
-            else:
-                m.pop("tool_calls", None)
-        elif m["role"] == "tool":
-            if not calls:
-                raise ValueError(f"{where}: a tool message that answers no call of the assistant message before it")
-            call_id = m.get("tool_call_id")
-            if call_id is not None and any(c is not None for c in calls) and call_id not in calls:
-                raise ValueError(f"{where}: tool_call_id {call_id!r} is not a call of the assistant message before it")
-            calls.remove(call_id if call_id in calls else calls[0])
-        else:
-            calls = None
-        out.append(m)
-    tools = rec.get("tools") or []
-    if not isinstance(tools, list):
-        raise ValueError("'tools' must be a list")
-    n_prompt = rec.get("prompt_messages") or 0
-    if type(n_prompt) is not int or not 0 <= n_prompt < len(out):
-        raise ValueError("'prompt_messages' must be an int smaller than the number of messages")
-    if not any(m["role"] == "assistant" for m in out[n_prompt:]):
-        raise ValueError("no assistant message to train on"
-                         + (" after the prompt ('prompt_messages')" if n_prompt else ""))
-    return {"messages": out, "tools": tools, "prompt_messages": n_prompt}
+@dataclass
+class SFTConfig(LoraOptions, UserOptions, SFT):
+    """Cold-start SFT on multi-turn tool-use conversations."""
+    user_concurrency: int = 8
+    """requests in flight to the user-simulator endpoint"""
 
 
-def load_conversations(path: str, strict: bool = False) -> list[dict]:
-    """Read JSONL conversations, each checked (`check_conversation`). A bad line (not UTF-8, not JSON, a broken
-    conversation) is reported with its file and line and skipped, and the skipped are counted; with `strict`
-    (--strict-data) the first one stops the run. Each conversation keeps its "source" (file:line) for later errors."""
-    out, bad = [], []
-    with open(path, "rb") as f:
-        raw_lines = f.read().split(b"\n")
-    for lineno, raw in enumerate(raw_lines, 1):
-        if not raw.strip():
-            continue
-        try:
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"not UTF-8: byte {raw[e.start]:#04x} at column {e.start + 1}") from None
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"not JSON: {e}") from None
-            conv = check_conversation(rec)
-        except ValueError as e:
-            if strict:
-                raise ValueError(f"{path}:{lineno}: malformed conversation: {e} (--strict-data)") from None
-            bad.append(f"{path}:{lineno}: {e}")
-            continue
-        out.append({**conv, "source": f"{path}:{lineno}"})
-    if not out and not bad:
-        raise ValueError(f"{path}: the file is empty: no conversation to train on")
-    for b in bad[:20]:
-        cli.main_print(f"[sft] skipped {b}")
-    if bad:
-        cli.main_print(f"[sft] {path}: {len(bad)} malformed conversation(s) skipped"
-                       f"{' (first 20 shown)' if len(bad) > 20 else ''}, {len(out)} kept (--strict-data refuses the "
-                       "file instead)")
-    if not out:
-        raise ValueError(f"{path}: none of its {len(bad)} conversations is usable (the first: {bad[0]})")
-    return out
 
-
-def make_cold_start(cfg: SFTConfig) -> list[dict]:
-    """Play tasks with the teacher and keep the conversations whose reward is 1; with `teacher_skips_confirm`, also
-    those that broke only the confirmation rule (the database is right): filtered on the database alone."""
-    import inspect
-
-    from envs import make_env, message_history, play
-
-    if not 0 <= cfg.teacher_skips_confirm <= 1:
-        raise SystemExit(f"sft.py: --teacher-skips-confirm {cfg.teacher_skips_confirm}: must be in [0, 1]")
-    env = make_env(cfg.env)
-    if cfg.teacher_skips_confirm and (cfg.teacher != "expert" or "skip_confirm" not in
-                                      inspect.signature(getattr(env, "expert", lambda task: None)).parameters):
-        raise SystemExit(f"sft.py: --teacher-skips-confirm {cfg.teacher_skips_confirm}: only the scripted expert of "
-                         f"the 'shop' domain can skip confirmations (teacher {cfg.teacher!r}, env {cfg.env!r})")
-    tasks = env.tasks(cfg.split)
-    random.Random(cfg.seed).shuffle(tasks)
-    kept, t0 = [], time.time()
-    sim = None
-    if cfg.user_sim != "scripted":
-        sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
-    failed, first_error = 0, None
-    for task in tasks[:cfg.num_tasks]:
-        tools = env.tools(task)
-        if cfg.teacher != "expert":
-            agent = OpenAIAgent(cfg.teacher, tools, cfg.teacher_base_url)
-        elif cfg.teacher_skips_confirm:
-            agent = env.expert(task, skip_confirm=cfg.teacher_skips_confirm)
-        else:
-            agent = env.expert(task)
-        session = env.start(task)
-        user = sim.sync_user(env, task, session) if sim else None
-        try:
-            messages, reward, info, termination = play(env, task, agent, user, session=session)
-        except Exception as e:  # an endpoint that keeps failing costs this episode only, and is reported
-            failed += 1
-            first_error = first_error or f"task {task.id}: {e!r}"
-            cli.main_print(f"[sft] task {task.id}: episode failed ({e!r}); skipped")
-            continue
-        if reward == 1.0 or (cfg.teacher_skips_confirm and info.get("db_match") and "ended_early" not in info):
-            # prompt: the system message + the task's earlier conversation + the user's opening
-            n_prompt = 1 + len(message_history(env, task))
-            n_prompt += n_prompt < len(messages) and messages[n_prompt]["role"] == "user"  # the user's opening
-            kept.append({"messages": messages, "tools": tools, "task_id": task.id, "prompt_messages": n_prompt})
-    what = "with the right database (it skipped the confirmation in some)" if cfg.teacher_skips_confirm else "solved"
-    played = min(len(tasks), cfg.num_tasks)
-    cli.main_print(f"[sft] teacher {cfg.teacher!r}: {len(kept)}/{played} {cfg.env} tasks {what} "
-                   f"in {time.time() - t0:.1f}s ({failed} failed episodes); keeping those")
-    if not kept and failed:
-        raise SystemExit(f"sft.py: the teacher's episodes: {failed} of {played} failed and none was kept, so there is "
-                         f"nothing to train on; the first failure: {first_error}")
-    return kept
-
-
-def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_confirm: float) -> str:
-    """grpo.py's cold start when it is given none: make (or reuse) the model's SFT checkpoint as the paper's pipeline
-    does, from conversations of the scripted teacher on the training split (skipping confirmations in
-    `skips_confirm` of them), fine-tuning its pretrained base (`pretrain_tiny`). Cached under MUARL_CACHE, keyed by
-    the settings and the code that makes it (`cache_key`)."""
-    # Same precision as the GRPO run: Accelerate keeps one process-wide state, so the SFT inside that process cannot
-    # ask for another mixed precision (a --bf16 run on a GPU crashed here).
-    cfg = SFTConfig(model=model, env=env, split=split, seed=seed, bf16=bf16, teacher_skips_confirm=skips_confirm)
-    out = muarl.CACHE_DIR / f"coldstart-{env.replace(':', '-')}-{model}-{cache_key(asdict(cfg))}"
-    if (out / "config.json").exists():
-        cli.main_print(f"[grpo] cold start: using the cached SFT checkpoint {out}")
-        return str(out)
-    teacher = (f"conversations of the scripted teacher (writing without asking in {skips_confirm:.0%} of them: "
-               "--cold-start-skips-confirm)" if skips_confirm else "expert conversations")
-    cli.main_print(f"[grpo] cold start: no --init-from given, so making one: {cfg.num_tasks} {teacher} on "
-                   f"{env}:{split}, then SFT of the pretrained '{model}' base ({cfg.epochs:g} epochs) -> {out}")
-    cfg.out = str(out)
-    train(cfg, make_cold_start(cfg))  # its own Accelerator: GRPO's checkpoints hold GRPO's state only
-    return str(out)
-
-
-def windows(conversations: list[dict], sizes=(1, 2, 4)) -> list[dict]:
-    """The pretraining drills of 'tiny' (`pretrain_tiny`): each agent message that carries arguments (a tool
-    call, or text with a digit: "I will cancel order o42") with the last 1, 2 and 4 messages before it, cut to
-    begin at a user message, without the system prompt and tools. Only that agent message is trained.
-
-    Why a model trained from scratch needs it: the agent must copy ids, names and items from the dialogue into
-    its calls. At initialization attention is spread evenly over the context, so in a ~900-token shop episode
-    (two thirds of it the policy and tool schemas) a copy source gets ~1/900 of it, and whole-conversation SFT
-    alone did not learn to copy within a CPU budget; in ~60-token windows copying appears after a few hundred
-    steps and carries over to whole conversations. LLM pretraining also grows the context length over training;
-    a pretrained model (Qwen3) already copies and skips this stage."""
-    out = []
-    for conv in conversations:
-        msgs = conv["messages"]
-        for i in range(max(1, conv.get("prompt_messages", 0)), len(msgs)):
-            m = msgs[i]
-            if m["role"] != "assistant" or not (
-                    m.get("tool_calls") or any(c.isdigit() for c in str(m.get("content") or ""))):
-                continue
-            starts = set()
-            for w in sizes:
-                start = max(1, i - w)
-                while start < i and msgs[start]["role"] != "user":
-                    start += 1
-                if start < i and start not in starts:
-                    starts.add(start)
-                    out.append({"messages": msgs[start:i + 1], "tools": [], "prompt_messages": i - start})
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Training
-# ---------------------------------------------------------------------------------------------------------
 def lr_lambda(warmup: int, total: int, floor: float = 0.1):
     def f(step):
         if step < warmup:
@@ -361,7 +131,7 @@ def encode(tok, conversations: list[dict], max_len: int) -> tuple[list[tuple[lis
     data, skipped = [], []
     for k, conv in enumerate(conversations):
         try:
-            ids, mask = muarl.encode_conversation(tok, conv["messages"], conv["tools"], conv.get("prompt_messages", 0))
+            ids, mask = encode_conversation(tok, conv["messages"], conv["tools"], conv.get("prompt_messages", 0))
         except Exception as e:
             raise ValueError(f"{conv.get('source', f'conversation {k}')}: cannot be tokenized: {e!r}") from e
         if len(ids) > max_len:
@@ -412,7 +182,7 @@ def fit(acc, model, opt, sched, data, steps: int, batch_size: int, micro_batch_s
         micro = [mine[i:i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
         total_loss = torch.zeros((), device=acc.device)
         for k, mb in enumerate(micro):
-            ids, attn, mask = muarl.collate(mb, pad_id, acc.device)
+            ids, attn, mask = collate(mb, pad_id, acc.device)
             with shard.micro_batch(acc, model, last=k == len(micro) - 1):  # as grpo.train_on_episodes
                 # token_logprobs runs the model's body, not model.forward, which is what Accelerate's prepare wraps
                 # in autocast: ask for it here, as grpo.train_on_episodes does.
@@ -461,7 +231,7 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     check_backend(acc)
     check_lora(cfg, acc)
     check_batch(cfg.batch_size, acc.num_processes)
-    muarl.seed_everything(cfg.seed)
+    models.seed_everything(cfg.seed)
     # fp32 master weights, as grpo.main keeps the policy's; --bf16 runs the passes under autocast (fit). AdamW on
     # bf16 weights rounds a step of lr 5e-6 away for most weights (measured: 7.5% of them moved in 10 steps). The
     # checkpoint is saved in fp32 too: rounding it to bf16 would drop those small updates all the same.
@@ -469,9 +239,9 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     # frozen model is in the compute dtype, the adapters in fp32 (lora.add_adapters).
     compute = torch.bfloat16 if cfg.bf16 else torch.float32
     with cli.option_errors("sft.py: --model"):
-        model, tok = muarl.load_model(start, device=shard.load_device(acc), seed=cfg.seed, merge_adapters=True,
+        model, tok = models.load_model(start, device=shard.load_device(acc), seed=cfg.seed, merge_adapters=True,
                                       dtype=compute if cfg.lora_rank else torch.float32,
-                                      attn_implementation=muarl.attention_implementation(acc.device, compute))
+                                      attn_implementation=models.attention_implementation(acc.device, compute))
     if cfg.gradient_checkpointing:  # (with LoRA, peft makes the frozen embeddings' output require grad for it)
         model.gradient_checkpointing_enable()
     if cfg.lora_rank:
@@ -500,33 +270,41 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     return out
 
 
-def copy_loss(model, tok, data, copy_ids: set[int], micro_batch_size: int = 32) -> tuple[float, float]:
-    """(copy loss, other loss) on (ids, loss_mask) pairs: mean NLL of the trained tokens that copy a value from
-    earlier in the same sequence (a token of `copy_ids` that already appeared before it), and of the other trained
-    tokens. A value that is not in the sequence yet (the next order to look up when the window does not show the
-    order list) is not a copy and counts as "other": no model can get it right from the drill alone."""
-    device = next(model.parameters()).device
-    sums = torch.zeros(4, dtype=torch.float64)
-    with torch.no_grad():
-        for k in range(0, len(data), micro_batch_size):
-            ids, attn, mask = muarl.collate(data[k:k + micro_batch_size], tok.pad_token_id, device)
-            nll = -token_logprobs(model, ids, attn).double()
-            seen = ((ids[:, :, None] == ids[:, None, :]) & attn.bool()[:, None, :]).tril(-1).any(-1)  # [b, T]
-            is_copy = torch.isin(ids, torch.tensor(sorted(copy_ids), device=device)) & mask.bool() & seen
-            other = mask.bool() & ~is_copy
-            sums += torch.stack([(nll * is_copy).sum(), is_copy.sum(), (nll * other).sum(), other.sum()]).cpu()
-    return (sums[0] / sums[1].clamp(min=1)).item(), (sums[2] / sums[3].clamp(min=1)).item()
+
+
+def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_confirm: float) -> str:
+    """grpo.py's cold start when it is given none: make (or reuse) the model's SFT checkpoint as the paper's pipeline
+    does, from conversations of the scripted teacher on the training split (skipping confirmations in
+    `skips_confirm` of them), fine-tuning its pretrained base (`pretrain_tiny`). Cached under MUARL_CACHE, keyed by
+    the settings and the code that makes it (`cache_key`)."""
+    # Same precision as the GRPO run: Accelerate keeps one process-wide state, so the SFT inside that process cannot
+    # ask for another mixed precision (a --bf16 run on a GPU crashed here).
+    cfg = SFTConfig(model=model, env=env, split=split, seed=seed, bf16=bf16, teacher_skips_confirm=skips_confirm)
+    out = models.CACHE_DIR / f"coldstart-{env.replace(':', '-')}-{model}-{cache_key(asdict(cfg))}"
+    if (out / "config.json").exists():
+        cli.main_print(f"[grpo] cold start: using the cached SFT checkpoint {out}")
+        return str(out)
+    teacher = (f"conversations of the scripted teacher (writing without asking in {skips_confirm:.0%} of them: "
+               "--cold-start-skips-confirm)" if skips_confirm else "expert conversations")
+    cli.main_print(f"[grpo] cold start: no --init-from given, so making one: {cfg.num_tasks} {teacher} on "
+                   f"{env}:{split}, then SFT of the pretrained '{model}' base ({cfg.epochs:g} epochs) -> {out}")
+    cfg.out = str(out)
+    train(cfg, make_cold_start(cfg))  # its own Accelerator: GRPO's checkpoints hold GRPO's state only
+    return str(out)
+
+
+# What a cached base or cold start depends on, besides envs/ (the domain, its expert and user): the episode's tokens,
+# the tokenizer and model, the data and drills, the SFT loop, the log-probabilities it trains, the backend calls of
+# its step, the teacher's user simulator, its Accelerator and options.
+CACHED_CODE = ("muarl.py", "models.py", "coldstart.py", "sft.py", "loss.py", "logprobs.py", "shard.py",
+               "batched_rollout.py", "rollout.py", "engine.py", "cli.py", "options.py", "lora.py", "checkpoints.py")
 
 
 def cache_key(settings: dict) -> str:
-    """A key for a cached checkpoint: its settings and the code that makes it (muarl.py: the tokenizer and the model;
-    envs/: the shop domain; sft.py: the drills and the SFT loop; loss.py: the log-probabilities that loop trains;
-    cli.py: its Accelerator), so that a checkpoint made by other code or other settings is never reused."""
-    import hashlib
-
+    """A key for a cached checkpoint: its settings and the code that makes it (CACHED_CODE), so that a checkpoint
+    made by other code or other settings is never reused."""
     here = Path(__file__).resolve().parent
-    code = b"".join(p.read_bytes() for p in [here / "muarl.py", here / "sft.py", here / "loss.py", here / "cli.py",
-                                              *sorted((here / "envs").glob("*.py"))])
+    code = b"".join(p.read_bytes() for p in [*(here / f for f in CACHED_CODE), *sorted((here / "envs").glob("*.py"))])
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode() + code).hexdigest()[:10]
 
 
@@ -541,14 +319,12 @@ def pretrain_tiny(cfg: SFTConfig) -> Path:
     nats per copied value, checked every 25 steps. Made once and cached under MUARL_CACHE, keyed by the settings
     and by the code that makes it (`./run python sft.py --pretrain-only` makes it ahead of time). Small domain
     ('shop') only: the tiny tokenizer is built from its text."""
-    from envs.shop import id_tokens
-
     if cfg.env.split(":")[0] != "shop":
         raise SystemExit(f"--model tiny: the tiny base is pretrained on the 'shop' domain only, not {cfg.env!r} "
                          "(give a cold-start checkpoint: grpo.py --init-from)")
     settings = {k: getattr(cfg, k) for k in ("seed", "num_tasks", "lr", "warmup_steps", "grad_clip", "pretrain_target",
                                              "pretrain_max_steps", "pretrain_batch_size")}
-    out = muarl.CACHE_DIR / f"tiny-base-{cache_key(settings)}"
+    out = models.CACHE_DIR / f"tiny-base-{cache_key(settings)}"
     if (out / "config.json").exists():
         return out
     held_out = 64
@@ -557,11 +333,12 @@ def pretrain_tiny(cfg: SFTConfig) -> Path:
                                             teacher_skips_confirm=0.0, num_tasks=cfg.num_tasks + held_out))
     acc = cli.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
     check_backend(acc)
-    muarl.seed_everything(cfg.seed)
-    model, tok = muarl.load_model("tiny", device=acc.device, seed=cfg.seed, dtype=torch.float32)  # as in train
+    models.seed_everything(cfg.seed)
+    env = make_env("shop")
+    model, tok = models.load_model("tiny", device=acc.device, seed=cfg.seed, dtype=torch.float32, env=env)
     drills = encode(tok, windows(conversations[:-held_out]), length_limit(cfg, model))[0]
     test = encode(tok, windows(conversations[-held_out:]), length_limit(cfg, model))[0]
-    copy_ids = {tok.convert_tokens_to_ids(w) for w in id_tokens()}
+    copy_ids = {tok.convert_tokens_to_ids(w) for w in env.tokenizer_words()}
     # Constant lr after warm-up: copying appears abruptly after a plateau, and a decaying lr delays it.
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.warmup_steps, cfg.pretrain_max_steps, floor=1.0))
@@ -587,6 +364,7 @@ def pretrain_tiny(cfg: SFTConfig) -> Path:
     return out
 
 
+
 def main(argv=None):
     cfg = cli.parse_config(SFTConfig, argv, description=__doc__.split("\n\n")[0])
     if cfg.pretrain_only:
@@ -599,7 +377,7 @@ def main(argv=None):
     if cfg.epochs > 0:
         checkpoints.check_out(cfg.out, cfg.overwrite)
         with cli.option_errors("sft.py: --model"):
-            muarl.check_local(cfg.model)
+            models.check_local(cfg.model)
         check_lora(cfg, cli.make_accelerator(cfg.dist_timeout, mixed_precision="bf16" if cfg.bf16 else "no")
                    if cfg.lora_rank else None)  # before any data is made
     if cfg.data_out and Path(cfg.data_out).exists() and not cfg.overwrite:

@@ -48,11 +48,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 import grpo  # noqa: E402
-import muarl  # noqa: E402
+import models
+import coldstart  # noqa: E402
 import sft  # noqa: E402
 from envs import make_env  # noqa: E402
 from eval import pass_hat_k  # noqa: E402
-from rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
+from batched_rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
 
 ARMS = {1: "cold start", 2: "+ more SFT", 3: "+ GRPO, dynamic user", 4: "+ GRPO, static user",
         5: "GRPO, no cold start"}
@@ -63,7 +64,7 @@ CAPS = dict(max_turns=30, max_new_tokens=128, max_context=1536)  # the default r
 def evaluate(path, tasks, trials: int, temperature: float, seed: int) -> dict:
     """Greedy pass^1, and (trials > 0) pass^1 and pass^k of `trials` sampled episodes per task, against the dynamic
     user; plus how the sampled episodes behave (writes without a yes, transfers, turns)."""
-    model, tok = muarl.load_model(str(path), device="cpu", dtype=torch.float32)
+    model, tok = models.load_model(str(path), device="cpu", dtype=torch.float32)
     env, sim = make_env("shop"), make_user_sim("scripted")
     t0 = time.time()
     greedy = rollout(model, tok, env, tasks, 1, sim, RolloutConfig(greedy=True, **CAPS))
@@ -87,7 +88,7 @@ def teacher_conversations(n_dynamic: int, n_static: int, seed: int, skips: float
     convs = []
     for env, n, s in (("shop", n_dynamic, seed), ("shop:static", n_static, seed + 7919)):
         if n:
-            convs += sft.make_cold_start(sft.SFTConfig(env=env, num_tasks=n, seed=s, teacher_skips_confirm=skips))
+            convs += coldstart.make_cold_start(sft.SFTConfig(env=env, num_tasks=n, seed=s, teacher_skips_confirm=skips))
     return convs
 
 

@@ -3,7 +3,7 @@
     ./run python bench/copying.py                        # all three probes, 600 steps each
     ./run python bench/copying.py --probes induction --steps 2500
 
-Each probe trains a fresh `muarl.load_model("tiny")` (fp32, CPU) from scratch and prints the loss on the tokens it
+Each probe trains a fresh `models.load_model("tiny")` (fp32, CPU) from scratch and prints the loss on the tokens it
 must copy, on each step's fresh batch before its update, against chance (the log of the number of choices):
   offset     random 32-token sequences repeated right after themselves: the copy is always 33 tokens back, so a
              head that attends to a fixed relative position solves it
@@ -29,9 +29,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+import models  # noqa: E402
 import muarl  # noqa: E402
+from envs import make_env  # noqa: E402
 from envs.shop import FIRST, ITEMS, LAST  # noqa: E402
-from loss import token_logprobs  # noqa: E402
+from logprobs import token_logprobs  # noqa: E402
 
 SYMBOLS = 200  # random-token alphabet of the offset and induction probes
 
@@ -94,7 +96,7 @@ def shop_batch(tok, words, r, B=32):
 
 
 def run(probe: str, steps: int, lr: float, seed: int) -> None:
-    model, tok = muarl.load_model("tiny", device="cpu", seed=seed)
+    model, tok = models.load_model("tiny", device="cpu", seed=seed, env=make_env("shop"))
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     g, r = torch.Generator().manual_seed(seed + 1), random.Random(seed + 1)
     batch = {"offset": lambda: offset_batch(tok, g), "induction": lambda: induction_batch(tok, g),

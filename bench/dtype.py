@@ -1,5 +1,5 @@
 """fp32 versus bf16 on this CPU for the tiny model: forward+backward of a training micro-batch and a batched
-decode step. Decides muarl.default_dtype on CPU. Variants interleaved after a warm-up; ratios from one run.
+decode step. Decides models.default_dtype on CPU. Variants interleaved after a warm-up; ratios from one run.
 
     ./run python bench/dtype.py
 """
@@ -10,7 +10,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import muarl  # noqa: E402
+import models
 from transformers import Qwen3ForCausalLM  # noqa: E402
 
 
@@ -23,8 +23,8 @@ def timed(fn, reps):
 
 def main():
     torch.manual_seed(0)
-    cfg = muarl.tiny_config(4096, arch="qwen3")
-    models = {dt: Qwen3ForCausalLM(cfg).to(dt) for dt in (torch.float32, torch.bfloat16)}
+    cfg = models.tiny_config(4096, arch="qwen3")
+    nets = {dt: Qwen3ForCausalLM(cfg).to(dt) for dt in (torch.float32, torch.bfloat16)}
     x = torch.randint(0, 4096, (4, 768))
     step = torch.randint(0, 4096, (16, 1))
 
@@ -44,7 +44,7 @@ def main():
                 cache.crop(-1)  # drop the step just appended
         return run
 
-    fns = {(dt, kind): (train(m) if kind == "train" else decode(m)) for dt, m in models.items() for kind in ("train", "decode")}
+    fns = {(dt, kind): (train(m) if kind == "train" else decode(m)) for dt, m in nets.items() for kind in ("train", "decode")}
     for f in fns.values():  # warm-up
         f()
     res = {k: [] for k in fns}

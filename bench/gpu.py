@@ -16,7 +16,7 @@ Checks, in order; each is PASS, FAIL or SKIP (with why) and its figures, in OUT/
              0 and 2, with parking in host memory on and off, with the prefill in chunks, and with a user whose
              replies take 10-90 ms, fetched while the other episodes decode (invariant 5, on this device)
   flash      bf16: sdpa against flash-attn, greedy: where the tokens first differ, the sampler log-prob difference
-  kv_peak    peak GPU memory of a rollout at long contexts against shard.memory_estimate (weights + KV cache)
+  kv_peak    peak GPU memory of a rollout at long contexts against memory.memory_estimate (weights + KV cache)
   decode     the engine's decode tokens/s against a bare greedy loop over the same model and batch (a ratio)
   train      2 SFT steps, then 2 GRPO steps (bf16 and gradient checkpointing on a GPU): kl 0 at step 1, a finite
              gradient norm, no skipped update, logprob_gap ~0, the peak memory against the start-up estimate; then
@@ -46,6 +46,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+import models  # noqa: E402
 import muarl  # noqa: E402
 
 SHAPES = {  # name -> Qwen3Config overrides (vocabulary: the tiny tokenizer's)
@@ -63,7 +64,7 @@ def build(tok, shape: str, device, dtype=torch.float32, attn="sdpa", seed=0):
     from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = muarl.tiny_config(len(tok), arch="qwen3", pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
+    cfg = models.tiny_config(len(tok), arch="qwen3", pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
                             eos_token_id=muarl.end_of_turn_id(tok), max_position_embeddings=40960, **SHAPES[shape])
     cfg._attn_implementation = attn
     model = Qwen3ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
@@ -178,7 +179,8 @@ def versions(device):
 
 def engine(model, tok, env, tasks, device):
     """Greedy: the engine (batched, KV cache across turns) plays exactly the reference rollout's episodes."""
-    from rollout import RolloutConfig, make_user_sim, reference_rollout, rollout
+    from batched_rollout import RolloutConfig, make_user_sim, rollout
+    from rollout import reference_rollout
 
     base = RolloutConfig(greedy=True, max_new_tokens=24, max_turns=4, max_context=2048)
     sim = make_user_sim("scripted")
@@ -206,7 +208,7 @@ def flash(tok, env, tasks, device, shape):
         import flash_attn  # noqa: F401
     except ImportError as e:
         return "SKIP", {"why": f"flash-attn does not import ({e})"}
-    from rollout import RolloutConfig, make_user_sim, rollout
+    from batched_rollout import RolloutConfig, make_user_sim, rollout
 
     cfg = RolloutConfig(greedy=True, max_new_tokens=64, max_turns=3, max_context=4096)
     runs = {}
@@ -230,8 +232,8 @@ def kv_peak(tok, env, tasks, device, shape, contexts):
     """A rollout's peak GPU memory at long contexts against the estimate's weights + KV cache."""
     if device.type != "cuda":
         return "SKIP", {"why": "needs CUDA"}
-    import shard
-    from rollout import RolloutConfig, make_user_sim, rollout
+    import memory
+    from batched_rollout import RolloutConfig, make_user_sim, rollout
 
     model = build(tok, shape, device, torch.bfloat16)
     greedy_turns_end(model, tok, env, tasks)
@@ -247,13 +249,13 @@ def kv_peak(tok, env, tasks, device, shape, contexts):
         torch.cuda.reset_peak_memory_stats(device)
         eps = rollout(model, tok, long_env, tasks, 1, make_user_sim("scripted"), cfg)
         peak = torch.cuda.max_memory_allocated(device)
-        prefill = shard.prefill_bytes(model.config, True, min(cfg.prefill_tokens, ctx * len(tasks)), ctx)
-        est = shard.memory_estimate(n_params, bf16=True, kv_bytes_per_token=shard.kv_bytes_per_token(model.config, True),
+        prefill = memory.prefill_bytes(model.config, True, min(cfg.prefill_tokens, ctx * len(tasks)), ctx)
+        est = memory.memory_estimate(n_params, bf16=True, kv_bytes_per_token=memory.kv_bytes_per_token(model.config, True),
                                     max_context=cfg.max_context, episodes=len(tasks), inference=True, prefill=prefill)
         decoded &= all(e.gen_tokens > 0 for e in eps)
-        figs[f"ctx {ctx}"] = (f"peak {shard.gib(peak)}, estimate {shard.gib(est['rollout_peak'])} (weights + KV + a prefill chunk, no other "
+        figs[f"ctx {ctx}"] = (f"peak {memory.gib(peak)}, estimate {memory.gib(est['rollout_peak'])} (weights + KV + a prefill chunk, no other "
                               f"activations beyond one prefill chunk's), ratio {peak / est['rollout_peak']:.2f}; of "
-                              f"which prefill {shard.gib(prefill)}; longest episode "
+                              f"which prefill {memory.gib(prefill)}; longest episode "
                               f"{max(len(e.input_ids) for e in eps)} tokens, {sum(e.gen_tokens for e in eps)} sampled")
     # PASS when every episode decoded at every context; the ratio is the finding (the estimate counts no prefill
     # activations, which a 32k prefill holds: a ratio well above 1 says memory_estimate needs that term)
@@ -265,7 +267,7 @@ def decode(model, tok, env, tasks, device, batch, new_tokens):
     stopping) over the same model, batch and number of new tokens: what the engine's bookkeeping costs."""
     from transformers import DynamicCache
 
-    from rollout import RolloutConfig, make_user_sim, rollout
+    from batched_rollout import RolloutConfig, make_user_sim, rollout
 
     import copy
 
@@ -335,7 +337,7 @@ def save_start(model, tok, env, tasks, work: Path) -> Path:
 def train(model, tok, env, tasks, device, work: Path, bf16: bool):
     """2 SFT steps, 2 GRPO steps, --resume for a third, on the saved model; the run's own checks and figures."""
     import grpo
-    import shard
+    import memory
     import sft
 
     start = save_start(model, tok, env, tasks, work)
@@ -358,7 +360,7 @@ def train(model, tok, env, tasks, device, work: Path, bf16: bool):
     grpo.main(["--resume", str(run), "--steps", "3"])
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     n = sum(p.numel() for p in model.parameters())
-    est = shard.memory_estimate(n, bf16=bf16, kv_bytes_per_token=shard.kv_bytes_per_token(model.config, bf16),
+    est = memory.memory_estimate(n, bf16=bf16, kv_bytes_per_token=memory.kv_bytes_per_token(model.config, bf16),
                                 max_context=2048, episodes=8)
     checks = {"steps logged once": [r["step"] for r in rows] == [1, 2, 3],
               "kl 0 at step 1": "kl" in rows[0] and abs(rows[0]["kl"]) < 1e-6,
@@ -370,7 +372,7 @@ def train(model, tok, env, tasks, device, work: Path, bf16: bool):
     figs.update(kl=[r.get("kl") for r in rows], grad_norm=[r.get("grad_norm") for r in rows],
                 logprob_gap=[r.get("logprob_gap") for r in rows])
     if peak:
-        figs["peak"] = f"{shard.gib(peak)} vs estimate {shard.gib(est['peak'])} (activations not in the estimate)"
+        figs["peak"] = f"{memory.gib(peak)} vs estimate {memory.gib(est['peak'])} (activations not in the estimate)"
     return ("PASS" if all(checks.values()) else "FAIL"), figs
 
 
@@ -378,7 +380,7 @@ def lora_steps(model, tok, device, work: Path, bf16: bool):
     """The train check's GRPO steps with LoRA adapters of rank 16 on every projection, then --resume for a third."""
     import grpo
     import lora
-    import shard
+    import memory
 
     start, run = work / "start", work / "grpo-lora"
     args = ["--init-from", str(start), "--env", "tests.fake_env:HalfUniformEnv", "--steps", "2", "--tasks-per-step",
@@ -391,7 +393,7 @@ def lora_steps(model, tok, device, work: Path, bf16: bool):
         torch.cuda.reset_peak_memory_stats(device)
     res = grpo.main(args)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    base, _ = muarl.load_model(str(start), device="cpu", dtype=torch.bfloat16 if bf16 else torch.float32)
+    base, _ = models.load_model(str(start), device="cpu", dtype=torch.bfloat16 if bf16 else torch.float32)
     trained = {k.replace(".base_layer", ""): v for k, v in res.model.get_base_model().state_dict().items()
                if ".lora_" not in k}
     base_same = all(torch.equal(v, trained[k].cpu()) for k, v in base.state_dict().items())
@@ -401,9 +403,9 @@ def lora_steps(model, tok, device, work: Path, bf16: bool):
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     ckpt = run / "checkpoints" / "step-000003" / "model"
     n = sum(p.numel() for p in model.parameters())
-    est = shard.memory_estimate(n, bf16=bf16, kv_bytes_per_token=shard.kv_bytes_per_token(model.config, bf16),
+    est = memory.memory_estimate(n, bf16=bf16, kv_bytes_per_token=memory.kv_bytes_per_token(model.config, bf16),
                                 max_context=2048, episodes=8, lora=lora.adapter_params(model, 16),
-                                prefill=shard.prefill_bytes(model.config, bf16, 8 * 2048, 2048))
+                                prefill=memory.prefill_bytes(model.config, bf16, 8 * 2048, 2048))
     checks = {"steps logged once": [r["step"] for r in rows] == [1, 2, 3],
               # exactly 0 on the CPU (a fresh adapter's B is 0); a GPU may pick other kernels with and without grad
               "kl 0 at step 1": "kl" in rows[0] and abs(rows[0]["kl"]) < 1e-6,
@@ -419,7 +421,7 @@ def lora_steps(model, tok, device, work: Path, bf16: bool):
                 logprob_gap=[r.get("logprob_gap") for r in rows],
                 checkpoint_mb=round(sum(f.stat().st_size for f in ckpt.iterdir()) / 2**20, 1))
     if peak:
-        figs["peak"] = f"{shard.gib(peak)} vs estimate {shard.gib(est['peak'])} (activations not in the estimate)"
+        figs["peak"] = f"{memory.gib(peak)} vs estimate {memory.gib(est['peak'])} (activations not in the estimate)"
     return ("PASS" if all(checks.values()) else "FAIL"), figs
 
 
@@ -485,8 +487,8 @@ def main(argv=None):
 
     work = Path(args.work or tempfile.mkdtemp(prefix="muarl-gpu-"))
     report = Report(out)
-    tok = muarl.load_tokenizer("tiny")
     env = make_env("shop")
+    tok = models.load_tokenizer("tiny", env)
     tasks = env.tasks("train")[:4]
     small = "toy" if args.cpu else "qwen3-0.6b"
     model = build(tok, small, device)

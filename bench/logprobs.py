@@ -1,4 +1,4 @@
-"""Peak memory and time of loss.logprobs_from_hidden (chunked output layer) vs the naive full log_softmax.
+"""Peak memory and time of logprobs.logprobs_from_hidden (chunked output layer) vs the naive full log_softmax.
 
     ./run python bench/logprobs.py                 # Qwen3 (V=151936) and SmolLM2 (V=49152) vocabularies
     ./run python bench/logprobs.py --rounds 1 --vocabs 49152 --chunk-size 128
@@ -10,7 +10,7 @@ sum(logp * g) with gradients for both hidden states and W (the policy update). E
 
     naive    log_softmax(hidden @ W.T, -1).gather(targets): autograd keeps the [B*T, V] float32
              log-softmax, and backward makes more [B*T, V] buffers.
-    chunked  loss.logprobs_from_hidden: the output layer chunk by chunk, with a hand-written backward
+    chunked  logprobs.logprobs_from_hidden: the output layer chunk by chunk, with a hand-written backward
              that recomputes one chunk's logits at a time.
 
 How memory is measured (CPU has no torch.cuda.max_memory_allocated): every variant runs in a fresh
@@ -63,7 +63,7 @@ def worker(args):
     import torch
 
     sys.path.insert(0, os.path.dirname(HERE))
-    from loss import logprobs_from_hidden
+    from logprobs import logprobs_from_hidden
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -132,7 +132,7 @@ def main():
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--length", type=int, default=1024)
     p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--chunk-size", type=int, default=None, help="default: loss.DEFAULT_CHUNK_SIZE")
+    p.add_argument("--chunk-size", type=int, default=None, help="default: logprobs.DEFAULT_CHUNK_SIZE")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
     p.add_argument("--threads", type=int, default=os.cpu_count())
@@ -141,7 +141,7 @@ def main():
     args = p.parse_args()
     if args.chunk_size is None:
         sys.path.insert(0, os.path.dirname(HERE))
-        from loss import DEFAULT_CHUNK_SIZE
+        from logprobs import DEFAULT_CHUNK_SIZE
         args.chunk_size = DEFAULT_CHUNK_SIZE
     if args.variant:
         return worker(args)

@@ -13,7 +13,7 @@ memory out and is shared, so absolute speeds drift; ratios within a round are wh
             --lora-rank decodes (not by default); B = 0, so it plays the very same tokens: the ratio is the cost of
             the adapters' extra matmuls
 
-The model is `muarl.load_model("tiny")` (random weights) on the shop domain with its scripted user, which keeps
+The model is `models.load_model("tiny")` (random weights) on the shop domain with its scripted user, which keeps
 talking to an agent that makes no sense, so every episode runs to max_turns. A random model almost never samples
 its end-of-turn token, so its output-embedding row is pushed up (`end_turns_sooner`) until turns average ~`--turn`
 tokens. Sampling is seeded per variant; the variants' samples differ, so throughput is reported per generated
@@ -47,8 +47,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+import models  # noqa: E402
 import muarl  # noqa: E402
-from rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
+from batched_rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
 
 
 def end_turns_sooner(model, tokenizer, contexts: list[list[int]], mean_turn: float) -> None:
@@ -159,7 +160,7 @@ def latency_bench(args):
         import sft
 
         agent = sft.cold_start("tiny", "shop", "train", 0, False, 0.6)  # grpo.py's defaults
-    model, tok = muarl.load_model(agent)
+    model, tok = models.load_model(agent)
     env = make_env("shop")
     tasks = env.tasks("train")[:args.tasks]
     cfg = RolloutConfig(temperature=0.7, max_new_tokens=128, max_turns=args.turns)
@@ -223,7 +224,7 @@ def main():
         return latency_bench(args)
     from envs.shop import ShopEnv
 
-    model, tok = muarl.load_model("tiny", seed=0)
+    model, tok = models.load_model("tiny", seed=0, env=ShopEnv())
     env = KeepTalking(ShopEnv())
     tasks = env.tasks("train")[:args.tasks]
     prompts = [muarl.prompt_ids(tok, [{"role": "system", "content": env.system_prompt(t)},
@@ -234,14 +235,14 @@ def main():
     variants = {"cache": RolloutConfig(**base), "reencode": RolloutConfig(**base, reuse_cache=False),
                 "single": RolloutConfig(**base, max_batch=1), "sync": RolloutConfig(**base, refill_below=0)}
     variants = {k: variants[k] for k in args.variants.split(",") if k != "lora"}
-    models = {k: model for k in variants}
+    nets = {k: model for k in variants}
     if "lora" in args.variants.split(","):
         import copy
 
         import lora
 
         variants["lora"] = RolloutConfig(**base)
-        models["lora"] = lora.add_adapters(copy.deepcopy(model), rank=16, alpha=0, dropout=0.0,
+        nets["lora"] = lora.add_adapters(copy.deepcopy(model), rank=16, alpha=0, dropout=0.0,
                                            targets=lora.DEFAULT_TARGETS, base="tiny").eval()
     print(f"device {model.device}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
           f"torch threads {torch.get_num_threads()}, {len(tasks)} tasks x {args.group} samples, max_turns {args.turns}")
@@ -254,14 +255,14 @@ def main():
             decode["rows"] += kwargs["input_ids"].shape[0]
             decode["context"] += int(kwargs["attention_mask"].sum())
 
-    for m in {id(m): m for m in models.values()}.values():
+    for m in {id(m): m for m in nets.values()}.values():
         m.get_decoder().register_forward_pre_hook(count_steps, with_kwargs=True)
 
     def run(name, cfg, seed):
         gen = torch.Generator(device=model.device).manual_seed(seed)
         decode.update(steps=0, rows=0, context=0)
         t = time.perf_counter()
-        eps = rollout(models[name], tok, env, tasks, args.group, make_user_sim("scripted"), cfg, generator=gen)
+        eps = rollout(nets[name], tok, env, tasks, args.group, make_user_sim("scripted"), cfg, generator=gen)
         dt = time.perf_counter() - t
         toks = sum(e.gen_tokens for e in eps)
         ctx = sorted(len(e.input_ids) for e in eps)
@@ -278,7 +279,7 @@ def main():
     # warm-up: a small run of each variant (allocator, kernels, paged-out memory)
     for name, cfg in variants.items():
         gen = torch.Generator(device=model.device).manual_seed(0)
-        rollout(models[name], tok, env, tasks[:2], 2, make_user_sim("scripted"),
+        rollout(nets[name], tok, env, tasks[:2], 2, make_user_sim("scripted"),
                 RolloutConfig(**{**cfg.__dict__, "max_turns": 2}), generator=gen)
     results = {k: [] for k in variants}
     for r in range(args.rounds):

@@ -80,7 +80,7 @@ def _json(obj) -> str:
 
 def id_tokens() -> list[str]:
     """Every value the domain can generate that an agent must copy: full names, item names, names and email
-    parts, zips, order and user ids. The tiny tokenizer makes each one a single token (`muarl.tiny_tokenizer`).
+    parts, zips, order and user ids. The tiny tokenizer makes each one a single token (`models.env_tokenizer`).
 
     Full names ("Jonas Silva") and items ("white shirt") are one token each because a model trained from scratch
     copies a single token by its content long before it learns to copy the token *after* the one it just copied
@@ -397,6 +397,10 @@ class ShopEnv:
         from envs.shop_expert import ShopExpert  # here, not at the top: the expert imports this module's formats
 
         return ShopExpert(skip_confirm, seed=task.data["seed"] if skip_confirm else 0)
+
+    def tokenizer_words(self) -> list[str]:
+        """The domain's identifiers, each one token of the tiny tokenizer (id_tokens)."""
+        return id_tokens()
 
     def corpus(self, n_tasks: int = 300) -> list[str]:
         """Texts to train the tiny BPE tokenizer on: the text of expert episodes on the first `n_tasks` train

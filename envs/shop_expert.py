@@ -1,5 +1,6 @@
 """The shop domain's scripted expert: it follows the policy and reads everything it knows from the conversation.
-It writes the cold-start data (sft.make_cold_start) and the text the tiny tokenizer is trained on (ShopEnv.corpus).
+It writes the cold-start data (coldstart.make_cold_start) and the text the tiny tokenizer is trained on
+(ShopEnv.corpus).
 
 Its own file, apart from envs/shop.py (the domain: tasks, tools, database, reward, scripted user), because it is
 a player of the domain rather than part of it: the agent's expert counterpart of the scripted user. It reads the

@@ -10,7 +10,7 @@ Why here, in envs/: the user is part of the world the agent talks to, not of the
 task's scenario and message history, it ends the dialogue with tau2's stop markers, and in dual-control domains
 (tau2 telecom) it calls its own tools on the episode's environment session. The rollout engine (rollout.py) and
 the text-level driver (envs.play) only ask it for messages. Like the rest of envs/ it imports nothing of the
-agent side: the hf backend is handed a loaded model (rollout.make_user_sim loads one by name).
+agent side: the hf backend is handed a loaded model (batched_rollout.make_user_sim loads one by name).
 
 The user-simulator prompt (tau2's guidelines + the task's scenario) and tau2's opening greeting are defined here
 once; envs/tau2.py uses them.
@@ -356,9 +356,9 @@ class HFUserSim(UserSim):
     """A local transformers chat model as the user, for offline runs: plain HF generate over the flipped
     conversations of all waiting episodes in one left-padded batch. User-side tools are not supported.
 
-    model, tokenizer: loaded (rollout.make_user_sim("hf", model=NAME) loads one by name). end_of_turn: the token, or
-    list of tokens, that end the user's message (default: the tokenizer's eos and every eos_token_id of the model's
-    generation config, as Qwen3 lists two); template_kwargs: extra chat-template variables (Qwen3's
+    model, tokenizer: loaded (batched_rollout.make_user_sim("hf", model=NAME) loads one by name). end_of_turn: the
+    token, or list of tokens, that end the user's message (default: the tokenizer's eos and every eos_token_id of the
+    model's generation config, as Qwen3 lists two); template_kwargs: extra chat-template variables (Qwen3's
     enable_thinking=False).
 
     local: it computes on the agent's device, so the rollout asks it for every waiting reply in one batch, in the
@@ -416,7 +416,7 @@ class HFUserSim(UserSim):
 class DataUserSim(UserSim):
     """`sim` for most tasks, but env.scripted_user for tasks whose user is written in the data
     (task.meta["user_sim"]["scripted"]: BFCL's questions, ACEBench's multi-step entries, which have no user).
-    rollout.make_user_sim wraps every LLM user in one."""
+    batched_rollout.make_user_sim wraps every LLM user in one."""
 
     def __init__(self, sim: UserSim):
         self.sim, self.scripted = sim, ScriptedUserSim()

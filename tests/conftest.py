@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E40
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import models  # noqa: E402
 import muarl  # noqa: E402
 
 # Text for the tests' tokenizer: small, fixed, enough to make BPE merges (any text still encodes byte-wise).
@@ -31,10 +32,8 @@ TEST_CORPUS = [
 
 @pytest.fixture(scope="session")
 def tiny_tok():
-    import muarl
-
     # Whole-number tokens: the random-model fixtures below (turn lengths, end-of-turn rates) were calibrated on it.
-    return muarl.tiny_tokenizer(TEST_CORPUS, vocab_size=512, split_digits=False)
+    return models.tiny_tokenizer(TEST_CORPUS, vocab_size=512, split_digits=False)
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +45,7 @@ def tiny_lm(tiny_tok):
     import muarl
 
     torch.manual_seed(0)
-    cfg = muarl.tiny_config(len(tiny_tok), arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = models.tiny_config(len(tiny_tok), arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             pad_token_id=tiny_tok.pad_token_id, eos_token_id=muarl.end_of_turn_id(tiny_tok))
     return Qwen3ForCausalLM(cfg).eval()
@@ -60,7 +59,7 @@ def lm(tiny_tok):
     from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = muarl.tiny_config(len(tiny_tok), arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = models.tiny_config(len(tiny_tok), arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.3,
                             pad_token_id=tiny_tok.pad_token_id, eos_token_id=muarl.end_of_turn_id(tiny_tok))
     return chatty(Qwen3ForCausalLM(cfg).eval(), tiny_tok, rate=0.2)

@@ -21,14 +21,15 @@ from deepspeed.utils import safe_get_full_grad  # noqa: E402
 
 import cli  # noqa: E402
 import grpo  # noqa: E402
-import muarl  # noqa: E402
+import models
 import shard  # noqa: E402
 from conftest import TEST_CORPUS, chatty  # noqa: E402
 from fake_env import FakeEnv  # noqa: E402
 from fsdp2_worker import (episode_steps, finish, grad_batch, one_process_backward, one_process_sgd_step,  # noqa: E402
                           perturbed, tiny_model)
-from loss import grpo_loss, token_logprobs  # noqa: E402
-from rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
+from logprobs import token_logprobs  # noqa: E402
+from loss import grpo_loss  # noqa: E402
+from batched_rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
 
 
 def ds_config(acc, stage, grad_clip):
@@ -137,7 +138,7 @@ def rollout_then_train(acc, tok, stage):
 def main():
     mode, stage, out_path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     acc = cli.make_accelerator()  # joins torchrun's processes over gloo, as grpo.main does here
-    tok = muarl.tiny_tokenizer(TEST_CORPUS, vocab_size=512, split_digits=False)
+    tok = models.tiny_tokenizer(TEST_CORPUS, vocab_size=512, split_digits=False)
     if mode == "grads":
         result = {f"tied={t}": grads(acc, tok, t, stage) for t in (True, False)}
     else:

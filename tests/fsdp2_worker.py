@@ -21,17 +21,19 @@ from transformers import Qwen3ForCausalLM  # noqa: E402
 
 import cli  # noqa: E402
 import grpo  # noqa: E402
+import models  # noqa: E402
 import muarl  # noqa: E402
 import shard  # noqa: E402
 from conftest import TEST_CORPUS, chatty  # noqa: E402
 from fake_env import FakeEnv  # noqa: E402
-from loss import grpo_loss, token_logprobs  # noqa: E402
-from rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
+from logprobs import token_logprobs  # noqa: E402
+from loss import group_advantages, grpo_loss  # noqa: E402
+from batched_rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
 
 
 def tiny_model(tok, tied, init=0.02):
     torch.manual_seed(0)
-    cfg = muarl.tiny_config(len(tok), arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = models.tiny_config(len(tok), arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=init,
                             tie_word_embeddings=tied, pad_token_id=tok.pad_token_id,
                             eos_token_id=muarl.end_of_turn_id(tok))
@@ -186,7 +188,7 @@ def one_process_sgd_step(plain, plain_ref, eps, tok, cfg):
     dist.all_gather_object(every, [(e.input_ids, e.loss_mask, e.reward, e.infra_failed) for e in eps])
     every = [e for part in every for e in part]
     ids, attn, mask = muarl.collate([(i, m) for i, m, _, _ in every], tok.pad_token_id)
-    adv = grpo.group_advantages(torch.tensor([r for _, _, r, _ in every]), cfg.group_size,
+    adv = group_advantages(torch.tensor([r for _, _, r, _ in every]), cfg.group_size,
                                 valid=torch.tensor([not f for *_, f in every]))
     logp = token_logprobs(plain, ids, attn)
     with torch.no_grad():
@@ -204,7 +206,7 @@ def main():
     mode, out_path = sys.argv[1], sys.argv[2]
     acc = cli.make_accelerator()  # joins torchrun's processes over gloo, as grpo.main does
     mesh = init_device_mesh("cpu", (acc.num_processes,))
-    tok = muarl.tiny_tokenizer(TEST_CORPUS, vocab_size=512, split_digits=False)
+    tok = models.tiny_tokenizer(TEST_CORPUS, vocab_size=512, split_digits=False)
     if mode == "grads":
         result = {f"tied={t} {layout}": grads(acc, mesh, tok, t, layout) for t in (True, False)
                   for layout in ("layers", "accelerate")}

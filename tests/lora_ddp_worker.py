@@ -20,6 +20,7 @@ from transformers import Qwen3ForCausalLM  # noqa: E402
 import cli  # noqa: E402
 import grpo  # noqa: E402
 import lora  # noqa: E402
+import models  # noqa: E402
 import muarl  # noqa: E402
 from conftest import TEST_CORPUS  # noqa: E402
 
@@ -41,9 +42,9 @@ def episodes(tok):
 
 def one_step(acc) -> dict:
     """This process's groups, one update; returns the adapters after it (name -> list) and before it."""
-    tok = muarl.tiny_tokenizer(TEST_CORPUS, vocab_size=512, split_digits=False)
+    tok = models.tiny_tokenizer(TEST_CORPUS, vocab_size=512, split_digits=False)
     torch.manual_seed(0)
-    cfg = muarl.tiny_config(len(tok), arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = models.tiny_config(len(tok), arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             pad_token_id=tok.pad_token_id, eos_token_id=muarl.end_of_turn_id(tok))
     model = lora.add_adapters(Qwen3ForCausalLM(cfg), rank=4, alpha=0, dropout=0.0, targets=lora.DEFAULT_TARGETS,

@@ -6,7 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-import muarl
+import models
+from envs import make_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import ablation  # noqa: E402
@@ -14,7 +15,7 @@ import ablation  # noqa: E402
 
 def test_quick_ablation_runs_every_arm_and_writes_its_table(tmp_path):
     base = tmp_path / "base"
-    model, tok = muarl.load_model("tiny", device="cpu")
+    model, tok = models.load_model("tiny", device="cpu", env=make_env("shop"))
     model.save_pretrained(base)
     tok.save_pretrained(base)
     out = tmp_path / "run"

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 import eval as evaluation
+import coldstart
 import sft
 from conftest import ChatServer
 from envs import make_env, play
-from rollout import RolloutConfig, make_user_sim, rollout
+from batched_rollout import RolloutConfig, make_user_sim, rollout
 
 MAX_TURNS = 4  # cold-start synthesis plays with envs.play's default, 30: CappedEnv's user outlasts both
 
@@ -46,5 +47,5 @@ def test_every_way_of_playing_an_episode_scores_it_alike(name, expected, lm, tin
             assert (reward, termination) == expected, path
             if termination == "max_turns":
                 assert info["env_reward"] == 1.0 and info["ended_early"] == "max_turns", path
-    kept = sft.make_cold_start(sft.SFTConfig(env=f"tests.fake_env:{name}", num_tasks=2))
+    kept = coldstart.make_cold_start(sft.SFTConfig(env=f"tests.fake_env:{name}", num_tasks=2))
     assert len(kept) == (2 if expected[0] == 1.0 else 0)  # only finished episodes are cold-start data

@@ -9,10 +9,12 @@ import pytest
 
 import eval as evaluation
 import grpo
+import pipeline
+import coldstart
 import sft
 from conftest import ChatServer
+from batched_rollout import RolloutConfig, make_user_sim, rollout
 from envs.users import OpenAIUserSim, UserSimError
-from rollout import RolloutConfig, make_user_sim, rollout
 from tests.fake_env import FakeEnv
 
 GREEDY = RolloutConfig(greedy=True, max_new_tokens=64, max_turns=8)
@@ -228,7 +230,7 @@ def test_user_timeout_and_retries_are_options(tmp_path):
     import time
 
     cfg = grpo.Config(user_sim="openai", user_base_url="http://127.0.0.1:9/v1", user_timeout=0.3, user_retries=1)
-    from rollout import user_sim_options
+    from batched_rollout import user_sim_options
 
     sim = make_user_sim("openai", **user_sim_options(cfg), backoff=0.0)
     assert (sim.timeout, sim.max_retries) == (0.3, 1)
@@ -246,7 +248,7 @@ def test_user_timeout_and_retries_are_options(tmp_path):
         server.close()
     assert len(server.requests) == 2
     with pytest.raises(SystemExit, match="--user-timeout"):
-        grpo.validate(grpo.Config(user_timeout=0), 1)
+        pipeline.validate(grpo.Config(user_timeout=0), 1)
 
 
 def test_eval_with_nothing_scored_exits_non_zero(tmp_path, ckpt):
@@ -270,7 +272,7 @@ def test_max_context_below_the_opening_is_refused_at_start(tmp_path, ckpt):
 
 
 def test_max_context_below_some_openings_is_warned(tiny_tok, capsys):
-    from rollout import check_max_context
+    from batched_rollout import check_max_context
 
     class Mixed(FakeEnv):  # every other task opens with a long system prompt
         def system_prompt(self, task):
@@ -307,13 +309,13 @@ def test_broken_cold_start_conversations_are_named_and_skipped(tmp_path, line, p
     p = tmp_path / "d.jsonl"
     good = conv(U, CALL, RESULT, {"role": "assistant", "content": [{"type": "text", "text": "done"}]})
     p.write_text(good + "\n" + line + "\n")
-    kept = sft.load_conversations(str(p))
+    kept = coldstart.load_conversations(str(p))
     assert len(kept) == 1 and kept[0]["messages"][-1]["content"] == "done"  # content parts joined
     assert kept[0]["source"].endswith("d.jsonl:1")
     out = capsys.readouterr().out
     assert "d.jsonl:2:" in out and problem in out and "1 malformed conversation(s) skipped, 1 kept" in out
     with pytest.raises(ValueError, match=f"d.jsonl:2: malformed conversation: .*{problem}"):
-        sft.load_conversations(str(p), strict=True)
+        coldstart.load_conversations(str(p), strict=True)
 
 
 def test_data_file_encoding_and_emptiness_are_named(tmp_path):
@@ -321,13 +323,13 @@ def test_data_file_encoding_and_emptiness_are_named(tmp_path):
     bad = b'{"messages": [{"role": "user", "content": "caf\xe9"}]}'
     p.write_bytes(conv(U, A).encode() + b"\n" + bad + b"\n")
     with pytest.raises(ValueError, match=rf"d.jsonl:2: .*not UTF-8: byte 0xe9 at column {bad.index(0xe9) + 1}"):
-        sft.load_conversations(str(p), strict=True)
+        coldstart.load_conversations(str(p), strict=True)
     p.write_text("\n\n")
     with pytest.raises(ValueError, match="d.jsonl: the file is empty"):
-        sft.load_conversations(str(p))
+        coldstart.load_conversations(str(p))
     p.write_text("{bad\n[1]\n")
     with pytest.raises(ValueError, match=r"none of its 2 conversations is usable"):
-        sft.load_conversations(str(p))
+        coldstart.load_conversations(str(p))
     with pytest.raises(SystemExit, match=r"sft.py: --data: .*the file is empty"):
         (tmp_path / "e.jsonl").write_text("")
         sft.main(["--data", str(tmp_path / "e.jsonl"), "--out", str(tmp_path / "o")])
@@ -359,7 +361,7 @@ def test_loading_errors_name_the_path_and_the_option(tmp_path, ckpt, monkeypatch
 
 # ---- interrupts ---------------------------------------------------------------------------------------------------
 def test_ctrl_c_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, ckpt, monkeypatch, capsys):
-    import rollout as rollout_module
+    import batched_rollout as rollout_module
 
     real, calls = rollout_module.rollout, []
 
@@ -387,7 +389,7 @@ def test_ctrl_c_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, ckpt
 
 def test_second_ctrl_c_stops_at_once_and_names_the_last_checkpoint(tmp_path, ckpt, monkeypatch, capsys):
     import cli
-    import rollout as rollout_module
+    import batched_rollout as rollout_module
 
     real, calls = rollout_module.rollout, []
 

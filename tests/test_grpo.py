@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo import (AGGS, group_advantages, grpo_loss, kl_k3, logprobs_from_hidden, masked_token_entropy,
-                  token_logprobs)
+from logprobs import logprobs_from_hidden, token_logprobs
+from loss import AGGS, group_advantages, grpo_loss, kl_k3, masked_token_entropy
 
 # ---- plain-Python references: slow, obvious, one scalar at a time ----
 
@@ -585,34 +585,83 @@ def test_drop_uniform_groups_with_every_group_uniform_makes_no_update():
     assert m["dropped_groups"] == 2 and m["trained_tokens"] == 0 and "grad_norm" not in m
 
 
-def test_a_new_loss_option_reaches_the_loss_by_its_name(monkeypatch):
-    """A Config field named like a grpo_loss keyword is passed to it with no call site to edit (loss_options), and
-    the loss's own check of a bad value fails at start naming the option."""
-    import dataclasses
-    import inspect
-
+def test_the_loss_gets_every_algorithm_option_from_the_call_site(monkeypatch):
+    """train_on_episodes passes each loss option of the Config to grpo_loss by name, visibly at its call site; a bad
+    value fails at start naming the option."""
     import grpo
+    import pipeline
 
-    opts = grpo.loss_options(grpo.Config(ratio_level="sequence", clip_low=0.1))
-    assert opts["ratio_level"] == "sequence" and opts["clip_low"] == 0.1 and "normalizer" not in opts
+    seen = []
 
-    def forked_loss(*args, entropy_bonus=0.0, **kw):  # a fork's new keyword, and its Config field of the same name
-        if entropy_bonus < 0:
-            raise ValueError(f"entropy_bonus must be >= 0, got {entropy_bonus}")
+    def spy(*args, **kw):
+        seen.append(kw)
         return grpo_loss(*args, **kw)
-    forked_loss.__signature__ = inspect.Signature([*inspect.signature(grpo_loss).parameters.values(),
-                                                   inspect.Parameter("entropy_bonus", inspect.Parameter.KEYWORD_ONLY,
-                                                                     default=0.0)])
-    Forked = dataclasses.make_dataclass("Forked", [("entropy_bonus", float, 0.0)], bases=(grpo.Config,))
-    monkeypatch.setattr(grpo, "grpo_loss", forked_loss)
-    assert grpo.loss_options(Forked(entropy_bonus=0.01))["entropy_bonus"] == 0.01
-    with pytest.raises(SystemExit, match="--entropy-bonus: entropy_bonus must be >= 0"):
-        grpo.validate(Forked(entropy_bonus=-1.0), 1)
-    monkeypatch.undo()
+    monkeypatch.setattr(grpo, "grpo_loss", spy)
+    cfg = dict(ratio_level="sequence", clip_low=0.1, clip_high=0.3, dual_clip=2.0, kl_coef=0.5, agg="seq-mean-token-mean",
+               policy_loss="cispo")
+    _one_step(_episodes([1, 0, 1, 0]), **cfg)
+    assert seen and all({k: kw[k] for k in cfg} == cfg for kw in seen)
     with pytest.raises(SystemExit, match="--ratio-level: ratio_level must be one of"):
-        grpo.validate(grpo.Config(ratio_level="episode"), 1)
-    with pytest.raises(SystemExit, match="--advantage: 'rloo' is not one of"):
-        grpo.validate(grpo.Config(advantage="rloo"), 1)
+        pipeline.validate(grpo.Config(ratio_level="episode"), 1)
+    with pytest.raises(SystemExit, match="--policy-loss: policy_loss must be one of"):
+        pipeline.validate(grpo.Config(policy_loss="reinforce"), 1)
+    with pytest.raises(SystemExit, match="--advantage: 'vtrace' is not one of"):
+        pipeline.validate(grpo.Config(advantage="vtrace"), 1)
+    with pytest.raises(SystemExit, match="--no-scale-advantages: only the 'grpo' advantage"):
+        pipeline.validate(grpo.Config(advantage="rloo", scale_advantages=False), 1)
+
+
+def test_rloo_advantages_match_a_loop():
+    """RLOO: each reward minus the mean of the other valid rewards of its group; 0 for invalid episodes, groups with
+    one valid episode, and groups whose rewards are all equal."""
+    from loss import ADVANTAGES, rloo_advantages
+
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randint(0, 2, (24,), generator=g).float() * torch.rand(24, generator=g)
+    rewards[8:12] = 1.0                              # a uniform group
+    valid = torch.rand(24, generator=g) > 0.2
+    valid[16:20] = torch.tensor([True, False, False, False])  # one valid episode
+    want = []
+    for k in range(0, 24, 4):
+        r, v = rewards[k:k + 4].tolist(), valid[k:k + 4].tolist()
+        live = [x for x, ok in zip(r, v) if ok]
+        for x, ok in zip(r, v):
+            if not ok or len(live) < 2 or max(live) == min(live):
+                want.append(0.0)
+            else:
+                want.append(x - (sum(live) - x) / (len(live) - 1))
+    got = rloo_advantages(rewards, 4, valid=valid)
+    assert got.tolist() == pytest.approx(want, abs=1e-6)
+    assert torch.equal(ADVANTAGES["rloo"](rewards, 4, valid, True), got)
+    full = torch.tensor([1.0, 0.0, 0.0, 0.0])  # n / (n - 1) times GRPO's unscaled advantage
+    assert rloo_advantages(full, 4).tolist() == pytest.approx((group_advantages(full, 4, scale=False) * 4 / 3).tolist())
+
+
+def test_cispo_matches_a_loop_and_keeps_every_token_s_gradient():
+    """CISPO: the loss is -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A * (logp - old) per token, token-mean; its
+    gradient per token is -clip(ratio) * A / n, even where PPO's clip gives none."""
+    g = torch.Generator().manual_seed(1)
+    logp = (-torch.rand(3, 5, generator=g) * 3).requires_grad_(True)
+    old = logp.detach() + torch.randn(3, 5, generator=g) * 0.5
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    mask = (torch.rand(3, 5, generator=g) > 0.3).float()
+    loss, _ = grpo_loss(logp, old, None, adv, mask, clip_low=0.2, clip_high=0.28, kl_coef=0.0, policy_loss="cispo")
+    loss.backward()
+    n = int(mask.sum())
+    want_loss, want_grad = 0.0, torch.zeros(3, 5)
+    for i in range(3):
+        for t in range(5):
+            if mask[i, t]:
+                x = logp[i, t].item() - old[i, t].item()
+                w = min(max(math.exp(x), 0.8), 1.28)
+                want_loss += -w * adv[i].item() * x / n
+                want_grad[i, t] = -w * adv[i].item() / n
+    assert loss.item() == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
+    assert torch.allclose(logp.grad, want_grad, atol=1e-6)
+    ppo = logp.detach().clone().requires_grad_(True)
+    grpo_loss(ppo, old, None, adv, mask, clip_low=0.2, clip_high=0.28, kl_coef=0.0)[0].backward()
+    clipped = (ppo.grad == 0) & mask.bool()
+    assert clipped.any() and (logp.grad[clipped] != 0).all()  # PPO clipped these tokens; CISPO still trains them
 
 
 def test_the_update_runs_in_train_mode_and_unknown_metrics_are_refused():

@@ -13,6 +13,7 @@ import json
 import pytest
 
 import grpo
+import loss
 import sft
 from fake_env import choice_conversation
 
@@ -38,8 +39,8 @@ LORA = ["--lora-rank", "8", "--lr", "5e-3"]
 
 def run(start, out, monkeypatch=None, flip=False, extra=()):
     if flip:  # the negative control: every advantage with the opposite sign
-        real = grpo.group_advantages
-        monkeypatch.setattr(grpo, "group_advantages", lambda *a, **k: -real(*a, **k))
+        real = loss.group_advantages
+        monkeypatch.setattr(loss, "group_advantages", lambda *a, **k: -real(*a, **k))
     grpo.main(["--init-from", str(start), "--env", "tests.fake_env:ChoiceEnv", "--steps", str(STEPS),
                "--tasks-per-step", "4", "--group-size", "8", "--lr", "1e-3", "--warmup-steps", "5", "--max-new-tokens", "32",
                "--max-context", "640", "--max-turns", "4", "--eval-tasks", "0", "--save-every", "1000",

@@ -11,12 +11,13 @@ import torch
 import eval as evaluation
 import grpo
 import lora
+import models
 import muarl
 import sft
 from envs import make_env
 from fake_env import choice_conversation
-from loss import token_logprobs
-from rollout import RolloutConfig, make_user_sim, rollout
+from logprobs import token_logprobs
+from batched_rollout import RolloutConfig, make_user_sim, rollout
 
 
 def lora_args(start, out, *extra):
@@ -101,7 +102,7 @@ def test_lora_reference_is_the_base_loaded_separately(lora_run, ckpt, tiny_tok):
     ids = torch.randint(0, len(tiny_tok), (3, 40), generator=g)
     attn = torch.ones_like(ids)
     attn[1, 30:] = 0
-    base, _ = muarl.load_model(str(ckpt), device="cpu", dtype=torch.float32)
+    base, _ = models.load_model(str(ckpt), device="cpu", dtype=torch.float32)
     model = lora_run.model
     with torch.no_grad():
         with lora.adapters_off(model):
@@ -130,7 +131,7 @@ def test_lora_state_of_other_settings_is_refused_on_load(lora_run, tmp_path):
     from accelerate import Accelerator
 
     acc = Accelerator(cpu=True)
-    model = lora.add_adapters(muarl.load_model(str(lora_run.ckpt), device="cpu", merge_adapters=True)[0], rank=8,
+    model = lora.add_adapters(models.load_model(str(lora_run.ckpt), device="cpu", merge_adapters=True)[0], rank=8,
                               alpha=0, dropout=0.0, targets="q_proj", base="x")
     model = acc.prepare(model)
     lora.checkpoint_hooks(acc)
@@ -146,8 +147,8 @@ def test_eval_and_merge_an_adapter_checkpoint(lora_run, tmp_path, tiny_tok):
     evaluation.main(["--agent", str(lora_run.ckpt), "--merge-lora", str(out)])
     assert (out / "config.json").exists() and (out / "model.safetensors").exists()
     assert not (out / "adapter_config.json").exists()
-    adapted, tok = muarl.load_model(str(lora_run.ckpt), device="cpu")
-    merged, _ = muarl.load_model(str(out), device="cpu")
+    adapted, tok = models.load_model(str(lora_run.ckpt), device="cpu")
+    merged, _ = models.load_model(str(out), device="cpu")
     assert lora.is_adapted(adapted) and not lora.is_adapted(merged)
     env = make_env("tests.fake_env:FakeEnv")
     greedy = RolloutConfig(greedy=True, max_new_tokens=24, max_context=512, max_turns=4)
@@ -167,13 +168,13 @@ def test_grpo_from_an_adapter_checkpoint_starts_from_it_merged(lora_run, tmp_pat
     adapters train on top: kl 0 at step 1 again, and the base equals the checkpoint merged."""
     res = grpo.main(lora_args(lora_run.ckpt, tmp_path / "run", "--steps", "1"))
     assert metrics(tmp_path / "run")[0]["kl"] == 0.0
-    merged, _ = muarl.load_model(str(lora_run.ckpt), device="cpu", dtype=torch.float32, merge_adapters=True)
+    merged, _ = models.load_model(str(lora_run.ckpt), device="cpu", dtype=torch.float32, merge_adapters=True)
     base, _ = split(res.model)
     for name, w in merged.state_dict().items():
         assert torch.equal(w, base[name]), name
     new = json.loads((tmp_path / "run" / "checkpoints" / "step-000001" / "model" / "adapter_config.json").read_text())
     assert new["base_model_name_or_path"] == str(lora_run.ckpt.resolve())
-    again, _ = muarl.load_model(str(tmp_path / "run" / "checkpoints" / "step-000001" / "model"), device="cpu")
+    again, _ = models.load_model(str(tmp_path / "run" / "checkpoints" / "step-000001" / "model"), device="cpu")
     assert lora.is_adapted(again)  # its base (adapters on their base) loads in turn
 
 
@@ -182,7 +183,7 @@ def test_sft_with_lora_trains_the_adapters_only(tmp_path, ckpt, start_lm):
     out = sft.train(sft.SFTConfig(model=str(ckpt), out=str(tmp_path / "sft"), epochs=4, batch_size=8, lr=1e-2,
                                   lora_rank=4), data)
     assert (out / "adapter_config.json").exists() and not (out / "model.safetensors").exists()
-    model, tok = muarl.load_model(str(out), device="cpu")
+    model, tok = models.load_model(str(out), device="cpu")
     base, adapters = split(model)
     for name, w in start_lm.state_dict().items():
         assert torch.equal(w, base[name]), f"base weight {name} moved"
@@ -231,22 +232,22 @@ def test_lora_memory_estimate_for_qwen3_8b_rank_64_on_one_80gb_gpu():
     --rollout-batch 8). Full fine-tuning needs ~4x the GPU; with LoRA the peak fits one 80 GB GPU."""
     from transformers import Qwen3Config
 
-    import shard
+    import memory
 
     config = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
-    meta = shard.meta_model(config)
+    meta = memory.meta_model(config)
     n = sum(p.numel() for p in meta.parameters())
     adapters = lora.adapter_params(meta, 64)
     assert 8.1e9 < n < 8.3e9 and 170e6 < adapters < 180e6  # 174.6M: rank x (in + out) of 252 projections
-    kv = shard.kv_bytes_per_token(config, bf16=True)
+    kv = memory.kv_bytes_per_token(config, bf16=True)
     common = dict(bf16=True, kv_bytes_per_token=kv, max_context=32768, episodes=8,
-                  prefill=shard.prefill_bytes(config, True, 8192, 32768))
-    with_lora = shard.memory_estimate(n, lora=adapters, reference=True, **common)
-    full = shard.memory_estimate(n, reference=True, **common)
-    four = shard.memory_estimate(n, lora=adapters, reference=True, **{**common, "episodes": 4})  # --rollout-batch 4
-    print(f"Qwen3-8B rank 64: LoRA peak {shard.gib(with_lora['peak'])} (4 decoding: {shard.gib(four['peak'])}), "
-          f"full {shard.gib(full['peak'])}")
+                  prefill=memory.prefill_bytes(config, True, 8192, 32768))
+    with_lora = memory.memory_estimate(n, lora=adapters, reference=True, **common)
+    full = memory.memory_estimate(n, reference=True, **common)
+    four = memory.memory_estimate(n, lora=adapters, reference=True, **{**common, "episodes": 4})  # --rollout-batch 4
+    print(f"Qwen3-8B rank 64: LoRA peak {memory.gib(with_lora['peak'])} (4 decoding: {memory.gib(four['peak'])}), "
+          f"full {memory.gib(full['peak'])}")
     assert with_lora["reference"] == 0 and with_lora["weights"] == 2 * n
     assert with_lora["optimizer"] == 8 * adapters and with_lora["gradients"] == 4 * adapters
     assert with_lora["peak"] < 75 * 2**30 < full["peak"]
@@ -254,7 +255,7 @@ def test_lora_memory_estimate_for_qwen3_8b_rank_64_on_one_80gb_gpu():
 
 def test_adapters_saved_by_peft_itself_load_on_their_base(tmp_path, ckpt, start_lm):
     """Adapters from elsewhere (PeftModel.save_pretrained: no tokenizer, no muarl config) load through
-    muarl.load_model, eval.py's loader, with their base's tokenizer, and compute base + adapters."""
+    models.load_model, eval.py's loader, with their base's tokenizer, and compute base + adapters."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -263,8 +264,8 @@ def test_adapters_saved_by_peft_itself_load_on_their_base(tmp_path, ckpt, start_
                             LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     theirs.save_pretrained(tmp_path / "adapters")
     assert not (tmp_path / "adapters" / "tokenizer.json").exists()
-    model, tok = muarl.load_model(str(tmp_path / "adapters"), device="cpu", dtype=torch.float32)
-    assert len(tok) == len(muarl.load_tokenizer(str(ckpt)))
+    model, tok = models.load_model(str(tmp_path / "adapters"), device="cpu", dtype=torch.float32)
+    assert len(tok) == len(models.load_tokenizer(str(ckpt)))
     ids = torch.randint(0, len(tok), (2, 20), generator=torch.Generator().manual_seed(0))
     attn = torch.ones_like(ids)
     with torch.no_grad():
@@ -300,7 +301,7 @@ def test_adapters_are_never_written_over_their_base(lora_run, tmp_path, ckpt):
     config = json.loads((lora_run.ckpt / "adapter_config.json").read_text())
     (loop / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(loop)}))
     with pytest.raises(SystemExit, match="in its own chain of bases"):
-        muarl.load_model(str(loop), device="cpu")
+        models.load_model(str(loop), device="cpu")
 
 
 def test_bf16_adapters_take_their_input_from_autocast(tiny_lm):

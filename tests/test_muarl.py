@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import cli
+import models
 import muarl
 
 TOOLS = [{"type": "function", "function": {
@@ -118,7 +119,7 @@ QWEN3_LIKE = (
 
 
 def test_history_unstable_template_gets_exact_deltas(tiny_tok):
-    tok = muarl.tiny_tokenizer(["hello"] * 5, vocab_size=300)
+    tok = models.tiny_tokenizer(["hello"] * 5, vocab_size=300)
     tok.chat_template = QWEN3_LIKE
     assert muarl.template_kwargs(tok) == {"enable_thinking": False}
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>\nx\n</think>\n\nhello"}]
@@ -165,15 +166,15 @@ def test_format_then_parse_round_trips():
 
 def test_tool_template_detection(tiny_tok):
     assert muarl.template_renders_tools(tiny_tok)
-    plain = muarl.tiny_tokenizer(["hello"] * 5, vocab_size=300)
+    plain = models.tiny_tokenizer(["hello"] * 5, vocab_size=300)
     plain.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + (m.content or '') + "
                            "'<|im_end|>\\n' }}{% endfor %}")  # plain ChatML, like SmolLM2's
     assert not muarl.template_renders_tools(plain)
 
 
 def test_tiny_tokenizer_is_deterministic_and_encodes_anything():
-    a = muarl.tiny_tokenizer(["the cat sat on the mat"] * 50, vocab_size=400)
-    b = muarl.tiny_tokenizer(["the cat sat on the mat"] * 50, vocab_size=400)
+    a = models.tiny_tokenizer(["the cat sat on the mat"] * 50, vocab_size=400)
+    b = models.tiny_tokenizer(["the cat sat on the mat"] * 50, vocab_size=400)
     assert a.get_vocab() == b.get_vocab()
     text = "Ünïcödé 🚀 <|im_start|>user\nx<|im_end|>"
     assert a.decode(a(text, add_special_tokens=False)["input_ids"]) == text
@@ -184,7 +185,7 @@ def test_tiny_tokenizer_words_are_single_tokens_in_prose_and_json():
     """An id the user types and the same id in a tool call's JSON are one and the same token; a word that
     only contains an id ("o42x", "samuel") is left to BPE."""
     words = ["o42", "Sam", "Lee", "sam", "lee", "12345", "@mail.com"]
-    tok = muarl.tiny_tokenizer(["the order o420 is here"] * 20, vocab_size=300, words=words)
+    tok = models.tiny_tokenizer(["the order o420 is here"] * 20, vocab_size=300, words=words)
     one = {w: tok.convert_tokens_to_ids(w) for w in words}
     prose = tok("I'm Sam Lee, zip 12345, email sam.lee@mail.com. Order o42.", add_special_tokens=False)["input_ids"]
     call_json = tok('{"order_id": "o42", "name": "Sam Lee", "zip": "12345", "email": "sam.lee@mail.com"}',
@@ -224,7 +225,7 @@ def test_tiny_model_saves_and_reloads(tmp_path, tiny_tok, tiny_lm):
 
     tiny_lm.save_pretrained(tmp_path)
     tiny_tok.save_pretrained(tmp_path)
-    model, tok = muarl.load_model(str(tmp_path), device="cpu")
+    model, tok = models.load_model(str(tmp_path), device="cpu")
     assert tok.chat_template == muarl.TOOL_CHAT_TEMPLATE and tok.get_vocab() == tiny_tok.get_vocab()
     ids = torch.tensor([muarl.prompt_ids(tok, CONVERSATION[:2], TOOLS)])
     with torch.no_grad():
@@ -237,7 +238,7 @@ def test_tiny_model_saves_and_reloads(tmp_path, tiny_tok, tiny_lm):
 def test_smollm2_tokenizer_deltas():
     """The packaged real chat model: its plain-ChatML template is replaced by the tool template and the
     token-exact property holds for its tokenizer. First run converts the GGUF file (minutes)."""
-    tok = muarl.load_tokenizer("smollm2-135m")
+    tok = models.load_tokenizer("smollm2-135m")
     assert tok.chat_template == muarl.TOOL_CHAT_TEMPLATE
     ids, mask = muarl.encode_conversation(tok, CONVERSATION, TOOLS)
     full = muarl.render(tok, CONVERSATION, TOOLS)
@@ -254,14 +255,14 @@ def test_flash_attention_only_where_the_forward_runs_in_bf16_or_fp16(monkeypatch
 
     monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))  # as if it were installed
     cuda = torch.device("cuda")
-    assert muarl.attention_implementation(cuda, torch.float32) == "sdpa"
-    assert muarl.attention_implementation(cuda, torch.bfloat16) == "flash_attention_2"
-    assert muarl.attention_implementation(cuda, torch.float16) == "flash_attention_2"
-    assert muarl.attention_implementation(cuda) == "flash_attention_2"  # load_model's default on a GPU: bf16
-    assert muarl.attention_implementation(torch.device("cpu"), torch.bfloat16) == "sdpa"
+    assert models.attention_implementation(cuda, torch.float32) == "sdpa"
+    assert models.attention_implementation(cuda, torch.bfloat16) == "flash_attention_2"
+    assert models.attention_implementation(cuda, torch.float16) == "flash_attention_2"
+    assert models.attention_implementation(cuda) == "flash_attention_2"  # load_model's default on a GPU: bf16
+    assert models.attention_implementation(torch.device("cpu"), torch.bfloat16) == "sdpa"
     monkeypatch.delitem(sys.modules, "flash_attn")
     monkeypatch.setattr("builtins.__import__", _no_flash(__import__))
-    assert muarl.attention_implementation(cuda, torch.bfloat16) == "sdpa"  # not installed
+    assert models.attention_implementation(cuda, torch.bfloat16) == "sdpa"  # not installed
 
 
 def _no_flash(real_import):

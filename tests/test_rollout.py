@@ -9,8 +9,9 @@ import torch
 
 import muarl
 from envs import Task, ToolResult
-from rollout import (GREETING, RolloutConfig, UserSimError, make_user_sim, reference_rollout, rollout,
-                     run_tool_calls)
+from batched_rollout import RolloutConfig, make_user_sim, rollout
+from envs.users import GREETING, UserSimError
+from rollout import reference_rollout, run_tool_calls
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -212,7 +213,7 @@ def test_mid_turn_parking_changes_nothing(lm, tiny_tok, monkeypatch, max_batch):
     """Continuous batching: with refill_below=1 a batch returns whenever a row ends its turn, parking the others
     mid-turn, and is re-stacked with the rows that start their next turn (max_batch 3: also with rows waiting).
     Greedy tokens equal synchronous turns and re-encoding; sampled logprobs still equal a plain forward pass."""
-    import rollout as R
+    import batched_rollout as R
 
     mid_turn, calls = [], []
 
@@ -327,7 +328,7 @@ def test_slow_tools_run_while_the_others_decode(lm, tiny_tok, monkeypatch):
     greedy episodes are exactly the plain environment's."""
     import time
 
-    import rollout as R
+    import batched_rollout as R
 
     env = FakeEnv(n_tasks=3)
     want = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), GREEDY)
@@ -653,7 +654,7 @@ def test_openai_user_tools(lm, tiny_tok):
 def test_hf_user_sim(lm, tiny_lm, tiny_tok, monkeypatch):
     """A local model as the user: asked in the decoding thread (never from the user thread: it computes on the
     agent's device, here with the agent's own model and tokenizer), all waiting replies in one batch."""
-    import rollout as R
+    import batched_rollout as R
 
     env = FakeEnv(n_tasks=2)
     sim = make_user_sim("hf", model=lm, tokenizer=tiny_tok, max_new_tokens=6)  # a user that says something

@@ -21,6 +21,8 @@ import warnings
 import pytest
 import torch
 
+import memory
+
 import shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -168,31 +170,31 @@ def test_memory_estimate_worked_example():
     """8B parameters, bf16, a reference, KV 147,456 B/token (Qwen3-8B: 36 layers x 8 kv heads x 128 x 2 x 2 bytes),
     32k context, 4 live episodes per process."""
     n, kv = 8 * 10**9, 2 * 36 * 8 * 128 * 2
-    ddp = shard.memory_estimate(n, world=8, sharded=False, bf16=True, reference=True, kv_bytes_per_token=kv,
+    ddp = memory.memory_estimate(n, world=8, sharded=False, bf16=True, reference=True, kv_bytes_per_token=kv,
                                 max_context=32768, episodes=4)
     assert (ddp["weights"], ddp["master_weights"], ddp["gradients"], ddp["optimizer"], ddp["reference"]) == (
         2 * n, 4 * n, 8 * n, 8 * n, 4 * n)  # the reference in fp32, as the policy's master weights
     assert ddp["kv_cache"] == kv * 32768 * 4
     assert ddp["update_peak"] == 4 * n + 8 * n + 8 * n + 4 * n + 2 * n
-    fsdp = shard.memory_estimate(n, world=8, sharded=True, bf16=True, reference=True, kv_bytes_per_token=kv,
+    fsdp = memory.memory_estimate(n, world=8, sharded=True, bf16=True, reference=True, kv_bytes_per_token=kv,
                                  max_context=32768, episodes=4)
     assert (fsdp["weights"], fsdp["master_weights"], fsdp["gradients"], fsdp["optimizer"], fsdp["reference"]) == (
         2 * n, n // 2, n // 2, n, n // 2)
     assert fsdp["rollout_peak"] == 2 * n + n // 2 + n + n // 2 + kv * 32768 * 4
     assert fsdp["peak"] == max(fsdp["rollout_peak"], fsdp["update_peak"], fsdp["load_peak"]) < ddp["peak"]
-    one = shard.memory_estimate(10, reference=False)  # fp32, one process: the weights are the master weights
+    one = memory.memory_estimate(10, reference=False)  # fp32, one process: the weights are the master weights
     assert (one["weights"], one["master_weights"], one["gradients"], one["reference"]) == (0, 40, 40, 0)
 
 
 def test_prefill_activations_are_in_the_rollout_peak(tiny_lm):
-    """One prefill chunk's activations (shard.prefill_bytes: the MLP's intermediates, ~4 hidden-size tensors, the
+    """One prefill chunk's activations (memory.prefill_bytes: the MLP's intermediates, ~4 hidden-size tensors, the
     attention mask over the keys) are held beside the KV cache: the rollout peak counts them, training or not."""
     cfg = tiny_lm.config
     h, i = cfg.hidden_size, cfg.intermediate_size
-    assert shard.prefill_bytes(cfg, bf16=True, tokens=100, context=1000) == 100 * (4 * h + 3 * i) * 2 + 100 * 1000 * 3
+    assert memory.prefill_bytes(cfg, bf16=True, tokens=100, context=1000) == 100 * (4 * h + 3 * i) * 2 + 100 * 1000 * 3
     for inference in (False, True):
-        a = shard.memory_estimate(10**6, kv_bytes_per_token=64, max_context=1000, episodes=2, inference=inference)
-        b = shard.memory_estimate(10**6, kv_bytes_per_token=64, max_context=1000, episodes=2, inference=inference,
+        a = memory.memory_estimate(10**6, kv_bytes_per_token=64, max_context=1000, episodes=2, inference=inference)
+        b = memory.memory_estimate(10**6, kv_bytes_per_token=64, max_context=1000, episodes=2, inference=inference,
                                   prefill=12345)
         assert b["prefill"] == 12345 and b["rollout_peak"] == a["rollout_peak"] + 12345
 
@@ -212,8 +214,8 @@ def test_full_weights_reads_the_fsdp2_fields_of_torch_2_11_and_2_13():
 
 def test_kv_bytes_per_token_from_config(tiny_lm):
     cfg = tiny_lm.config  # 2 layers, 2 kv heads, head_dim 16
-    assert shard.kv_bytes_per_token(cfg, bf16=False) == 2 * 2 * 2 * 16 * 4
-    assert shard.count_params(cfg) == sum(p.numel() for p in tiny_lm.parameters())
+    assert memory.kv_bytes_per_token(cfg, bf16=False) == 2 * 2 * 2 * 16 * 4
+    assert memory.count_params(cfg) == sum(p.numel() for p in tiny_lm.parameters())
 
 
 def test_kv_cache_in_the_compute_dtype(tiny_lm):
@@ -231,7 +233,7 @@ def test_kv_cache_in_the_compute_dtype(tiny_lm):
 
 def test_token_logprobs_puts_back_the_forward(tiny_lm):
     """The redirected forward is temporary, and a forward Accelerate had put on the instance survives it."""
-    from loss import token_logprobs
+    from logprobs import token_logprobs
 
     ids = torch.tensor([[1, 5, 7, 9]])
     token_logprobs(tiny_lm, ids, torch.ones_like(ids))
@@ -251,10 +253,10 @@ def test_memory_check_stops_on_a_gpu_it_cannot_fit(tiny_lm, monkeypatch, capsys)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**20))
     opts = dict(world=2, sharded=False, bf16=True, reference=True, max_context=4096, episodes=32, device="cuda:0")
     with pytest.raises(SystemExit) as e:
-        shard.check_memory(tiny_lm.config, **opts)
+        memory.check_memory(tiny_lm.config, **opts)
     assert "--max-context" in str(e.value) and "--no-memory-check" in str(e.value) and "DDP" in str(e.value)
     assert "estimated memory per GPU (DDP)" in capsys.readouterr().out
-    shard.check_memory(tiny_lm.config, **opts, check=False)  # --no-memory-check: printed, not stopped
+    memory.check_memory(tiny_lm.config, **opts, check=False)  # --no-memory-check: printed, not stopped
 
 
 def test_parked_caches_are_counted_in_host_memory(tiny_lm, monkeypatch, capsys):
@@ -263,23 +265,23 @@ def test_parked_caches_are_counted_in_host_memory(tiny_lm, monkeypatch, capsys):
     processes stops the run at start, naming --rollout-batch."""
     from types import SimpleNamespace
 
-    kv = shard.kv_bytes_per_token(tiny_lm.config, bf16=True)
-    parked = shard.memory_estimate(100, bf16=True, kv_bytes_per_token=kv, max_context=4096, episodes=8, parked=24)
-    alone = shard.memory_estimate(100, bf16=True, kv_bytes_per_token=kv, max_context=4096, episodes=8)
+    kv = memory.kv_bytes_per_token(tiny_lm.config, bf16=True)
+    parked = memory.memory_estimate(100, bf16=True, kv_bytes_per_token=kv, max_context=4096, episodes=8, parked=24)
+    alone = memory.memory_estimate(100, bf16=True, kv_bytes_per_token=kv, max_context=4096, episodes=8)
     assert parked["host_kv_cache"] == kv * 4096 * 24 and alone["host_kv_cache"] == 0
     assert parked["peak"] == alone["peak"] and parked["kv_cache"] == kv * 4096 * 8
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**40))
-    monkeypatch.setattr(shard, "host_memory_bytes", lambda: kv * 4096 * 24 * 3)  # room for 3 processes' parked caches
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: kv * 4096 * 24 * 3)  # room for 3 processes' parked caches
     opts = dict(world=4, sharded=False, bf16=True, reference=True, max_context=4096, episodes=8, parked=24,
                 device="cuda:0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    shard.check_memory(tiny_lm.config, **opts)
+    memory.check_memory(tiny_lm.config, **opts)
     assert "host_kv_cache" in capsys.readouterr().out
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(SystemExit, match="--rollout-batch") as e:
-        shard.check_memory(tiny_lm.config, **opts)
+        memory.check_memory(tiny_lm.config, **opts)
     assert "host memory" in str(e.value) and "4 on this machine" in str(e.value)
-    shard.check_memory(tiny_lm.config, **opts, check=False)
+    memory.check_memory(tiny_lm.config, **opts, check=False)
 
 
 def test_sharded_loading_holds_shards_and_one_unit(tiny_lm, monkeypatch, capsys):
@@ -291,10 +293,10 @@ def test_sharded_loading_holds_shards_and_one_unit(tiny_lm, monkeypatch, capsys)
 
     layer = sum(p.numel() for p in tiny_lm.model.layers[0].parameters())
     rest = sum(p.numel() for n, p in tiny_lm.named_parameters() if not n.startswith("model.layers."))
-    assert shard.largest_unit(tiny_lm) == max(layer, rest)
+    assert memory.largest_unit(tiny_lm) == max(layer, rest)
     n, unit = 8_190_735_360, 1_244_663_808  # Qwen3-8B; its largest unit: embeddings + output layer (shard_like's root)
-    fsdp = shard.memory_estimate(n, world=8, sharded=True, bf16=True, reference=True, unit=unit)
-    ddp = shard.memory_estimate(n, world=8, sharded=False, bf16=True, reference=True)
+    fsdp = memory.memory_estimate(n, world=8, sharded=True, bf16=True, reference=True, unit=unit)
+    ddp = memory.memory_estimate(n, world=8, sharded=False, bf16=True, reference=True)
     assert fsdp["load_peak"] == 2 * (4 * n // 8) + 4 * unit < fsdp["rollout_peak"]
     assert ddp["load_peak"] == 4 * n + 4 * n + 4 * n  # policy, its DDP buckets, then the reference
     assert fsdp["host_load"] == ddp["host_load"] == 4 * n == fsdp["host_peak"]
@@ -307,14 +309,14 @@ def test_sharded_loading_holds_shards_and_one_unit(tiny_lm, monkeypatch, capsys)
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**40))
     full = 4 * sum(p.numel() for p in tiny_lm.parameters())
-    monkeypatch.setattr(shard, "host_memory_bytes", lambda: full * 2)  # room for two processes' loading
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: full * 2)  # room for two processes' loading
     opts = dict(world=4, sharded=True, bf16=True, reference=True, max_context=8, episodes=1, device="cuda:0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    shard.check_memory(tiny_lm.config, **opts)
+    memory.check_memory(tiny_lm.config, **opts)
     assert "host_load" in capsys.readouterr().out
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     with pytest.raises(SystemExit, match="loading needs") as e:
-        shard.check_memory(tiny_lm.config, **opts)
+        memory.check_memory(tiny_lm.config, **opts)
     assert "host memory per process" in str(e.value) and "3 on this machine" in str(e.value)
 
 
@@ -379,7 +381,7 @@ def test_the_estimate_counts_parameters_under_an_active_zero3_config(tiny_lm):
     keep = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
     try:
         assert is_deepspeed_zero3_enabled()
-        assert shard.count_params(tiny_lm.config) == sum(p.numel() for p in tiny_lm.parameters())
+        assert memory.count_params(tiny_lm.config) == sum(p.numel() for p in tiny_lm.parameters())
         assert is_deepspeed_zero3_enabled()
     finally:
         unset_hf_deepspeed_config()

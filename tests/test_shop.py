@@ -203,10 +203,11 @@ def test_imperfect_teacher_skips_confirmation_in_a_share_of_conversations(env):
 
 
 def test_cold_start_with_an_imperfect_teacher_keeps_what_has_the_right_database():
+    import coldstart
     import sft
     from envs.shop import gold_db, unconfirmed_writes
 
-    kept = sft.make_cold_start(sft.SFTConfig(env="shop", num_tasks=60, teacher_skips_confirm=0.5))
+    kept = coldstart.make_cold_start(sft.SFTConfig(env="shop", num_tasks=60, teacher_skips_confirm=0.5))
     env = make_env("shop")
     tasks = {t.id: t for t in env.tasks("train")}
     unasked = [c for c in kept if unconfirmed_writes(c["messages"])]
@@ -214,9 +215,9 @@ def test_cold_start_with_an_imperfect_teacher_keeps_what_has_the_right_database(
     for c in kept:
         assert replay(env, tasks[c["task_id"]], c["messages"]).db == gold_db(tasks[c["task_id"]]), c["task_id"]
     with pytest.raises(SystemExit, match=r"--teacher-skips-confirm 1.5: must be in \[0, 1\]"):
-        sft.make_cold_start(sft.SFTConfig(env="shop", num_tasks=1, teacher_skips_confirm=1.5))
+        coldstart.make_cold_start(sft.SFTConfig(env="shop", num_tasks=1, teacher_skips_confirm=1.5))
     with pytest.raises(SystemExit, match="--teacher-skips-confirm 0.5: only the scripted expert"):
-        sft.make_cold_start(sft.SFTConfig(env="shop", teacher="gpt-4o", teacher_skips_confirm=0.5))
+        coldstart.make_cold_start(sft.SFTConfig(env="shop", teacher="gpt-4o", teacher_skips_confirm=0.5))
 
 
 class SkipConfirmation:

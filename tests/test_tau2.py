@@ -17,7 +17,8 @@ from bench.reward import tau2_reward
 from envs import Task, ToolResult, make_env, message_history, play
 from envs.tau2 import (AGENT_INSTRUCTION, AGENT_SYSTEM_PROMPT, USER_SYSTEM_PROMPT, Tau2Env, _databases, gold_messages,
                        write_tools)
-from rollout import OpenAIUserSim, RolloutConfig, rollout
+from batched_rollout import RolloutConfig, rollout
+from envs.users import OpenAIUserSim
 
 TAU2_SRC = __import__("tau2").__path__[0]
 

@@ -11,9 +11,14 @@ import torch
 
 import eval as evaluation
 import grpo
+import logprobs
+import models
 import muarl
+import pipeline
+import coldstart
 import sft
 from envs.users import GREETING
+from metrics import reward_checks, rollout_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,15 +92,15 @@ def test_grpo_with_a_slow_flaky_user_endpoint_logs_its_latency_and_retries(tmp_p
 def test_step_metrics_average_the_rewards_checks():
     def summary(reward, info, valid=True):
         return {"reward": reward, "valid": valid, "turns": 3, "gen_tokens": 10, "termination": "user_stop",
-                "tool_calls": {}, "tool_errors": 0, "task_id": "t", "checks": grpo.reward_checks(info)}
+                "tool_calls": {}, "tool_errors": 0, "task_id": "t", "checks": reward_checks(info)}
 
-    assert grpo.reward_checks({"db_match": True, "unconfirmed_writes": ["cancel_order"], "differ": [], "env_reward": 0.0,
+    assert reward_checks({"db_match": True, "unconfirmed_writes": ["cancel_order"], "differ": [], "env_reward": 0.0,
                                "ended_early": "max_turns"}) == {"db_match": True, "unconfirmed_writes": True, "differ": False}
     rows = [summary(1.0, {"db_match": True, "unconfirmed_writes": []}),
             summary(0.0, {"db_match": True, "unconfirmed_writes": ["cancel_order"]}),
             summary(0.0, {"db_match": False, "unconfirmed_writes": ["return_item", "cancel_order"]}),
             summary(0.0, {"db_match": False, "unconfirmed_writes": []}, valid=False)]  # left out: infra failure
-    m = grpo.step_metrics(rows, G=2)
+    m = rollout_metrics(rows, G=2)
     assert m["reward_info/db_match"] == pytest.approx(2 / 3) and m["reward_info/unconfirmed_writes"] == pytest.approx(2 / 3)
     assert m["reward_mean"] == pytest.approx(1 / 3)
 
@@ -231,8 +236,8 @@ def test_two_processes_drop_uniform_groups_in_step(tmp_path, ckpt):
 def test_a_process_that_waits_past_the_timeout_stops_naming_the_option(tmp_path, ckpt):
     """One process's rollout takes longer than --dist-timeout: the other, waiting at the step's first collective,
     stops with an error that names the option instead of hanging (or dying at NCCL's fixed 10 minutes)."""
-    slow = ("import rollout\nif os.environ['RANK'] == '1':\n    real = rollout.rollout\n"
-            "    rollout.rollout = lambda *a, **k: (time.sleep(12), real(*a, **k))[1]\n")
+    slow = ("import batched_rollout\nif os.environ['RANK'] == '1':\n    real = batched_rollout.rollout\n"
+            "    batched_rollout.rollout = lambda *a, **k: (time.sleep(12), real(*a, **k))[1]\n")
     r = _torchrun(tmp_path, grpo_args(ckpt, tmp_path / "run", "--dist-timeout", "3", "--steps", "1"), slow, 29519)
     assert r.returncode != 0
     assert "waited more than --dist-timeout 3 s for another at a collective" in r.stderr + r.stdout, r.stderr[-3000:]
@@ -256,15 +261,15 @@ def test_sft_data_errors_name_file_and_line(tmp_path):
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     p.write_text(json.dumps(good) + "\n\n" + "{not json\n")
     with pytest.raises(ValueError, match=r"d.jsonl:3"):
-        sft.load_conversations(str(p), strict=True)
+        coldstart.load_conversations(str(p), strict=True)
     p.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(ValueError, match=r"d.jsonl:1.*no assistant"):
-        sft.load_conversations(str(p))
+        coldstart.load_conversations(str(p))
     p.write_text(json.dumps({**good, "prompt_messages": 2}) + "\n")  # the only assistant turn is prompt
     with pytest.raises(ValueError, match=r"d.jsonl:1.*prompt_messages"):
-        sft.load_conversations(str(p))
+        coldstart.load_conversations(str(p))
     p.write_text(json.dumps({**good, "prompt_messages": 1}) + "\n")
-    assert sft.load_conversations(str(p))[0]["prompt_messages"] == 1
+    assert coldstart.load_conversations(str(p))[0]["prompt_messages"] == 1
 
 
 def test_sft_windows_train_only_the_agent_message_that_ends_them(tiny_tok):
@@ -277,7 +282,7 @@ def test_sft_windows_train_only_the_agent_message_that_ends_them(tiny_tok):
             {"role": "tool", "tool_call_id": "c1", "name": "get_order", "content": '{"status":"pending"}'},
             {"role": "assistant", "content": "Cancel order o42?"}, {"role": "user", "content": "yes"},
             {"role": "assistant", "content": "Done."}]
-    wins = sft.windows([{"messages": msgs, "tools": [{"type": "function", "function": {"name": "get_order"}}],
+    wins = coldstart.windows([{"messages": msgs, "tools": [{"type": "function", "function": {"name": "get_order"}}],
                          "prompt_messages": 2}])
     # The call (index 4) and "Cancel order o42?" (index 6) carry arguments; "Which order?" and "Done." do not.
     # Sizes 1, 2, 4, cut forward to a user message: the call gets [3:5] (sizes 1 and 2, once) and [1:5]; the
@@ -313,12 +318,12 @@ def test_sft_lowers_the_loss_on_agent_tokens(tmp_path, tiny_tok, tiny_lm):
     p = tmp_path / "c.jsonl"
     p.write_text("".join(json.dumps(c) + "\n" for c in convs))
     out = sft.train(sft.SFTConfig(model=str(ckpt), out=str(tmp_path / "sft"), epochs=10, batch_size=4,
-                                  micro_batch_size=2, warmup_steps=1, lr=1e-2), sft.load_conversations(str(p)))
+                                  micro_batch_size=2, warmup_steps=1, lr=1e-2), coldstart.load_conversations(str(p)))
     import muarl
-    from grpo import token_logprobs
+    from logprobs import token_logprobs
     losses = []
     for path in (ckpt, out):
-        model, tok = muarl.load_model(str(path), device="cpu")
+        model, tok = models.load_model(str(path), device="cpu")
         ids, attn, mask = muarl.collate([muarl.encode_conversation(tok, c["messages"], c["tools"]) for c in convs],
                                         tok.pad_token_id)
         with torch.no_grad():
@@ -368,7 +373,7 @@ def test_sft_bf16_keeps_small_updates_in_fp32_master_weights(tmp_path, tiny_tok,
     def spy(model, *args, **kwargs):  # the passes run under bf16 autocast, on fp32 weights
         seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
                      next(model.parameters()).dtype))
-        return grpo.token_logprobs(model, *args, **kwargs)
+        return logprobs.token_logprobs(model, *args, **kwargs)
     monkeypatch.setattr(sft, "token_logprobs", spy)
     lr, steps = 1e-5, 3
     out = sft.train(sft.SFTConfig(model=str(ckpt), out=str(tmp_path / "sft"), epochs=steps, batch_size=4,
@@ -391,7 +396,7 @@ def test_sft_bf16_keeps_small_updates_in_fp32_master_weights(tmp_path, tiny_tok,
     ids, attn, mask = muarl.collate([muarl.encode_conversation(tiny_tok, c["messages"], c["tools"]) for c in convs],
                                     tiny_tok.pad_token_id)
     for _ in range(steps):
-        (-(grpo.token_logprobs(bf16, ids, attn) * mask).sum() / mask.sum()).backward()
+        (-(logprobs.token_logprobs(bf16, ids, attn) * mask).sum() / mask.sum()).backward()
         opt.step()
         opt.zero_grad()
     assert moved(start, {k: v for k, v in bf16.state_dict().items() if k in end}) < 0.5
@@ -422,7 +427,7 @@ def test_eval_main_writes_summary(tmp_path, ckpt):
 def test_eval_rollout_batch_and_memory_estimate(tmp_path, ckpt, capsys):
     """eval.py decodes --rollout-batch episodes at a time (the same greedy episodes as all at once) and prints its
     memory estimate, an inference one: weights and the decoding episodes' KV cache, no optimizer or reference."""
-    import shard
+    import memory
 
     eps = {}
     for batch in ("0", "2"):
@@ -432,16 +437,14 @@ def test_eval_rollout_batch_and_memory_estimate(tmp_path, ckpt, capsys):
     assert eps["0"] == eps["2"]
     out = capsys.readouterr().out
     assert "[eval] estimated memory per GPU" in out and "kv_cache" in out and "optimizer" not in out
-    est = shard.memory_estimate(1000, bf16=True, kv_bytes_per_token=10, max_context=100, episodes=2, parked=3,
+    est = memory.memory_estimate(1000, bf16=True, kv_bytes_per_token=10, max_context=100, episodes=2, parked=3,
                                 inference=True)
     assert est == {"weights": 2000, "kv_cache": 2000, "prefill": 0, "host_kv_cache": 3000, "rollout_peak": 4000,
                    "load_peak": 2000, "host_load": 2000, "host_peak": 3000, "peak": 4000}
 
 
 def test_pretrain_tiny_stops_at_the_copy_target_and_is_cached(tmp_path, monkeypatch):
-    import muarl
-
-    monkeypatch.setattr(muarl, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(models, "CACHE_DIR", tmp_path)
     cfg = sft.SFTConfig(num_tasks=8, pretrain_target=100.0, pretrain_max_steps=50, pretrain_batch_size=8)
     out = sft.pretrain_tiny(cfg)
     info = json.loads((out / "muarl_config.json").read_text())["pretrain"]
@@ -459,7 +462,7 @@ def test_copy_loss_matches_a_loop(tiny_tok, tiny_lm):
     twice = {i for i in ids[0] if ids[0].count(i) == 2}
     assert twice
     copy_ids = twice | {ids[1][2]}  # copies at their second occurrence only; ids[1][2] never repeats
-    got = sft.copy_loss(tiny_lm, tiny_tok, data, copy_ids, micro_batch_size=1)
+    got = coldstart.copy_loss(tiny_lm, tiny_tok, data, copy_ids, micro_batch_size=1)
     nll = {True: [], False: []}
     with torch.no_grad():
         for x, m in data:
@@ -510,12 +513,12 @@ def test_reference_kl_is_zero_at_step_one_under_bf16(ckpt, tiny_tok, bf16_accele
     cfg = grpo.Config(group_size=2, micro_batch_size=2, kl_coef=0.001, lr=1e-3)
 
     def step_one_kl(ref):
-        policy, tok = muarl.load_model(str(ckpt), device="cpu", dtype=torch.float32)
+        policy, tok = models.load_model(str(ckpt), device="cpu", dtype=torch.float32)
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         policy, opt = acc.prepare(policy, opt)
         return grpo.train_on_episodes(episodes, policy, ref, opt, sched, acc, cfg, tok.pad_token_id)["kl"]
 
-    assert step_one_kl(grpo.load_reference(str(ckpt), "cpu")) < 1e-6
-    bf16_ref, _ = muarl.load_model(str(ckpt), device="cpu", dtype=torch.bfloat16)
+    assert step_one_kl(pipeline.load_reference(str(ckpt), "cpu")) < 1e-6
+    bf16_ref, _ = models.load_model(str(ckpt), device="cpu", dtype=torch.bfloat16)
     assert step_one_kl(bf16_ref.eval()) > 5e-6  # 1.9e-5 here

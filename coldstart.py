@@ -1,0 +1,229 @@
+"""coldstart.py: the cold start's conversations: read from a JSONL file and checked conversation by conversation,
+or synthesized by a teacher (the small domain's scripted expert, or an OpenAI-compatible model) playing tasks against
+the environment and a user simulator; and the drills the `tiny` base is pretrained on (`windows`, `copy_loss`).
+sft.py trains on them.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import torch
+
+import cli
+from batched_rollout import make_user_sim, user_sim_options
+from envs import OpenAIAgent
+from logprobs import token_logprobs
+from muarl import collate
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_conversation(rec) -> dict:
+    """One cold-start record, checked and normalized: {"messages", "tools", "prompt_messages"}. Raises ValueError
+    naming the first problem. Content may be a string or OpenAI content parts (their texts are joined); every tool
+    message must answer a call of the assistant message before it; tool-call arguments must be JSON objects. A
+    conversation that breaks these would put an invalid call, or a result of nothing, under the loss mask."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"a record must be a JSON object, not {type(rec).__name__}")
+    msgs = rec.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ValueError("'messages' must be a non-empty list")
+    out, calls = [], None  # calls: the ids the last assistant message's tool calls left to answer
+    for i, m in enumerate(msgs):
+        where = f"message {i}"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ValueError(f"{where}: role must be one of {', '.join(ROLES)} (got {str(m)[:80]})")
+        m = dict(m)
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts
+            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
+                       for c in content):
+                raise ValueError(f"{where}: content parts other than text ({str(content)[:80]})")
+            content = "".join(c["text"] for c in content)
+        if content is None and m["role"] == "assistant" and m.get("tool_calls"):
+            content = ""
+        if not isinstance(content, str):
+            raise ValueError(f"{where} ({m['role']}): content must be a string or text parts, not {content!r:.60}")
+        m["content"] = content
+        if m["role"] == "assistant":
+            tool_calls = m.get("tool_calls") or []
+            if not isinstance(tool_calls, list):
+                raise ValueError(f"{where}: 'tool_calls' must be a list")
+            calls = []
+            for j, c in enumerate(tool_calls):
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                    raise ValueError(f"{where}, tool call {j}: needs a 'function' with a 'name'")
+                args = fn.get("arguments", "{}")
+                try:
+                    parsed = json.loads(args) if isinstance(args, str) else args
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{where}, tool call {j} ({fn['name']}): arguments are not JSON ({e})") from None
+                if not isinstance(parsed, dict):
+                    raise ValueError(f"{where}, tool call {j} ({fn['name']}): arguments must be a JSON object")
+                calls.append(c.get("id"))
+            if tool_calls:
+                m["tool_calls"] = tool_calls
+            else:
+                m.pop("tool_calls", None)
+        elif m["role"] == "tool":
+            if not calls:
+                raise ValueError(f"{where}: a tool message that answers no call of the assistant message before it")
+            call_id = m.get("tool_call_id")
+            if call_id is not None and any(c is not None for c in calls) and call_id not in calls:
+                raise ValueError(f"{where}: tool_call_id {call_id!r} is not a call of the assistant message before it")
+            calls.remove(call_id if call_id in calls else calls[0])
+        else:
+            calls = None
+        out.append(m)
+    tools = rec.get("tools") or []
+    if not isinstance(tools, list):
+        raise ValueError("'tools' must be a list")
+    n_prompt = rec.get("prompt_messages") or 0
+    if type(n_prompt) is not int or not 0 <= n_prompt < len(out):
+        raise ValueError("'prompt_messages' must be an int smaller than the number of messages")
+    if not any(m["role"] == "assistant" for m in out[n_prompt:]):
+        raise ValueError("no assistant message to train on"
+                         + (" after the prompt ('prompt_messages')" if n_prompt else ""))
+    return {"messages": out, "tools": tools, "prompt_messages": n_prompt}
+
+
+def load_conversations(path: str, strict: bool = False) -> list[dict]:
+    """Read JSONL conversations, each checked (`check_conversation`). A bad line (not UTF-8, not JSON, a broken
+    conversation) is reported with its file and line and skipped, and the skipped are counted; with `strict`
+    (--strict-data) the first one stops the run. Each conversation keeps its "source" (file:line) for later errors."""
+    out, bad = [], []
+    with open(path, "rb") as f:
+        raw_lines = f.read().split(b"\n")
+    for lineno, raw in enumerate(raw_lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"not UTF-8: byte {raw[e.start]:#04x} at column {e.start + 1}") from None
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not JSON: {e}") from None
+            conv = check_conversation(rec)
+        except ValueError as e:
+            if strict:
+                raise ValueError(f"{path}:{lineno}: malformed conversation: {e} (--strict-data)") from None
+            bad.append(f"{path}:{lineno}: {e}")
+            continue
+        out.append({**conv, "source": f"{path}:{lineno}"})
+    if not out and not bad:
+        raise ValueError(f"{path}: the file is empty: no conversation to train on")
+    for b in bad[:20]:
+        cli.main_print(f"[sft] skipped {b}")
+    if bad:
+        cli.main_print(f"[sft] {path}: {len(bad)} malformed conversation(s) skipped"
+                       f"{' (first 20 shown)' if len(bad) > 20 else ''}, {len(out)} kept (--strict-data refuses the "
+                       "file instead)")
+    if not out:
+        raise ValueError(f"{path}: none of its {len(bad)} conversations is usable (the first: {bad[0]})")
+    return out
+
+
+def make_cold_start(cfg) -> list[dict]:
+    """Play tasks with the teacher and keep the conversations whose reward is 1; with `teacher_skips_confirm`, also
+    those that broke only the confirmation rule (the database is right): filtered on the database alone."""
+    import inspect
+
+    from envs import make_env, message_history, play
+
+    if not 0 <= cfg.teacher_skips_confirm <= 1:
+        raise SystemExit(f"sft.py: --teacher-skips-confirm {cfg.teacher_skips_confirm}: must be in [0, 1]")
+    env = make_env(cfg.env)
+    if cfg.teacher_skips_confirm and (cfg.teacher != "expert" or "skip_confirm" not in
+                                      inspect.signature(getattr(env, "expert", lambda task: None)).parameters):
+        raise SystemExit(f"sft.py: --teacher-skips-confirm {cfg.teacher_skips_confirm}: only the scripted expert of "
+                         f"the 'shop' domain can skip confirmations (teacher {cfg.teacher!r}, env {cfg.env!r})")
+    tasks = env.tasks(cfg.split)
+    random.Random(cfg.seed).shuffle(tasks)
+    kept, t0 = [], time.time()
+    sim = None
+    if cfg.user_sim != "scripted":
+        sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
+    failed, first_error = 0, None
+    for task in tasks[:cfg.num_tasks]:
+        tools = env.tools(task)
+        if cfg.teacher != "expert":
+            agent = OpenAIAgent(cfg.teacher, tools, cfg.teacher_base_url)
+        elif cfg.teacher_skips_confirm:
+            agent = env.expert(task, skip_confirm=cfg.teacher_skips_confirm)
+        else:
+            agent = env.expert(task)
+        session = env.start(task)
+        user = sim.sync_user(env, task, session) if sim else None
+        try:
+            messages, reward, info, termination = play(env, task, agent, user, session=session)
+        except Exception as e:  # an endpoint that keeps failing costs this episode only, and is reported
+            failed += 1
+            first_error = first_error or f"task {task.id}: {e!r}"
+            cli.main_print(f"[sft] task {task.id}: episode failed ({e!r}); skipped")
+            continue
+        if reward == 1.0 or (cfg.teacher_skips_confirm and info.get("db_match") and "ended_early" not in info):
+            # prompt: the system message + the task's earlier conversation + the user's opening
+            n_prompt = 1 + len(message_history(env, task))
+            n_prompt += n_prompt < len(messages) and messages[n_prompt]["role"] == "user"  # the user's opening
+            kept.append({"messages": messages, "tools": tools, "task_id": task.id, "prompt_messages": n_prompt})
+    what = "with the right database (it skipped the confirmation in some)" if cfg.teacher_skips_confirm else "solved"
+    played = min(len(tasks), cfg.num_tasks)
+    cli.main_print(f"[sft] teacher {cfg.teacher!r}: {len(kept)}/{played} {cfg.env} tasks {what} "
+                   f"in {time.time() - t0:.1f}s ({failed} failed episodes); keeping those")
+    if not kept and failed:
+        raise SystemExit(f"sft.py: the teacher's episodes: {failed} of {played} failed and none was kept, so there is "
+                         f"nothing to train on; the first failure: {first_error}")
+    return kept
+
+
+def windows(conversations: list[dict], sizes=(1, 2, 4)) -> list[dict]:
+    """The pretraining drills of 'tiny' (`pretrain_tiny`): each agent message that carries arguments (a tool
+    call, or text with a digit: "I will cancel order o42") with the last 1, 2 and 4 messages before it, cut to
+    begin at a user message, without the system prompt and tools. Only that agent message is trained.
+
+    Why a model trained from scratch needs it: the agent must copy ids, names and items from the dialogue into
+    its calls. At initialization attention is spread evenly over the context, so in a ~900-token shop episode
+    (two thirds of it the policy and tool schemas) a copy source gets ~1/900 of it, and whole-conversation SFT
+    alone did not learn to copy within a CPU budget; in ~60-token windows copying appears after a few hundred
+    steps and carries over to whole conversations. LLM pretraining also grows the context length over training;
+    a pretrained model (Qwen3) already copies and skips this stage."""
+    out = []
+    for conv in conversations:
+        msgs = conv["messages"]
+        for i in range(max(1, conv.get("prompt_messages", 0)), len(msgs)):
+            m = msgs[i]
+            if m["role"] != "assistant" or not (
+                    m.get("tool_calls") or any(c.isdigit() for c in str(m.get("content") or ""))):
+                continue
+            starts = set()
+            for w in sizes:
+                start = max(1, i - w)
+                while start < i and msgs[start]["role"] != "user":
+                    start += 1
+                if start < i and start not in starts:
+                    starts.add(start)
+                    out.append({"messages": msgs[start:i + 1], "tools": [], "prompt_messages": i - start})
+    return out
+
+def copy_loss(model, tok, data, copy_ids: set[int], micro_batch_size: int = 32) -> tuple[float, float]:
+    """(copy loss, other loss) on (ids, loss_mask) pairs: mean NLL of the trained tokens that copy a value from
+    earlier in the same sequence (a token of `copy_ids` that already appeared before it), and of the other trained
+    tokens. A value that is not in the sequence yet (the next order to look up when the window does not show the
+    order list) is not a copy and counts as "other": no model can get it right from the drill alone."""
+    device = next(model.parameters()).device
+    sums = torch.zeros(4, dtype=torch.float64)
+    with torch.no_grad():
+        for k in range(0, len(data), micro_batch_size):
+            ids, attn, mask = collate(data[k:k + micro_batch_size], tok.pad_token_id, device)
+            nll = -token_logprobs(model, ids, attn).double()
+            seen = ((ids[:, :, None] == ids[:, None, :]) & attn.bool()[:, None, :]).tril(-1).any(-1)  # [b, T]
+            is_copy = torch.isin(ids, torch.tensor(sorted(copy_ids), device=device)) & mask.bool() & seen
+            other = mask.bool() & ~is_copy
+            sums += torch.stack([(nll * is_copy).sum(), is_copy.sum(), (nll * other).sum(), other.sum()]).cpu()
+    return (sums[0] / sums[1].clamp(min=1)).item(), (sums[2] / sums[3].clamp(min=1)).item()

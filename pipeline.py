@@ -1,0 +1,414 @@
+"""pipeline.py: the run around the GRPO step (grpo.py): its options beyond the algorithm, the paper's recipe, the
+checks at start, the set-up (Accelerator, run directory, environment, user, cold start, policy and optimizer, frozen
+reference, resumed state), greedy evaluation, the loop of steps with its checkpoints and Ctrl-C, and the summary.
+Machinery: a first reader skips it; grpo.main calls it phase by phase.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+import checkpoints
+import cli
+import lora
+import memory
+import metrics
+import models
+import muarl
+import shard
+from logprobs import token_logprobs
+from loss import ADVANTAGES, AGGS, POLICY_LOSSES, RATIO_LEVELS
+
+
+RECIPES = {
+    # The paper's recipe (its RL settings and released training script): Qwen3 non-thinking, a GPT-4o user, 32 tasks
+    # x 8 per step, lr 1e-6.
+    # Needs a cold-start checkpoint: --init-from runs/sft-qwen3 (see sft.py).
+    "paper": dict(model="Qwen/Qwen3-8B", env="tau2:retail", env_reward="db", user_sim="openai", user_model="gpt-4o",
+                  tasks_per_step=32, group_size=8, lr=1e-6, max_new_tokens=1024, max_context=32768,
+                  micro_batch_size=1, bf16=True, gradient_checkpointing=True, steps=200, eval_tasks=0,
+                  save_every=10, keep_checkpoints=2, temperature=1.0,
+                  # 8 episodes decode at once, the rest park their caches in host memory: a worst-case KV cache of
+                  # 39 GB per GPU for Qwen3-8B at 32k (all 32 of a process's episodes: 155 GB; memory.memory_estimate)
+                  rollout_batch=8),
+}
+
+
+# What --resume lets a user change: how the run reaches its user simulator and how it reports and saves; none of it
+# changes the algorithm. A dead endpoint can be replaced on resume, under another model name if the new server
+# serves the user so (a --user-model that names another model changes the user itself: your call, recorded in
+# resumes.jsonl). Anything else continues with the run's saved settings; giving another value is refused.
+RESUMABLE = ("steps", "user_base_url", "user_model", "user_concurrency", "user_timeout", "user_retries",
+             "report_to", "log_episodes", "save_every", "keep_checkpoints", "memory_check", "dist_timeout")
+
+
+def validate(cfg, world: int) -> None:
+    """Fail at start with a message naming the option."""
+    def bad(opt, why):
+        raise SystemExit(f"grpo.py: --{opt.replace('_', '-')}: {why}")
+    if cfg.optimizer not in ("adamw", "sgd"):
+        bad("optimizer", f"{cfg.optimizer!r} is not 'adamw' or 'sgd'")
+    if cfg.agg not in AGGS:
+        bad("agg", f"{cfg.agg!r} is not one of {sorted(AGGS)}")
+    if cfg.ratio_level == "sequence" and cfg.updates_per_batch == 1:
+        cli.main_print("[grpo] warning: --ratio-level sequence with --updates-per-batch 1: on-policy the ratio is 1 "
+                       "for every token and GSPO's update equals GRPO's with --agg seq-mean-token-mean")
+    if cfg.advantage not in ADVANTAGES:
+        bad("advantage", f"{cfg.advantage!r} is not one of {sorted(ADVANTAGES)}")
+    if not cfg.scale_advantages and cfg.advantage != "grpo":
+        bad("no_scale_advantages", f"only the 'grpo' advantage divides by a std; --advantage {cfg.advantage} "
+                                   "never does")
+    for opt, names in (("ratio_level", RATIO_LEVELS), ("policy_loss", tuple(POLICY_LOSSES))):
+        if getattr(cfg, opt) not in names:
+            bad(opt, f"{opt} must be one of {names}, got {getattr(cfg, opt)!r}")
+    if cfg.user_sim not in ("scripted", "openai", "hf"):
+        bad("user_sim", f"{cfg.user_sim!r} is not one of scripted, openai, hf")
+    if cfg.group_size < 2:
+        bad("group_size", "group advantages need at least 2 episodes per task")
+    if cfg.tasks_per_step < 1 or cfg.tasks_per_step % world:
+        bad("tasks_per_step", f"{cfg.tasks_per_step} must be a positive multiple of the {world} processes")
+    for opt in ("steps", "micro_batch_size", "updates_per_batch", "max_turns", "max_new_tokens", "max_context",
+                "save_every"):
+        if getattr(cfg, opt) < 1:
+            bad(opt, "must be >= 1")
+    for opt in ("warmup_steps", "eval_tasks", "log_episodes", "rollout_batch", "kl_coef", "grad_clip",
+                "keep_checkpoints", "user_retries"):
+        if getattr(cfg, opt) < 0:
+            bad(opt, "must be >= 0")
+    for opt in ("clip_low", "clip_high"):
+        if not 0 < getattr(cfg, opt) < 1:
+            bad(opt, "must be in (0, 1)")
+    if cfg.dual_clip and cfg.dual_clip <= 1:
+        bad("dual_clip", "must be > 1 (or 0 to disable)")
+    if not cfg.user_timeout > 0:
+        bad("user_timeout", "must be > 0 seconds")
+    if not cfg.dist_timeout > 0:
+        bad("dist_timeout", "must be > 0 seconds")
+    if not cfg.temperature > 0:
+        bad("temperature", "must be > 0")
+    if not 0 < cfg.top_p <= 1:
+        bad("top_p", "must be in (0, 1]")
+    if cfg.lr <= 0:
+        bad("lr", "must be > 0")
+    if not 0 <= cfg.cold_start_skips_confirm <= 1:
+        bad("cold_start_skips_confirm", "must be in [0, 1]")
+    if cfg.model == "tiny" and not cfg.init_from and not cfg.resume and cfg.env.split(":")[0] != "shop":
+        bad("env", f"{cfg.env!r} with the 'tiny' model needs a cold-start checkpoint (--init-from): the embedded cold "
+                   "start and the tiny base are made on 'shop' only")
+    lora.check_options(cfg, "grpo.py")
+    if cfg.lora_rank and cfg.freeze:
+        bad("freeze", "with --lora-rank only the adapters train already; drop --freeze")
+    if cfg.bf16 and not torch.cuda.is_available():
+        bad("bf16", "needs a GPU (on a CPU bf16 decoding is slower: bench/dtype.py)")
+
+
+def step_tasks(tasks: list, cfg, step: int, rank: int, world: int) -> list:
+    """This process's share of the step's tasks. The order is a seeded permutation per epoch, so the data
+    position is a function of the step alone and a resumed run sees the same tasks."""
+    out, n = [], len(tasks)
+    for k in range(step * cfg.tasks_per_step, (step + 1) * cfg.tasks_per_step):
+        epoch, i = divmod(k, n)
+        perm = list(range(n))
+        random.Random(cfg.seed * 1_000_003 + epoch).shuffle(perm)
+        out.append(tasks[perm[i]])
+    return out[rank::world]  # whole groups per process: group statistics never cross processes
+
+
+def load_reference(start: str, device, seed: int = 0, attn_implementation=None):
+    """The frozen reference: a copy of the starting policy in the policy's own precision path, fp32 weights scored
+    under the same autocast (train_on_episodes), so that `kl` is 0 up to rounding until the policy moves. A bf16
+    copy is not the same function: its embeddings, norms and residual stream run in bf16 where the policy's run in
+    fp32 under autocast, and kl was not 0 at step 1. Cost: 4 bytes a parameter instead of 2 (no gradients, no
+    optimizer state)."""
+    ref, _ = models.load_model(start, device=device, seed=seed, dtype=torch.float32,
+                              attn_implementation=attn_implementation, merge_adapters=True)
+    return ref.eval().requires_grad_(False)
+
+
+def freeze(model, pattern: str) -> int:
+    """Stop training the parameters whose name matches `pattern` (re.search); returns how many values that froze."""
+    import re
+
+    try:
+        rx = re.compile(pattern)
+    except re.error as e:
+        raise SystemExit(f"grpo.py: --freeze: {pattern!r} is not a regular expression ({e})")
+    hit = [p for name, p in model.named_parameters() if rx.search(name)]
+    if not hit:
+        names = ", ".join(n for n, _ in list(model.named_parameters())[:6])
+        raise SystemExit(f"grpo.py: --freeze: {pattern!r} matches no parameter name (they look like: {names}, ...)")
+    for p in hit:
+        p.requires_grad_(False)
+    return sum(p.numel() for p in hit)
+
+
+# ---------------------------------------------------------------------------------------------------------
+def options(Config, argv) -> tuple:
+    """The run's settings: the command line, or with --resume the run's saved settings and the few that may change
+    (RESUMABLE). Returns (config, the checkpoint to resume from, what the resume changes: name -> [old, new])."""
+    given = set()
+    cfg = cli.parse_config(Config, argv, recipes=RECIPES, description=Config.__doc__.split("\n\n")[0], given=given)
+    if not cfg.resume:
+        return cfg, None, {}
+    resume_from = checkpoints.find(cfg.resume)
+    saved, changes = checkpoints.resume_settings(resume_from, cfg, given, RESUMABLE)
+    return Config(**{**saved, "resume": cfg.resume, "overwrite": False}), resume_from, changes
+
+
+def set_up(cfg, resume_from: Path | None, changes: dict) -> SimpleNamespace:
+    """Everything a run needs, loaded and checked: the Accelerator, the run directory, the environment and its user,
+    the policy (after the cold start, for tiny) with its optimizer, the frozen reference, the resumed state."""
+    from envs import make_env
+    from batched_rollout import RolloutConfig, check_max_context, make_user_sim, user_sim_options
+
+    acc = cli.make_accelerator(cfg.dist_timeout, mixed_precision="bf16" if cfg.bf16 else "no",
+                               log_with=cfg.report_to or None)
+    validate(cfg, acc.num_processes)
+    shard.check_accelerator(acc)
+    if cfg.lora_rank:
+        lora.check_backend(acc)
+    models.seed_everything(cfg.seed)
+    run_dir = resume_from.parents[1] if resume_from else Path(
+        cfg.out_dir or f"runs/grpo-{cfg.env.replace(':', '-')}-{time.strftime('%Y%m%d-%H%M%S')}")
+    # An existing run is refused now unless --resume or --overwrite; nothing is removed until the run has loaded.
+    run_dir = checkpoints.claim(acc, run_dir, resuming=resume_from is not None, overwrite=cfg.overwrite)
+    if cfg.lora_rank and cfg.overwrite:  # the adapters' checkpoints need their base where it is
+        lora.check_base_kept(cfg.init_from or cfg.model, run_dir, "grpo.py: --overwrite")
+    cfg.out_dir = str(run_dir)
+    if cfg.report_to:
+        acc.init_trackers(run_dir.name, config=asdict(cfg))
+    env = make_env(cfg.env, **({"reward": cfg.env_reward} if cfg.env_reward else {}))
+    tasks = env.tasks(cfg.split)
+    user_sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
+    if cfg.user_sim == "scripted":  # fail now, not after the model has loaded
+        try:
+            env.scripted_user(tasks[0])
+        except NotImplementedError:
+            raise SystemExit(f"grpo.py: --user-sim: {cfg.env} has no scripted user; use --user-sim openai or hf")
+    if not cfg.init_from and cfg.model == "tiny":  # the paper's cold start, made here for the tiny model
+        import sft  # here: importing grpo for the loss math loads no training stack
+
+        cfg.init_from = sft.cold_start(cfg.model, cfg.env, cfg.split, cfg.seed, cfg.bf16, cfg.cold_start_skips_confirm)
+    run = SimpleNamespace(cfg=cfg, acc=acc, dir=run_dir, env=env, tasks=tasks, user_sim=user_sim,
+                          resume_from=resume_from)
+    load_policy(run)
+    check_max_context(run.tok, env, tasks, cfg.max_context)
+    run.first_step = checkpoints.load(acc, resume_from, cfg.tasks_per_step) if resume_from else 0
+    if resume_from:
+        acc.print(f"[grpo] resumed from {resume_from} at step {run.first_step}")
+    # Once everything has loaded: a run that fails to start leaves the directory as it was.
+    checkpoints.open_run(acc, run_dir, asdict(cfg), run.first_step if resume_from else None, changes, cfg.overwrite)
+    run.sampling = RolloutConfig.from_options(cfg, on_gpu=acc.device.type != "cpu")
+    return run
+
+
+def load_policy(run) -> None:
+    """The policy (fp32 master weights: a bf16 AdamW step of lr 1e-6 rounds to nothing; --bf16 runs the forward
+    passes under autocast), its optimizer and scheduler, prepared by Accelerate, and the frozen reference. Under
+    FSDP2 the policy is loaded in host memory and sharded onto the GPUs by acc.prepare (under ZeRO-3 partitioned as
+    it loads); the reference after it, so that host memory holds one full model at a time (shard.load_device).
+    With --lora-rank: the start frozen in the compute dtype with fp32 adapters, and the reference is the policy with
+    the adapters off (an adapter checkpoint as the start is merged into its base first: lora.py)."""
+    cfg, acc = run.cfg, run.acc
+    start = cfg.init_from or cfg.model
+    option = "--init-from" if cfg.init_from else "--model"
+    load_errors = cli.option_errors(f"grpo.py: {option}")
+    if getattr(run, "resume_from", None):  # the start comes from the run's saved settings, not the command line
+        load_errors = cli.option_errors(
+            f"grpo.py: --resume: the run's start ({option} in its saved settings, "
+            f"{run.resume_from / 'model' / 'muarl_config.json'}; if it moved, put it back or edit that entry)")
+    with load_errors:  # a local path that is not there stops now, not after a hub lookup
+        models.check_local(start)
+
+    def check_memory(config):
+        from batched_rollout import RolloutConfig
+
+        per_process = cfg.tasks_per_step // acc.num_processes * cfg.group_size
+        live = max(per_process, -(-cfg.eval_tasks // acc.num_processes))
+        decoding = min(live, cfg.rollout_batch or live)
+        adapters = 0
+        if cfg.lora_rank:  # a target that matches nothing stops here, before the weights load
+            shapes = memory.meta_model(config)
+            lora.check_targets(shapes, cfg.lora_target_modules, "grpo.py")
+            adapters = lora.adapter_params(shapes, cfg.lora_rank, cfg.lora_target_modules)
+        memory.check_memory(config, world=acc.num_processes, sharded=shard.shards_weights(acc),
+                           bf16=cfg.bf16, reference=cfg.kl_coef > 0 and not cfg.lora_rank,
+                           max_context=cfg.max_context, episodes=decoding,
+                           parked=live - decoding if acc.device.type != "cpu" else 0, device=acc.device,
+                           check=cfg.memory_check, prefill_tokens=RolloutConfig.prefill_tokens, lora=adapters)
+    # Before loading, when the start names a config (a directory, a hub id, adapters on one of those)
+    config = memory.read_config(lora.base_chain(start)[-1])
+    if config is not None:
+        check_memory(config)
+    adapter_start = lora.is_adapter_dir(start)
+    if adapter_start and shard.is_zero3_plugin(acc):
+        raise SystemExit(f"grpo.py: --init-from {start} holds adapters, which ZeRO-3 cannot merge into a base it "
+                         "partitions as it loads: merge them first (eval.py --agent CHECKPOINT --merge-lora OUT) and "
+                         "start from OUT")
+    # flash-attn only where the forward runs in bf16 (--bf16's autocast): it refuses fp32 inputs
+    load_on = shard.load_device(acc)
+    compute = torch.bfloat16 if cfg.bf16 else torch.float32
+    attn = models.attention_implementation(acc.device, compute)
+    with load_errors:
+        model, run.tok = models.load_model(start, device=load_on, seed=cfg.seed, attn_implementation=attn,
+                                          dtype=compute if cfg.lora_rank else torch.float32)
+    if adapter_start:
+        model = merged_start(run, model, start)
+    if config is None:
+        check_memory(model.config)
+    if cfg.gradient_checkpointing:  # (with LoRA, peft makes the frozen embeddings' output require grad for it)
+        model.gradient_checkpointing_enable()
+    if cfg.lora_rank:
+        model = lora.add_adapters(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                                  targets=cfg.lora_target_modules, base=start, program="grpo.py", autocast=cfg.bf16)
+        acc.print(f"[grpo] --lora-rank {cfg.lora_rank}: {lora.describe(model)}"
+                  + ("; the reference is the policy with its adapters off" if cfg.kl_coef > 0 else ""))
+    if cfg.freeze:
+        frozen = freeze(model, cfg.freeze)
+        acc.print(f"[grpo] --freeze {cfg.freeze!r}: {frozen:,} of {sum(p.numel() for p in model.parameters()):,} "
+                  "parameters frozen")
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = (torch.optim.SGD(trained, lr=cfg.lr) if cfg.optimizer == "sgd" else
+           torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=0.0))
+    # Stepped by hand once per update (Accelerate's prepared scheduler steps once per process).
+    run.sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
+    shard.configure_deepspeed(acc, micro_batch_size=cfg.micro_batch_size, grad_clip=cfg.grad_clip)
+    run.model, run.opt = acc.prepare(model, opt)
+    shard.expose_head(run.model)
+    if cfg.lora_rank:  # the reference is the policy itself, scored with its adapters off (train_on_episodes)
+        run.ref = acc.unwrap_model(run.model) if cfg.kl_coef > 0 else None
+        lora.checkpoint_hooks(acc)  # checkpoints hold the adapters, not the frozen base
+    else:
+        run.ref = load_reference(start, load_on, cfg.seed, attn) if cfg.kl_coef > 0 else None
+        if run.ref is not None and shard.is_sharded(run.model):
+            shard.shard_like(run.ref, run.model, param_dtype=torch.bfloat16 if cfg.bf16 else None)
+        elif run.ref is not None and shard.is_deepspeed(run.model):
+            run.ref = shard.deepspeed_reference(run.ref, acc.state.deepspeed_plugin.deepspeed_config)
+    acc.register_for_checkpointing(run.sched)
+
+
+def merged_start(run, model, start: str):
+    """A start that is an adapter checkpoint, folded into its base, whose dtype it keeps: the reference is this
+    merged model, so what the merge changed is measured (on the first task's opening) and said. In bf16 each merged
+    weight is rounded once (W + dW to 8 bits of mantissa); in fp32 the change is at rounding level."""
+    from envs import opening_messages
+
+    task = run.tasks[0]
+    ids = muarl.prompt_ids(run.tok, opening_messages(run.env, task, None), run.env.tools(task))[:1024]
+    device = next(model.parameters()).device
+    x = torch.tensor([ids], device=device)
+    with torch.no_grad(), run.acc.autocast():
+        before = token_logprobs(model, x, torch.ones_like(x))
+        model = lora.merge(model)
+        after = token_logprobs(model, x, torch.ones_like(x))
+    gap = (before - after)[:, 1:].abs()
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    run.acc.print(f"[grpo] --init-from {start}: its adapters merged into the base ({dtype}); the start's log-probs of "
+                  f"the first task's opening ({len(ids)} tokens) moved by {gap.mean().item():.2g} on average, "
+                  f"{gap.max().item():.2g} at most; the reference is this merged start")
+    return model
+
+
+def play(run, tasks: list, group_size: int, sampling, generator=None) -> list:
+    """This process's episodes of `tasks` with the current policy (its full weights gathered once when sharded)."""
+    from batched_rollout import rollout
+
+    with shard.full_weights(run.model, run.acc.device), run.acc.autocast():
+        return rollout(run.acc.unwrap_model(run.model), run.tok, run.env, tasks, group_size, run.user_sim, sampling,
+                       generator)
+
+
+def evaluate(run, tag: str) -> dict:
+    """Greedy pass^1 on the first --eval-tasks test tasks (eval.py's summary); eval-<tag>.jsonl holds the episodes."""
+    from accelerate.utils import gather_object
+
+    from eval import summarize
+
+    cfg, acc = run.cfg, run.acc
+    if not cfg.eval_tasks:
+        return {}
+    test = run.env.tasks("test")[:cfg.eval_tasks]
+    eps = play(run, test[acc.process_index::acc.num_processes], 1, replace(run.sampling, greedy=True))
+    eps = gather_object([e.to_json() for e in eps])
+    s = summarize(eps, 1, {t.id: t.meta for t in test})
+    if acc.is_main_process:
+        with open(run.dir / f"eval-{tag}.jsonl", "w") as f:
+            f.writelines(json.dumps(e, ensure_ascii=False, default=str) + "\n" for e in eps)
+    if not s["scored"]:
+        first = next((e["reward_info"].get("error") for e in eps if e.get("reward_info")), None)
+        acc.print(f"[grpo] eval ({tag}): none of the {len(eps)} episodes was scored (all failed on infrastructure; "
+                  f"the first error: {first})")
+        return {f"eval/{tag}/pass1": None, f"eval/{tag}/tasks": s["tasks"]}
+    kinds = "; ".join(f"{k}: " + ", ".join(f"{v} {r['pass^1']:.2f}" for v, r in vs.items())
+                      for k, vs in list(s.get("by_meta", {}).items())[:2])
+    acc.print(f"[grpo] eval ({tag}) on {s['tasks']} test tasks, greedy: pass^1 = {s['pass^1']:.3f}"
+              + (f" ({kinds})" if kinds else ""))
+    return {f"eval/{tag}/pass1": s["pass^1"], f"eval/{tag}/tasks": s["tasks"],
+            f"eval/{tag}/by_meta": s.get("by_meta", {})}
+
+
+def train(run, grpo_step) -> None:
+    """The loop of GRPO steps (`grpo_step(run, step)`) from the run's first step, with its checkpoints. A step where
+    every episode failed on infrastructure stops the run; Ctrl-C stops it after the step (both say how to continue)."""
+    from tqdm.auto import tqdm
+
+    cfg, acc = run.cfg, run.acc
+    bar = tqdm(range(run.first_step, cfg.steps), initial=run.first_step, total=cfg.steps,
+               disable=not acc.is_main_process, desc="grpo", dynamic_ncols=True)
+    resume_hint = f"accelerate launch grpo.py --resume {run.dir}"
+    saved, step = run.first_step, run.first_step  # the newest checkpoint's step; the step in progress
+    try:
+        with cli.StopOnInterrupt("grpo") as ctrl_c:
+            for step in bar:
+                m, failed = grpo_step(run, step)
+                if m is None:  # stop, loudly, rather than train on nothing step after step
+                    if step > saved:
+                        checkpoints.save(acc, run.model, run.tok, cfg, run.dir, step)
+                    then = (f"then continue with {resume_hint} (the user-simulator options may change on --resume)"
+                            if step else f"then start again (--overwrite {run.dir})")
+                    acc.end_training()
+                    raise SystemExit(f"grpo.py: step {step + 1}: all {len(failed)} episodes failed on infrastructure, "
+                                     f"so there is nothing to train on; the first error: {failed[0]['error']}\nFix "
+                                     f"it, {then}.")
+                if acc.is_main_process:
+                    bar.set_postfix(reward=f"{m.get('reward_mean', 0):.3f}", kl=f"{m.get('kl', 0):.4f}")
+                    tqdm.write(metrics.console_line(m, failed, m["rollout_s"], m["update_s"]))
+                stop = ctrl_c.agreed(acc)  # every process stops after the same step
+                if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stop:
+                    checkpoints.save(acc, run.model, run.tok, cfg, run.dir, step + 1)
+                    saved = step + 1
+                if stop and step + 1 < cfg.steps:
+                    bar.close()
+                    acc.end_training()
+                    acc.print(f"[grpo] stopped by Ctrl-C after step {step + 1} of {cfg.steps}, checkpoint saved; "
+                              f"continue with: {resume_hint}")
+                    raise SystemExit(130)
+    except KeyboardInterrupt:  # the second Ctrl-C: stop at once; the step in progress is lost
+        bar.close()
+        where = (f"the newest checkpoint is step {saved}; continue with: {resume_hint}" if saved else
+                 f"no checkpoint was written; start again with --overwrite {run.dir}")
+        acc.print(f"\n[grpo] interrupted during step {step + 1}: {where}")
+        acc.end_training()
+        raise SystemExit(130) from None
+
+
+def write(run, results: dict) -> None:
+    """summary.json and the learning curves (curves.png: `python eval.py --plot RUN_DIR` draws them again)."""
+    from eval import plot_run
+
+    if run.acc.is_main_process:
+        cli.write_json_atomic(run.dir / "summary.json", {"steps": run.cfg.steps, **results})
+        if (run.dir / "metrics.jsonl").exists():
+            plot_run(run.dir)
+    run.acc.end_training()
+    run.acc.print(f"[grpo] done. Run directory: {run.dir} (metrics.jsonl, curves.png, episodes.jsonl, checkpoints/, "
+                  "summary.json)")
+
+
