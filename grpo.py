@@ -16,8 +16,6 @@ The run (pipeline.py): cold start, greedy pass^1 before, the steps with metrics 
 """
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -49,7 +47,7 @@ class Algorithm:
     warmup_steps: int = 0
     """linear warm-up steps"""
     optimizer: str = "adamw"
-    """'adamw' (the paper) or 'sgd' (plain SGD: its --lr is on another scale, ~0.1-1 for the tiny model)"""
+    """'adamw' (the paper) or 'sgd' (plain SGD: its --lr is on another scale)"""
     grad_clip: float = 1.0
     """gradient-norm clip (the paper: 1.0)"""
     kl_coef: float = 0.001
@@ -61,23 +59,19 @@ class Algorithm:
     dual_clip: float = 3.0
     """dual-clip constant for negative advantages (the paper: 3.0; 0 disables; --policy-loss ppo only)"""
     policy_loss: str = "ppo"
-    """per-token policy term, by name in loss.POLICY_LOSSES: 'ppo' (clipped ratio with dual clip, the paper) or
-    'cispo' (CISPO: the clipped ratio as a detached weight times the log-prob, so every token keeps a gradient)"""
+    """per-token policy term in loss.POLICY_LOSSES: 'ppo' (clipped ratio, dual clip: the paper) or 'cispo'"""
     ratio_level: str = "token"
-    """importance ratio: 'token' (PPO/GRPO, the paper) or 'sequence' (GSPO: each episode's geometric-mean ratio,
-    clipped as one; use with --agg seq-mean-token-mean and GSPO's clip ranges, e.g. 3e-4 / 4e-4). It differs from
-    'token' only off-policy, i.e. with --updates-per-batch > 1: with one update the ratio is 1 either way"""
+    """importance ratio: 'token' (the paper) or 'sequence' (GSPO, with --agg seq-mean-token-mean and clips of
+    3e-4 / 4e-4); they differ only off-policy (--updates-per-batch > 1)"""
     agg: str = "token-mean"
     """loss aggregation: token-mean (the paper), seq-mean-token-mean (original GRPO), seq-mean-token-sum-norm
     (Dr. GRPO)"""
     advantage: str = "grpo"
-    """advantage estimator, by name in loss.ADVANTAGES: 'grpo' (group-normalized, the paper) or 'rloo' (reward minus
-    the mean of the group's other episodes)"""
+    """advantage estimator in loss.ADVANTAGES: 'grpo' (group-normalized, the paper) or 'rloo'"""
     scale_advantages: bool = True
     """divide GRPO's advantages by the group std (the paper); off: r - mean (Dr. GRPO)"""
     drop_uniform_groups: bool = False
-    """leave out of the update the groups whose rewards are all equal (zero advantage), as DAPO's dynamic sampling
-    does (without its resampling: the step is smaller); counted as dropped_groups"""
+    """leave the groups whose rewards are all equal out of the update (DAPO's dynamic sampling, no resampling)"""
     updates_per_batch: int = 1
     """policy updates per rollout batch (the paper: 1, so old logprobs are the current ones and cost nothing)"""
 
@@ -192,47 +186,13 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
     return {**out, **stats.reduce(acc)}
 
 
-def grpo_step(run, step: int) -> tuple[dict | None, list[dict]]:
-    """One step: G episodes of each of this process's tasks, the update, the metrics logged (metrics.jsonl,
-    episodes.jsonl, trackers). Returns (the metrics, the episodes that failed on infrastructure); the metrics are
-    None, and nothing is trained, when every episode of the step failed."""
-    from accelerate.utils import gather_object
-
-    cfg, acc = run.cfg, run.acc
-    t0 = time.time()
-    # Sampling seeded by (run seed, step, process): a resumed run draws exactly what it would have drawn.
-    gen = torch.Generator(acc.device).manual_seed(cfg.seed * 1_000_003 + step * 1_009 + acc.process_index)
-    tasks = pipeline.step_tasks(run.tasks, cfg, step, acc.process_index, acc.num_processes)
-    episodes = pipeline.play(run, tasks, cfg.group_size, run.sampling, gen)
-    t_roll, t1 = time.time() - t0, time.time()
-    summaries = gather_object([metrics.episode_summary(e) for e in episodes])
-    failed = [s for s in summaries if not s["valid"]]
-    if len(failed) == len(summaries):
-        return None, failed
-    update = train_on_episodes(episodes, run.model, run.ref, run.opt, run.sched, acc, cfg, run.tok.pad_token_id)
-    n_gen = shard.total(acc, sum(e.gen_tokens for e in episodes))[0]
-    m = {"step": step + 1, **metrics.rollout_metrics(summaries, cfg.group_size), **update,
-         "lr": run.sched.get_last_lr()[0], "rollout_s": t_roll, "update_s": time.time() - t1,
-         "gen_tokens_per_s": n_gen / max(t_roll, 1e-9)}
-    samples = gather_object([e.to_json() for e in episodes[:max(0, cfg.log_episodes)]])
-    if acc.is_main_process:
-        with open(run.dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(m) + "\n")
-        with open(run.dir / "episodes.jsonl", "a") as f:
-            for s in samples[:cfg.log_episodes]:
-                f.write(json.dumps({"step": step + 1, **s}, ensure_ascii=False) + "\n")
-    if cfg.report_to:
-        acc.log(m, step=step + 1)
-    return m, failed
-
-
 def main(argv=None):
     """The paper's pipeline, phase by phase."""
     cfg, resume_from, changes = pipeline.options(Config, argv)
     try:
         run = pipeline.set_up(cfg, resume_from, changes)  # directory, environment, user, cold start, policy, reference
         results = pipeline.evaluate(run, "before") if run.first_step == 0 else {}
-        pipeline.train(run, grpo_step)                    # the GRPO steps, checkpoints
+        pipeline.train(run, train_on_episodes)            # the GRPO steps, checkpoints
         if run.first_step < run.cfg.steps:
             results.update(pipeline.evaluate(run, "after"))
         pipeline.write(run, results)

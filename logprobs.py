@@ -2,6 +2,7 @@
 
     token_logprobs        per-token log-probs of a batch under a transformers causal LM (what the trainer and the
                           reference score; at the sampler's temperature)
+    masked_token_entropy  the entropy metric of full logits under a mask
     logprobs_from_hidden  the output layer applied chunk by chunk, with a hand-written backward
     call_as_forward       how body and head run inside a wrapped (DDP) or sharded (FSDP2, ZeRO-3) model's forward
 
@@ -14,7 +15,24 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from loss import entropy_of_logits
+
+def masked_token_entropy(logits, mask, chunk_size=256):
+    """Mean entropy (nats) of softmax(logits) over masked positions, a detached float32 0-dim tensor.
+    logits: [B, T, V], mask: [B, T]; chunk_size rows at a time in float32 (extra memory O(chunk_size * V))."""
+    with torch.no_grad():
+        flat = logits.reshape(-1, logits.shape[-1])
+        keep = mask.reshape(-1).bool()
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        for s in range(0, flat.shape[0], chunk_size):
+            z = flat[s:s + chunk_size].float()
+            total += torch.where(keep[s:s + chunk_size], entropy_of_logits(z), 0.0).sum()
+        return total / keep.sum().clamp(min=1)
+
+
+def entropy_of_logits(z):
+    """z: [N, V] float32 logits -> [N] entropy: logsumexp(z) - sum softmax(z) * z."""
+    lse = torch.logsumexp(z, -1)
+    return lse - torch.linalg.vecdot(torch.softmax(z, -1), z)
 
 
 def _acc_dtype(t):

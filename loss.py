@@ -8,13 +8,15 @@
                       clipped, detached weight times the log-prob
     grpo_loss         policy term + kl_coef * k3 under the loss mask, aggregated with one normalizer per step
 
-A fork adds an advantage estimator to ADVANTAGES and a policy term to POLICY_LOSSES (each: its function, its entry,
-its test in tests/test_grpo.py against a plain loop); `--advantage NAME` and `--policy-loss NAME` pick them.
-tests/test_grpo.py holds every function here to a plain Python loop, and the gradients to finite differences.
+A fork adds an advantage estimator to ADVANTAGES or a policy term to POLICY_LOSSES: its function, its entry, its test
+against a plain loop in tests/test_grpo.py, which holds every function here to one (and gradients to finite
+differences); `--advantage NAME` and `--policy-loss NAME` pick them.
 
 Shapes: B episodes (rows), T tokens, V vocabulary, G group size.
 """
 import torch
+
+from logprobs import masked_token_entropy
 
 # Log-ratios are clamped to [-20, 20] before exp(): exp(20) ~ 4.9e8 is finite in float32, so one token whose
 # probability collapsed cannot make the loss inf/NaN. Beyond the clamp the term is constant (no gradient): such a
@@ -42,25 +44,20 @@ def _groups(rewards, group_size, valid):
 
 
 def _has_signal(r, ok):
-    """[B/G, G] bool: a valid episode of a group with at least two valid rewards that are not all equal. "All equal"
-    is decided on the raw rewards: a float mean of equal values can be off by one ulp."""
+    """[B/G, 1] bool: the group has at least two valid rewards, not all equal. "All equal" is decided on the raw
+    rewards: a float mean of equal values can be off by one ulp."""
     big, small = torch.finfo(r.dtype).max, torch.finfo(r.dtype).min
     spread = r.masked_fill(~ok, small).amax(1, keepdim=True) - r.masked_fill(~ok, big).amin(1, keepdim=True)
-    return ok & (ok.sum(1, keepdim=True) > 1) & (spread > 0)
+    return (ok.sum(1, keepdim=True) > 1) & (spread > 0)
 
 
 def group_advantages(rewards, group_size, scale=True, eps=1e-6, *, valid=None):
-    """GRPO's advantage: each episode's reward relative to the other episodes of its group.
+    """GRPO's advantage: (r - group mean) / (group std + eps), or r - group mean without `scale` (Dr. GRPO).
 
-    rewards: [B] as B // group_size consecutive groups (episodes 0..G-1 are one task's, G..2G-1 the next's, ...).
-    valid: optional bool [B]; False marks an episode ended by an infrastructure failure: it is left out of its
-    group's mean and std and gets advantage 0, so it neither trains nor shifts the baseline.
-    Returns [B]: (r - mean_g) / (std_g + eps) with scale, r - mean_g without (Dr. GRPO).
-
-    std is the sample std (divide by n - 1), torch.std's default and what TRL and verl use; with G = 8 it is
-    sqrt(8/7) times the population std, a step-size rescale. A group whose valid rewards are all equal, or with fewer
-    than 2 valid episodes, has no signal: its advantages are exactly 0 (never 0/0, never a 1e-11 residue).
-    """
+    rewards: [B] as consecutive groups of group_size (episodes 0..G-1 are one task's, G..2G-1 the next's, ...).
+    valid: optional bool [B]; False marks an episode ended by an infrastructure failure: left out of its group's
+    mean and std, advantage 0. std is the sample std (n - 1), as torch.std, TRL and verl. A group with fewer than 2
+    valid episodes or all-equal rewards has no signal: exactly 0 (never 0/0, never a 1e-11 residue). Returns [B]."""
     r, ok = _groups(rewards, group_size, valid)
     w = ok.to(r.dtype)
     n = w.sum(1, keepdim=True)                                              # [B/G, 1]
@@ -69,22 +66,21 @@ def group_advantages(rewards, group_size, scale=True, eps=1e-6, *, valid=None):
     if scale:
         std = ((dev * dev).sum(1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
         dev = dev / (std + eps)
-    return torch.where(_has_signal(r, ok), dev, torch.zeros_like(dev)).reshape(-1)
+    return torch.where(ok & _has_signal(r, ok), dev, torch.zeros_like(dev)).reshape(-1)
 
 
 def rloo_advantages(rewards, group_size, *, valid=None):
-    """RLOO's advantage (Ahmadian et al. 2024): each episode's reward minus the mean reward of the other valid
-    episodes of its group, r_i - (sum_j r_j - r_i) / (n - 1), which equals n / (n - 1) * (r_i - mean). Same layout,
-    `valid` and zero rules as group_advantages; never divided by a std."""
+    """RLOO's advantage (Ahmadian et al. 2024): r minus the mean of the group's other valid rewards,
+    r_i - (sum_j r_j - r_i) / (n - 1) = n / (n - 1) (r_i - mean). Layout, `valid` and zeros as group_advantages."""
     r, ok = _groups(rewards, group_size, valid)
     w = ok.to(r.dtype)
     n = w.sum(1, keepdim=True)
     others = ((r * w).sum(1, keepdim=True) - r) / (n - 1).clamp(min=1)
-    return torch.where(_has_signal(r, ok), r - others, torch.zeros_like(r)).reshape(-1)
+    return torch.where(ok & _has_signal(r, ok), r - others, torch.zeros_like(r)).reshape(-1)
 
 
-# --advantage NAME. Each takes (rewards [B], group_size, valid [B] or None, scale) and returns [B]. `scale` is
-# --scale-advantages, which only GRPO's estimator reads (validation refuses --no-scale-advantages with the others).
+# --advantage NAME: (rewards [B], group_size, valid [B] or None, scale) -> [B]. Only GRPO's reads `scale`
+# (--scale-advantages); the options check refuses --no-scale-advantages with the others.
 ADVANTAGES = {
     "grpo": lambda rewards, group_size, valid, scale: group_advantages(rewards, group_size, scale, valid=valid),
     "rloo": lambda rewards, group_size, valid, scale: rloo_advantages(rewards, group_size, valid=valid),
@@ -92,18 +88,11 @@ ADVANTAGES = {
 
 
 def uniform_groups(rewards, group_size, valid=None):
-    """Which episodes belong to a group with nothing to compare: its valid rewards are all equal, or fewer than two
-    are valid. rewards: [B] in consecutive groups of group_size; valid: optional bool [B]. Returns bool [B].
-
-    Their advantage is 0, so they add no policy gradient; kept in the update they still add the KL term and their
-    tokens to the token-mean normalizer, diluting the step. DAPO's dynamic sampling drops them (and samples more
-    groups until the batch is full; here the step is simply smaller: no resampling)."""
-    r = rewards.float().reshape(-1, group_size)
-    ok = (torch.ones_like(r, dtype=torch.bool) if valid is None
-          else valid.reshape(-1, group_size).to(device=r.device, dtype=torch.bool))
-    spread = r.masked_fill(~ok, -torch.inf).amax(1) - r.masked_fill(~ok, torch.inf).amin(1)
-    uniform = (ok.sum(1) < 2) | ~(spread > 0)
-    return uniform[:, None].expand_as(r).reshape(-1)
+    """bool [B]: the episodes of groups with nothing to compare (fewer than two valid rewards, or all equal). Their
+    advantage is 0, but kept in the update they still add the KL term and their tokens to the normalizer; DAPO's
+    dynamic sampling drops them (and samples more groups; here the step is simply smaller)."""
+    r, ok = _groups(rewards.float(), group_size, valid)
+    return (~_has_signal(r, ok)).expand_as(r).reshape(-1)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -156,36 +145,27 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, 
     old_logp:   [B, T] the same under the policy that sampled them (no gradient)
     ref_logp:   [B, T] the same under the frozen reference model, or None (no KL term)
     advantages: [B]    one per episode, broadcast over its tokens
-    loss_mask:  [B, T] 1 on tokens the agent sampled, 0 elsewhere, from the episode's structure, never from token
-                values (with pad == eos the agent's end-of-turn token has the pad id and is still 1). Masked-out
-                positions may hold anything (even inf/NaN): they are replaced by 0 first and get exactly 0 gradient.
+    loss_mask:  [B, T] 1 on the tokens the agent sampled, from the episode's structure, never from token values
+                (pad may equal eos). Masked-out positions may hold anything, even NaN: they get exactly 0 gradient.
 
-    Per token: loss_t = POLICY_LOSSES[policy_loss](log_ratio, A, ...) + kl_coef * kl_k3(logp, ref_logp), with
-    log_ratio = logp - old_logp (ppo_clip: the paper's clipped ratio with dual clip; dual_clip 0 or None disables
-    it, otherwise it must be > 1). kl_coef=0 or ref_logp=None drops the KL term (the paper: 0.001, in the loss).
+    Per token: loss_t = POLICY_LOSSES[policy_loss](logp - old_logp, A, ...) + kl_coef * kl_k3(logp, ref_logp).
+    ratio_level="sequence" is GSPO's ratio (Zheng et al. 2025): each token gets its episode's ratio, exp(mean of the
+    episode's log-ratios), clipped as one, with its own gradient (GSPO-token); with agg="seq-mean-token-mean" this is
+    GSPO exactly (whose paper clips at 3e-4 / 4e-4).
 
-    ratio_level="sequence" is GSPO's sequence-level ratio (Zheng et al. 2025): every token of an episode gets the
-    episode's ratio s = exp(mean of its tokens' log-ratios), clipped as one, with each token's gradient
-    (GSPO-token: log s_t = sg[log s] + logp_t - sg[logp_t]). With agg="seq-mean-token-mean" this is GSPO exactly;
-    GSPO clips far tighter than PPO (clip_low 3e-4, clip_high 4e-4 in its paper).
-
-    agg sums loss_t into one number; normalizer is the denominator for the WHOLE optimizer step (all micro-batches,
-    all processes), so that summing the micro-batch losses gives exactly the gradient of the whole batch:
-      "token-mean"              sum of loss_t over masked tokens / normalizer = masked tokens in the step (the
-                                paper's: every sampled token weighs the same)
-      "seq-mean-token-mean"     per episode the mean of loss_t over its tokens, summed / normalizer = episodes in
-                                the step with >= 1 masked token (original GRPO)
-      "seq-mean-token-sum-norm" per episode the sum of loss_t / max_len, summed / normalizer as above (Dr. GRPO);
-                                max_len is required, one constant for the whole step (never a padded width)
-    normalizer=None uses this call's own count (right when the call is the whole step). Episodes with no masked
-    token never count. A zero denominator becomes 1, so an all-empty mask gives loss 0 with zero gradient.
-
-    logits: optional [B, T, V] logits (after temperature) of the policy, only for the entropy metric.
+    agg sums loss_t into one number; `normalizer` is its denominator for the WHOLE optimizer step (all micro-batches,
+    all processes), so that the micro-batch losses add up to exactly the whole batch's gradient:
+      "token-mean"              sum over masked tokens / the step's masked tokens (the paper's)
+      "seq-mean-token-mean"     sum over episodes of their token mean / the step's episodes with a masked token
+      "seq-mean-token-sum-norm" sum over episodes of their token sum / max_len, / episodes as above (Dr. GRPO;
+                                max_len one constant for the whole step, never a padded width)
+    normalizer=None counts this call alone. A zero denominator becomes 1: an empty mask gives loss 0, no gradient.
+    logits: optional [B, T, V] tempered logits of the policy, only for the entropy metric.
 
     Returns (loss, metrics): loss 0-dim; metrics 0-dim float32 detached tensors over this call's masked tokens (no
-    host sync here): n_tokens; kl (0 without ref_logp); approx_kl (k3 between old and current policy);
-    clip_frac_low / clip_frac_high (A < 0 and ratio < 1 - clip_low / A > 0 and ratio > 1 + clip_high);
-    dual_clip_frac (A < 0 and ratio > dual_clip); ratio_mean, ratio_max; entropy when logits is given.
+    host sync here): n_tokens, kl (0 without ref_logp), approx_kl (k3 between old and current policy),
+    clip_frac_low / clip_frac_high (A < 0 and ratio < 1 - clip_low / A > 0 and ratio > 1 + clip_high),
+    dual_clip_frac (A < 0 and ratio > dual_clip), ratio_mean, ratio_max, entropy (with logits).
     """
     if agg not in AGGS:
         raise ValueError(f"agg must be one of {AGGS}, got {agg!r}")
@@ -253,22 +233,3 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, 
         if logits is not None:
             metrics["entropy"] = masked_token_entropy(logits, mask)
     return loss, metrics
-
-
-def masked_token_entropy(logits, mask, chunk_size=256):
-    """Mean entropy (nats) of softmax(logits) over masked positions, a detached float32 0-dim tensor.
-    logits: [B, T, V], mask: [B, T]; chunk_size rows at a time in float32 (extra memory O(chunk_size * V))."""
-    with torch.no_grad():
-        flat = logits.reshape(-1, logits.shape[-1])
-        keep = mask.reshape(-1).bool()
-        total = torch.zeros((), dtype=torch.float32, device=logits.device)
-        for s in range(0, flat.shape[0], chunk_size):
-            z = flat[s:s + chunk_size].float()
-            total += torch.where(keep[s:s + chunk_size], entropy_of_logits(z), 0.0).sum()
-        return total / keep.sum().clamp(min=1)
-
-
-def entropy_of_logits(z):
-    """z: [N, V] float32 logits -> [N] entropy: logsumexp(z) - sum softmax(z) * z."""
-    lse = torch.logsumexp(z, -1)
-    return lse - torch.linalg.vecdot(torch.softmax(z, -1), z)

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 import lora
-from muarl import TOOL_CHAT_TEMPLATE, end_of_turn_id, render, template_renders_tools
+from muarl import end_of_turn_id, render
+from toolcall import TOOL_CHAT_TEMPLATE, template_renders_tools
 
 CACHE_DIR = Path(os.environ.get("MUARL_CACHE", Path.home() / ".cache" / "muarl"))
 

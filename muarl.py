@@ -1,7 +1,7 @@
-"""muarl.py: the episode in tokens, what MUA-RL trains on. The Episode record with its loss mask, the agent's tool
-calls (Hermes/Qwen `<tool_call>` format: parsed, formatted), the tool-aware chat template, chat-template deltas, a
-finished conversation encoded the way a rollout builds it, and the padded training batch. It imports nothing of the
-project: rollout.py plays episodes with it, sft.py and grpo.py train on them.
+"""muarl.py: the episode in tokens, what MUA-RL trains on. The Episode record with its loss mask, the tokens that
+end an agent turn, chat-template deltas, a finished conversation encoded the way a rollout builds it, and the padded
+training batch. rollout.py plays episodes with it, sft.py and grpo.py train on them; the tool-call text format and
+the tool-aware template it renders with are toolcall.py's.
 
 Token in, token out (docs/invariants.md, 1). An episode is one growing list of token ids. The agent's turns enter it
 verbatim as the ids the sampler produced (loss_mask 1). Everything else -- system prompt, user replies, tool
@@ -21,12 +21,12 @@ the ids of earlier turns are never re-derived from text.
 """
 from __future__ import annotations
 
-import json
-import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from toolcall import format_assistant
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -80,156 +80,8 @@ class Episode:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Tool calls in the Hermes/Qwen format: <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>
+# The turn's end and the template's variables
 # ---------------------------------------------------------------------------------------------------------
-TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
-
-
-def format_tool_call(name: str, arguments) -> str:
-    """One tool call as the tool template renders it (json.dumps spacing, non-ASCII kept)."""
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return (f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, '
-            f'"arguments": {args}}}\n{TOOL_CALL_CLOSE}')
-
-
-def format_assistant(message: dict) -> str:
-    """The text of an assistant message body exactly as TOOL_CHAT_TEMPLATE renders it (without the
-    `<|im_start|>assistant\\n` header and the `<|im_end|>`). Used to build cold-start ids and by tests."""
-    text = message.get("content") or ""
-    for i, call in enumerate(message.get("tool_calls") or []):
-        if i > 0 or text:
-            text += "\n"
-        text += format_tool_call(call["function"]["name"], call["function"]["arguments"])
-    return text
-
-
-@dataclass
-class ParsedMessage:
-    """What the agent said: text content, tool calls in OpenAI format, and parse errors.
-
-    A malformed call still appears in `tool_calls` (name as best understood, arguments = the raw text) so that
-    every tool message in the conversation answers a call; `errors` maps its index in `tool_calls` to the
-    error text the agent will see instead of a tool result.
-    """
-
-    content: str
-    tool_calls: list[dict]
-    errors: dict[int, str]
-
-
-_CALL_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.S)
-
-
-def parse_assistant(text: str, call_id_prefix: str = "call") -> ParsedMessage:
-    """Parse the agent's decoded text into content and tool calls. Never raises on model output."""
-    calls, errors, spans = [], {}, []
-
-    def add(name, arguments, error=None):
-        idx = len(calls)
-        calls.append({"id": f"{call_id_prefix}_{idx}", "type": "function",
-                      "function": {"name": name, "arguments": arguments}})
-        if error:
-            errors[idx] = error
-
-    for m in _CALL_RE.finditer(text):
-        spans.append(m.span())
-        raw = m.group(1).strip()
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as e:
-            add(_guess_name(raw), raw, f"Error: tool call is not valid JSON ({e.msg} at char {e.pos}): {raw[:200]}")
-            continue
-        if not isinstance(obj, dict):
-            add("", raw, 'Error: a tool call must be a JSON object {"name": ..., "arguments": {...}}')
-            continue
-        name, args = obj.get("name"), obj.get("arguments", {})
-        if isinstance(args, str):  # some models double-encode the arguments
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                pass
-        unknown = sorted(set(obj) - {"name", "arguments"})
-        if not isinstance(name, str) or not name:
-            add("", raw, 'Error: tool call has no "name" string')
-        elif not isinstance(args, dict):
-            add(name, raw, f'Error: "arguments" of {name} must be a JSON object')
-        elif unknown:
-            add(name, raw, f"Error: tool call has unknown keys {unknown}; use only name and arguments")
-        else:
-            add(name, json.dumps(args, ensure_ascii=False))
-    # An opening tag with no closing tag after the last complete call: the agent stopped mid-call.
-    tail_start = spans[-1][1] if spans else 0
-    tail = text[tail_start:]
-    if TOOL_CALL_OPEN in tail:
-        cut = tail.index(TOOL_CALL_OPEN)
-        raw = tail[cut + len(TOOL_CALL_OPEN):].strip()
-        add(_guess_name(raw), raw, f"Error: unclosed {TOOL_CALL_OPEN} (missing {TOOL_CALL_CLOSE})")
-        spans.append((tail_start + cut, len(text)))
-    content, pos = [], 0
-    for a, b in spans:
-        content.append(text[pos:a])
-        pos = b
-    content.append(text[pos:])
-    return ParsedMessage("".join(content).strip(), calls, errors)
-
-
-def _guess_name(raw: str) -> str:
-    m = re.search(r'"name"\s*:\s*"([^"]*)"', raw)
-    return m.group(1) if m else ""
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The tool-aware default chat template: ChatML + Hermes tool calls
-# ---------------------------------------------------------------------------------------------------------
-# For models whose own template cannot render tools (SmolLM2's is plain ChatML). Tools are listed in the system
-# turn; tool results come back as a user turn wrapped in <tool_response>, one turn per result, so that the
-# rendering of a message never depends on its neighbours (every render is a prefix of the next).
-TOOL_CHAT_TEMPLATE = (
-    "{%- set sys = messages[0].content if messages and messages[0].role == 'system' else none %}"
-    "{%- if sys is not none or tools %}"
-    "{{- '<|im_start|>system\\n' }}{%- if sys is not none %}{{- sys }}{%- endif %}"
-    "{%- if tools %}"
-    "{{- '\\n\\n# Tools\\n\\nYou may call one or more tools. Their signatures are in <tools></tools>:\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nTo call a tool, reply with <tool_call>\\n"
-    "{\"name\": <tool-name>, \"arguments\": <args-json-object>}\\n</tool_call>' }}"
-    "{%- endif %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'system' and loop.first %}"
-    "{%- elif message.role == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n' }}{%- set text = message.content or '' %}{{- text }}"
-    "{%- for call in message.tool_calls or [] %}"
-    "{%- if not loop.first or text %}{{- '\\n' }}{%- endif %}"
-    "{{- '<tool_call>\\n{\"name\": ' + (call.function.name | tojson) + ', \"arguments\": ' }}"
-    "{%- if call.function.arguments is string %}{{- call.function.arguments }}"
-    "{%- else %}{{- call.function.arguments | tojson }}{%- endif %}"
-    "{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-_PROBE_TOOLS = [{"type": "function", "function": {"name": "probe_tool_xyz", "description": "d",
-                                                    "parameters": {"type": "object", "properties": {}}}}]
-_PROBE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-          {"role": "assistant", "content": "", "tool_calls": [
-              {"id": "c0", "type": "function", "function": {"name": "probe_call_xyz", "arguments": "{}"}}]},
-          {"role": "tool", "tool_call_id": "c0", "name": "probe_call_xyz", "content": "probe_result_xyz"}]
-
-
-def template_renders_tools(tokenizer) -> bool:
-    """Whether the tokenizer's own chat template shows tool schemas, tool calls and tool results."""
-    if not tokenizer.chat_template:
-        return False
-    try:
-        text = tokenizer.apply_chat_template(_PROBE, tools=_PROBE_TOOLS, tokenize=False)
-    except Exception:
-        return False
-    return all(s in text for s in ("probe_tool_xyz", "probe_call_xyz", "probe_result_xyz"))
-
-
 def template_kwargs(tokenizer) -> dict:
     """Extra template variables: Qwen3 in non-thinking mode (the paper's setting)."""
     return {"enable_thinking": False} if "enable_thinking" in (tokenizer.chat_template or "") else {}

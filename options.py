@@ -1,6 +1,7 @@
 """options.py: the option groups of the entry points, each defined once: how the agent samples (grpo.py, eval.py),
 the simulated user (grpo.py, sft.py, eval.py), LoRA adapters (grpo.py, sft.py), and grpo.py's start and run options
-(pipeline.py reads them; the algorithm's own are grpo.Algorithm). An entry point's config
+(pipeline.py reads them; the algorithm's own are grpo.Algorithm), with `validate`, the check of grpo.py's options
+at start. An entry point's config
 dataclass inherits the groups it needs; `cli.parse_config` lists each group under its own header in --help, and a
 subclass may give a field another default (grpo.py samples the tiny model at 0.7; eval.py's user is GPT-4.1).
 """
@@ -8,7 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+import cli
 import lora
+from loss import ADVANTAGES, AGGS, POLICY_LOSSES, RATIO_LEVELS
 
 
 @dataclass
@@ -130,3 +135,63 @@ class RunOptions:
     memory_check: bool = True
     """on a GPU, stop at start when the estimated memory per GPU (printed) exceeds it; its KV-cache term assumes
     every episode reaches --max-context, a worst case"""
+
+
+def validate(cfg, world: int) -> None:
+    """grpo.py's options checked at start: a bad value stops the run with a message naming the option."""
+    def bad(opt, why):
+        raise SystemExit(f"grpo.py: --{opt.replace('_', '-')}: {why}")
+    if cfg.optimizer not in ("adamw", "sgd"):
+        bad("optimizer", f"{cfg.optimizer!r} is not 'adamw' or 'sgd'")
+    if cfg.agg not in AGGS:
+        bad("agg", f"{cfg.agg!r} is not one of {sorted(AGGS)}")
+    if cfg.ratio_level == "sequence" and cfg.updates_per_batch == 1:
+        cli.main_print("[grpo] warning: --ratio-level sequence with --updates-per-batch 1: on-policy the ratio is 1 "
+                       "for every token and GSPO's update equals GRPO's with --agg seq-mean-token-mean")
+    if cfg.advantage not in ADVANTAGES:
+        bad("advantage", f"{cfg.advantage!r} is not one of {sorted(ADVANTAGES)}")
+    if not cfg.scale_advantages and cfg.advantage != "grpo":
+        bad("no_scale_advantages", f"only the 'grpo' advantage divides by a std; --advantage {cfg.advantage} "
+                                   "never does")
+    for opt, names in (("ratio_level", RATIO_LEVELS), ("policy_loss", tuple(POLICY_LOSSES))):
+        if getattr(cfg, opt) not in names:
+            bad(opt, f"{opt} must be one of {names}, got {getattr(cfg, opt)!r}")
+    if cfg.user_sim not in ("scripted", "openai", "hf"):
+        bad("user_sim", f"{cfg.user_sim!r} is not one of scripted, openai, hf")
+    if cfg.group_size < 2:
+        bad("group_size", "group advantages need at least 2 episodes per task")
+    if cfg.tasks_per_step < 1 or cfg.tasks_per_step % world:
+        bad("tasks_per_step", f"{cfg.tasks_per_step} must be a positive multiple of the {world} processes")
+    for opt in ("steps", "micro_batch_size", "updates_per_batch", "max_turns", "max_new_tokens", "max_context",
+                "save_every"):
+        if getattr(cfg, opt) < 1:
+            bad(opt, "must be >= 1")
+    for opt in ("warmup_steps", "eval_tasks", "log_episodes", "rollout_batch", "kl_coef", "grad_clip",
+                "keep_checkpoints", "user_retries"):
+        if getattr(cfg, opt) < 0:
+            bad(opt, "must be >= 0")
+    for opt in ("clip_low", "clip_high"):
+        if not 0 < getattr(cfg, opt) < 1:
+            bad(opt, "must be in (0, 1)")
+    if cfg.dual_clip and cfg.dual_clip <= 1:
+        bad("dual_clip", "must be > 1 (or 0 to disable)")
+    if not cfg.user_timeout > 0:
+        bad("user_timeout", "must be > 0 seconds")
+    if not cfg.dist_timeout > 0:
+        bad("dist_timeout", "must be > 0 seconds")
+    if not cfg.temperature > 0:
+        bad("temperature", "must be > 0")
+    if not 0 < cfg.top_p <= 1:
+        bad("top_p", "must be in (0, 1]")
+    if cfg.lr <= 0:
+        bad("lr", "must be > 0")
+    if not 0 <= cfg.cold_start_skips_confirm <= 1:
+        bad("cold_start_skips_confirm", "must be in [0, 1]")
+    if cfg.model == "tiny" and not cfg.init_from and not cfg.resume and cfg.env.split(":")[0] != "shop":
+        bad("env", f"{cfg.env!r} with the 'tiny' model needs a cold-start checkpoint (--init-from): the embedded cold "
+                   "start and the tiny base are made on 'shop' only")
+    lora.check_options(cfg, "grpo.py")
+    if cfg.lora_rank and cfg.freeze:
+        bad("freeze", "with --lora-rank only the adapters train already; drop --freeze")
+    if cfg.bf16 and not torch.cuda.is_available():
+        bad("bf16", "needs a GPU (on a CPU bf16 decoding is slower: bench/dtype.py)")

@@ -23,7 +23,7 @@ import models
 import muarl
 import shard
 from logprobs import token_logprobs
-from loss import ADVANTAGES, AGGS, POLICY_LOSSES, RATIO_LEVELS
+from options import validate
 
 
 RECIPES = {
@@ -46,66 +46,6 @@ RECIPES = {
 # resumes.jsonl). Anything else continues with the run's saved settings; giving another value is refused.
 RESUMABLE = ("steps", "user_base_url", "user_model", "user_concurrency", "user_timeout", "user_retries",
              "report_to", "log_episodes", "save_every", "keep_checkpoints", "memory_check", "dist_timeout")
-
-
-def validate(cfg, world: int) -> None:
-    """Fail at start with a message naming the option."""
-    def bad(opt, why):
-        raise SystemExit(f"grpo.py: --{opt.replace('_', '-')}: {why}")
-    if cfg.optimizer not in ("adamw", "sgd"):
-        bad("optimizer", f"{cfg.optimizer!r} is not 'adamw' or 'sgd'")
-    if cfg.agg not in AGGS:
-        bad("agg", f"{cfg.agg!r} is not one of {sorted(AGGS)}")
-    if cfg.ratio_level == "sequence" and cfg.updates_per_batch == 1:
-        cli.main_print("[grpo] warning: --ratio-level sequence with --updates-per-batch 1: on-policy the ratio is 1 "
-                       "for every token and GSPO's update equals GRPO's with --agg seq-mean-token-mean")
-    if cfg.advantage not in ADVANTAGES:
-        bad("advantage", f"{cfg.advantage!r} is not one of {sorted(ADVANTAGES)}")
-    if not cfg.scale_advantages and cfg.advantage != "grpo":
-        bad("no_scale_advantages", f"only the 'grpo' advantage divides by a std; --advantage {cfg.advantage} "
-                                   "never does")
-    for opt, names in (("ratio_level", RATIO_LEVELS), ("policy_loss", tuple(POLICY_LOSSES))):
-        if getattr(cfg, opt) not in names:
-            bad(opt, f"{opt} must be one of {names}, got {getattr(cfg, opt)!r}")
-    if cfg.user_sim not in ("scripted", "openai", "hf"):
-        bad("user_sim", f"{cfg.user_sim!r} is not one of scripted, openai, hf")
-    if cfg.group_size < 2:
-        bad("group_size", "group advantages need at least 2 episodes per task")
-    if cfg.tasks_per_step < 1 or cfg.tasks_per_step % world:
-        bad("tasks_per_step", f"{cfg.tasks_per_step} must be a positive multiple of the {world} processes")
-    for opt in ("steps", "micro_batch_size", "updates_per_batch", "max_turns", "max_new_tokens", "max_context",
-                "save_every"):
-        if getattr(cfg, opt) < 1:
-            bad(opt, "must be >= 1")
-    for opt in ("warmup_steps", "eval_tasks", "log_episodes", "rollout_batch", "kl_coef", "grad_clip",
-                "keep_checkpoints", "user_retries"):
-        if getattr(cfg, opt) < 0:
-            bad(opt, "must be >= 0")
-    for opt in ("clip_low", "clip_high"):
-        if not 0 < getattr(cfg, opt) < 1:
-            bad(opt, "must be in (0, 1)")
-    if cfg.dual_clip and cfg.dual_clip <= 1:
-        bad("dual_clip", "must be > 1 (or 0 to disable)")
-    if not cfg.user_timeout > 0:
-        bad("user_timeout", "must be > 0 seconds")
-    if not cfg.dist_timeout > 0:
-        bad("dist_timeout", "must be > 0 seconds")
-    if not cfg.temperature > 0:
-        bad("temperature", "must be > 0")
-    if not 0 < cfg.top_p <= 1:
-        bad("top_p", "must be in (0, 1]")
-    if cfg.lr <= 0:
-        bad("lr", "must be > 0")
-    if not 0 <= cfg.cold_start_skips_confirm <= 1:
-        bad("cold_start_skips_confirm", "must be in [0, 1]")
-    if cfg.model == "tiny" and not cfg.init_from and not cfg.resume and cfg.env.split(":")[0] != "shop":
-        bad("env", f"{cfg.env!r} with the 'tiny' model needs a cold-start checkpoint (--init-from): the embedded cold "
-                   "start and the tiny base are made on 'shop' only")
-    lora.check_options(cfg, "grpo.py")
-    if cfg.lora_rank and cfg.freeze:
-        bad("freeze", "with --lora-rank only the adapters train already; drop --freeze")
-    if cfg.bf16 and not torch.cuda.is_available():
-        bad("bf16", "needs a GPU (on a CPU bf16 decoding is slower: bench/dtype.py)")
 
 
 def step_tasks(tasks: list, cfg, step: int, rank: int, world: int) -> list:
@@ -354,8 +294,9 @@ def evaluate(run, tag: str) -> dict:
             f"eval/{tag}/by_meta": s.get("by_meta", {})}
 
 
-def train(run, grpo_step) -> None:
-    """The loop of GRPO steps (`grpo_step(run, step)`) from the run's first step, with its checkpoints. A step where
+def train(run, train_on_episodes) -> None:
+    """The loop of GRPO steps (grpo_step, with grpo.train_on_episodes as the update) from the run's first step, with
+    its checkpoints. A step where
     every episode failed on infrastructure stops the run; Ctrl-C stops it after the step (both say how to continue)."""
     from tqdm.auto import tqdm
 
@@ -367,7 +308,7 @@ def train(run, grpo_step) -> None:
     try:
         with cli.StopOnInterrupt("grpo") as ctrl_c:
             for step in bar:
-                m, failed = grpo_step(run, step)
+                m, failed = grpo_step(run, step, train_on_episodes)
                 if m is None:  # stop, loudly, rather than train on nothing step after step
                     if step > saved:
                         checkpoints.save(acc, run.model, run.tok, cfg, run.dir, step)
@@ -397,6 +338,40 @@ def train(run, grpo_step) -> None:
         acc.print(f"\n[grpo] interrupted during step {step + 1}: {where}")
         acc.end_training()
         raise SystemExit(130) from None
+
+
+def grpo_step(run, step: int, train_on_episodes) -> tuple[dict | None, list[dict]]:
+    """One step: G episodes of each of this process's tasks, the update (grpo.train_on_episodes), the metrics logged
+    (metrics.jsonl, episodes.jsonl, trackers). Returns (the metrics, the episodes that failed on infrastructure); the
+    metrics are None, and nothing is trained, when every episode of the step failed."""
+    from accelerate.utils import gather_object
+
+    cfg, acc = run.cfg, run.acc
+    t0 = time.time()
+    # Sampling seeded by (run seed, step, process): a resumed run draws exactly what it would have drawn.
+    gen = torch.Generator(acc.device).manual_seed(cfg.seed * 1_000_003 + step * 1_009 + acc.process_index)
+    tasks = step_tasks(run.tasks, cfg, step, acc.process_index, acc.num_processes)
+    episodes = play(run, tasks, cfg.group_size, run.sampling, gen)
+    t_roll, t1 = time.time() - t0, time.time()
+    summaries = gather_object([metrics.episode_summary(e) for e in episodes])
+    failed = [s for s in summaries if not s["valid"]]
+    if len(failed) == len(summaries):
+        return None, failed
+    update = train_on_episodes(episodes, run.model, run.ref, run.opt, run.sched, acc, cfg, run.tok.pad_token_id)
+    n_gen = shard.total(acc, sum(e.gen_tokens for e in episodes))[0]
+    m = {"step": step + 1, **metrics.rollout_metrics(summaries, cfg.group_size), **update,
+         "lr": run.sched.get_last_lr()[0], "rollout_s": t_roll, "update_s": time.time() - t1,
+         "gen_tokens_per_s": n_gen / max(t_roll, 1e-9)}
+    samples = gather_object([e.to_json() for e in episodes[:max(0, cfg.log_episodes)]])
+    if acc.is_main_process:
+        with open(run.dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(m) + "\n")
+        with open(run.dir / "episodes.jsonl", "a") as f:
+            for s in samples[:cfg.log_episodes]:
+                f.write(json.dumps({"step": step + 1, **s}, ensure_ascii=False) + "\n")
+    if cfg.report_to:
+        acc.log(m, step=step + 1)
+    return m, failed
 
 
 def write(run, results: dict) -> None:

@@ -1,19 +1,15 @@
 """rollout.py: one episode, played turn by turn: the agent talking to a simulated user and to tools, token in, token
 out. Read this first; batched_rollout.py plays many episodes at once and is held to the same tokens.
 
-    from rollout import Sampling, reference_rollout
     episode = reference_rollout(model, tokenizer, env, task, user_sim, Sampling(greedy=True))
 
-Turn order (as in the paper and tau2): the system prompt (with the tools, rendered by the chat template) and the
-user's first message open an episode. The agent speaks. A message with tool calls runs them against the episode's
-own environment session and the agent speaks again on the results; a message without tool calls goes to the user
-simulator (envs/users.py), whose reply comes back. The episode rule (envs.next_turn) ends it: the user says a
-USER_STOP_MARKER, the agent calls a STOP_TOOLS tool, or `max_turns` agent messages were said; two caps are the
-sampler's: the context (`max_context`) and a turn that hits `max_new_tokens` without a stop token. Then the episode
-is scored (envs.score): 1 only when the task is done.
-
-What enters the token stream (muarl.py): each agent turn as the ids `model.generate` sampled (loss mask 1, with
-the sampler's log-probs), everything else as a chat-template delta (loss mask 0).
+The system prompt (with the tools) and the user's first message open an episode. The agent speaks: a message with
+tool calls runs them against the episode's own environment session and the agent speaks again on the results; a
+message without tool calls goes to the simulated user (envs/users.py), whose reply comes back. The episode rule
+(envs.next_turn) ends it: the user says a stop marker, the agent calls a stop tool, or `max_turns` agent messages
+were said; or a cap of the sampler (`max_context`, `max_new_tokens`) cuts it. Then it is scored (envs.score): 1 only
+when the task is done. Each agent turn enters the token stream as the ids `model.generate` sampled (loss mask 1,
+with their log-probs), everything else as a chat-template delta (loss mask 0; muarl.py).
 """
 from __future__ import annotations
 
@@ -25,7 +21,8 @@ from typing import NamedTuple
 import torch
 
 from envs import STOP_TOOLS, next_turn, opening_messages, score
-from muarl import Episode, delta_ids, parse_assistant, prompt_ids, stop_token_ids
+from muarl import Episode, delta_ids, prompt_ids, stop_token_ids
+from toolcall import parse_assistant
 
 log = logging.getLogger("muarl.rollout")
 

@@ -296,7 +296,7 @@ def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_co
 # What a cached base or cold start depends on, besides envs/ (the domain, its expert and user): the episode's tokens,
 # the tokenizer and model, the data and drills, the SFT loop, the log-probabilities it trains, the backend calls of
 # its step, the teacher's user simulator, its Accelerator and options.
-CACHED_CODE = ("muarl.py", "models.py", "coldstart.py", "sft.py", "loss.py", "logprobs.py", "shard.py",
+CACHED_CODE = ("toolcall.py", "muarl.py", "models.py", "coldstart.py", "sft.py", "loss.py", "logprobs.py", "shard.py",
                "batched_rollout.py", "rollout.py", "engine.py", "cli.py", "options.py", "lora.py", "checkpoints.py")
 
 

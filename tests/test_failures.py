@@ -7,13 +7,13 @@ import signal
 
 import pytest
 
+import coldstart
 import eval as evaluation
 import grpo
-import pipeline
-import coldstart
+import options
 import sft
-from conftest import ChatServer
 from batched_rollout import RolloutConfig, make_user_sim, rollout
+from conftest import ChatServer
 from envs.users import OpenAIUserSim, UserSimError
 from tests.fake_env import FakeEnv
 
@@ -248,7 +248,7 @@ def test_user_timeout_and_retries_are_options(tmp_path):
         server.close()
     assert len(server.requests) == 2
     with pytest.raises(SystemExit, match="--user-timeout"):
-        pipeline.validate(grpo.Config(user_timeout=0), 1)
+        options.validate(grpo.Config(user_timeout=0), 1)
 
 
 def test_eval_with_nothing_scored_exits_non_zero(tmp_path, ckpt):

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from logprobs import logprobs_from_hidden, token_logprobs
-from loss import AGGS, group_advantages, grpo_loss, kl_k3, masked_token_entropy
+from logprobs import logprobs_from_hidden, masked_token_entropy, token_logprobs
+from loss import AGGS, group_advantages, grpo_loss, kl_k3
 
 # ---- plain-Python references: slow, obvious, one scalar at a time ----
 
@@ -589,7 +589,7 @@ def test_the_loss_gets_every_algorithm_option_from_the_call_site(monkeypatch):
     """train_on_episodes passes each loss option of the Config to grpo_loss by name, visibly at its call site; a bad
     value fails at start naming the option."""
     import grpo
-    import pipeline
+    import options
 
     seen = []
 
@@ -602,13 +602,13 @@ def test_the_loss_gets_every_algorithm_option_from_the_call_site(monkeypatch):
     _one_step(_episodes([1, 0, 1, 0]), **cfg)
     assert seen and all({k: kw[k] for k in cfg} == cfg for kw in seen)
     with pytest.raises(SystemExit, match="--ratio-level: ratio_level must be one of"):
-        pipeline.validate(grpo.Config(ratio_level="episode"), 1)
+        options.validate(grpo.Config(ratio_level="episode"), 1)
     with pytest.raises(SystemExit, match="--policy-loss: policy_loss must be one of"):
-        pipeline.validate(grpo.Config(policy_loss="reinforce"), 1)
+        options.validate(grpo.Config(policy_loss="reinforce"), 1)
     with pytest.raises(SystemExit, match="--advantage: 'vtrace' is not one of"):
-        pipeline.validate(grpo.Config(advantage="vtrace"), 1)
+        options.validate(grpo.Config(advantage="vtrace"), 1)
     with pytest.raises(SystemExit, match="--no-scale-advantages: only the 'grpo' advantage"):
-        pipeline.validate(grpo.Config(advantage="rloo", scale_advantages=False), 1)
+        options.validate(grpo.Config(advantage="rloo", scale_advantages=False), 1)
 
 
 def test_rloo_advantages_match_a_loop():

@@ -2,7 +2,8 @@
 then the machinery beside it, which a first reader skips:
 
     envs/              the world: tasks, tools, databases, rewards, the episode rule, the simulated users
-    muarl.py           1. the episode in tokens: Episode, tool-call format, template deltas, masks, the padded batch
+    toolcall.py        the agent's tool calls as text (format, parse) and the tool-aware chat template
+    muarl.py           1. the episode in tokens: Episode, the turn's end, template deltas, masks, the padded batch
     rollout.py         2. one episode played turn by turn with model.generate
     loss.py            3. the objective: advantages, k3, the clipped policy term, grpo_loss (pure functions)
     grpo.py            4. the step (decide, train_on_episodes) and main(), on the machinery below
@@ -26,15 +27,16 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALLOWED = {  # module -> the project modules it may import
     "envs": {"envs"},
-    "muarl": set(),
-    "rollout": {"envs", "muarl"},
-    "loss": set(),
+    "toolcall": set(),
+    "muarl": {"toolcall"},
+    "rollout": {"envs", "muarl", "toolcall"},
+    "loss": {"logprobs"},
     "grpo": {"cli", "logprobs", "lora", "loss", "metrics", "muarl", "options", "pipeline", "shard"},
     "cli": set(),
     "lora": set(),
-    "options": {"lora"},
-    "models": {"muarl", "lora"},
-    "logprobs": {"loss"},
+    "options": {"cli", "lora", "loss"},
+    "models": {"muarl", "lora", "toolcall"},
+    "logprobs": set(),
     "shard": set(),
     "memory": {"cli"},
     "engine": set(),
@@ -44,10 +46,10 @@ ALLOWED = {  # module -> the project modules it may import
     "coldstart": {"envs", "cli", "muarl", "logprobs", "batched_rollout"},
     "sft": {"envs", "cli", "muarl", "models", "logprobs", "options", "shard", "checkpoints", "lora", "coldstart"},
     "eval": {"envs", "cli", "muarl", "models", "batched_rollout", "memory", "checkpoints", "lora", "options"},
-    "pipeline": {"envs", "cli", "muarl", "models", "loss", "logprobs", "batched_rollout", "sft", "eval", "shard",
+    "pipeline": {"envs", "cli", "muarl", "models", "logprobs", "options", "batched_rollout", "sft", "eval", "shard",
                  "memory", "checkpoints", "metrics", "lora"},
 }
-BELOW_ENVS = ("muarl", "loss", "cli", "lora", "options", "models", "logprobs", "shard", "memory", "engine", "metrics")
+BELOW_ENVS = ("toolcall", "muarl", "loss", "cli", "lora", "options", "models", "logprobs", "shard", "memory", "engine", "metrics")
 
 
 def imports(path: str) -> set[str]:

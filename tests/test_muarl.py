@@ -7,6 +7,7 @@ import torch
 import cli
 import models
 import muarl
+import toolcall
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_order", "description": "Look up an order.",
@@ -47,7 +48,7 @@ def test_deltas_concatenate_to_the_full_render(tiny_tok):
     # Stronger: the ids equal a fresh tokenization of the full render, so SFT and RL see identical layouts.
     assert ids == muarl.encode_text(tiny_tok, full)
     # The mask covers exactly the agent's text and its end-of-turn tokens.
-    agent_text = "".join(muarl.format_assistant(m) + "<|im_end|>" for m in CONVERSATION if m["role"] == "assistant")
+    agent_text = "".join(toolcall.format_assistant(m) + "<|im_end|>" for m in CONVERSATION if m["role"] == "assistant")
     assert tiny_tok.decode([t for t, m in zip(ids, mask) if m]) == agent_text
     eot = muarl.end_of_turn_id(tiny_tok)
     n_agent = sum(m["role"] == "assistant" for m in CONVERSATION)
@@ -61,7 +62,7 @@ def test_prompt_messages_are_never_trained(tiny_tok):
     ids, mask = muarl.encode_conversation(tiny_tok, CONVERSATION, TOOLS)
     ids4, mask4 = muarl.encode_conversation(tiny_tok, CONVERSATION, TOOLS, prompt_messages=4)
     assert ids4 == ids
-    agent_text = "".join(muarl.format_assistant(m) + "<|im_end|>" for m in CONVERSATION[4:] if m["role"] == "assistant")
+    agent_text = "".join(toolcall.format_assistant(m) + "<|im_end|>" for m in CONVERSATION[4:] if m["role"] == "assistant")
     assert tiny_tok.decode([t for t, m in zip(ids4, mask4) if m]) == agent_text
     assert sum(mask4) < sum(mask)
     with pytest.raises(ValueError, match="no assistant message after its prompt"):
@@ -146,7 +147,7 @@ def test_history_unstable_template_gets_exact_deltas(tiny_tok):
     ("</tool_call> stray close", 0, 0, "</tool_call> stray close"),
 ])
 def test_parse_assistant_never_raises(text, n_calls, n_errors, content):
-    p = muarl.parse_assistant(text)
+    p = toolcall.parse_assistant(text)
     assert len(p.tool_calls) == n_calls and len(p.errors) == n_errors and p.content == content
     for i, c in enumerate(p.tool_calls):
         assert c["type"] == "function" and isinstance(c["function"]["arguments"], str)
@@ -158,18 +159,18 @@ def test_parse_assistant_never_raises(text, n_calls, n_errors, content):
 
 def test_format_then_parse_round_trips():
     msg = {"role": "assistant", "content": "Two calls.", "tool_calls": [call(0, "a", x=1), call(1, "b", s="ü")]}
-    p = muarl.parse_assistant(muarl.format_assistant(msg))
+    p = toolcall.parse_assistant(toolcall.format_assistant(msg))
     assert p.content == "Two calls." and not p.errors
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in p.tool_calls] == \
         [("a", {"x": 1}), ("b", {"s": "ü"})]
 
 
 def test_tool_template_detection(tiny_tok):
-    assert muarl.template_renders_tools(tiny_tok)
+    assert toolcall.template_renders_tools(tiny_tok)
     plain = models.tiny_tokenizer(["hello"] * 5, vocab_size=300)
     plain.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + (m.content or '') + "
                            "'<|im_end|>\\n' }}{% endfor %}")  # plain ChatML, like SmolLM2's
-    assert not muarl.template_renders_tools(plain)
+    assert not toolcall.template_renders_tools(plain)
 
 
 def test_tiny_tokenizer_is_deterministic_and_encodes_anything():
@@ -226,7 +227,7 @@ def test_tiny_model_saves_and_reloads(tmp_path, tiny_tok, tiny_lm):
     tiny_lm.save_pretrained(tmp_path)
     tiny_tok.save_pretrained(tmp_path)
     model, tok = models.load_model(str(tmp_path), device="cpu")
-    assert tok.chat_template == muarl.TOOL_CHAT_TEMPLATE and tok.get_vocab() == tiny_tok.get_vocab()
+    assert tok.chat_template == toolcall.TOOL_CHAT_TEMPLATE and tok.get_vocab() == tiny_tok.get_vocab()
     ids = torch.tensor([muarl.prompt_ids(tok, CONVERSATION[:2], TOOLS)])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, tiny_lm(ids).logits)
@@ -239,11 +240,11 @@ def test_smollm2_tokenizer_deltas():
     """The packaged real chat model: its plain-ChatML template is replaced by the tool template and the
     token-exact property holds for its tokenizer. First run converts the GGUF file (minutes)."""
     tok = models.load_tokenizer("smollm2-135m")
-    assert tok.chat_template == muarl.TOOL_CHAT_TEMPLATE
+    assert tok.chat_template == toolcall.TOOL_CHAT_TEMPLATE
     ids, mask = muarl.encode_conversation(tok, CONVERSATION, TOOLS)
     full = muarl.render(tok, CONVERSATION, TOOLS)
     assert tok.decode(ids) == full and ids == muarl.encode_text(tok, full)
-    agent_text = "".join(muarl.format_assistant(m) + "<|im_end|>" for m in CONVERSATION if m["role"] == "assistant")
+    agent_text = "".join(toolcall.format_assistant(m) + "<|im_end|>" for m in CONVERSATION if m["role"] == "assistant")
     assert tok.decode([t for t, m in zip(ids, mask) if m]) == agent_text
 
 

@@ -9,14 +9,15 @@ import sys
 import pytest
 import torch
 
+import coldstart
 import eval as evaluation
 import grpo
 import logprobs
 import models
 import muarl
 import pipeline
-import coldstart
 import sft
+import toolcall
 from envs.users import GREETING
 from metrics import reward_checks, rollout_metrics
 
@@ -295,7 +296,7 @@ def test_sft_windows_train_only_the_agent_message_that_ends_them(tiny_tok):
         assert w["prompt_messages"] == len(w["messages"]) - 1
         ids, mask = muarl.encode_conversation(tiny_tok, w["messages"], w["tools"], w["prompt_messages"])
         trained = [i for i, m in zip(ids, mask) if m]
-        last = muarl.encode_text(tiny_tok, muarl.format_assistant(w["messages"][-1])) + [muarl.end_of_turn_id(tiny_tok)]
+        last = muarl.encode_text(tiny_tok, toolcall.format_assistant(w["messages"][-1])) + [muarl.end_of_turn_id(tiny_tok)]
         assert trained == last and ids[-len(last):] == last
 
 
