@@ -48,8 +48,9 @@ import cli
 import models
 from engine import _prefill_openings, _Row, generate_turn
 from envs import next_turn, opening_messages
-from envs.users import (DataUserSim, HFUserSim, OpenAIUserSim, ScriptedUserSim, UserSim, UserSimError,
-                        opening_retries, retries_of, said_something)
+from envs.llm_users import HFUserSim, OpenAIUserSim
+from envs.users import (DataUserSim, ScriptedUserSim, UserSim, UserSimError, opening_retries, retries_of,
+                        said_something)
 from muarl import Episode, prompt_ids, stop_token_ids, template_kwargs
 from rollout import Sampling, after_tools, agent_turn, append_delta, end_episode, record_turn, run_tool_calls
 

@@ -34,8 +34,8 @@ RECIPES = {
                   tasks_per_step=32, group_size=8, lr=1e-6, max_new_tokens=1024, max_context=32768,
                   micro_batch_size=1, bf16=True, gradient_checkpointing=True, steps=200, eval_tasks=0,
                   save_every=10, keep_checkpoints=2, temperature=1.0,
-                  # 8 episodes decode at once, the rest park their caches in host memory: a worst-case KV cache of
-                  # 39 GB per GPU for Qwen3-8B at 32k (all 32 of a process's episodes: 155 GB; memory.memory_estimate)
+                  # 8 episodes decode at once, the rest park their caches in host memory (docs/gpus.md, precision
+                  # and memory: what the estimate gives for Qwen3-8B at 32k)
                   rollout_batch=8),
 }
 

@@ -233,8 +233,8 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     check_batch(cfg.batch_size, acc.num_processes)
     models.seed_everything(cfg.seed)
     # fp32 master weights, as grpo.main keeps the policy's; --bf16 runs the passes under autocast (fit). AdamW on
-    # bf16 weights rounds a step of lr 5e-6 away for most weights (measured: 7.5% of them moved in 10 steps). The
-    # checkpoint is saved in fp32 too: rounding it to bf16 would drop those small updates all the same.
+    # bf16 weights rounds a step of lr 5e-6 away for most weights (docs/gpus.md). The checkpoint is saved in fp32
+    # too: rounding it to bf16 would drop those small updates all the same.
     # Under FSDP2 loaded in host memory and sharded onto the GPUs by acc.prepare (shard.load_device). With LoRA the
     # frozen model is in the compute dtype, the adapters in fp32 (lora.add_adapters).
     compute = torch.bfloat16 if cfg.bf16 else torch.float32
@@ -278,7 +278,7 @@ def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_co
     `skips_confirm` of them), fine-tuning its pretrained base (`pretrain_tiny`). Cached under MUARL_CACHE, keyed by
     the settings and the code that makes it (`cache_key`)."""
     # Same precision as the GRPO run: Accelerate keeps one process-wide state, so the SFT inside that process cannot
-    # ask for another mixed precision (a --bf16 run on a GPU crashed here).
+    # ask for another mixed precision.
     cfg = SFTConfig(model=model, env=env, split=split, seed=seed, bf16=bf16, teacher_skips_confirm=skips_confirm)
     out = models.CACHE_DIR / f"coldstart-{env.replace(':', '-')}-{model}-{cache_key(asdict(cfg))}"
     if (out / "config.json").exists():

@@ -23,7 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from envs.tau2 import Tau2Env, gold_messages, write_tools  # noqa: E402  (also silences tau2's DEBUG logging)
+from envs.tau2 import Tau2Env  # noqa: E402  (also silences tau2's DEBUG logging)
+from envs.tau2_gold import gold_messages, write_tools  # noqa: E402
 
 _EVALUATE = None
 

@@ -48,16 +48,15 @@ import json
 
 from loguru import logger
 
-from envs import Task, ToolResult, user_speaks_next
-# The user-simulator prompt and the greeting a conversation opens with: tau2's, defined once with the users.
-from envs.users import GREETING, USER_SYSTEM_PROMPT, user_system_prompt  # noqa: F401  (re-exported)
+from envs import Task, ToolResult
+# The user-simulator prompt: tau2's, defined once with the users.
+from envs.users import user_system_prompt
 
 # tau2 logs every tool response at DEBUG level to stderr: megabytes per episode, and most of its run time.
 logger.disable("tau2")
 
 from tau2.data_model.message import AssistantMessage, ToolCall, ToolMessage, UserMessage  # noqa: E402
 from tau2.data_model.tasks import RewardType  # noqa: E402
-from tau2.environment.toolkit import ToolType  # noqa: E402
 from tau2.evaluator.evaluator_action import ActionEvaluator  # noqa: E402
 from tau2.evaluator.evaluator_communicate import CommunicateEvaluator  # noqa: E402
 
@@ -342,38 +341,6 @@ class Tau2Session:
                                      "count": len(criteria.nl_assertions),
                                      "in_reward_basis": RewardType.NL_ASSERTION in basis}
         return reward, info
-
-
-def gold_messages(session: Tau2Session, actions=None) -> list[dict]:
-    """Play the task's gold actions (or `actions`, e.g. with one write dropped) through `session` and return the
-    agent-visible conversation an expert would have had: system prompt, the task's message history (or tau2's
-    opening), one assistant tool call and its result per agent action (user actions run as the user's own
-    calls), and a last assistant message saying the task's communicate_info where its reward basis asks for it."""
-    task, criteria = session.task, session.task.data.evaluation_criteria
-    actions = (criteria.actions or [] if criteria else []) if actions is None else actions
-    messages = [{"role": "system", "content": session.env.system_prompt(task)}]
-    messages += session.env.message_history(task) or [{"role": "assistant", "content": GREETING}]
-    if user_speaks_next(messages):
-        messages.append({"role": "user", "content": "Hi, I need help."})
-    for i, action in enumerate(actions):
-        if action.requestor == "user":
-            session.call_tool(action.name, action.arguments, requestor="user", n_messages=len(messages))
-            continue
-        call_id = f"gold_{i}"
-        messages.append({"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function",
-                         "function": {"name": action.name, "arguments": json.dumps(action.arguments)}}]})
-        result = session.call_tool(action.name, action.arguments)
-        messages.append({"role": "tool", "tool_call_id": call_id, "name": action.name, "content": result.content})
-    said = criteria.communicate_info if criteria and RewardType.COMMUNICATE in criteria.reward_basis else None
-    messages.append({"role": "assistant", "content": "Done. " + " | ".join(said or [])})
-    messages.append({"role": "user", "content": "Thanks! ###STOP###"})
-    return messages
-
-
-def write_tools(session: Tau2Session) -> set[str]:
-    """Names of the agent's and the user's tools that change state (tau2's WRITE tool type)."""
-    kits = [k for k in (session.environment.tools, session.environment.user_tools) if k is not None]
-    return {name for kit in kits for name in kit.tools if kit.tool_type(name) == ToolType.WRITE}
 
 
 # ---- OpenAI-format <-> tau2 messages

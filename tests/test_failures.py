@@ -14,7 +14,8 @@ import options
 import sft
 from batched_rollout import RolloutConfig, make_user_sim, rollout
 from conftest import ChatServer
-from envs.users import OpenAIUserSim, UserSimError
+from envs.llm_users import OpenAIUserSim
+from envs.users import UserSimError
 from tests.fake_env import FakeEnv
 
 GREEDY = RolloutConfig(greedy=True, max_new_tokens=64, max_turns=8)
