@@ -28,7 +28,7 @@ import metrics
 import pipeline
 import shard
 from logprobs import token_logprobs
-from loss import ADVANTAGES, grpo_loss, uniform_groups
+from loss import ADVANTAGES, grpo_loss, normalizer_count, uniform_groups
 from muarl import collate
 from options import LoraOptions, RunOptions, SamplingOptions, StartOptions, UserOptions
 
@@ -134,9 +134,8 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
     model.train()  # the rollout and the evaluation leave it in eval mode; gradient checkpointing needs train mode
     adv, rows, dropped = decide(episodes, cfg)
     masks = [episodes[i].loss_mask for i in rows]
-    local = sum(map(sum, masks)) if cfg.agg == "token-mean" else sum(1 for m in masks if any(m))
     # One normalizer for the whole optimizer step, over all micro-batches and processes (docs/invariants.md, 3).
-    normalizer, tokens, dropped = shard.total(acc, local, sum(map(sum, masks)), dropped)
+    normalizer, tokens, dropped = shard.total(acc, normalizer_count(masks, cfg.agg), sum(map(sum, masks)), dropped)
     out = {"dropped_groups": int(dropped), "trained_tokens": int(tokens), "skipped_updates": 0}
     stats = metrics.Accumulator()
     if not normalizer:  # no process has a token to train on (every group dropped): no update this step

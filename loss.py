@@ -136,6 +136,13 @@ POLICY_LOSSES = {"ppo": ppo_clip, "cispo": cispo}
 # ---------------------------------------------------------------------------------------------------------
 # The objective
 # ---------------------------------------------------------------------------------------------------------
+def normalizer_count(loss_masks: list[list[int]], agg: str) -> int:
+    """What `agg` divides by, counted over these episodes' loss masks: their masked tokens ("token-mean"), or their
+    episodes with at least one masked token (the others). Summed over every micro-batch and process, it is the
+    step's one `normalizer` for grpo_loss."""
+    return sum(map(sum, loss_masks)) if agg == "token-mean" else sum(1 for m in loss_masks if any(m))
+
+
 def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, clip_high=0.2,
               dual_clip=3.0, kl_coef=0.001, agg="token-mean", ratio_level="token", policy_loss="ppo",
               normalizer=None, max_len=None, logits=None):

@@ -693,3 +693,22 @@ def test_every_metric_the_loss_returns_is_named_in_metrics():
     logged = set(metrics.TOKEN_MEANS + metrics.MAXES + metrics.SUMS)
     assert set(met) - {"n_tokens"} <= logged, set(met) - logged
     assert all(metrics.documented(k) for k in logged)
+
+
+def test_normalizer_count_is_what_each_aggregation_divides_by():
+    """token-mean: the masked tokens; the per-episode aggregations: the episodes with at least one masked token. The
+    counts of micro-batches add up to the count of the whole step, so one normalizer serves every micro-batch."""
+    from loss import normalizer_count
+
+    masks = [[0, 1, 1, 0], [0, 0, 0], [1, 0, 1, 1, 1], []]
+    assert normalizer_count(masks, "token-mean") == 6
+    for agg in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        assert normalizer_count(masks, agg) == 2
+        assert normalizer_count(masks[:2], agg) + normalizer_count(masks[2:], agg) == normalizer_count(masks, agg)
+    for agg in AGGS:  # the count grpo_loss makes of a call that is the whole step
+        mask = torch.tensor([m + [0] * (5 - len(m)) for m in masks], dtype=torch.float32)
+        logp = torch.randn(len(masks), 5, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+        mine, _ = grpo_loss(logp, logp.detach(), None, torch.ones(len(masks)), mask, kl_coef=0.0, agg=agg, max_len=5,
+                            normalizer=normalizer_count(masks, agg))
+        own, _ = grpo_loss(logp, logp.detach(), None, torch.ones(len(masks)), mask, kl_coef=0.0, agg=agg, max_len=5)
+        assert mine.item() == pytest.approx(own.item())
