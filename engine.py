@@ -5,7 +5,7 @@ the rows decode together, and a row that ends its turn leaves the batch with its
 column chunks of `prefill_tokens`), stacks the rows' parked caches into preallocated buffers (`_stack_cache`,
 `_BufferLayer`), decodes one column a step, and parks a row's cache (`_park`, without padding holes) when it stops
 or when the call returns. `_prefill_openings` prefills a task's opening once for its group. `_sample` draws each
-row's token with the row's own generator. The episode loop that drives it (tools, users, rewards) is rollout.py;
+row's token with the row's own generator. The episode loop that drives it (tools, users, rewards) is batched_rollout.py;
 the settings are batched_rollout.RolloutConfig (read here by attribute).
 """
 from __future__ import annotations

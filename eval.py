@@ -26,9 +26,9 @@ from pathlib import Path
 
 import cli
 import lora
+import memory
 import models
 import muarl
-import memory
 from batched_rollout import user_sim_options
 from options import SamplingOptions, UserOptions
 
@@ -352,7 +352,7 @@ def main(argv=None):
                                    parked=live - decoding if acc.device.type != "cpu" else 0,
                                    prefill_tokens=RolloutConfig.prefill_tokens)
             with cli.outside_zero3_init():  # evaluated only: never partitioned under a ZeRO-3 config
-                model, tok = models.load_model(cfg.agent, device=acc.device)
+                model, tok = models.load_model(cfg.agent, device=acc.device, env=env)  # env: tiny's tokenizer
         check_max_context(tok, env, tasks, cfg.max_context, "eval.py")
         model.eval()
         user_sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))

@@ -3,9 +3,9 @@
     ./run accelerate launch grpo.py                  # the embedded CPU default (shop domain, tiny model)
     ./run accelerate launch grpo.py --recipe paper --init-from runs/sft-qwen3-8b
 
-The method, one step:
+The method, one step (1-2: pipeline.grpo_step, with batched_rollout.rollout; 3-5: train_on_episodes below):
   1. Take the step's tasks (--tasks-per-step over all processes); play G = --group-size episodes of each with the
-     current policy, each against its own copy of the environment and a simulated user (batched_rollout.py).
+     current policy, each against its own copy of the environment and a simulated user.
   2. Score each episode: 1 when the task is truly done, else 0. An episode lost to infrastructure is left out.
   3. Advantage of each episode: (r - mean of its group) / (std of its group + 1e-6) (loss.group_advantages).
   4. Loss on the tokens the agent sampled (loss mask 1), per token: PPO's clipped ratio with dual clip, plus
@@ -35,7 +35,7 @@ from options import LoraOptions, RunOptions, SamplingOptions, StartOptions, User
 
 @dataclass
 class Algorithm:
-    """GRPO: the algorithm (defaults: the paper's, except the learning rate, for the tiny model)"""
+    """GRPO: the algorithm (defaults: the paper's, at the tiny CPU run's scale and learning rate: see --recipe paper)"""
     steps: int = 40
     """optimizer steps (each: rollout, rewards, advantages, update)"""
     tasks_per_step: int = 4
@@ -76,7 +76,7 @@ class Algorithm:
     """policy updates per rollout batch (the paper: 1, so old logprobs are the current ones and cost nothing)"""
 
 
-@dataclass
+@dataclass  # bases last to first: --help and config.json list the algorithm first, the run's plumbing last
 class Config(RunOptions, LoraOptions, UserOptions, SamplingOptions, StartOptions, Algorithm):
     """GRPO with a simulated user. Defaults: the paper's algorithm settings at a CPU-sized scale (the small
     'shop' domain, the 'tiny' model, a scripted user); `--recipe paper` gives the paper's GPU recipe."""
@@ -111,7 +111,7 @@ class MicroBatch(NamedTuple):
     input_ids: torch.Tensor        # [b, T]
     attention_mask: torch.Tensor   # [b, T]
     loss_mask: torch.Tensor        # [b, T] 1 on the tokens the agent sampled
-    sampler_logp: torch.Tensor     # [b, T] the sampler's log-probs of those tokens (0 elsewhere)
+    sampler_logp: torch.Tensor     # [b, T] the sampler's log-probs of those tokens (0 elsewhere): logprob_gap's check
     advantages: torch.Tensor       # [b]
 
 
@@ -149,7 +149,7 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
             with lora.adapters_off(ref_model, enabled=cfg.lora_rank > 0):
                 ref = [token_logprobs(ref_model, b.input_ids, b.attention_mask, temperature=cfg.temperature)
                        for b in batches]
-            shard.release(ref_model)
+            shard.free_gathered_weights(ref_model)  # sharded: no backward will reshard it
     norms = []
     for update in range(cfg.updates_per_batch):
         for k, b in enumerate(batches):
@@ -159,6 +159,7 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
                                                return_entropy=True)
                 if logp.dtype != torch.float32:  # e.g. an FSDP2 policy that casts outputs (cli.fsdp2_plugin)
                     raise RuntimeError(f"token_logprobs returned {logp.dtype}, not float32: the loss would be rounded")
+                # on-policy (one update per batch) the old policy is the current one: ratio 1, with its gradient
                 loss, met = grpo_loss(logp, logp.detach() if old[k] is None else old[k], ref[k], b.advantages,
                                       b.loss_mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                       dual_clip=cfg.dual_clip, kl_coef=cfg.kl_coef, agg=cfg.agg,

@@ -7,6 +7,7 @@
     ppo_clip, cispo   the per-token policy-gradient term: PPO's clipped ratio with dual clip (the paper), or CISPO's
                       clipped, detached weight times the log-prob
     grpo_loss         policy term + kl_coef * k3 under the loss mask, aggregated with one normalizer per step
+    normalizer_count  that normalizer's count over some episodes (summed over micro-batches and processes)
 
 A fork adds an advantage estimator to ADVANTAGES or a policy term to POLICY_LOSSES: its function, its entry, its test
 against a plain loop in tests/test_grpo.py, which holds every function here to one (and gradients to finite
@@ -122,9 +123,10 @@ def ppo_clip(log_ratio, adv, clip_low, clip_high, dual_clip):
 
 def cispo(log_ratio, adv, clip_low, clip_high, dual_clip):
     """CISPO (MiniMax-M1, 2025): -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A * log_ratio. The clipped ratio is
-    a detached weight, so every token keeps its gradient, -weight * A * grad logp (PPO's clip zeroes it). log_ratio
-    = logp - old_logp has logp's gradient; the value differs from the paper's sg(w) A logp by a constant. dual_clip
-    does not apply (the weight is bounded already)."""
+    a detached weight, so a clipped token keeps its gradient, -weight * A * grad logp, where PPO's clip zeroes it
+    (only beyond LOG_RATIO_CLAMP, as for every term, is there none). log_ratio = logp - old_logp has logp's gradient;
+    the value differs from the paper's sg(w) A logp by a constant. dual_clip does not apply; the clip_frac metrics
+    count the tokens whose weight was clipped."""
     weight = torch.exp(log_ratio).clamp(1 - clip_low, 1 + clip_high).detach()
     return -adv * weight * log_ratio
 
@@ -214,7 +216,7 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, 
             per_seq = per_token.sum(1) / max_len
         total, count = per_seq.sum(), (tokens_per_seq > 0).sum()
     denom = (count if normalizer is None else torch.as_tensor(normalizer, device=logp.device)).to(logp.dtype)
-    # only a zero count is replaced (by 1): a normalizer divided by the number of processes may be < 1
+    # only a zero count is replaced (by 1): a caller may scale a normalizer below 1 (dividing it by its processes)
     loss = total / torch.where(denom > 0, denom, torch.ones_like(denom))
 
     with torch.no_grad():

@@ -11,7 +11,6 @@ import os
 import torch
 
 
-
 def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf16: bool = False,
                     reference: bool = True, kv_bytes_per_token: int = 0, max_context: int = 0,
                     episodes: int = 0, parked: int = 0, unit: int = 0, inference: bool = False,

@@ -175,7 +175,8 @@ def load_tokenizer(name: str, env=None):
 
     if name == "tiny":
         if env is None:
-            raise ValueError("the 'tiny' tokenizer is trained on an environment's text: pass env=")
+            raise SystemExit("'tiny' is a fresh model whose tokenizer is trained on an environment's text, and none "
+                             "was given here: start from a checkpoint (grpo.py and sft.py make the tiny one)")
         return env_tokenizer(env)
     local = check_local(name)
     if local is not None and not any((local / f).exists() for f in TOKENIZER_FILES):

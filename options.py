@@ -156,6 +156,8 @@ def validate(cfg, world: int) -> None:
     for opt, names in (("ratio_level", RATIO_LEVELS), ("policy_loss", tuple(POLICY_LOSSES))):
         if getattr(cfg, opt) not in names:
             bad(opt, f"{opt} must be one of {names}, got {getattr(cfg, opt)!r}")
+    if cfg.dual_clip and cfg.dual_clip <= 1:
+        bad("dual_clip", f"dual_clip must be > 1 (or None), got {cfg.dual_clip}")
     if cfg.user_sim not in ("scripted", "openai", "hf"):
         bad("user_sim", f"{cfg.user_sim!r} is not one of scripted, openai, hf")
     if cfg.group_size < 2:
@@ -173,8 +175,6 @@ def validate(cfg, world: int) -> None:
     for opt in ("clip_low", "clip_high"):
         if not 0 < getattr(cfg, opt) < 1:
             bad(opt, "must be in (0, 1)")
-    if cfg.dual_clip and cfg.dual_clip <= 1:
-        bad("dual_clip", "must be > 1 (or 0 to disable)")
     if not cfg.user_timeout > 0:
         bad("user_timeout", "must be > 0 seconds")
     if not cfg.dist_timeout > 0:

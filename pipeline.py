@@ -1,7 +1,7 @@
-"""pipeline.py: the run around the GRPO step (grpo.py): its options beyond the algorithm, the paper's recipe, the
-checks at start, the set-up (Accelerator, run directory, environment, user, cold start, policy and optimizer, frozen
-reference, resumed state), greedy evaluation, the loop of steps with its checkpoints and Ctrl-C, and the summary.
-Machinery: a first reader skips it; grpo.main calls it phase by phase.
+"""pipeline.py: the run around the GRPO update (grpo.train_on_episodes): the paper's recipe, the settings of a resumed
+run, the set-up (Accelerator, run directory, environment, user, cold start, policy and optimizer, frozen reference,
+resumed state), greedy evaluation, each step's rollout and logging, the loop of steps with its checkpoints and
+Ctrl-C, and the summary. Machinery: a first reader skips it; grpo.main calls it phase by phase.
 """
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def set_up(cfg, resume_from: Path | None, changes: dict) -> SimpleNamespace:
         except NotImplementedError:
             raise SystemExit(f"grpo.py: --user-sim: {cfg.env} has no scripted user; use --user-sim openai or hf")
     if not cfg.init_from and cfg.model == "tiny":  # the paper's cold start, made here for the tiny model
-        import sft  # here: importing grpo for the loss math loads no training stack
+        import sft
 
         cfg.init_from = sft.cold_start(cfg.model, cfg.env, cfg.split, cfg.seed, cfg.bf16, cfg.cold_start_skips_confirm)
     run = SimpleNamespace(cfg=cfg, acc=acc, dir=run_dir, env=env, tasks=tasks, user_sim=user_sim,
@@ -296,8 +296,8 @@ def evaluate(run, tag: str) -> dict:
 
 def train(run, train_on_episodes) -> None:
     """The loop of GRPO steps (grpo_step, with grpo.train_on_episodes as the update) from the run's first step, with
-    its checkpoints. A step where
-    every episode failed on infrastructure stops the run; Ctrl-C stops it after the step (both say how to continue)."""
+    its checkpoints. A step where every episode failed on infrastructure stops the run; Ctrl-C stops it after the
+    step (both say how to continue)."""
     from tqdm.auto import tqdm
 
     cfg, acc = run.cfg, run.acc

@@ -106,14 +106,11 @@ class SFT:
     """seconds a process waits for the others at a collective before it stops (NCCL's default: 10 minutes)"""
 
 
-
-
 @dataclass
 class SFTConfig(LoraOptions, UserOptions, SFT):
     """Cold-start SFT on multi-turn tool-use conversations."""
     user_concurrency: int = 8
     """requests in flight to the user-simulator endpoint"""
-
 
 
 def lr_lambda(warmup: int, total: int, floor: float = 0.1):
@@ -270,8 +267,6 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     return out
 
 
-
-
 def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_confirm: float) -> str:
     """grpo.py's cold start when it is given none: make (or reuse) the model's SFT checkpoint as the paper's pipeline
     does, from conversations of the scripted teacher on the training split (skipping confirmations in
@@ -362,7 +357,6 @@ def pretrain_tiny(cfg: SFTConfig) -> Path:
     checkpoints.save_pretrained(acc, model, tok, out, {"pretrain": {**settings, "steps": step, "copy_loss": loss,
                                                         "seconds": time.time() - t0}})
     return out
-
 
 
 def main(argv=None):

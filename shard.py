@@ -11,7 +11,7 @@
                       what DeepSpeed needs besides: its config set from muarl's options, the output layer's weight
                       gathered in the root's forward (ZeRO-3), the fp32 weights gathered for a checkpoint
     plain             a gradient norm as a plain tensor (FSDP2 gives a DTensor)
-    lockstep, release, total
+    lockstep, free_gathered_weights, total
                       what every process must do together: as many micro-batches, the reference's gathered weights
                       freed, numbers summed over processes
 The memory estimate per GPU is memory.py's.
@@ -324,7 +324,7 @@ def lockstep(acc, micro_batches: list[list]) -> list[list]:
     return micro_batches + [[] for _ in range(most - len(micro_batches))]
 
 
-def release(model) -> None:
+def free_gathered_weights(model) -> None:
     """Free the weights a sharded model gathered for forward passes that no backward follows (the reference's): no
     backward will reshard its root."""
     if is_sharded(model):

@@ -47,13 +47,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-import grpo  # noqa: E402
-import models
 import coldstart  # noqa: E402
+import grpo  # noqa: E402
+import models  # noqa: E402
 import sft  # noqa: E402
+from batched_rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
 from envs import make_env  # noqa: E402
 from eval import pass_hat_k  # noqa: E402
-from batched_rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
 
 ARMS = {1: "cold start", 2: "+ more SFT", 3: "+ GRPO, dynamic user", 4: "+ GRPO, static user",
         5: "GRPO, no cold start"}

@@ -10,8 +10,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import models
 from transformers import Qwen3ForCausalLM  # noqa: E402
+
+import models  # noqa: E402
 
 
 def timed(fn, reps):

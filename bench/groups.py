@@ -30,13 +30,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-import models
-from envs import make_env  # noqa: E402
+import models  # noqa: E402
 from batched_rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
+from envs import make_env  # noqa: E402
 
 
 def measure(agent: str, env, tasks, trials: int, temperature: float, caps: dict) -> dict:
-    model, tok = models.load_model(agent)
+    model, tok = models.load_model(agent, env=env)
     sim = make_user_sim("scripted")
     t0 = time.time()
     greedy = rollout(model, tok, env, tasks, 1, sim, RolloutConfig(greedy=True, **caps))

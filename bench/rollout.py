@@ -160,8 +160,8 @@ def latency_bench(args):
         import sft
 
         agent = sft.cold_start("tiny", "shop", "train", 0, False, 0.6)  # grpo.py's defaults
-    model, tok = models.load_model(agent)
     env = make_env("shop")
+    model, tok = models.load_model(agent, env=env)
     tasks = env.tasks("train")[:args.tasks]
     cfg = RolloutConfig(temperature=0.7, max_new_tokens=128, max_turns=args.turns)
     steps = [0]

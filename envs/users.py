@@ -1,7 +1,7 @@
 """The simulated user: one interface, three backends (scripted rules here; an OpenAI-compatible LLM and a local HF
 model in envs/llm_users.py).
 
-    sim = ScriptedUserSim()                                  # or OpenAIUserSim(model="gpt-4o"), HFUserSim(model, tok)
+    sim = ScriptedUserSim()            # or envs.llm_users' OpenAIUserSim(model="gpt-4o"), HFUserSim(model, tok)
     opening = await sim.opening(env, task)                   # once per task, shared by the task's G episodes
     state = sim.start(env, task, session, opening)           # one episode's side of the conversation
     replies = await sim.replies(states, conversations)       # every episode waiting on its user, at once
@@ -9,9 +9,9 @@ model in envs/llm_users.py).
 
 Why here, in envs/: the user is part of the world the agent talks to, not of the agent's machinery. It reads the
 task's scenario and message history, it ends the dialogue with tau2's stop markers, and in dual-control domains
-(tau2 telecom) it calls its own tools on the episode's environment session. The rollout engine (rollout.py) and
-the text-level driver (envs.play) only ask it for messages. Like the rest of envs/ it imports nothing of the
-agent side: the hf backend is handed a loaded model (batched_rollout.make_user_sim loads one by name).
+(tau2 telecom) it calls its own tools on the episode's environment session. The rollouts (rollout.py,
+batched_rollout.py) and the text-level driver (envs.play) only ask it for messages. Like the rest of envs/ it imports
+nothing of the agent side: the hf backend is handed a loaded model (batched_rollout.make_user_sim loads one by name).
 
 The user-simulator prompt (tau2's guidelines + the task's scenario) and tau2's opening greeting are defined here
 once; envs/tau2.py uses them.

@@ -21,15 +21,15 @@ from deepspeed.utils import safe_get_full_grad  # noqa: E402
 
 import cli  # noqa: E402
 import grpo  # noqa: E402
-import models
+import models  # noqa: E402
 import shard  # noqa: E402
+from batched_rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
 from conftest import TEST_CORPUS, chatty  # noqa: E402
 from fake_env import FakeEnv  # noqa: E402
 from fsdp2_worker import (episode_steps, finish, grad_batch, one_process_backward, one_process_sgd_step,  # noqa: E402
                           perturbed, tiny_model)
 from logprobs import token_logprobs  # noqa: E402
 from loss import grpo_loss  # noqa: E402
-from batched_rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
 
 
 def ds_config(acc, stage, grad_clip):

@@ -24,11 +24,11 @@ import grpo  # noqa: E402
 import models  # noqa: E402
 import muarl  # noqa: E402
 import shard  # noqa: E402
+from batched_rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
 from conftest import TEST_CORPUS, chatty  # noqa: E402
 from fake_env import FakeEnv  # noqa: E402
 from logprobs import token_logprobs  # noqa: E402
 from loss import group_advantages, grpo_loss  # noqa: E402
-from batched_rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
 
 
 def tiny_model(tok, tied, init=0.02):

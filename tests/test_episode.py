@@ -4,12 +4,12 @@ synthesis (sft.py); an episode a cap cut off scores 0 whichever of them played i
 import pytest
 import torch
 
-import eval as evaluation
 import coldstart
+import eval as evaluation
 import sft
+from batched_rollout import RolloutConfig, make_user_sim, rollout
 from conftest import ChatServer
 from envs import make_env, play
-from batched_rollout import RolloutConfig, make_user_sim, rollout
 
 MAX_TURNS = 4  # cold-start synthesis plays with envs.play's default, 30: CappedEnv's user outlasts both
 

@@ -14,10 +14,10 @@ import lora
 import models
 import muarl
 import sft
+from batched_rollout import RolloutConfig, make_user_sim, rollout
 from envs import make_env
 from fake_env import choice_conversation
 from logprobs import token_logprobs
-from batched_rollout import RolloutConfig, make_user_sim, rollout
 
 
 def lora_args(start, out, *extra):

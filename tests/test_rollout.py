@@ -357,7 +357,7 @@ def test_slow_tools_run_while_the_others_decode(lm, tiny_tok, monkeypatch):
 
 
 def test_sampled_episodes_do_not_depend_on_batching(lm, tiny_tok):
-    """Each episode samples from its own generator (rollout.episode_seed): the same seed gives the same sampled
+    """Each episode samples from its own generator (batched_rollout.episode_seed): the same seed gives the same sampled
     episodes whether all decode together, one at a time or four at a time, and with a user whose latency varies by
     episode (so rows rejoin in another order and share batches with other rows); another seed differs."""
     env = FakeEnv(n_tasks=3)

@@ -16,9 +16,9 @@ import pytest
 from batched_rollout import RolloutConfig, rollout
 from bench.reward import tau2_reward
 from envs import Task, ToolResult, make_env, message_history, play
+from envs.llm_users import OpenAIUserSim
 from envs.tau2 import AGENT_INSTRUCTION, AGENT_SYSTEM_PROMPT, Tau2Env, _databases
 from envs.tau2_gold import gold_messages, write_tools
-from envs.llm_users import OpenAIUserSim
 from envs.users import USER_SYSTEM_PROMPT
 
 TAU2_SRC = __import__("tau2").__path__[0]
