@@ -29,6 +29,7 @@ import lora
 import memory
 import models
 import muarl
+import shard
 from batched_rollout import user_sim_options
 from options import SamplingOptions, UserOptions
 
@@ -353,9 +354,12 @@ def main(argv=None):
                                    prefill_tokens=RolloutConfig.prefill_tokens)
             with cli.outside_zero3_init():  # evaluated only: never partitioned under a ZeRO-3 config
                 model, tok = models.load_model(cfg.agent, device=acc.device, env=env)  # env: tiny's tokenizer
+        shard.check_same_weights(acc, model, f"--agent {cfg.agent}", "eval.py")  # each process loaded its own copy
         check_max_context(tok, env, tasks, cfg.max_context, "eval.py")
         model.eval()
         user_sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
+        if cfg.user_sim == "hf":  # each process loaded its own copy of the user: the same one?
+            shard.check_same_weights(acc, user_sim.sim.model, f"--user-model {cfg.user_model}", "eval.py")
         sampling = RolloutConfig.from_options(cfg, on_gpu=acc.device.type != "cpu")
         gen = torch.Generator(acc.device).manual_seed(cfg.seed * 1_000_003 + acc.process_index)
         eps = rollout(model, tok, env, mine, cfg.trials, user_sim, sampling, gen)

@@ -6,6 +6,7 @@ reads it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from pathlib import Path
@@ -191,6 +192,26 @@ def load_tokenizer(name: str, env=None):
     return tok
 
 
+@contextlib.contextmanager
+def real_weights_on_every_process():
+    """Load real weights on every process, whatever the launcher's config. With Accelerate's FSDP CPU-RAM-efficient
+    loading on (`accelerate config` offers it by default), transformers (5.17) fills every weight with zeros on the
+    processes whose LOCAL_RANK is not 0 and leaves Accelerate to copy rank 0's into the model it prepares; muarl
+    also loads models it never prepares (eval's agent, the reference, an hf user), which would stay zeros there. The
+    policy Accelerate prepares is then overwritten by rank 0's copy: the same weights. Host memory: one full copy per
+    process while loading, which memory.memory_estimate counts (host_load)."""
+    key = "FSDP_CPU_RAM_EFFICIENT_LOADING"
+    saved = os.environ.get(key)
+    os.environ[key] = "false"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved
+
+
 def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, seed: int = 0,
                merge_adapters: bool = False, env=None):
     """(model, tokenizer) for `tiny`, `smollm2-135m`, a local checkpoint directory, or a hub id (Qwen3 ...).
@@ -228,7 +249,8 @@ def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, 
     else:
         path = str(_smollm2_dir()) if name == "smollm2-135m" else name
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+            with real_weights_on_every_process():
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
         except Exception as e:  # a local checkpoint that does not load is named, with its weight files
             local = check_local(name)
             if local is None or isinstance(e, (torch.OutOfMemoryError, ImportError)):

@@ -126,6 +126,8 @@ def set_up(cfg, resume_from: Path | None, changes: dict) -> SimpleNamespace:
     env = make_env(cfg.env, **({"reward": cfg.env_reward} if cfg.env_reward else {}))
     tasks = env.tasks(cfg.split)
     user_sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
+    if cfg.user_sim == "hf":  # each process loaded its own copy of the user: the same one?
+        shard.check_same_weights(acc, user_sim.sim.model, f"--user-model {cfg.user_model}")
     if cfg.user_sim == "scripted":  # fail now, not after the model has loaded
         try:
             env.scripted_user(tasks[0])
@@ -227,6 +229,8 @@ def load_policy(run) -> None:
         lora.checkpoint_hooks(acc)  # checkpoints hold the adapters, not the frozen base
     else:
         run.ref = load_reference(start, load_on, cfg.seed, attn) if cfg.kl_coef > 0 else None
+        if run.ref is not None:  # each process loaded its own copy: the same one?
+            shard.check_same_weights(acc, run.ref, f"the reference ({start})")
         if run.ref is not None and shard.is_sharded(run.model):
             shard.shard_like(run.ref, run.model, param_dtype=torch.bfloat16 if cfg.bf16 else None)
         elif run.ref is not None and shard.is_deepspeed(run.model):

@@ -1,4 +1,4 @@
-"""shard.py: what training needs to know about how the model is spread over the GPUs. grpo.py and sft.py use it.
+"""shard.py: what training needs to know about how the model is spread over the GPUs (pipeline.py, grpo.py, sft.py).
 
     check_backend     refuse, at start, a distributed setup the loop does not implement (FSDP1, ZeRO-1, ...)
     is_sharded        whether a model is sharded by FSDP2 (`fully_shard`)
@@ -14,6 +14,8 @@
     lockstep, free_gathered_weights, total
                       what every process must do together: as many micro-batches, the reference's gathered weights
                       freed, numbers summed over processes
+    check_same_weights
+                      refuse at start a model that loaded differently on some process
 The memory estimate per GPU is memory.py's.
 
 Backends. DDP (and one process): every GPU holds the whole model, its gradients and its AdamW state. FSDP2
@@ -312,6 +314,32 @@ def plain(t):
     """A gradient norm as a plain tensor: under FSDP2 clipping returns a DTensor (already reduced over the mesh)."""
     full = getattr(t, "full_tensor", None)
     return full() if full is not None else t
+
+
+def weights_checksum(model) -> float:
+    """A float64 checksum of a model's full weights (not of a sharded model's slice): the sum over its parameters of
+    their sum and their sum of squares. Two copies of one checkpoint give the same number; an all-zero copy, or
+    another checkpoint's, does not."""
+    total = 0.0
+    with torch.no_grad():
+        for p in model.parameters():
+            t = p.detach().double()
+            total += float(t.sum() + (t * t).sum())
+    return total
+
+
+def check_same_weights(acc, model, what: str, program: str = "grpo.py") -> None:
+    """Refuse, at start, a model whose weights differ between processes (`what` names it): each process loaded its
+    own copy, and a copy that is zeros or another checkpoint on one process would decode, score or evaluate there
+    with no error (models.real_weights_on_every_process is why they load alike). One all-gather of one number."""
+    if acc.num_processes == 1:
+        return
+    mine = torch.tensor([weights_checksum(model)], dtype=torch.float64, device=acc.device)
+    every = [float(x) for x in acc.gather(mine).cpu()]
+    if any(abs(x - every[0]) > 1e-9 * max(1.0, abs(every[0])) for x in every):
+        raise SystemExit(f"{program}: {what}: its weights differ between processes (checksums {every}); every process "
+                         "must load the same model (is FSDP CPU-RAM-efficient loading zeroing it off rank 0? see "
+                         "docs/gpus.md)")
 
 
 def lockstep(acc, micro_batches: list[list]) -> list[list]:

@@ -45,7 +45,7 @@ ALLOWED = {  # module -> the project modules it may import
     "batched_rollout": {"envs", "muarl", "rollout", "engine", "models", "cli"},
     "coldstart": {"envs", "cli", "muarl", "logprobs", "batched_rollout"},
     "sft": {"envs", "cli", "muarl", "models", "logprobs", "options", "shard", "checkpoints", "lora", "coldstart"},
-    "eval": {"envs", "cli", "muarl", "models", "batched_rollout", "memory", "checkpoints", "lora", "options"},
+    "eval": {"envs", "cli", "muarl", "models", "batched_rollout", "memory", "checkpoints", "lora", "options", "shard"},
     "pipeline": {"envs", "cli", "muarl", "models", "logprobs", "options", "batched_rollout", "sft", "eval", "shard",
                  "memory", "checkpoints", "metrics", "lora"},
 }

@@ -405,3 +405,45 @@ def test_lora_under_ddp_adapter_gradients_equal_one_process(tmp_path):
         moved += not torch.equal(a, start)
     assert moved == len(one["after"]) == 28  # A and B of 7 projections in 2 layers, every one with a gradient
     assert abs(one["kl"] - two["kl"]) < 1e-6 and one["kl"] > 0
+
+
+def test_a_model_loaded_differently_on_one_process_is_refused_by_name(tmp_path, tiny_lm, tiny_tok):
+    """Each process loads its own copy of eval's agent, the reference or an hf user: the copies' checksums are compared
+    at start (shard.check_same_weights) and a copy that differs on one process (zeros off rank 0 under FSDP's
+    CPU-RAM-efficient loading in transformers 5.17, another checkpoint) stops every process naming the model.
+    Loaded with that option on, the weights are real on both processes and the option is put back afterwards."""
+    ckpt = tmp_path / "ckpt"
+    tiny_lm.save_pretrained(ckpt)
+    tiny_tok.save_pretrained(ckpt)
+    same = run_worker("same", tmp_path, 29571, worker="weights_worker.py", args=(str(ckpt),))
+    want = shard.weights_checksum(tiny_lm)
+    assert [r["seen"] for r in same] == ["same", "same"] and all(r["restored"] for r in same)
+    assert [r["checksum"] for r in same] == pytest.approx([want, want], rel=1e-9) and want != 0
+    differ = run_worker("differ", tmp_path, 29572, worker="weights_worker.py", args=(str(ckpt),))
+    for r in differ:
+        assert r["seen"].startswith(f"eval.py: --agent {ckpt}: its weights differ between processes"), r["seen"]
+
+
+def test_models_load_with_fsdp_efficient_loading_off_and_put_it_back(tmp_path, tiny_lm, tiny_tok, monkeypatch):
+    """transformers reads FSDP_CPU_RAM_EFFICIENT_LOADING while it loads: models.load_model sets it to false for that
+    call (so every process gets real weights) and restores what the launcher set."""
+    from transformers import AutoModelForCausalLM
+
+    import models
+
+    tiny_lm.save_pretrained(tmp_path)
+    tiny_tok.save_pretrained(tmp_path)
+    seen, real = [], AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        seen.append(os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    for launcher in ("true", None):
+        if launcher is None:
+            monkeypatch.delenv("FSDP_CPU_RAM_EFFICIENT_LOADING")
+        else:
+            monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", launcher)
+        models.load_model(str(tmp_path), device="cpu")
+        assert os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING") == launcher
+    assert seen == ["false", "false"]
