@@ -31,7 +31,7 @@ import models
 import muarl
 import shard
 from batched_rollout import user_sim_options
-from options import SamplingOptions, UserOptions
+from options import AttentionOptions, SamplingOptions, UserOptions
 
 
 @dataclass
@@ -75,7 +75,7 @@ class Evaluation:
 
 
 @dataclass
-class EvalConfig(UserOptions, SamplingOptions, Evaluation):
+class EvalConfig(AttentionOptions, UserOptions, SamplingOptions, Evaluation):
     """Evaluate an agent: pass^1 and pass^k over --trials per task."""
     temperature: float = 0.0
     """agent sampling temperature (0: greedy)"""
@@ -343,6 +343,7 @@ def main(argv=None):
         live = len(mine) * cfg.trials
         decoding = min(live, cfg.rollout_batch or live)
         bf16 = models.default_dtype(acc.device) == torch.bfloat16  # load_model's default: bf16 on GPU, fp32 on CPU
+        attn = models.attention_implementation(acc.device, None, cfg.attn, "eval.py")  # None: load_model's dtype
         with cli.option_errors("eval.py: --agent"):
             models.check_local(cfg.agent)
             config = memory.read_config(lora.base_chain(cfg.agent)[-1])  # adapters: the model at the chain's root
@@ -353,7 +354,7 @@ def main(argv=None):
                                    parked=live - decoding if acc.device.type != "cpu" else 0,
                                    prefill_tokens=RolloutConfig.prefill_tokens)
             with cli.outside_zero3_init():  # evaluated only: never partitioned under a ZeRO-3 config
-                model, tok = models.load_model(cfg.agent, device=acc.device, env=env)  # env: tiny's tokenizer
+                model, tok = models.load_model(cfg.agent, device=acc.device, env=env, attn_implementation=attn)
         shard.check_same_weights(acc, model, f"--agent {cfg.agent}", "eval.py")  # each process loaded its own copy
         check_max_context(tok, env, tasks, cfg.max_context, "eval.py")
         model.eval()

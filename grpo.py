@@ -30,7 +30,7 @@ import shard
 from logprobs import token_logprobs
 from loss import ADVANTAGES, grpo_loss, normalizer_count, uniform_groups
 from muarl import collate
-from options import LoraOptions, RunOptions, SamplingOptions, StartOptions, UserOptions
+from options import AttentionOptions, LoraOptions, RunOptions, SamplingOptions, StartOptions, UserOptions
 
 
 @dataclass
@@ -77,7 +77,7 @@ class Algorithm:
 
 
 @dataclass  # bases last to first: --help and config.json list the algorithm first, the run's plumbing last
-class Config(RunOptions, LoraOptions, UserOptions, SamplingOptions, StartOptions, Algorithm):
+class Config(AttentionOptions, RunOptions, LoraOptions, UserOptions, SamplingOptions, StartOptions, Algorithm):
     """GRPO with a simulated user. Defaults: the paper's algorithm settings at a CPU-sized scale (the small
     'shop' domain, the 'tiny' model, a scripted user); `--recipe paper` gives the paper's GPU recipe."""
     temperature: float = 0.7

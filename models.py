@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 import lora
+from options import ATTENTION
 from muarl import end_of_turn_id, render
 from toolcall import TOOL_CHAT_TEMPLATE, template_renders_tools
 
@@ -34,18 +35,27 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def attention_implementation(device: torch.device, dtype: torch.dtype | None = None) -> str:
-    """flash_attention_2 when it imports on CUDA and the forward runs in `dtype` bf16 or fp16 (the weights' dtype, or
-    autocast's: transformers casts fp32 queries to autocast's dtype for it); sdpa otherwise. flash-attn refuses fp32
-    inputs, so an fp32 model outside autocast (a run without --bf16) must not get it."""
-    if device.type == "cuda" and (dtype or default_dtype(device)) in (torch.bfloat16, torch.float16):
-        try:
-            import flash_attn  # noqa: F401
-
-            return "flash_attention_2"
-        except ImportError:
-            pass
-    return "sdpa"
+def attention_implementation(device: torch.device, dtype: torch.dtype | None = None, choice: str = "sdpa",
+                             program: str = "grpo.py") -> str:
+    """transformers' attention implementation for `--attn` (options.AttentionOptions): 'sdpa' always works; 'flash'
+    is flash_attention_2, only by choice and refused at start where it cannot run: off CUDA, without the flash-attn
+    package, or where the forward runs in fp32 (`dtype`: the weights' dtype, or autocast's under --bf16; flash-attn
+    refuses fp32 inputs)."""
+    if choice not in ATTENTION:
+        raise SystemExit(f"{program}: --attn {choice!r}: use one of {', '.join(ATTENTION)}")
+    if choice == "sdpa":
+        return "sdpa"
+    if device.type != "cuda":
+        raise SystemExit(f"{program}: --attn flash: needs a CUDA device (this one is {device.type})")
+    if (dtype or default_dtype(device)) not in (torch.bfloat16, torch.float16):
+        raise SystemExit(f"{program}: --attn flash: the forward passes run in fp32 here, which flash-attn refuses; "
+                         "add --bf16")
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"{program}: --attn flash: the flash-attn package does not import ({e}); install it with "
+                         "MUARL_GPU_EXTRA=1 ./run true, or use --attn sdpa") from None
+    return "flash_attention_2"
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -225,7 +235,7 @@ def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, 
 
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
-    attn = attn_implementation or attention_implementation(device, dtype)
+    attn = attn_implementation or "sdpa"
     if lora.is_adapter_dir(name):
         base = lora.base_chain(name)[1]  # refuses a chain of bases that loops
         try:

@@ -57,6 +57,17 @@ class UserOptions:
     (retries + 1) x timeout + the backoff (~6.5 minutes with the defaults)"""
 
 
+ATTENTION = ("sdpa", "flash")
+
+
+@dataclass
+class AttentionOptions:
+    """attention"""
+    attn: str = "sdpa"
+    """attention kernel: 'sdpa' (PyTorch's, everywhere) or 'flash' (flash-attn 2, only by choice: a CUDA device, the
+    flash-attn package and bf16 forward passes, --bf16; refused at start otherwise)"""
+
+
 @dataclass
 class LoraOptions:
     """LoRA adapters (lora.py)"""
@@ -193,5 +204,9 @@ def validate(cfg, world: int) -> None:
     lora.check_options(cfg, "grpo.py")
     if cfg.lora_rank and cfg.freeze:
         bad("freeze", "with --lora-rank only the adapters train already; drop --freeze")
+    if cfg.attn not in ATTENTION:
+        bad("attn", f"{cfg.attn!r} is not one of {', '.join(ATTENTION)}")
+    if cfg.attn == "flash" and not (torch.cuda.is_available() and cfg.bf16):
+        bad("attn", "flash needs a CUDA device and --bf16 (flash-attn refuses fp32 inputs)")
     if cfg.bf16 and not torch.cuda.is_available():
         bad("bf16", "needs a GPU (on a CPU bf16 decoding is slower: bench/dtype.py)")

@@ -193,10 +193,9 @@ def load_policy(run) -> None:
         raise SystemExit(f"grpo.py: --init-from {start} holds adapters, which ZeRO-3 cannot merge into a base it "
                          "partitions as it loads: merge them first (eval.py --agent CHECKPOINT --merge-lora OUT) and "
                          "start from OUT")
-    # flash-attn only where the forward runs in bf16 (--bf16's autocast): it refuses fp32 inputs
     load_on = shard.load_device(acc)
-    compute = torch.bfloat16 if cfg.bf16 else torch.float32
-    attn = models.attention_implementation(acc.device, compute)
+    compute = torch.bfloat16 if cfg.bf16 else torch.float32  # the forward passes' dtype (--bf16: autocast's)
+    attn = models.attention_implementation(acc.device, compute, cfg.attn)
     with load_errors:
         model, run.tok = models.load_model(start, device=load_on, seed=cfg.seed, attn_implementation=attn,
                                           dtype=compute if cfg.lora_rank else torch.float32)

@@ -37,7 +37,7 @@ from coldstart import copy_loss, load_conversations, make_cold_start, windows
 from envs import make_env
 from logprobs import token_logprobs
 from muarl import collate, encode_conversation
-from options import LoraOptions, UserOptions
+from options import AttentionOptions, LoraOptions, UserOptions
 
 
 @dataclass
@@ -107,7 +107,7 @@ class SFT:
 
 
 @dataclass
-class SFTConfig(LoraOptions, UserOptions, SFT):
+class SFTConfig(AttentionOptions, LoraOptions, UserOptions, SFT):
     """Cold-start SFT on multi-turn tool-use conversations."""
     user_concurrency: int = 8
     """requests in flight to the user-simulator endpoint"""
@@ -235,10 +235,10 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     # Under FSDP2 loaded in host memory and sharded onto the GPUs by acc.prepare (shard.load_device). With LoRA the
     # frozen model is in the compute dtype, the adapters in fp32 (lora.add_adapters).
     compute = torch.bfloat16 if cfg.bf16 else torch.float32
+    attn = models.attention_implementation(acc.device, compute, cfg.attn, "sft.py")
     with cli.option_errors("sft.py: --model"):
         model, tok = models.load_model(start, device=shard.load_device(acc), seed=cfg.seed, merge_adapters=True,
-                                      dtype=compute if cfg.lora_rank else torch.float32,
-                                      attn_implementation=models.attention_implementation(acc.device, compute))
+                                      dtype=compute if cfg.lora_rank else torch.float32, attn_implementation=attn)
     if cfg.gradient_checkpointing:  # (with LoRA, peft makes the frozen embeddings' output require grad for it)
         model.gradient_checkpointing_enable()
     if cfg.lora_rank:

@@ -35,7 +35,7 @@ ALLOWED = {  # module -> the project modules it may import
     "cli": set(),
     "lora": set(),
     "options": {"cli", "lora", "loss"},
-    "models": {"muarl", "lora", "toolcall"},
+    "models": {"muarl", "lora", "toolcall", "options"},
     "logprobs": set(),
     "shard": set(),
     "memory": {"cli"},

@@ -248,22 +248,30 @@ def test_smollm2_tokenizer_deltas():
     assert tok.decode([t for t, m in zip(ids, mask) if m]) == agent_text
 
 
-def test_flash_attention_only_where_the_forward_runs_in_bf16_or_fp16(monkeypatch):
-    """flash-attn refuses fp32 inputs: an fp32 policy without --bf16 on a GPU must get sdpa (grpo.py and sft.py pass
-    the compute dtype, bf16 only under --bf16's autocast)."""
+def test_flash_attention_only_by_choice_and_where_it_can_run(monkeypatch):
+    """--attn sdpa (the default) everywhere, flash-attn installed or not; --attn flash gives flash_attention_2 on CUDA
+    where the forward runs in bf16 or fp16, and is refused, naming the option and the reason, off CUDA, in fp32 (a
+    run without --bf16: flash-attn refuses fp32 inputs) and without the package."""
     import sys
     import types
 
     monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))  # as if it were installed
     cuda = torch.device("cuda")
-    assert models.attention_implementation(cuda, torch.float32) == "sdpa"
-    assert models.attention_implementation(cuda, torch.bfloat16) == "flash_attention_2"
-    assert models.attention_implementation(cuda, torch.float16) == "flash_attention_2"
-    assert models.attention_implementation(cuda) == "flash_attention_2"  # load_model's default on a GPU: bf16
-    assert models.attention_implementation(torch.device("cpu"), torch.bfloat16) == "sdpa"
+    for dtype in (torch.float32, torch.bfloat16, None):
+        assert models.attention_implementation(cuda, dtype) == "sdpa"
+    assert models.attention_implementation(cuda, torch.bfloat16, "flash") == "flash_attention_2"
+    assert models.attention_implementation(cuda, torch.float16, "flash") == "flash_attention_2"
+    assert models.attention_implementation(cuda, None, "flash") == "flash_attention_2"  # load_model's GPU dtype: bf16
+    with pytest.raises(SystemExit, match="eval.py: --attn flash: the forward passes run in fp32"):
+        models.attention_implementation(cuda, torch.float32, "flash", "eval.py")
+    with pytest.raises(SystemExit, match="--attn flash: needs a CUDA device"):
+        models.attention_implementation(torch.device("cpu"), torch.bfloat16, "flash")
+    with pytest.raises(SystemExit, match="--attn 'xformers': use one of sdpa, flash"):
+        models.attention_implementation(cuda, torch.bfloat16, "xformers")
     monkeypatch.delitem(sys.modules, "flash_attn")
     monkeypatch.setattr("builtins.__import__", _no_flash(__import__))
-    assert models.attention_implementation(cuda, torch.bfloat16) == "sdpa"  # not installed
+    with pytest.raises(SystemExit, match="--attn flash: the flash-attn package does not import"):
+        models.attention_implementation(cuda, torch.bfloat16, "flash")
 
 
 def _no_flash(real_import):
