@@ -77,10 +77,10 @@ class RolloutConfig(Sampling):
     append to the cache, so its activations stay those of one chunk (bench/README.md, kv_peak); 0: one forward"""
 
     @classmethod
-    def from_options(cls, opts, on_gpu: bool, greedy: bool = False) -> RolloutConfig:
+    def from_options(cls, opts, on_gpu: bool) -> RolloutConfig:
         """The rollout an entry point's options.SamplingOptions ask for; temperature 0 is greedy. With rollout_batch
         on a GPU, the caches of the episodes that wait park in host memory."""
-        return cls(temperature=opts.temperature or 1e-5, top_p=opts.top_p, greedy=greedy or opts.temperature == 0,
+        return cls(temperature=opts.temperature or 1e-5, top_p=opts.top_p, greedy=opts.temperature == 0,
                    max_new_tokens=opts.max_new_tokens, max_context=opts.max_context, max_turns=opts.max_turns,
                    reuse_cache=opts.reuse_cache, max_batch=opts.rollout_batch,
                    park_device="cpu" if opts.rollout_batch and on_gpu else "")

@@ -320,12 +320,9 @@ def weights_checksum(model) -> float:
     """A float64 checksum of a model's full weights (not of a sharded model's slice): the sum over its parameters of
     their sum and their sum of squares. Two copies of one checkpoint give the same number; an all-zero copy, or
     another checkpoint's, does not."""
-    total = 0.0
     with torch.no_grad():
-        for p in model.parameters():
-            t = p.detach().double()
-            total += float(t.sum() + (t * t).sum())
-    return total
+        parts = [t.sum() + (t * t).sum() for t in (p.detach().double() for p in model.parameters())]
+    return float(torch.stack(parts).sum()) if parts else 0.0  # one device-to-host copy
 
 
 def check_same_weights(acc, model, what: str, program: str = "grpo.py") -> None:
