@@ -50,6 +50,9 @@ def parse_config(cls, argv=None, recipes: dict | None = None, description: str =
         if kind is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                            help=f"{docs.get(f.name, '')} (default: {f.default})".replace("%", "%%"))
+        elif typing.get_origin(kind) is tuple:  # tuple[str, ...]: one or more values after the flag
+            group.add_argument(flag, dest=f.name, type=typing.get_args(kind)[0], nargs="+", default=None,
+                               help=f"{docs.get(f.name, '')}".replace("%", "%%"))
         else:
             base = (typing.get_args(kind)[0]
                     if typing.get_origin(kind) in (typing.Union, getattr(__import__('types'), 'UnionType', None))
@@ -62,7 +65,7 @@ def parse_config(cls, argv=None, recipes: dict | None = None, description: str =
     unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
         raise ValueError(f"recipe sets unknown options {sorted(unknown)}")
-    values.update({k: v for k, v in args.items() if v is not None})
+    values.update({k: tuple(v) if isinstance(v, list) else v for k, v in args.items() if v is not None})
     if given is not None:
         given.update([k for k, v in args.items() if v is not None] + (["recipe"] if recipe else []))
     return cls(**values)

@@ -1,13 +1,14 @@
 """coldstart.py: the cold start's conversations: read from a JSONL file and checked conversation by conversation,
 or synthesized by a teacher (the small domain's scripted expert, or an OpenAI-compatible model) playing tasks against
-the environment and a user simulator; and the drills the `tiny` base is pretrained on (`windows`, `copy_loss`).
-sft.py trains on them.
+the environment and a user simulator; the drills the `tiny` base is pretrained on (`windows`, `copy_loss`); and the
+conversations as token ids and loss masks (`encode`, the same layout as the rollout's). sft.py trains on them.
 """
 from __future__ import annotations
 
 import json
 import random
 import time
+from dataclasses import replace
 
 import torch
 
@@ -15,7 +16,7 @@ import cli
 from batched_rollout import make_user_sim, user_sim_options
 from envs import OpenAIAgent
 from logprobs import token_logprobs
-from muarl import collate
+from muarl import collate, encode_conversation
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -136,13 +137,17 @@ def make_cold_start(cfg) -> list[dict]:
 
     from envs import make_env, message_history, play
 
-    if not 0 <= cfg.teacher_skips_confirm <= 1:
-        raise SystemExit(f"sft.py: --teacher-skips-confirm {cfg.teacher_skips_confirm}: must be in [0, 1]")
+    skips = {"skip_confirm": cfg.teacher_skips_confirm, "skip_refund": cfg.teacher_skips_refund}
+    for name, p in skips.items():
+        if not 0 <= p <= 1:
+            raise SystemExit(f"sft.py: --teacher-{name[:4]}s-{name[5:]} {p}: must be in [0, 1]")
     env = make_env(cfg.env)
-    if cfg.teacher_skips_confirm and (cfg.teacher != "expert" or "skip_confirm" not in
-                                      inspect.signature(getattr(env, "expert", lambda task: None)).parameters):
-        raise SystemExit(f"sft.py: --teacher-skips-confirm {cfg.teacher_skips_confirm}: only the scripted expert of "
-                         f"the 'shop' domain can skip confirmations (teacher {cfg.teacher!r}, env {cfg.env!r})")
+    for name, p in skips.items():
+        if p and (cfg.teacher != "expert" or name not in
+                  inspect.signature(getattr(env, "expert", lambda task: None)).parameters):
+            raise SystemExit(f"sft.py: --teacher-{name[:4]}s-{name[5:]} {p}: only the scripted expert of the 'shop' "
+                             f"domain can be imperfect so (teacher {cfg.teacher!r}, env {cfg.env!r})")
+    imperfect = {k: p for k, p in skips.items() if p}
     tasks = env.tasks(cfg.split)
     random.Random(cfg.seed).shuffle(tasks)
     kept, t0 = [], time.time()
@@ -154,8 +159,8 @@ def make_cold_start(cfg) -> list[dict]:
         tools = env.tools(task)
         if cfg.teacher != "expert":
             agent = OpenAIAgent(cfg.teacher, tools, cfg.teacher_base_url)
-        elif cfg.teacher_skips_confirm:
-            agent = env.expert(task, skip_confirm=cfg.teacher_skips_confirm)
+        elif imperfect:
+            agent = env.expert(task, **imperfect)
         else:
             agent = env.expert(task)
         session = env.start(task)
@@ -227,3 +232,41 @@ def copy_loss(model, tok, data, copy_ids: set[int], micro_batch_size: int = 32) 
             other = mask.bool() & ~is_copy
             sums += torch.stack([(nll * is_copy).sum(), is_copy.sum(), (nll * other).sum(), other.sum()]).cpu()
     return (sums[0] / sums[1].clamp(min=1)).item(), (sums[2] / sums[3].clamp(min=1)).item()
+
+
+def encode(tok, conversations: list[dict], max_len: int) -> tuple[list[tuple[list[int], list[int]]], list[int]]:
+    """(ids, loss_mask) per conversation no longer than max_len, and the lengths of those skipped (never cut). A
+    conversation the chat template cannot render stops with its source (file:line) named."""
+    data, skipped = [], []
+    for k, conv in enumerate(conversations):
+        try:
+            ids, mask = encode_conversation(tok, conv["messages"], conv["tools"], conv.get("prompt_messages", 0))
+        except Exception as e:
+            raise ValueError(f"{conv.get('source', f'conversation {k}')}: cannot be tokenized: {e!r}") from e
+        if len(ids) > max_len:
+            skipped.append(len(ids))
+        else:
+            data.append((ids, mask))
+    return data, skipped
+
+
+def length_limit(cfg, model) -> int:
+    """--max-len, or with 0 the model's context: the longest conversation it can read."""
+    return cfg.max_len or getattr(model.config.get_text_config(), "max_position_embeddings", None) or 1 << 31
+
+
+class NothingFits(ValueError):
+    """No conversation is short enough to train on (sft.main says so without a traceback)."""
+
+
+def nothing_fits(cfg, model, skipped: list[int]) -> str:
+    """Why no conversation is left, and which option to change by how much."""
+    context, shortest = length_limit(replace(cfg, max_len=0), model), min(skipped, default=0)
+    if not skipped:
+        return "no conversation to train on"
+    if shortest > context:
+        return (f"all {len(skipped)} conversations are longer than the model's context ({context} tokens, "
+                f"max_position_embeddings; the shortest has {shortest}): use a model with a longer context")
+    return (f"no conversation fits --max-len {cfg.max_len}: all {len(skipped)} are longer (the shortest has {shortest} "
+            f"tokens, the longest {max(skipped)}); raise --max-len by at least {shortest - cfg.max_len} to {shortest}, "
+            f"or give --max-len 0 to keep all that fit the model's context ({context})")

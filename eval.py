@@ -27,9 +27,11 @@ from pathlib import Path
 import cli
 import lora
 import memory
+import metrics
 import models
 import muarl
 import shard
+import stats
 from batched_rollout import user_sim_options
 from options import AttentionOptions, SamplingOptions, UserOptions
 
@@ -64,6 +66,9 @@ class Evaluation:
     --max-context, printed) exceeds it"""
     dist_timeout: float = 7200.0
     """seconds a process waits for the others (they finish their episodes at different times) before it stops"""
+    compare: tuple[str, ...] = ()
+    """two evaluation directories (--out-dir of two runs of eval.py on the same tasks): agent A minus agent B,
+    paired over the shared tasks, with 95% intervals, for all tasks and for each task group (--compare A B)"""
     plot: str = ""
     """draw a grpo.py run directory's learning curves (RUN_DIR/curves.png, from its metrics.jsonl) and exit"""
     merge_lora: str = ""
@@ -102,12 +107,17 @@ def summarize(episodes: list[dict], trials: int, meta: dict[str, dict] | None = 
         c = sum(e["reward"] == 1.0 for e in ok)
         per_task[tid] = {"trials": len(ok), "successes": c,
                          "mean_reward": sum(e["reward"] for e in ok) / max(1, len(ok)),
-                         "infra_failed": len(eps) - len(ok)}
+                         "infra_failed": len(eps) - len(ok),
+                         "meta": {k: v for k, v in ((meta or {}).get(tid) or {}).items()
+                                  if v is None or isinstance(v, str)}}
+    scored_tasks = {tid: t["mean_reward"] for tid, t in per_task.items() if t["trials"]}
     summary = {
         "episodes": len(episodes), "tasks": len(by_task), "infra_failed": len(episodes) - len(scored),
         "scored": len(scored),
         # over the scored episodes only; None (null), not 0, when none was scored: nothing was measured
         "pass^1": sum(e["reward"] for e in scored) / len(scored) if scored else None,
+        # the bootstrap over tasks (stats.py): tasks are the sample, a task's trials go with it
+        "pass^1_ci95": stats.bootstrap_ci(list(scored_tasks.values())) if scored_tasks else None,
         "avg_turns": sum(e["turns"] for e in scored) / max(1, len(scored)),
         "termination": dict(Counter(e["termination"] for e in episodes)),
         "tool_calls_per_episode": {k: v / max(1, len(scored)) for k, v in
@@ -122,8 +132,18 @@ def summarize(episodes: list[dict], trials: int, meta: dict[str, dict] | None = 
             if v is None or isinstance(v, str):
                 by_meta.setdefault(k, {}).setdefault(str(v), []).append(e["reward"])
     if by_meta:
-        summary["by_meta"] = {k: {v: {"pass^1": sum(r) / len(r), "episodes": len(r)} for v, r in sorted(vs.items())}
-                              for k, vs in by_meta.items()}
+        def ci(k, v):  # over the group's tasks
+            meta_of = lambda tid: per_task[tid]["meta"]  # noqa: E731
+            return stats.bootstrap_ci([m for tid, m in scored_tasks.items()
+                                       if k in meta_of(tid) and str(meta_of(tid)[k]) == v])
+        summary["by_meta"] = {k: {v: {"pass^1": sum(r) / len(r), "episodes": len(r), "ci95": ci(k, v)}
+                                  for v, r in sorted(vs.items())} for k, vs in by_meta.items()}
+    flags: dict[str, list[bool]] = {}  # yes/no facts the reward records (db_match; shop's asked_refund)
+    for e in scored:
+        for k, v in (e.get("reward_info") or {}).items():
+            if isinstance(v, bool):
+                flags.setdefault(k, []).append(v)
+    summary["rates"] = {k: {"rate": sum(v) / len(v), "episodes": len(v)} for k, v in sorted(flags.items())}
     if "category" in by_meta:  # BFCL / ACEBench: the headline is the unweighted mean over categories
         cats = summary["by_meta"]["category"]
         summary["category_mean"] = sum(c["pass^1"] for c in cats.values()) / len(cats)
@@ -135,19 +155,31 @@ def _num(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
+def _ci(ci) -> str:
+    return "" if ci is None else f" [{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+def pass_keys(s: dict) -> list[str]:
+    return [k for k in s if k.startswith("pass^") and not k.endswith("_ci95")]
+
+
 def markdown(cfg: EvalConfig, s: dict) -> str:
-    ks = [k for k in s if k.startswith("pass^")]
+    ks = pass_keys(s)
     lines = [f"# {cfg.agent} on {cfg.env}:{cfg.split}", "",
              "| tasks | trials | " + " | ".join(ks) + " | avg turns | infra failed |",
              "|---|---|" + "---|" * len(ks) + "---|---|",
-             f"| {s['tasks']} | {cfg.trials} | " + " | ".join(_num(s[k]) for k in ks) +
-             f" | {s['avg_turns']:.1f} | {s['infra_failed']} |", "", "Termination: " +
+             f"| {s['tasks']} | {cfg.trials} | " + " | ".join(_num(s[k]) + _ci(s.get(k + "_ci95")) for k in ks) +
+             f" | {s['avg_turns']:.1f} | {s['infra_failed']} |", "",
+             "pass^1's 95% interval: bootstrap over tasks (stats.py).", "", "Termination: " +
              ", ".join(f"{k} {v}" for k, v in sorted(s["termination"].items())), "",
              "| task | successes / trials | mean reward |", "|---|---|---|"]
+    if s.get("rates"):
+        lines[-2:-2] = ["Rates over the scored episodes that record them: " + ", ".join(
+            f"{k} {r['rate']:.3f} ({r['episodes']})" for k, r in s["rates"].items()), ""]
     for k, vs in s.get("by_meta", {}).items():
         if k == "category" and "category_mean" in s:
             continue  # a table of its own, below
-        lines[-2:-2] = [f"pass^1 by {k}: " + ", ".join(f"{v} {r['pass^1']:.2f} ({r['episodes']})"
+        lines[-2:-2] = [f"pass^1 by {k}: " + ", ".join(f"{v} {r['pass^1']:.3f}{_ci(r.get('ci95'))} ({r['episodes']})"
                                                       for v, r in vs.items()), ""]
     if "category_mean" in s:
         rows = ["| category | pass^1 | episodes |", "|---|---|---|"] + [
@@ -155,79 +187,6 @@ def markdown(cfg: EvalConfig, s: dict) -> str:
         lines[-2:-2] = rows + [f"| **mean over categories** | **{s['category_mean']:.3f}** | |", ""]
     lines += [f"| {t} | {r['successes']} / {r['trials']} | {r['mean_reward']:.2f} |" for t, r in s["per_task"].items()]
     return "\n".join(lines) + "\n"
-
-
-# ---- the learning curves (matplotlib, Agg: files only, nothing shown) ----
-def plot_curves(rows: list[dict], path, before: float | None = None, after: float | None = None) -> dict:
-    """A run's learning curves as a PNG, from its metrics.jsonl rows: the reward per step and its mean over the last 5
-    steps, with greedy test pass^1 before and after training; the groups whose episodes all scored 1 or all 0 (they
-    teach nothing) and, where the reward checks it, the episodes that wrote without the user's yes; turns and sampled
-    tokens per episode; the KL to the reference and the policy's entropy. Returns {panel title: its legend}."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [r["step"] for r in rows]
-    col = lambda key: [r.get(key, float("nan")) for r in rows]
-    reward = col("reward_mean")
-    last5 = [[x for x in reward[max(0, i - 4):i + 1] if x == x] for i in range(len(reward))]  # x == x: not NaN
-    mean5 = [sum(xs) / len(xs) if xs else float("nan") for xs in last5]
-    fig, ax = plt.subplots(2, 2, figsize=(11, 7), sharex=True, constrained_layout=True)
-    a = ax[0, 0]
-    a.plot(steps, reward, color="tab:blue", alpha=0.45, label="reward (sampled episodes)")
-    a.plot(steps, mean5, color="tab:blue", lw=2, label="mean of the last 5 steps")
-    for v, name, c in ((before, "before", "tab:gray"), (after, "after", "tab:orange")):
-        if v is not None:
-            a.axhline(v, ls="--", color=c, label=f"test pass^1 {name} ({v:.2f}, greedy)")
-    a.set(title="reward", ylabel="mean episode reward", ylim=(-0.02, 1.02))
-    a = ax[0, 1]
-    a.plot(steps, col("all_correct_ratio"), color="tab:green", label="groups all correct")
-    a.plot(steps, col("all_wrong_ratio"), color="tab:red", label="groups all wrong")
-    if any("reward_info/unconfirmed_writes" in r for r in rows):
-        a.plot(steps, col("reward_info/unconfirmed_writes"), color="tab:brown",
-               label="episodes that wrote without a yes")
-    a.set(title="group outcomes", ylabel="fraction", ylim=(-0.02, 1.02))
-    a = ax[1, 0]
-    a.plot(steps, col("turns_mean"), color="tab:purple", label="agent turns per episode")
-    a.set(title="episode length", ylabel="turns", xlabel="GRPO step")
-    b = a.twinx()
-    b.plot(steps, col("response_tokens_mean"), color="tab:olive", label="sampled tokens per episode")
-    b.set_ylabel("tokens")
-    a = ax[1, 1]
-    a.plot(steps, col("kl"), color="tab:cyan", label="KL to the reference (k3)")
-    a.set(title="KL and entropy", ylabel="nats per token", xlabel="GRPO step")
-    b2 = a.twinx()
-    b2.plot(steps, col("entropy"), color="tab:pink", label="policy entropy")
-    b2.set_ylabel("entropy (nats)")
-    drawn = {}
-    for a, twin in ((ax[0, 0], None), (ax[0, 1], None), (ax[1, 0], b), (ax[1, 1], b2)):
-        handles, labels = a.get_legend_handles_labels()
-        if twin is not None:
-            h2, l2 = twin.get_legend_handles_labels()
-            handles, labels = handles + h2, labels + l2
-        a.legend(handles, labels, fontsize=8, loc="best")
-        a.grid(alpha=0.3)
-        drawn[a.get_title()] = labels
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return drawn
-
-
-def plot_run(run_dir) -> Path:
-    """curves.png of a run directory, from its metrics.jsonl and summary.json (`python eval.py --plot RUN_DIR`)."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "metrics.jsonl").exists():
-        raise SystemExit(f"eval.py: --plot: {run_dir} has no metrics.jsonl (not a grpo.py run directory?)")
-    rows = []
-    for line in open(run_dir / "metrics.jsonl", encoding="utf-8"):
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut short by a crash
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-    plot_curves(rows, run_dir / "curves.png", summary.get("eval/before/pass1"), summary.get("eval/after/pass1"))
-    return run_dir / "curves.png"
 
 
 class _ToolsAt:
@@ -302,6 +261,39 @@ def merge_adapters(agent: str, out: str, dtype: str = "") -> Path:
     return Path(out)
 
 
+def compare(a: str, b: str) -> str:
+    """Agent A minus agent B, from two eval.py output directories on the same tasks: the paired difference of
+    per-task pass^1 with its 95% interval (stats.paired), over all shared tasks and within each task group."""
+    runs = []
+    for d in (a, b):
+        path = Path(d) / "summary.json"
+        if not path.exists():
+            raise SystemExit(f"eval.py: --compare: {path} does not exist (give eval.py --out-dir directories)")
+        runs.append(json.loads(path.read_text()))
+    where = [(r.get("config", {}).get("env"), r.get("config", {}).get("split")) for r in runs]
+    if where[0] != where[1]:  # shop and shop:default share task ids, not tasks
+        raise SystemExit(f"eval.py: --compare: {a} evaluated {':'.join(map(str, where[0]))}, {b} "
+                         f"{':'.join(map(str, where[1]))}; compare evaluations of the same environment and split")
+    tasks = [{t: r["mean_reward"] for t, r in run["per_task"].items() if r["trials"]} for run in runs]
+    shared = set(tasks[0]) & set(tasks[1])
+    if not shared:
+        raise SystemExit(f"eval.py: --compare: {a} and {b} share no scored task")
+    meta = {t: r.get("meta") or {} for t, r in runs[0]["per_task"].items()}
+    groups = [("all tasks", shared)] + sorted(
+        (f"{k} = {v}", {t for t in shared if k in meta[t] and str(meta[t][k]) == v})
+        for k in sorted({k for t in shared for k in meta[t]}) for v in sorted({str(meta[t].get(k)) for t in shared}))
+    lines = [f"# {a} minus {b}", "", f"Paired over the {len(shared)} tasks both scored (mean reward per task; 95% "
+             "interval: bootstrap over tasks, stats.py). A's and B's pass^1 on those tasks, then A - B.", "",
+             "| tasks | n | A | B | A - B [95%] | A better / worse |", "|---|---|---|---|---|---|"]
+    for name, ids in groups:
+        if ids:
+            d = stats.paired({t: tasks[0][t] for t in ids}, {t: tasks[1][t] for t in ids})
+            mean = lambda x: sum(x[t] for t in ids) / len(ids)
+            lines.append(f"| {name} | {len(ids)} | {mean(tasks[0]):.3f} | {mean(tasks[1]):.3f} | {stats.fmt(d)} | "
+                         f"{d['better']} / {d['worse']} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     import torch
     from accelerate.utils import gather_object
@@ -310,7 +302,12 @@ def main(argv=None):
 
     cfg = cli.parse_config(EvalConfig, argv, description=__doc__.split("\n\n")[0])
     if cfg.plot:
-        print(f"[eval] learning curves written to {plot_run(cfg.plot)}")
+        print(f"[eval] learning curves written to {metrics.plot_run(cfg.plot)}")
+        return
+    if cfg.compare:
+        if len(cfg.compare) != 2:
+            raise SystemExit(f"eval.py: --compare takes two evaluation directories, A and B; got {len(cfg.compare)}")
+        print(compare(*cfg.compare), end="")
         return
     if not cfg.agent:
         raise SystemExit("eval.py: --agent is required (a checkpoint directory, hub id, smollm2-135m or "
@@ -376,7 +373,8 @@ def main(argv=None):
         s["config"], s["seconds"] = asdict(cfg), time.time() - t0
         cli.write_json_atomic(out / "summary.json", s)
         (out / "results.md").write_text(markdown(cfg, s))
-        ks = " ".join(f"{k} {_num(s[k])}" for k in s if k.startswith("pass^") or k == "category_mean")
+        ks = " ".join(f"{k} {_num(s[k])}{_ci(s.get(k + '_ci95'))}" for k in pass_keys(s) + (
+            ["category_mean"] if "category_mean" in s else []))
         print(f"[eval] {cfg.agent} on {cfg.env}:{cfg.split}: {s['tasks']} tasks x {cfg.trials}: {ks}, "
               f"avg turns {s['avg_turns']:.1f}, infra failed {s['infra_failed']}. Written to {out}")
         if not s["scored"]:

@@ -5,12 +5,16 @@
     Accumulator        the update's micro-batch metrics (what loss.grpo_loss returns), token-weighted over
                        micro-batches and processes, reduced in one collective with the same names on every process
     console_line       the step's line on the console
+    plot_curves        the run's learning curves (curves.png; eval.py --plot RUN_DIR redraws them)
 
 A fork that adds a metric returns it from its loss (loss.grpo_loss's metrics dict) or its rollout summary, names
 it in METRICS and gives it a kind (TOKEN_MEANS, MAXES, SUMS); Accumulator refuses a metric of no kind, and
 tests/test_grpo.py fails when one is missing from METRICS. Imports nothing of the project.
 """
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 
@@ -26,8 +30,9 @@ METRICS = {
                             "response_truncated or infra_error; only the first two can score",
     "tool_calls/<name>": "calls per episode by tool; think, calculate and transfer_to_human_agents always present, "
                          "as the paper tracks them",
-    "reward_info/<check>": "share of episodes where the reward's yes/no check holds (booleans) or its list is not "
-                           "empty: shop's db_match, differ (1 - db_match) and unconfirmed_writes (wrote without a yes)",
+    "reward_info/<check>": "share of the episodes that record it where the reward's yes/no check holds (booleans) or "
+                           "its list is not empty: shop's db_match, differ (1 - db_match), unconfirmed_writes (wrote "
+                           "without a yes) and asked_refund (asked where the refund goes, on the refund tasks)",
     "tool_errors_per_episode": "malformed tool calls, unknown tools, bad arguments and tools that raised, per episode",
     "user_latency_s_mean": "seconds a user reply took, mean over the step's replies (retries included)",
     "user_latency_s_max": "seconds the slowest user reply of the step took",
@@ -54,6 +59,8 @@ METRICS = {
     "rollout_s": "seconds spent rolling out",
     "update_s": "seconds spent updating",
     "gen_tokens_per_s": "sampled tokens per second of rollout",
+    "eval/pass1": "greedy pass^1 on the first --eval-tasks test tasks after this step (every --eval-every steps)",
+    "eval_s": "seconds that evaluation took",
     "step": "the optimizer step this line is for",
 }
 TOKEN_MEANS = ("kl", "approx_kl", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "ratio_mean", "entropy",
@@ -107,8 +114,9 @@ def rollout_metrics(summaries: list[dict], G: int) -> dict:
     for s in valid:
         for name, c in s["tool_calls"].items():
             m[f"tool_calls/{name}"] = m.get(f"tool_calls/{name}", 0) + c / len(valid)
-        for name, v in s.get("checks", {}).items():
-            m[f"reward_info/{name}"] = m.get(f"reward_info/{name}", 0) + v / len(valid)
+    for name in sorted({k for s in valid for k in s.get("checks", {})}):  # over the episodes that record it
+        has = [s["checks"][name] for s in valid if name in s.get("checks", {})]
+        m[f"reward_info/{name}"] = sum(has) / len(has)
     for name in TRACKED_TOOLS:
         m.setdefault(f"tool_calls/{name}", 0.0)
     return m
@@ -178,3 +186,85 @@ def console_line(m: dict, failed: list[dict], t_roll: float, t_upd: float) -> st
         line += (f"\n     | {len(failed)} of {m['episodes']} episodes failed on infrastructure, left out; "
                  f"first: {failed[0]['error']}")
     return line
+
+
+# ---- the learning curves (matplotlib, Agg: files only, nothing shown) ----
+def plot_curves(rows: list[dict], path, before: float | None = None, after: float | None = None) -> dict:
+    """A run's learning curves as a PNG, from its metrics.jsonl rows: the reward per step and its mean over the last 5
+    steps, with greedy test pass^1 before and after training; the groups whose episodes all scored 1 or all 0 (they
+    teach nothing) and, where the reward checks it, the episodes that wrote without the user's yes; turns and sampled
+    tokens per episode; the KL to the reference and the policy's entropy. Returns {panel title: its legend}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    col = lambda key: [r.get(key, float("nan")) for r in rows]
+    reward = col("reward_mean")
+    last5 = [[x for x in reward[max(0, i - 4):i + 1] if x == x] for i in range(len(reward))]  # x == x: not NaN
+    mean5 = [sum(xs) / len(xs) if xs else float("nan") for xs in last5]
+    fig, ax = plt.subplots(2, 2, figsize=(11, 7), sharex=True, constrained_layout=True)
+    a = ax[0, 0]
+    a.plot(steps, reward, color="tab:blue", alpha=0.45, label="reward (sampled episodes)")
+    a.plot(steps, mean5, color="tab:blue", lw=2, label="mean of the last 5 steps")
+    for v, name, c in ((before, "before", "tab:gray"), (after, "after", "tab:orange")):
+        if v is not None:
+            a.axhline(v, ls="--", color=c, label=f"test pass^1 {name} ({v:.2f}, greedy)")
+    held = [(0, before)] * (before is not None) + [(r["step"], r["eval/pass1"]) for r in rows
+                                                   if r.get("eval/pass1") is not None]
+    if after is not None and steps:
+        held.append((steps[-1], after))
+    if any(r.get("eval/pass1") is not None for r in rows):
+        a.plot(*zip(*held), color="black", marker="o", lw=1.5, label="held-out test pass^1 (greedy)")
+    a.set(title="reward", ylabel="mean episode reward", ylim=(-0.02, 1.02))
+    a = ax[0, 1]
+    a.plot(steps, col("all_correct_ratio"), color="tab:green", label="groups all correct")
+    a.plot(steps, col("all_wrong_ratio"), color="tab:red", label="groups all wrong")
+    if any("reward_info/unconfirmed_writes" in r for r in rows):
+        a.plot(steps, col("reward_info/unconfirmed_writes"), color="tab:brown",
+               label="episodes that wrote without a yes")
+    if any("reward_info/asked_refund" in r for r in rows):
+        a.plot(steps, col("reward_info/asked_refund"), color="tab:gray",
+               label="refund episodes that asked where it goes")
+    a.set(title="group outcomes", ylabel="fraction", ylim=(-0.02, 1.02))
+    a = ax[1, 0]
+    a.plot(steps, col("turns_mean"), color="tab:purple", label="agent turns per episode")
+    a.set(title="episode length", ylabel="turns", xlabel="GRPO step")
+    b = a.twinx()
+    b.plot(steps, col("response_tokens_mean"), color="tab:olive", label="sampled tokens per episode")
+    b.set_ylabel("tokens")
+    a = ax[1, 1]
+    a.plot(steps, col("kl"), color="tab:cyan", label="KL to the reference (k3)")
+    a.set(title="KL and entropy", ylabel="nats per token", xlabel="GRPO step")
+    b2 = a.twinx()
+    b2.plot(steps, col("entropy"), color="tab:pink", label="policy entropy")
+    b2.set_ylabel("entropy (nats)")
+    drawn = {}
+    for a, twin in ((ax[0, 0], None), (ax[0, 1], None), (ax[1, 0], b), (ax[1, 1], b2)):
+        handles, labels = a.get_legend_handles_labels()
+        if twin is not None:
+            h2, l2 = twin.get_legend_handles_labels()
+            handles, labels = handles + h2, labels + l2
+        a.legend(handles, labels, fontsize=8, loc="best")
+        a.grid(alpha=0.3)
+        drawn[a.get_title()] = labels
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return drawn
+
+
+def plot_run(run_dir) -> Path:
+    """curves.png of a run directory, from its metrics.jsonl and summary.json (`python eval.py --plot RUN_DIR`)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "metrics.jsonl").exists():
+        raise SystemExit(f"eval.py: --plot: {run_dir} has no metrics.jsonl (not a grpo.py run directory?)")
+    rows = []
+    for line in open(run_dir / "metrics.jsonl", encoding="utf-8"):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by a crash
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    plot_curves(rows, run_dir / "curves.png", summary.get("eval/before/pass1"), summary.get("eval/after/pass1"))
+    return run_dir / "curves.png"

@@ -95,9 +95,12 @@ class StartOptions:
     cold_start_skips_confirm: float = 0.6
     """the cold start made when no --init-from is given: share of the scripted teacher's write conversations in which
     it writes without asking the user first (sft.py --teacher-skips-confirm), a decision the reward settles"""
+    cold_start_skips_refund: float = 0.5
+    """likewise, the share of its cancels and returns in which it never asks where the refund goes (sft.py
+    --teacher-skips-refund): a decision only a user who answers what it is asked can teach"""
     env: str = "shop"
-    """environment: 'shop' (small domain; 'shop:static': its user says everything at once and never changes its
-    mind) or 'tau2:<retail|airline|telecom|mock>'"""
+    """environment: 'shop' (small domain; 'shop:static': its user says everything at once, 'shop:replay': the
+    expert's user turns whatever the agent says; envs/shop.py) or 'tau2:<retail|airline|telecom|mock>'"""
     split: str = "train"
     """task split trained on"""
     env_reward: str = ""
@@ -139,6 +142,9 @@ class RunOptions:
     """episodes per step saved as readable conversations (episodes.jsonl)"""
     eval_tasks: int = 64
     """test-split tasks evaluated (greedy, pass^1) before and after training; 0 skips"""
+    eval_every: int = 10
+    """also evaluate them every this many steps (eval/pass1 in metrics.jsonl, points on the curve); 0: only before
+    and after"""
     dist_timeout: float = 7200.0
     """seconds a process waits for the others at a collective before the run stops, naming this option (NCCL's
     default is 10 minutes; a process's rollout can wait far longer on a slow user endpoint, or the others on a large
@@ -179,7 +185,7 @@ def validate(cfg, world: int) -> None:
                 "save_every"):
         if getattr(cfg, opt) < 1:
             bad(opt, "must be >= 1")
-    for opt in ("warmup_steps", "eval_tasks", "log_episodes", "rollout_batch", "kl_coef", "grad_clip",
+    for opt in ("warmup_steps", "eval_tasks", "eval_every", "log_episodes", "rollout_batch", "kl_coef", "grad_clip",
                 "keep_checkpoints", "user_retries"):
         if getattr(cfg, opt) < 0:
             bad(opt, "must be >= 0")
@@ -196,8 +202,9 @@ def validate(cfg, world: int) -> None:
         bad("top_p", "must be in (0, 1]")
     if cfg.lr <= 0:
         bad("lr", "must be > 0")
-    if not 0 <= cfg.cold_start_skips_confirm <= 1:
-        bad("cold_start_skips_confirm", "must be in [0, 1]")
+    for name in ("cold_start_skips_confirm", "cold_start_skips_refund"):
+        if not 0 <= getattr(cfg, name) <= 1:
+            bad(name, "must be in [0, 1]")
     if cfg.model == "tiny" and not cfg.init_from and not cfg.resume and cfg.env.split(":")[0] != "shop":
         bad("env", f"{cfg.env!r} with the 'tiny' model needs a cold-start checkpoint (--init-from): the embedded cold "
                    "start and the tiny base are made on 'shop' only")

@@ -45,7 +45,8 @@ RECIPES = {
 # serves the user so (a --user-model that names another model changes the user itself: your call, recorded in
 # resumes.jsonl). Anything else continues with the run's saved settings; giving another value is refused.
 RESUMABLE = ("steps", "user_base_url", "user_model", "user_concurrency", "user_timeout", "user_retries",
-             "report_to", "log_episodes", "save_every", "keep_checkpoints", "memory_check", "dist_timeout")
+             "report_to", "log_episodes", "save_every", "keep_checkpoints", "memory_check", "dist_timeout",
+             "eval_every")
 
 
 def step_tasks(tasks: list, cfg, step: int, rank: int, world: int) -> list:
@@ -136,7 +137,8 @@ def set_up(cfg, resume_from: Path | None, changes: dict) -> SimpleNamespace:
     if not cfg.init_from and cfg.model == "tiny":  # the paper's cold start, made here for the tiny model
         import sft
 
-        cfg.init_from = sft.cold_start(cfg.model, cfg.env, cfg.split, cfg.seed, cfg.bf16, cfg.cold_start_skips_confirm)
+        cfg.init_from = sft.cold_start(cfg.model, cfg.env, cfg.split, cfg.seed, cfg.bf16, cfg.cold_start_skips_confirm,
+                                       cfg.cold_start_skips_refund)
     run = SimpleNamespace(cfg=cfg, acc=acc, dir=run_dir, env=env, tasks=tasks, user_sim=user_sim,
                           resume_from=resume_from)
     load_policy(run)
@@ -365,6 +367,10 @@ def grpo_step(run, step: int, train_on_episodes) -> tuple[dict | None, list[dict
     m = {"step": step + 1, **metrics.rollout_metrics(summaries, cfg.group_size), **update,
          "lr": run.sched.get_last_lr()[0], "rollout_s": t_roll, "update_s": time.time() - t1,
          "gen_tokens_per_s": n_gen / max(t_roll, 1e-9)}
+    if cfg.eval_tasks and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:  # last: "after"
+        t2 = time.time()
+        m["eval/pass1"] = evaluate(run, f"step{step + 1}").get(f"eval/step{step + 1}/pass1")
+        m["eval_s"] = time.time() - t2
     samples = gather_object([e.to_json() for e in episodes[:max(0, cfg.log_episodes)]])
     if acc.is_main_process:
         with open(run.dir / "metrics.jsonl", "a") as f:
@@ -379,12 +385,11 @@ def grpo_step(run, step: int, train_on_episodes) -> tuple[dict | None, list[dict
 
 def write(run, results: dict) -> None:
     """summary.json and the learning curves (curves.png: `python eval.py --plot RUN_DIR` draws them again)."""
-    from eval import plot_run
 
     if run.acc.is_main_process:
         cli.write_json_atomic(run.dir / "summary.json", {"steps": run.cfg.steps, **results})
         if (run.dir / "metrics.jsonl").exists():
-            plot_run(run.dir)
+            metrics.plot_run(run.dir)
     run.acc.end_training()
     run.acc.print(f"[grpo] done. Run directory: {run.dir} (metrics.jsonl, curves.png, episodes.jsonl, checkpoints/, "
                   "summary.json)")

@@ -11,9 +11,8 @@ makes the first n messages prompt (a task that continues an earlier conversation
     ./run python sft.py --teacher expert --env shop --out runs/coldstart     # make data with the scripted expert
     ./run python sft.py --teacher gpt-4o --env tau2:retail --user-sim openai --data-out retail.jsonl --epochs 0
 
-Cold-start data: a teacher agent (the small domain's scripted expert, or an OpenAI-compatible model) plays
-tasks against the environment and a user simulator; episodes with reward 1 are kept (with the shop expert made
-imperfect by --teacher-skips-confirm: those whose database is right).
+Cold-start data: a teacher (shop's scripted expert, or an OpenAI-compatible model) plays tasks against the environment
+and a user simulator; episodes with reward 1 are kept (from an imperfect expert: those whose database is right).
 """
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -33,10 +33,12 @@ import cli
 import lora
 import models
 import shard
-from coldstart import copy_loss, load_conversations, make_cold_start, windows
+from coldstart import (NothingFits, copy_loss, encode, length_limit, load_conversations, make_cold_start,
+                       nothing_fits, windows)
 from envs import make_env
+from envs.shop_tasks import GOODS, SIBLINGS, relabel_goods
 from logprobs import token_logprobs
-from muarl import collate, encode_conversation
+from muarl import collate
 from options import AttentionOptions, LoraOptions, UserOptions
 
 
@@ -60,6 +62,9 @@ class SFT:
     teacher_skips_confirm: float = 0.0
     """share of conversations in which the scripted expert writes without asking first (shop only). Those break the
     policy (reward 0) and are kept when the database is right: demonstrations filtered on the database alone"""
+    teacher_skips_refund: float = 0.0
+    """share of conversations in which the scripted expert never asks where a refund goes (shop only): it names what
+    the user said, else nothing, and the refund goes to the original payment; kept when the database is right"""
     teacher_base_url: str = ""
     """OpenAI-compatible endpoint of the teacher (default: OPENAI_BASE_URL)"""
     env: str = "shop"
@@ -80,6 +85,10 @@ class SFT:
     """'tiny' pretraining stops here at the latest (and says that it missed the target)"""
     pretrain_batch_size: int = 32
     """drills per pretraining step, over all processes"""
+    base_conversations: int = 1200
+    """'tiny' pretraining's second stage: whole conversations of the sibling stores it is fine-tuned on"""
+    base_out: str = ""
+    """with --pretrain-only: also copy the base here (assets/tiny-base is the committed one)"""
     lr: float = 4e-3
     """peak learning rate (the paper: 5e-6 for Qwen3; a tiny model from scratch needs far more)"""
     warmup_steps: int = 10
@@ -120,44 +129,6 @@ def lr_lambda(warmup: int, total: int, floor: float = 0.1):
         progress = (step - warmup) / max(1, total - warmup)
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return f
-
-
-def encode(tok, conversations: list[dict], max_len: int) -> tuple[list[tuple[list[int], list[int]]], list[int]]:
-    """(ids, loss_mask) per conversation no longer than max_len, and the lengths of those skipped (never cut). A
-    conversation the chat template cannot render stops with its source (file:line) named."""
-    data, skipped = [], []
-    for k, conv in enumerate(conversations):
-        try:
-            ids, mask = encode_conversation(tok, conv["messages"], conv["tools"], conv.get("prompt_messages", 0))
-        except Exception as e:
-            raise ValueError(f"{conv.get('source', f'conversation {k}')}: cannot be tokenized: {e!r}") from e
-        if len(ids) > max_len:
-            skipped.append(len(ids))
-        else:
-            data.append((ids, mask))
-    return data, skipped
-
-
-def length_limit(cfg: SFTConfig, model) -> int:
-    """--max-len, or with 0 the model's context: the longest conversation it can read."""
-    return cfg.max_len or getattr(model.config.get_text_config(), "max_position_embeddings", None) or 1 << 31
-
-
-class NothingFits(ValueError):
-    """No conversation is short enough to train on (sft.main says so without a traceback)."""
-
-
-def nothing_fits(cfg: SFTConfig, model, skipped: list[int]) -> str:
-    """Why no conversation is left, and which option to change by how much."""
-    context, shortest = length_limit(replace(cfg, max_len=0), model), min(skipped, default=0)
-    if not skipped:
-        return "no conversation to train on"
-    if shortest > context:
-        return (f"all {len(skipped)} conversations are longer than the model's context ({context} tokens, "
-                f"max_position_embeddings; the shortest has {shortest}): use a model with a longer context")
-    return (f"no conversation fits --max-len {cfg.max_len}: all {len(skipped)} are longer (the shortest has {shortest} "
-            f"tokens, the longest {max(skipped)}); raise --max-len by at least {shortest - cfg.max_len} to {shortest}, "
-            f"or give --max-len 0 to keep all that fit the model's context ({context})")
 
 
 def fit(acc, model, opt, sched, data, steps: int, batch_size: int, micro_batch_size: int, pad_id: int,
@@ -221,9 +192,9 @@ def check_batch(batch_size: int, processes: int) -> None:
                          f"({processes}), so that every process trains on as many conversations a step")
 
 
-def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
+def train(cfg: SFTConfig, conversations: list[dict], accelerator=None, record: dict | None = None) -> Path:
     """Fine-tune on the conversations; returns the checkpoint directory. 'tiny' starts from its pretrained base."""
-    start = str(pretrain_tiny(cfg)) if cfg.model == "tiny" else cfg.model
+    start = str(pretrain_tiny(SFTConfig(bf16=cfg.bf16))) if cfg.model == "tiny" else cfg.model  # the default base
     acc = accelerator or cli.make_accelerator(cfg.dist_timeout, mixed_precision="bf16" if cfg.bf16 else "no")
     check_backend(acc)
     check_lora(cfg, acc)
@@ -262,35 +233,39 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None) -> Path:
     fit(acc, model, opt, sched, data, total, cfg.batch_size, cfg.micro_batch_size, tok.pad_token_id, cfg.seed,
         cfg.grad_clip, "")
     out = Path(cfg.out)
-    checkpoints.save_pretrained(acc, model, tok, out, {"sft": asdict(cfg)})
+    checkpoints.save_pretrained(acc, model, tok, out, {"sft": asdict(cfg), **(record or {})})
     acc.print(f"[sft] checkpoint written to {out}")
     return out
 
 
-def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_confirm: float) -> str:
+def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_confirm: float,
+               skips_refund: float) -> str:
     """grpo.py's cold start when it is given none: make (or reuse) the model's SFT checkpoint as the paper's pipeline
-    does, from conversations of the scripted teacher on the training split (skipping confirmations in
-    `skips_confirm` of them), fine-tuning its pretrained base (`pretrain_tiny`). Cached under MUARL_CACHE, keyed by
-    the settings and the code that makes it (`cache_key`)."""
+    does, from conversations of the scripted teacher on the training split (skipping confirmations in `skips_confirm`
+    of them, never asking where a refund goes in `skips_refund`), fine-tuning its pretrained base (`pretrain_tiny`).
+    Cached under MUARL_CACHE, keyed by the settings, the base's weights and the code that makes it (`cache_key`)."""
     # Same precision as the GRPO run: Accelerate keeps one process-wide state, so the SFT inside that process cannot
     # ask for another mixed precision.
-    cfg = SFTConfig(model=model, env=env, split=split, seed=seed, bf16=bf16, teacher_skips_confirm=skips_confirm)
-    out = models.CACHE_DIR / f"coldstart-{env.replace(':', '-')}-{model}-{cache_key(asdict(cfg))}"
+    cfg = SFTConfig(model=model, env=env, split=split, seed=seed, bf16=bf16, teacher_skips_confirm=skips_confirm,
+                    teacher_skips_refund=skips_refund)
+    base = pretrain_tiny(SFTConfig(bf16=bf16)) if model == "tiny" else model
+    weights = hashlib.sha256((base / "model.safetensors").read_bytes()).hexdigest() if model == "tiny" else ""
+    out = models.CACHE_DIR / f"coldstart-{env.replace(':', '-')}-{model}-{cache_key({**asdict(cfg), 'base': weights})}"
     if (out / "config.json").exists():
         cli.main_print(f"[grpo] cold start: using the cached SFT checkpoint {out}")
         return str(out)
-    teacher = (f"conversations of the scripted teacher (writing without asking in {skips_confirm:.0%} of them: "
-               "--cold-start-skips-confirm)" if skips_confirm else "expert conversations")
+    teacher = (f"conversations of the scripted teacher (writing without asking for a yes in {skips_confirm:.0%} of "
+               f"them, --cold-start-skips-confirm; never asking where a refund goes in {skips_refund:.0%}, "
+               "--cold-start-skips-refund)")
     cli.main_print(f"[grpo] cold start: no --init-from given, so making one: {cfg.num_tasks} {teacher} on "
-                   f"{env}:{split}, then SFT of the pretrained '{model}' base ({cfg.epochs:g} epochs) -> {out}")
+                   f"{env}:{split}, then SFT of {base} ({cfg.epochs:g} epochs) -> {out}")
     cfg.out = str(out)
     train(cfg, make_cold_start(cfg))  # its own Accelerator: GRPO's checkpoints hold GRPO's state only
     return str(out)
 
 
-# What a cached base or cold start depends on, besides envs/ (the domain, its expert and user): the episode's tokens,
-# the tokenizer and model, the data and drills, the SFT loop, the log-probabilities it trains, the backend calls of
-# its step, the teacher's user simulator, its Accelerator and options.
+# What a cached base or cold start depends on, besides envs/: the episode's tokens, tokenizer and model, data and
+# drills, the SFT loop and its log-probabilities, backend calls, the teacher's user simulator, Accelerator, options.
 CACHED_CODE = ("toolcall.py", "muarl.py", "models.py", "coldstart.py", "sft.py", "loss.py", "logprobs.py", "shard.py",
                "batched_rollout.py", "rollout.py", "engine.py", "cli.py", "options.py", "lora.py", "checkpoints.py")
 
@@ -303,29 +278,56 @@ def cache_key(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode() + code).hexdigest()[:10]
 
 
-def pretrain_tiny(cfg: SFTConfig) -> Path:
-    """The 'tiny' base the cold start starts from, as Qwen3 is the paper's: a model that can already copy.
+# The committed base (`./run python sft.py --pretrain-only --base-out assets/tiny-base --overwrite` rebuilds it), so
+# that a fresh clone's default run does not spend its first ~15 minutes pretraining.
+COMMITTED_BASE = Path(__file__).resolve().parent / "assets" / "tiny-base"
+# The sibling stores' teacher: asks where a refund goes in half its conversations, as shop's cold start does, but
+# writes without a yes less often than shop's (0.6), as a capable base would.
+BASE_TEACHER = {"skip_confirm": 0.3, "skip_refund": 0.5}
 
-    A model trained from scratch learns to copy a value (an id, a name, an item) from the conversation only after
-    hundreds of steps of dense copying, abruptly, after a plateau whose length varies from run to run; Qwen3
-    arrives able to do it. So before the cold start, 'tiny' is trained on dense drills in the domain's own format
-    (`windows`: the user states values, the agent uses them in a tool call or a confirmation) at a constant
-    learning rate until the held-out copy loss (drills from tasks it never trains on) is below `pretrain_target`
-    nats per copied value, checked every 25 steps. Made once and cached under MUARL_CACHE, keyed by the settings
-    and by the code that makes it (`./run python sft.py --pretrain-only` makes it ahead of time). Small domain
-    ('shop') only: the tiny tokenizer is built from its text."""
+
+def base_settings(cfg: SFTConfig) -> dict:
+    return {**{k: getattr(cfg, k) for k in ("seed", "num_tasks", "lr", "warmup_steps", "grad_clip", "pretrain_target",
+                                            "pretrain_max_steps", "pretrain_batch_size", "base_conversations")},
+            "stores": list(SIBLINGS), "teacher": BASE_TEACHER}
+
+
+def pretrain_tiny(cfg: SFTConfig, committed: bool = True) -> Path:
+    """The 'tiny' base the cold start starts from, as Qwen3 is the paper's: a model that can already copy and hold a
+    support conversation, which has never seen the shop store (its goods, statuses, policy), only its siblings
+    (envs/shop_tasks.py: same tool API, other goods and wording). Two stages, as LLMs are made:
+
+    1. Drills. A model trained from scratch learns to copy a value (an id, a name, an item) from the conversation
+       only after hundreds of steps of dense copying, abruptly, after a plateau whose length varies from run to run;
+       Qwen3 arrives able to do it. So 'tiny' is trained on dense drills from the siblings' conversations
+       (`windows`: the user states values, the agent uses them in a tool call or a confirmation; no policy, no
+       tools), their items renamed to any store's (`relabel_goods`: a model copies only tokens it has learned to
+       write, and Qwen3 knows the word "mug"), at a constant learning rate until the held-out copy loss (drills
+       from tasks it never trains on) is below `pretrain_target` nats per copied value, checked every 25 steps.
+    2. Conversations: one epoch of SFT on `base_conversations` whole conversations of the siblings' teacher, as
+       imperfect as shop's (BASE_TEACHER), with their policy and tools.
+
+    The committed base (COMMITTED_BASE) when the settings are its own and `committed`; otherwise made once and cached
+    under MUARL_CACHE, keyed by the settings and by the code that makes it. `--model tiny` means the base of the
+    default settings (sft.train, cold_start); `sft.py --pretrain-only` makes one of the settings given."""
     if cfg.env.split(":")[0] != "shop":
-        raise SystemExit(f"--model tiny: the tiny base is pretrained on the 'shop' domain only, not {cfg.env!r} "
+        raise SystemExit(f"--model tiny: the tiny base is pretrained for the 'shop' domain only, not {cfg.env!r} "
                          "(give a cold-start checkpoint: grpo.py --init-from)")
-    settings = {k: getattr(cfg, k) for k in ("seed", "num_tasks", "lr", "warmup_steps", "grad_clip", "pretrain_target",
-                                             "pretrain_max_steps", "pretrain_batch_size")}
+    settings = base_settings(cfg)
+    made = COMMITTED_BASE / "muarl_config.json"
+    if committed and made.exists() and json.loads(made.read_text())["pretrain"]["settings"] == settings:
+        return COMMITTED_BASE
     out = models.CACHE_DIR / f"tiny-base-{cache_key(settings)}"
     if (out / "config.json").exists():
         return out
-    held_out = 64
-    # The drills come from the perfect teacher, whatever --teacher-skips-confirm says of the cold start.
-    conversations = make_cold_start(replace(cfg, env="shop", teacher="expert", user_sim="scripted",
-                                            teacher_skips_confirm=0.0, num_tasks=cfg.num_tasks + held_out))
+    held_out, t0 = 64, time.time()
+    per_store = -(-(cfg.num_tasks + held_out) // len(SIBLINGS))
+    conversations = [c for store in SIBLINGS for c in make_cold_start(replace(
+        cfg, env=f"shop:{store}", teacher="expert", user_sim="scripted", teacher_skips_confirm=0.0,
+        teacher_skips_refund=0.0, num_tasks=per_store))]
+    rng = random.Random(cfg.seed)
+    rng.shuffle(conversations)
+    conversations = [relabel_goods(c, GOODS[c["task_id"].split("-")[1]], rng) for c in conversations]
     acc = cli.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
     check_backend(acc)
     models.seed_everything(cfg.seed)
@@ -338,10 +340,11 @@ def pretrain_tiny(cfg: SFTConfig) -> Path:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.warmup_steps, cfg.pretrain_max_steps, floor=1.0))
     model, opt = acc.prepare(model, opt)
-    acc.print(f"[pretrain] tiny: {len(drills)} drills of {sum(len(i) for i, _ in drills) / len(drills):.0f} tokens on "
-              f"average, {cfg.pretrain_batch_size} a step, until the copy loss on {len(test)} held-out drills is "
-              f"< {cfg.pretrain_target} (at most {cfg.pretrain_max_steps} steps) -> {out}")
-    every, step, t0, loss = 25, 0, time.time(), float("inf")
+    acc.print(f"[pretrain] tiny: {len(drills)} drills from {', '.join(SIBLINGS)} of "
+              f"{sum(len(i) for i, _ in drills) / len(drills):.0f} tokens on average, {cfg.pretrain_batch_size} a "
+              f"step, until the copy loss on {len(test)} held-out drills is < {cfg.pretrain_target} (at most "
+              f"{cfg.pretrain_max_steps} steps) -> {out}")
+    every, step, loss = 25, 0, float("inf")
     while step < cfg.pretrain_max_steps and loss >= cfg.pretrain_target:
         n = min(every, cfg.pretrain_max_steps - step)
         train_loss = fit(acc, model, opt, sched, drills, n, cfg.pretrain_batch_size, cfg.pretrain_batch_size,
@@ -354,8 +357,16 @@ def pretrain_tiny(cfg: SFTConfig) -> Path:
     if loss >= cfg.pretrain_target:
         acc.print(f"[pretrain] stopped at --pretrain-max-steps {cfg.pretrain_max_steps} with copy loss {loss:.3f} "
                   f"above the target {cfg.pretrain_target}: the cold start will copy values badly")
-    checkpoints.save_pretrained(acc, model, tok, out, {"pretrain": {**settings, "steps": step, "copy_loss": loss,
-                                                        "seconds": time.time() - t0}})
+    drilled = out.with_name(out.name + "-drills")
+    checkpoints.save_pretrained(acc, model, tok, drilled, {})
+    del model, opt
+    talk = [c for i, store in enumerate(SIBLINGS) for c in make_cold_start(replace(
+        cfg, env=f"shop:{store}", teacher="expert", user_sim="scripted", seed=cfg.seed + 1 + i,
+        teacher_skips_confirm=BASE_TEACHER["skip_confirm"], teacher_skips_refund=BASE_TEACHER["skip_refund"],
+        num_tasks=-(-cfg.base_conversations // len(SIBLINGS))))]
+    train(replace(cfg, model=str(drilled), out=str(out), epochs=1.0, lora_rank=0), talk, accelerator=acc,
+          record={"pretrain": {"settings": settings, "steps": step, "copy_loss": loss, "seconds": time.time() - t0}})
+    shutil.rmtree(drilled, ignore_errors=True)
     return out
 
 
@@ -364,7 +375,13 @@ def main(argv=None):
     if cfg.pretrain_only:
         if cfg.model != "tiny":
             raise SystemExit("sft.py: --pretrain-only: only the 'tiny' model is pretrained here (--model tiny)")
-        print(f"[pretrain] the tiny base: {pretrain_tiny(cfg)}")
+        base = pretrain_tiny(cfg, committed=not cfg.base_out)  # --base-out: made again (or the cached one)
+        print(f"[pretrain] the tiny base: {base}")
+        if cfg.base_out and Path(cfg.base_out).resolve() != base.resolve():
+            checkpoints.check_out(cfg.base_out, cfg.overwrite, option="--base-out")
+            shutil.rmtree(cfg.base_out, ignore_errors=True)
+            shutil.copytree(base, cfg.base_out)
+            print(f"[pretrain] copied to {cfg.base_out}")
         return
     if cfg.user_retries < 0 or not cfg.user_timeout > 0:
         raise SystemExit("sft.py: --user-retries must be >= 0 and --user-timeout > 0")

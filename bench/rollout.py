@@ -159,7 +159,7 @@ def latency_bench(args):
     else:
         import sft
 
-        agent = sft.cold_start("tiny", "shop", "train", 0, False, 0.6)  # grpo.py's defaults
+        agent = sft.cold_start("tiny", "shop", "train", 0, False, 0.6, 0.5)  # grpo.py's defaults
     env = make_env("shop")
     model, tok = models.load_model(agent, env=env)
     tasks = env.tasks("train")[:args.tasks]

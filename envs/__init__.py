@@ -119,14 +119,14 @@ class Environment(Protocol):
 
 
 def make_env(name: str, **options) -> Environment:
-    """Build an environment from its command-line name: "shop" ("shop:static": its user says everything at once
-    and never changes its mind), "tau2:<domain>", "bfcl:<category>" (BFCL-V3
+    """Build an environment from its command-line name: "shop" ("shop:static", "shop:replay", "shop:garden", ...:
+    envs.shop.from_name), "tau2:<domain>", "bfcl:<category>" (BFCL-V3
     multi-turn), "acebench:<agent|multi_turn|multi_step>" (ACEBench, from a checkout: root=, or ACEBENCH_ROOT),
     or "package.module:Class"."""
-    if name in ("shop", "shop:static"):
-        from envs.shop import ShopEnv
+    if name == "shop" or name.startswith("shop:"):
+        from envs.shop import from_name
 
-        return ShopEnv(**({"user": "static"} if name == "shop:static" else {}), **options)
+        return from_name(name, **options)
     if name.startswith("tau2:"):
         from envs.tau2 import Tau2Env
 

@@ -1,13 +1,12 @@
 """shop: a small, procedurally generated customer-service domain that a tiny model can learn on a CPU.
 
-In the spirit of tau2-bench retail, scaled down for a ~1-3M-parameter transformer trained from scratch
-(cold-start SFT on the expert's dialogues, then GRPO against the scripted user; the default run's cold start
-imitates an imperfect version of the expert, `ShopEnv.expert(task, skip_confirm=...)`, whose skipped confirmations
-GRPO learns to make from the reward: bench/README.md). The design:
-a short policy, six tools with compact schemas, short JSON tool outputs, and formulaic-but-varied user
-phrasing. System prompt + tool schemas + a whole dialogue stay around 2,700 characters (about 1,000 tokens).
+In the spirit of tau2-bench retail, scaled down for a ~1-3M-parameter transformer trained from scratch: a short
+policy, six tools with compact schemas, short JSON tool outputs, formulaic-but-varied user phrasing; system prompt +
+tool schemas + a whole dialogue stay around 3,000 characters (about 1,000 tokens). The tasks, the goods of shop and of
+its two sibling stores, and the refund decision are in envs/shop_tasks.py; the scripted users in envs/shop_user.py;
+the scripted teacher in envs/shop_expert.py.
 
-    env = ShopEnv(n_train=5000, n_test=100, seed=0)
+    env = ShopEnv(n_train=5000, n_test=100, seed=0)       # make_env("shop"), "shop:static", "shop:replay", ...
     task = env.tasks("train")[0]
     messages, reward, info, termination = play(env, task, env.expert(task))   # reward 1.0
 
@@ -20,6 +19,8 @@ Where the agent can fail, on purpose:
   - picking the wrong order: the order list is shuffled, and a user who does not know the order id
     describes it by an item, so the agent has to look orders up until it finds that item;
   - not checking the order status (cancelling a delivered order, returning a pending one -> transfer);
+  - not asking where a refund goes (the write then refunds the original payment; wrong when the user wanted a
+    voucher, which the dynamic user says only when asked);
   - writing without an explicit "yes" (reward 0, see `ShopSession.reward`);
   - not adapting when the user changes its mind at the first confirmation (~40% of write tasks);
   - ending too early, or doing more than asked (an extra write or transfer changes the database).
@@ -28,192 +29,33 @@ from __future__ import annotations
 
 import copy
 import json
-import random
-import re
 
 from envs import Task, ToolResult, play
+from envs.shop_tasks import (GOODS, REFUNDS, SIBLINGS, VOUCHER_SHARE, WRITE_TOOLS, id_tokens, is_refund_question,
+                             make_task, scenario)
 
-PRODUCTS = ["mug", "lamp", "pen", "shirt", "bag", "hat", "clock", "kettle", "scarf", "chair"]
-COLORS = ["red", "blue", "green", "black", "white", "gray"]
-ITEMS = [f"{c} {p}" for p in PRODUCTS for c in COLORS]  # every item name any task can contain
-# Few enough names that each full name ("Hugo Silva", one token of the tiny tokenizer) is seen often in training.
-FIRST = ["Anna", "Ben", "Carla", "David", "Emma", "Felix", "Grace", "Hugo", "Iris", "Jonas"]
-LAST = ["Lee", "Smith", "Garcia", "Khan", "Novak", "Silva"]
-ZIPS = [str(z) for z in sorted(random.Random(5).sample(range(10000, 100000), 30))]  # the towns customers live in
-MAILS = ["@mail.com", "@post.net", "@inbox.org"]
-WRITE_TOOLS = ("cancel_order", "return_item", "exchange_item")
-OTHER_TOPICS = {"address": "I want to change the shipping address of an order.",
-                "compensation": "My order came late. I want compensation.",
-                "card": "I want to pay for an order with another card."}
-
-POLICY = """You are a shop support agent.
-- First find the user by email, or by name and zip. Help only with their own orders.
-- Cancel only pending orders. Return or exchange only items of delivered orders, for another color of the same product.
-- Before you cancel, return or exchange, state the action and get an explicit yes.
-- One tool call at a time.
-- If the request is anything else or not allowed, transfer to a human agent."""
+USERS = ("dynamic", "static", "replay")
 
 # name -> (description, the accepted sets of string arguments). Short on purpose: with a byte-level BPE every
 # schema costs ~45 tokens of JSON scaffolding plus its words, in every prompt (one lookup tool, not two, for that).
 TOOL_SPECS = {
     "find_user": ("Find a user by email, or by name and zip.", [["email"], ["name", "zip"]]),
     "get_order": ("Get an order.", [["order_id"]]),
-    "cancel_order": ("Cancel a pending order.", [["order_id"]]),
-    "return_item": ("Return an item of a delivered order.", [["order_id", "item"]]),
-    "exchange_item": ("Exchange an item of a delivered order for another color.", [["order_id", "item", "new_item"]]),
+    "cancel_order": ("Cancel an order; refund: original (default) or voucher.", [["order_id"], ["order_id", "refund"]]),
+    "return_item": ("Return an item; refund: original (default) or voucher.",
+                    [["order_id", "item"], ["order_id", "item", "refund"]]),
+    "exchange_item": ("Exchange an item for another color.", [["order_id", "item", "new_item"]]),
     "transfer_to_human_agents": ("Transfer the user to a human agent.", [[]]),
 }
 TOOLS = [{"type": "function", "function": {
     "name": name, "description": desc,
     "parameters": {"type": "object", "properties": {p: {"type": "string"} for ps in sets for p in ps},
-                   "required": sets[0] if len(sets) == 1 else []}}}
+                   "required": sets[0] if len(sets) == 1 else sorted(set.intersection(*map(set, sets)))}}}
     for name, (desc, sets) in TOOL_SPECS.items()]
-
-ORDER_RE = re.compile(r"\bo\d{2}\b")
-HINT_RE = re.compile(r"order with the ([a-z]+ [a-z]+)")
-CONFIRM = " Confirm (yes/no)?"
 
 
 def _json(obj) -> str:
     return json.dumps(obj, separators=(",", ":"))
-
-
-def id_tokens() -> list[str]:
-    """Every value the domain can generate that an agent must copy: full names, item names, names and email
-    parts, zips, order and user ids. The tiny tokenizer makes each one a single token (`models.env_tokenizer`).
-
-    Full names ("Jonas Silva") and items ("white shirt") are one token each because a model trained from scratch
-    copies a single token by its content long before it learns to copy the token *after* the one it just copied
-    (an induction head): with names and items as two tokens, the cold-started agent copied the first name and
-    wrote the most frequent last name ("Jonas Lee"), and wrote "red bag" for every item."""
-    return ([f"{a} {b}" for a in FIRST for b in LAST] + ITEMS
-            + FIRST + LAST + [n.lower() for n in FIRST + LAST] + MAILS + ZIPS
-            + [f"o{n}" for n in range(10, 100)] + [f"u{n}" for n in range(10, 100)])
-
-
-def _items_in(text: str) -> list[str]:
-    """Item names mentioned in `text`, in order of appearance."""
-    found = [(m.start(), item) for item in ITEMS for m in re.finditer(rf"\b{item}\b", text)]
-    return [item for _, item in sorted(found)]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Task generation: one seed -> one task with its own database
-# ---------------------------------------------------------------------------------------------------------
-def make_task(split: str, index: int, seed: int = 0) -> Task:
-    """Train seeds are seed*1e6 + index, test seeds seed*1e6 + 500,000 + index: disjoint for index < 500,000."""
-    task_seed = seed * 1_000_000 + (500_000 if split == "test" else 0) + index
-    rng = random.Random(task_seed)
-    catalog = {p: sorted(rng.sample(COLORS, 3)) for p in PRODUCTS}
-    pool = [f"{c} {p}" for p, cs in catalog.items() for c in cs]
-    rng.shuffle(pool)  # items are drawn from the pool without replacement: no item is in two orders
-    order_ids = iter(f"o{n}" for n in rng.sample(range(10, 100), 12))
-    user_ids = [f"u{n}" for n in rng.sample(range(10, 100), 3)]
-    db = {"users": {}, "orders": {}, "products": catalog, "transfers": []}
-
-    def add_order(uid, status, n_items):
-        # One item per product in an order, so "the red mug" -> "the blue mug" is never ambiguous.
-        items = []
-        for _ in range(n_items):
-            items.append(next(x for x in reversed(pool) if x.split()[1] not in {i.split()[1] for i in items}))
-            pool.remove(items[-1])
-        oid = next(order_ids)
-        db["orders"][oid] = {"user_id": uid, "status": status, "items": items}
-        return oid
-
-    kind = rng.choice(["cancel"] * 3 + ["return"] * 3 + ["exchange"] * 3 + ["transfer"] * 2)
-    change_type = None
-    if kind != "transfer" and rng.random() < 0.4:
-        change_type = {"cancel": "other_order", "exchange": "to_return",
-                       "return": rng.choice(["other_item", "to_exchange"])}[kind]
-    uid = user_ids[0]
-    topic = None
-    if kind == "transfer":
-        topic = rng.choice(["address", "compensation", "card", "cancel_delivered", "return_pending"])
-        status = ({"cancel_delivered": "delivered", "return_pending": "pending"}.get(topic)
-                  or rng.choice(["pending", "delivered"]))
-        target = add_order(uid, status, rng.randint(1, 3))
-    else:
-        n_items = 2 if change_type == "other_item" else 1
-        target = add_order(uid, "pending" if kind == "cancel" else "delivered", rng.randint(n_items, 3))
-    mine = [target]
-    alt = add_order(uid, "pending", rng.randint(1, 2)) if change_type == "other_order" else None
-    if alt:
-        mine.append(alt)
-    for _ in range(rng.randint(0, 2 if alt is None else 1)):
-        mine.append(add_order(uid, rng.choice(["pending", "delivered", "cancelled"]), rng.randint(1, 2)))
-    rng.shuffle(mine)  # the order the user means is not always first in the list
-
-    first, last = rng.choice(FIRST), rng.choice(LAST)
-    same_name = rng.random() < 0.3  # a second customer of the same name: the zip matters
-    zips = rng.sample(ZIPS, 3)  # distinct: customers of the same name are told apart by their zip
-    for i, u in enumerate(user_ids):
-        name = f"{first} {last}" if i == 0 or (i == 1 and same_name) else f"{rng.choice(FIRST)} {rng.choice(LAST)}"
-        taken = {x["email"] for x in db["users"].values()}
-        email = next(e for e in (name.replace(" ", ".").lower() + m for m in rng.sample(MAILS, 3)) if e not in taken)
-        orders = mine if i == 0 else [add_order(u, rng.choice(["pending", "delivered"]), 1)
-                                      for _ in range(rng.randint(1, 2))]
-        db["users"][u] = {"name": name, "email": email, "zip": zips[i], "orders": orders}
-
-    items = db["orders"][target]["items"]
-    item = rng.choice(items)
-    product = item.split()[1]
-    new = f"{rng.choice([c for c in catalog[product] if c != item.split()[0]])} {product}"
-    action = {"transfer": {"cancel_delivered": "cancel", "return_pending": "return"}.get(topic, "other")
-              }.get(kind, kind)
-    goal = {"action": action, "order": target, "hint": item, "item": item if action in ("return", "exchange") else None,
-            "new": new if action == "exchange" else None, "topic": topic}
-    change = None
-    if change_type == "other_order":
-        change = dict(goal, order=alt, hint=db["orders"][alt]["items"][0])
-    elif change_type == "other_item":
-        change = dict(goal, item=rng.choice([x for x in items if x != item]))
-    elif change_type == "to_exchange":
-        change = dict(goal, action="exchange", new=new)
-    elif change_type == "to_return":
-        change = dict(goal, action="return", new=None)
-    final = change or goal
-    gold = {"cancel": [["cancel_order", {"order_id": final["order"]}]],
-            "return": [["return_item", {"order_id": final["order"], "item": final["item"]}]],
-            "exchange": [["exchange_item", {"order_id": final["order"], "item": final["item"],
-                                            "new_item": final["new"]}]],
-            }.get(final["action"]) if kind != "transfer" else [["transfer_to_human_agents", {}]]
-    user = db["users"][uid]
-    data = {"seed": task_seed, "db": db, "user_id": uid, "kind": kind, "goal": goal, "change": change,
-            "change_type": change_type, "knows_email": rng.random() < 0.6, "knows_order_id": rng.random() < 0.6,
-            "gold": gold}
-    task = Task(id=f"shop-{split}-{index}", user_scenario="", data=data,
-                meta={"kind": kind, "change": change_type, "topic": topic, "seed": task_seed})
-    task.user_scenario = _scenario(data, user)
-    return task
-
-
-def _describe(want: dict, knows_id: bool) -> str:
-    ref = f"order {want['order']}" if knows_id else f"the order with the {want['hint']} (you do not know its id)"
-    if want["action"] == "other":
-        return {"address": "change the shipping address of an order", "card": "pay for an order with another card",
-                "compensation": "get compensation because an order came late"}[want["topic"]]
-    return {"cancel": f"cancel {ref}", "return": f"return the {want['item']} from {ref}",
-            "exchange": f"exchange the {want['item']} from {ref} for the {want['new']}"}[want["action"]]
-
-
-SCENARIO_END = ("Say yes only to exactly the action you want. When it is done, thank the agent and end with "
-                "###STOP###; also end with ###STOP### if the agent transfers you.")
-
-
-def _scenario(d: dict, user: dict, static: bool = False) -> str:
-    email = f"your email is {user['email']}" if d["knows_email"] else "you do not remember your email"
-    text = f"You are {user['name']}, a shop customer; {email}; your zip code is {user['zip']}. "
-    if static:  # shop:static: everything at once, the final request, no change of mind
-        return text + (f"You want to {_describe(d['change'] or d['goal'], d['knows_order_id'])}. In your first "
-                       "message say who you are (your email, or name and zip) and exactly what you want; never change "
-                       "your mind. " + SCENARIO_END)
-    text += (f"You want to {_describe(d['goal'], d['knows_order_id'])}. Start by saying only that you need help "
-             "with an order. Give your email (or name and zip), the order and the item only when the agent asks. ")
-    if d["change"]:
-        text += (f"When the agent first asks you to confirm an action, say no and change your mind: you now want to "
-                 f"{_describe(d['change'], d['knows_order_id'])}. ")
-    return text + SCENARIO_END
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -226,6 +68,7 @@ class ToolError(Exception):
 class ShopSession:
     def __init__(self, task: Task):
         self.task = task
+        self.status = GOODS[task.data["goods"]].status
         self.db = copy.deepcopy(task.data["db"])  # docs/invariants.md, 4: nothing leaks between episodes
         self.user_id = None  # set by a successful find_user; the order tools refuse to work without it
 
@@ -272,24 +115,31 @@ class ShopSession:
     def _done(self, order_id):  # write results are short: the agent has seen the order already
         return {"order_id": order_id, "status": self.db["orders"][order_id]["status"]}
 
-    def _cancel_order(self, order_id):
-        order = self._order(order_id)
-        if order["status"] != "pending":
-            raise ToolError(f"order {order_id} is {order['status']}, only pending orders can be cancelled")
-        order["status"] = "cancelled"
+    def _refund(self, refund: str) -> str:
+        if refund not in REFUNDS:
+            raise ToolError(f"refund must be {' or '.join(REFUNDS)}, not {refund!r}")
+        return refund
+
+    def _cancel_order(self, order_id, refund=REFUNDS[0]):
+        order, refund = self._order(order_id), self._refund(refund)
+        if order["status"] != self.status["pending"]:
+            raise ToolError(f"order {order_id} is {order['status']}, only {self.status['pending']} orders can be "
+                            "cancelled")
+        order["status"], order["refund"] = self.status["cancelled"], refund
         return self._done(order_id)
 
     def _delivered_item(self, order_id, item) -> dict:
         order = self._order(order_id)
-        if order["status"] != "delivered":
-            raise ToolError(f"order {order_id} is {order['status']}, only delivered orders allow returns and exchanges")
+        if order["status"] != self.status["delivered"]:
+            raise ToolError(f"order {order_id} is {order['status']}, only {self.status['delivered']} orders allow "
+                            "returns and exchanges")
         if item not in order["items"]:
             raise ToolError(f"order {order_id} has no {item}")
         return order
 
-    def _return_item(self, order_id, item):
-        order = self._delivered_item(order_id, item)
-        order["status"], order["return"] = "returning", item
+    def _return_item(self, order_id, item, refund=REFUNDS[0]):
+        order, refund = self._delivered_item(order_id, item), self._refund(refund)
+        order["status"], order["return"], order["refund"] = self.status["returning"], item, refund
         return self._done(order_id)
 
     def _exchange_item(self, order_id, item, new_item):
@@ -297,7 +147,7 @@ class ShopSession:
         color, _, product = new_item.strip().partition(" ")
         if product != item.split()[1] or color == item.split()[0] or color not in self.db["products"][product]:
             raise ToolError(f"{new_item} is not another color of the {item}")
-        order["status"], order["exchange"] = "exchanging", [item, new_item.strip()]
+        order["status"], order["exchange"] = self.status["exchanging"], [item, new_item.strip()]
         return self._done(order_id)
 
     def _transfer_to_human_agents(self):
@@ -320,7 +170,23 @@ class ShopSession:
                 differ.append(table)
         unconfirmed = unconfirmed_writes(messages)
         ok = not differ and not unconfirmed
-        return float(ok), {"db_match": not differ, "differ": differ, "unconfirmed_writes": unconfirmed}
+        info = {"db_match": not differ, "differ": differ, "unconfirmed_writes": unconfirmed}
+        if self.task.meta.get("refund"):  # the decision the user in the loop teaches, recorded where it arises
+            info["asked_refund"] = asked_refund(messages)
+        return float(ok), info
+
+
+def asked_refund(messages: list[dict]) -> bool:
+    """Did the agent ask where the refund goes (a message the dynamic user answers with it: `is_refund_question`)
+    before its first write?"""
+    for m in messages:
+        if m.get("role") != "assistant":
+            continue
+        if any((c.get("function") or {}).get("name") in WRITE_TOOLS for c in m.get("tool_calls") or []):
+            return False
+        if is_refund_question(str(m.get("content") or "")):
+            return True
+    return False
 
 
 def gold_db(task: Task) -> dict:
@@ -353,21 +219,38 @@ def unconfirmed_writes(messages: list[dict]) -> list[str]:
 # The environment
 # ---------------------------------------------------------------------------------------------------------
 class ShopEnv:
-    """`user="static"` (`make_env("shop:static")`): the scripted user states who it is and its final request in its
-    first message and never changes its mind; same tasks, tools, gold and reward (bench/ablation.py's arm 4: GRPO
-    against a user that still answers, but with nothing to ask and nothing that changes)."""
+    """One store of the family (`goods`: "shop", or a sibling, "garden" or "sport") with one kind of scripted user:
+      dynamic   vague opening, details and the refund's destination only when asked, a change of mind at the first
+                confirmation in ~40% of write tasks (the paper's simulated user)
+      static    who it is, its final request and the refund's destination in its first message; never changes its
+                mind (the same tasks, tools, gold and reward)
+      replay    the paper's pre-scripted interaction: the dynamic user's turns from the expert's conversation on that
+                task, played in order whatever the agent says (task.meta["user_sim"]["scripted"]: an LLM user
+                simulator leaves these tasks to the script)
+    `voucher_share`: the share of refunds that go to a voucher (0: every user wants the default, the negative control
+    of bench/ablation.py). Command-line names: make_env("shop"), "shop:static", "shop:replay", "shop:garden",
+    "shop:replay:default" (envs.make_env)."""
     name = "shop"
 
-    def __init__(self, n_train: int = 5000, n_test: int = 100, seed: int = 0, user: str = "dynamic"):
+    def __init__(self, n_train: int = 5000, n_test: int = 100, seed: int = 0, user: str = "dynamic",
+                 goods: str = "shop", voucher_share: float = VOUCHER_SHARE):
         assert n_train <= 500_000 and n_test <= 500_000, "train and test seeds would overlap"
-        if user not in ("dynamic", "static"):
-            raise ValueError(f"shop: user {user!r} is not 'dynamic' or 'static'")
-        self.seed, self.user = seed, user
-        self._splits = {"train": [make_task("train", i, seed) for i in range(n_train)],
-                        "test": [make_task("test", i, seed) for i in range(n_test)]}
-        if user == "static":  # an LLM user simulator reads the scenario: it must be the static one too
-            for task in self._splits["train"] + self._splits["test"]:
-                task.user_scenario = _scenario(task.data, task.data["db"]["users"][task.data["user_id"]], static=True)
+        if user not in USERS:
+            raise ValueError(f"shop: user {user!r} is not one of {', '.join(USERS)}")
+        if goods not in GOODS:
+            raise ValueError(f"shop: goods {goods!r} is not one of {', '.join(GOODS)}")
+        if not 0 <= voucher_share <= 1:
+            raise ValueError(f"shop: voucher_share {voucher_share} is not in [0, 1]")
+        self.seed, self.user, self.goods = seed, user, GOODS[goods]
+        self.name = "shop" if goods == "shop" else f"shop:{goods}"
+        self._splits = {split: [make_task(split, i, seed, self.goods, voucher_share) for i in range(n)]
+                        for split, n in (("train", n_train), ("test", n_test))}
+        self._replays: dict[str, list[str]] = {}
+        for task in self._splits["train"] + self._splits["test"]:
+            if user == "static":  # an LLM user simulator reads the scenario: it must be the static one too
+                task.user_scenario = scenario(task.data, task.data["db"]["users"][task.data["user_id"]], static=True)
+            elif user == "replay":
+                task.meta["user_sim"] = {"scripted": True}
 
     def tasks(self, split: str) -> list[Task]:
         if split not in self._splits:
@@ -375,7 +258,7 @@ class ShopEnv:
         return self._splits[split]
 
     def system_prompt(self, task: Task) -> str:
-        return POLICY
+        return self.goods.policy
 
     def tools(self, task: Task) -> list[dict]:
         return copy.deepcopy(TOOLS)
@@ -387,33 +270,60 @@ class ShopEnv:
         return ShopSession(task)
 
     def scripted_user(self, task: Task):
-        from envs.shop_user import ShopUser  # here, not at the top: the user imports this module's formats
+        from envs.shop_user import ReplayUser, ShopUser  # players of the domain, loaded when asked for
 
-        return ShopUser(task, static=self.user == "static")
+        if self.user != "replay":
+            return ShopUser(task, static=self.user == "static")
+        if task.id not in self._replays:  # the expert's conversation with the dynamic user, once per task
+            messages = play(self, task, self.expert(task), ShopUser(task))[0]
+            self._replays[task.id] = [m["content"] for m in messages if m["role"] == "user"]
+        return ReplayUser(self._replays[task.id])
 
-    def expert(self, task: Task, skip_confirm: float = 0.0):
-        """The scripted teacher; with `skip_confirm` > 0 it writes without asking in that share of conversations
-        (drawn per task, from its seed)."""
-        from envs.shop_expert import ShopExpert  # here, not at the top: the expert imports this module's formats
+    def expert(self, task: Task, skip_confirm: float = 0.0, skip_refund: float = 0.0):
+        """The scripted teacher; with `skip_confirm` > 0 it writes without asking for a yes, with `skip_refund` > 0
+        it never asks where a refund goes (using what the user said, else the default), each in that share of
+        conversations (drawn per task, from its seed)."""
+        from envs.shop_expert import ShopExpert  # a player of the domain, loaded when asked for
 
-        return ShopExpert(skip_confirm, seed=task.data["seed"] if skip_confirm else 0)
+        return ShopExpert(task.data["goods"], skip_confirm, skip_refund, seed=task.data["seed"])
 
     def tokenizer_words(self) -> list[str]:
-        """The domain's identifiers, each one token of the tiny tokenizer (id_tokens)."""
+        """The stores' identifiers, each one token of the tiny tokenizer (id_tokens)."""
         return id_tokens()
 
     def corpus(self, n_tasks: int = 300) -> list[str]:
-        """Texts to train the tiny BPE tokenizer on: the text of expert episodes on the first `n_tasks` train
-        seeds (independent of n_train, so the tokenizer is too), each with the policy and the tool schemas as
-        the prompt shows them, so that BPE merges are weighted the way the model will read text."""
+        """Texts to train the tiny BPE tokenizer on: the text of expert episodes on the first `n_tasks` train seeds,
+        shared among shop and its siblings (so one tokenizer serves every store, and is independent of n_train and
+        of the user), each with the store's policy and the tool schemas as the prompt shows them, so that BPE merges
+        are weighted the way the model will read text."""
         texts = []
+        stores = ["shop", *SIBLINGS]
         for i in range(n_tasks):
-            task = make_task("train", i, self.seed)
-            messages, _, _, _ = play(self, task, self.expert(task))
-            texts += [POLICY] + [json.dumps(t) for t in TOOLS]
+            env = ShopEnv(0, 0, self.seed, goods=stores[i % len(stores)])
+            task = make_task("train", i // len(stores), self.seed, env.goods)
+            messages, _, _, _ = play(env, task, env.expert(task))
+            texts += [env.goods.policy] + [json.dumps(t) for t in TOOLS]
             for m in messages[1:]:
                 texts.append(str(m.get("content") or ""))
                 for c in m.get("tool_calls") or []:
                     texts.append(json.dumps({"name": c["function"]["name"],
                                              "arguments": json.loads(c["function"]["arguments"])}))
         return [t for t in texts if t]
+
+
+def from_name(name: str, **options) -> ShopEnv:
+    """"shop" followed by any of ":<user>" (dynamic, static, replay), ":<goods>" (garden, sport) and ":default"
+    (every refund to the original payment): "shop:static", "shop:replay:default", "shop:garden"."""
+    parts = name.split(":")[1:]
+    for part in parts:
+        if part in USERS or part in GOODS:
+            key = "user" if part in USERS else "goods"
+            if key in options:
+                raise ValueError(f"environment {name!r}: two {key}s ({options[key]}, {part})")
+            options[key] = part
+        elif part == "default":
+            options["voucher_share"] = 0.0
+        else:
+            raise ValueError(f"environment {name!r}: {part!r} is not a shop user ({', '.join(USERS)}), store "
+                             f"({', '.join(GOODS)}) or 'default'")
+    return ShopEnv(**options)

@@ -2,9 +2,10 @@
 It writes the cold-start data (coldstart.make_cold_start) and the text the tiny tokenizer is trained on
 (ShopEnv.corpus).
 
-Its own file, apart from envs/shop.py (the domain: tasks, tools, database, reward, scripted user), because it is
-a player of the domain rather than part of it: the agent's expert counterpart of the scripted user. It reads the
-domain's formats (order ids, item names, the confirmation question) from envs/shop.py; ShopEnv.expert imports it.
+Its own file, apart from envs/shop.py (the domain: tools, database, reward) and envs/shop_tasks.py (its tasks and
+formats), because it is a player of the domain rather than part of it: the agent's expert counterpart of the scripted
+user. It reads the domain's formats (order ids, item names, the confirmation question) from envs/shop_tasks.py;
+ShopEnv.expert imports it.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import json
 import random
 import re
 
-from envs.shop import CONFIRM, HINT_RE, ORDER_RE, WRITE_TOOLS, _items_in
+from envs.shop_tasks import (CONFIRM, GOODS, HINT_RE, ORDER_RE, REFUND_SAID, REFUNDS, WRITE_TOOLS, items_in,
+                             refund_named)
 
 
 class ShopExpert:
@@ -22,15 +24,20 @@ class ShopExpert:
 
     `skip_confirm`: the probability that, in this conversation, it writes without asking first (a coin drawn once
     from `seed`): an imperfect teacher, as LLM-written demonstrations are. Such a conversation breaks the policy's
-    confirmation rule (reward 0) while its database is right whenever the user would not have changed its mind."""
+    confirmation rule (reward 0) while its database is right whenever the user would not have changed its mind.
+    `skip_refund`: likewise, the probability that it never asks where a refund goes: it names the destination the
+    user gave unasked (a static user's), else none, and the write refunds the default (the original payment)."""
 
-    def __init__(self, skip_confirm: float = 0.0, seed: int = 0):
-        if not 0.0 <= skip_confirm <= 1.0:
-            raise ValueError(f"skip_confirm must be in [0, 1], got {skip_confirm}")
+    def __init__(self, goods: str = "shop", skip_confirm: float = 0.0, skip_refund: float = 0.0, seed: int = 0):
+        for name, p in (("skip_confirm", skip_confirm), ("skip_refund", skip_refund)):
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {p}")
+        self.goods = GOODS[goods]
         self.skips = random.Random(seed).random() < skip_confirm
+        self.skips_refund = random.Random(f"refund-{seed}").random() < skip_refund
 
     def act(self, messages: list[dict]) -> dict:
-        s = _read(messages)
+        s = _read(messages, self.goods)
         n_calls = sum(len(m.get("tool_calls") or []) for m in messages)
 
         def call(tool, **args):
@@ -64,7 +71,7 @@ class ShopExpert:
         if order not in s["fetched"]:
             return call("get_order", order_id=order)
         o = s["fetched"][order]
-        if o["status"] != ("pending" if action == "cancel" else "delivered"):
+        if o["status"] != self.goods.status["pending" if action == "cancel" else "delivered"]:
             return call("transfer_to_human_agents")
         mine = [x for x in s["mentions"] if x in o["items"]]
         item = mine[-1] if mine and action != "cancel" else None
@@ -76,10 +83,15 @@ class ShopExpert:
             return say("Which item do you want to exchange, and for which color?")
         if action == "exchange" and new is None:
             return say("Which color do you want instead?")
+        refund = s["refund"] if action in ("cancel", "return") else None
+        if action in ("cancel", "return") and refund is None and not self.skips_refund:
+            return say("Should the refund go to your original payment or to a voucher?")
+        with_refund = {"refund": refund} if refund else {}
+        said = f" and refund it {REFUND_SAID[refund]}" if refund else ""
         tool, args, text = {
-            "cancel": ("cancel_order", {"order_id": order}, f"I will cancel order {order}."),
-            "return": ("return_item", {"order_id": order, "item": item},
-                       f"I will return the {item} from order {order}."),
+            "cancel": ("cancel_order", {"order_id": order, **with_refund}, f"I will cancel order {order}{said}."),
+            "return": ("return_item", {"order_id": order, "item": item, **with_refund},
+                       f"I will return the {item} from order {order}{said}."),
             "exchange": ("exchange_item", {"order_id": order, "item": item, "new_item": new},
                          f"I will exchange the {item} for the {new} in order {order}."),
         }[action]
@@ -88,11 +100,12 @@ class ShopExpert:
         return say(text + CONFIRM)
 
 
-def _read(messages: list[dict]) -> dict:
-    """What the expert knows: identity details, the user's current request, and what the tools returned."""
+def _read(messages: list[dict], goods) -> dict:
+    """What the expert knows: identity details, the user's current request, where a refund goes, and what the
+    tools returned."""
     s = {"email": None, "name": None, "zip": None, "user": None, "orders": [], "fetched": {}, "tried": set(),
          "action": None, "order": None, "hint": None, "mentions": [], "last_write": False, "wrote": False,
-         "said_yes": False, "last_agent_text": None}
+         "said_yes": False, "last_agent_text": None, "refund": None}
     calls = {}
     for m in messages:
         role, text = m.get("role"), str(m.get("content") or "")
@@ -115,7 +128,9 @@ def _read(messages: list[dict]) -> dict:
                 low = low.replace(h.group(0), "")
             if ids := ORDER_RE.findall(low):
                 s["order"], s["hint"] = ids[-1], None
-            s["mentions"] += _items_in(low)
+            s["mentions"] += items_in(low, goods)
+            if (named := refund_named(low)) in REFUNDS:
+                s["refund"] = named
         elif role == "assistant":
             if not m.get("tool_calls"):
                 s["last_agent_text"] = text

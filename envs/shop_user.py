@@ -1,13 +1,15 @@
-"""The shop domain's scripted user (the rule-based counterpart of an LLM user simulator; envs/shop.py holds the
-instructions an LLM user gets, `_scenario`). Its own file, as the expert has (envs/shop_expert.py): a player of the
-domain rather than part of it. It reads the domain's formats from envs/shop.py; ShopEnv.scripted_user imports it.
+"""The shop domain's scripted users (the rule-based counterparts of an LLM user simulator; envs/shop_tasks.py holds
+the instructions an LLM user gets, `scenario`): dynamic and static (ShopUser), and replayed (ReplayUser). Their own
+file, as the expert has (envs/shop_expert.py): players of the domain rather than part of it. They read the domain's
+formats from envs/shop_tasks.py; ShopEnv.scripted_user imports them.
 """
 from __future__ import annotations
 
 import random
 
 from envs import Task
-from envs.shop import ORDER_RE, OTHER_TOPICS, _items_in
+from envs.shop_tasks import (GOODS, ORDER_RE, OTHER_TOPICS, REFUND_SAID, is_proposal, is_refund_question, items_in,
+                             refund_named)
 
 # Wrong proposals ("I will return the red mug from order o12", when the user wants another item or order) the user
 # corrects before giving up. Without a limit, a policy that keeps proposing the same wrong action talked until the
@@ -23,7 +25,10 @@ class ShopUser:
     """Dynamic like the paper's simulated user: vague opening, details only when asked, an optional change of
     mind at the first confirmation request, truthful yes/no, ###STOP### when done or transferred, when the agent
     says it is done before any yes, or when the agent proposes a wrong action for the third time (it corrects the
-    first two). `static=True` (shop:static): identity and final request in the opening, no change of mind.
+    first two). Where a refund goes it says only when asked about the refund (or when a proposal names the wrong
+    one); a proposal that names no destination gets its yes, and the write then refunds the default.
+    `static=True` (shop:static): identity, final request and the refund's destination in the opening, no change of
+    mind.
 
     Stateless: `reply` replays the user's rules over every agent text message of the conversation, so the
     answer depends only on the task and the conversation. Phrasing varies per task and turn (seeded)."""
@@ -32,6 +37,7 @@ class ShopUser:
         self.d = task.data
         self.user = self.d["db"]["users"][self.d["user_id"]]
         self.static = static
+        self.goods = GOODS[self.d["goods"]]
 
     def _pick(self, options: list[str], turn: int) -> str:
         return random.Random(f"{self.d['seed']}-{turn}").choice(options)
@@ -40,7 +46,8 @@ class ShopUser:
         if self.static:  # who it is and its final request at once; it will not change its mind
             u = self.user
             who = f"My email is {u['email']}." if self.d["knows_email"] else f"I'm {u['name']}, zip code {u['zip']}."
-            return f"Hi. {who} {self._restate(self.d['change'] or self.d['goal'])}"
+            want = self.d["change"] or self.d["goal"]
+            return f"Hi. {who} {self._restate(want)}{self._refund(want)}"
         return self._pick(["Hi, I need help with an order.", "Hello, can you help me with my order?",
                           "Hi there, I have a problem with an order."], 0)
 
@@ -56,6 +63,12 @@ class ShopUser:
     def _ref(self, want: dict) -> str:
         return f"order {want['order']}" if self.d["knows_order_id"] else f"the order with the {want['hint']}"
 
+    def _refund(self, want: dict) -> str:
+        """Where the refund goes, as the static user says it up front ("" when the request has no refund)."""
+        if want["action"] not in ("cancel", "return"):
+            return ""
+        return f" Please refund it {REFUND_SAID[self.d['refund']].replace('your', 'my')}."
+
     def _restate(self, want: dict) -> str:
         ref = self._ref(want)
         return {"cancel": f"I want to cancel {ref}.", "return": f"I want to return the {want['item']} from {ref}.",
@@ -68,7 +81,7 @@ class ShopUser:
             return False
         if set(ORDER_RE.findall(t)) != {want["order"]}:
             return False
-        items = _items_in(t)
+        items = items_in(t, self.goods)
         return {"cancel": True, "return": items == [want["item"]],
                 "exchange": items == [want["item"], want["new"]]}.get(want["action"], False)
 
@@ -79,7 +92,7 @@ class ShopUser:
             return self._pick(["Thanks, that's all.", "Great, thank you!", "Perfect, thanks."], turn) + " ###STOP###"
         if "transfer" in t or "goodbye" in t:
             return "Okay, thank you. ###STOP###"
-        if "yes/no" in t or "confirm" in t:
+        if is_proposal(t):
             no = self._pick(["No, wait.", "No, sorry.", "Hmm, no."], turn)
             if d["change"] and not state["changed"] and not self.static:
                 state["changed"] = True
@@ -88,13 +101,16 @@ class ShopUser:
                                    "other_item": f"I want to return the {c['item']} instead.",
                                    "to_exchange": f"I'd rather exchange it for the {c['new']}.",
                                    "to_return": "I'd rather just return it."}[d["change_type"]]
-            if self._matches(t, want):
+            named = refund_named(t) if want["action"] in ("cancel", "return") else None
+            if self._matches(t, want) and named in (None, self.d["refund"]):  # none named: the default, a yes
                 state["accepted"] = True
                 return self._pick(["Yes, please.", "Yes.", "Yes, go ahead."], turn)
             state["wrong"] += 1
             if state["wrong"] > PATIENCE:
                 return "No, that is still wrong. I will call back later. ###STOP###"
-            return "No. " + self._restate(want)
+            # A wrong destination is refused without saying the right one: only a question about the refund gets
+            # that (a static user said it at the start).
+            return "No. " + self._restate(want) + (self._refund(want) if self.static else "")
         if "done" in t:  # the agent says it acted before the user said yes: nothing left to ask for
             return "Oh, okay. Thanks. ###STOP###"
         parts = []
@@ -119,6 +135,13 @@ class ShopUser:
             parts.append("I want to cancel the whole order.")
         elif "color" in t:
             parts.append("I don't want another color.")
+        if is_refund_question(t):  # asked where the refund goes
+            if want["action"] in ("cancel", "return"):
+                parts.append(self._pick({"original": ["To my original payment, please.", "The original payment."],
+                                         "voucher": ["As a voucher, please.", "A voucher, please."]}[self.d["refund"]],
+                                        turn))
+            else:
+                parts.append("I don't need a refund.")
         if parts:
             return " ".join(parts)
         if not state["told"]:  # the first open question gets only the kind of request, no details
@@ -130,3 +153,19 @@ class ShopUser:
                                "exchange": ["I want to exchange an item.", "Can I exchange something I bought?"],
                                }[want["action"]], turn)
         return self._restate(want)
+
+
+class ReplayUser:
+    """The paper's pre-scripted interaction (shop:replay): the dynamic user's messages from the expert's conversation
+    on the task, the opening first and then one per agent text message, in order, whatever the agent says; the last
+    one (its ###STOP###) again once they run out."""
+
+    def __init__(self, turns: list[str]):
+        self.turns = turns
+
+    def opening(self) -> str:
+        return self.turns[0]
+
+    def reply(self, messages: list[dict]) -> str:
+        said = sum(m.get("role") == "assistant" and not m.get("tool_calls") for m in messages)
+        return self.turns[min(said, len(self.turns) - 1)]

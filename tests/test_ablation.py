@@ -1,59 +1,78 @@
-"""bench/ablation.py --quick: the five arms run end to end on a randomly initialized 'tiny' model and write the
-table and both pictures. A smoke test of the pipeline (which arm wins is measured by the full run, bench/README.md),
-with its bookkeeping checked: the table holds what was measured, arm 2's SFT got a budget from arm 3's seconds,
-every GRPO arm logged its dynamics and was evaluated at its checkpoints."""
+"""bench/ablation.py --quick: the arms run end to end on a randomly initialized 'tiny' model and write the tables and
+both pictures. A smoke test of the pipeline (which arm wins is measured by the full run, bench/README.md), with its
+bookkeeping checked: the table holds what was measured, arm `sft` got its budget from arm `dynamic`'s seconds, every
+GRPO arm logged its dynamics and was evaluated at its checkpoints, and a stopped run continues where it stopped."""
 import json
 import sys
 from pathlib import Path
+
+import pytest
 
 import models
 from envs import make_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import ablation  # noqa: E402
+import ablation_report  # noqa: E402
 
 
-def test_quick_ablation_runs_every_arm_and_writes_its_table(tmp_path):
-    base = tmp_path / "base"
+@pytest.fixture
+def base(tmp_path):
+    path = tmp_path / "base"
     model, tok = models.load_model("tiny", device="cpu", env=make_env("shop"))
-    model.save_pretrained(base)
-    tok.save_pretrained(base)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_quick_ablation_runs_its_arms_continues_where_it_stopped_and_writes_its_tables(tmp_path, base):
     out = tmp_path / "run"
-    results = ablation.main(["--quick", "--base", str(base), "--out", str(out)])
-
+    first = ["base", "cold", "dynamic", "sft"]
+    ablation.main(["--quick", "--base", base, "--out", str(out), "--arms", ",".join(first)])
+    saved = json.loads((out / "results.json").read_text())
+    assert sorted(saved["results"]["0"]) == sorted(first)
+    # started again with more arms: the measured ones are kept as they are, the new ones run
+    results = ablation.main(["--quick", "--base", base, "--out", str(out), "--arms", "base,cold,dynamic,sft,replay,"
+                             "ctl_static"])
     arms = results[0]
-    assert sorted(arms) == [1, 2, 3, 4, 5]
-    for arm, r in arms.items():
+    assert sorted(arms) == sorted(first + ["replay", "ctl_static"])
+    assert arms["dynamic"]["final"] == saved["results"]["0"]["dynamic"]["final"]
+    for name, r in arms.items():
         f = r["final"]
-        assert 0 <= f["greedy_pass1"] <= 1 and 0 <= f["pass2"] <= f["sampled_pass1"] <= 1, (arm, f)
-        assert r["curve"][-1][1] == f["greedy_pass1"]  # the curve ends at the final evaluation
-    for arm in (3, 4, 5):  # start, the step-1 checkpoint, the end; two logged GRPO steps
-        assert len(arms[arm]["curve"]) == 3 and [row["step"] for row in arms[arm]["dynamics"]] == [1, 2]
-        assert arms[arm]["seconds"] > 0
-    assert arms[2]["sft_steps"] >= 1 and arms[2]["curve"][0] == (0.0, arms[1]["final"]["greedy_pass1"])
-    assert arms[5]["curve"][0][1] == arms[5]["base_greedy_pass1"]
-
+        assert set(f["greedy"]) == set(f["refund"]) and len(f["greedy"]) == 8, name
+        assert all(0 <= v <= 1 for v in list(f["greedy"].values()) + list(f["sampled"].values())), name
+    for name in ("dynamic", "replay", "ctl_static"):  # start, the step-1 checkpoint, the end; two logged steps
+        assert len(arms[name]["curve"]) == 3 and [row["step"] for row in arms[name]["dynamics"]] == [1, 2]
+        assert arms[name]["curve"][-1][1] == ablation.mean(arms[name]["final"]["greedy"])
+    assert arms["sft"]["sft_steps"] >= 1
     md = (out / "results.md").read_text()
-    for arm, name in ablation.ARMS.items():
-        row = next(line for line in md.splitlines() if line.startswith(f"| {arm} {name} |"))
-        assert row.split("|")[2].strip() == f"{arms[arm]['final']['greedy_pass1']:.3f}"
-    base_row = next(line for line in md.splitlines() if line.startswith("| 0 base"))
-    assert base_row.split("|")[2].strip() == f"{arms[5]['base_greedy_pass1']:.3f}"
-    assert "| 3 - 1 |" in md and "--quick" in md and f"Arm 2 ran {arms[2]['sft_steps']} SFT steps" in md
+    row = next(line for line in md.splitlines() if line.startswith("| dynamic:"))
+    assert row.split(" | ")[2].startswith(f"{ablation.mean(arms['dynamic']['final']['greedy']):.3f} [")
+    assert "| dynamic - replay | 1 |" in md and "| ctl_dynamic" not in md  # a pair is shown where both ran
     for png in ("ablation.png", "dynamics.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    saved = json.loads((out / "results.json").read_text())
-    assert saved["results"]["0"]["3"]["final"] == arms[3]["final"]
-    # --replot rewrites the table and pictures from results.json alone, to the same table
-    (out / "results.md").unlink()
+    (out / "results.md").unlink()  # --replot: the same table from results.json alone
     ablation.main(["--replot", str(out)])
     assert (out / "results.md").read_text() == md
+    with pytest.raises(SystemExit, match="other settings"):
+        ablation.main(["--quick", "--base", base, "--out", str(out), "--steps", "3"])
+
+
+def test_the_report_pairs_by_seed_and_task():
+    results = {s: {a: {"final": {"greedy": {"t1": x, "t2": y}, "refund": {"t1": "voucher", "t2": None}},
+                       "seconds": 1.0, "curve": []}
+                   for a, (x, y) in (("dynamic", (1.0, 1.0)), ("static", (0.0, 1.0)))} for s in (0, 1)}
+    d = ablation_report.score(results, "dynamic", "greedy", minus="static")
+    assert d["mean"] == 0.5 and d["seeds"] == 2 and d["tasks"] == 2
+    refund = ablation_report.score(results, "dynamic", "greedy", subset=True, minus="static")
+    assert refund["mean"] == 1.0 and refund["ci"] == [1.0, 1.0] and refund["tasks"] == 1
 
 
 def test_bad_options_are_refused_by_name(tmp_path):
-    import pytest
-
     for opt in ("--trials", "--seeds", "--eval-tasks", "--points"):
-        bad = "1" if opt == "--trials" else "0"
         with pytest.raises(SystemExit, match=opt):
-            ablation.main(["--quick", opt, bad, "--base", str(tmp_path), "--out", str(tmp_path / "x")])
+            ablation.main(["--quick", opt, "0", "--base", str(tmp_path), "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="--arms: nope"):
+        ablation.main(["--quick", "--arms", "cold,nope", "--base", str(tmp_path), "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="arm sft needs dynamic"):
+        ablation.main(["--quick", "--arms", "cold,sft", "--base", str(tmp_path), "--out", str(tmp_path / "y")])

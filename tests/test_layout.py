@@ -45,11 +45,14 @@ ALLOWED = {  # module -> the project modules it may import
     "batched_rollout": {"envs", "muarl", "rollout", "engine", "models", "cli"},
     "coldstart": {"envs", "cli", "muarl", "logprobs", "batched_rollout"},
     "sft": {"envs", "cli", "muarl", "models", "logprobs", "options", "shard", "checkpoints", "lora", "coldstart"},
-    "eval": {"envs", "cli", "muarl", "models", "batched_rollout", "memory", "checkpoints", "lora", "options", "shard"},
+    "stats": set(),
+    "eval": {"envs", "cli", "muarl", "models", "batched_rollout", "memory", "checkpoints", "lora", "options", "shard",
+             "metrics", "stats"},
     "pipeline": {"envs", "cli", "muarl", "models", "logprobs", "options", "batched_rollout", "sft", "eval", "shard",
                  "memory", "checkpoints", "metrics", "lora"},
 }
-BELOW_ENVS = ("toolcall", "muarl", "loss", "cli", "lora", "options", "models", "logprobs", "shard", "memory", "engine", "metrics")
+BELOW_ENVS = ("toolcall", "muarl", "loss", "cli", "lora", "options", "models", "logprobs", "shard", "memory", "engine", "metrics",
+              "stats")
 
 
 def imports(path: str) -> set[str]:

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import coldstart
 import eval as evaluation
 import grpo
 import lora
@@ -189,7 +190,7 @@ def test_sft_with_lora_trains_the_adapters_only(tmp_path, ckpt, start_lm):
         assert torch.equal(w, base[name]), f"base weight {name} moved"
     assert all(adapters[k].abs().sum() > 0 for k in adapters if ".lora_B." in k)
     # It learned: the agent's tokens are likelier with the adapters than without.
-    ids, _, mask = muarl.collate(sft.encode(tok, data[:2], 4096)[0], tok.pad_token_id)
+    ids, _, mask = muarl.collate(coldstart.encode(tok, data[:2], 4096)[0], tok.pad_token_id)
     with torch.no_grad():
         on = (token_logprobs(model, ids, (ids != -1).long()) * mask).sum()
         with lora.adapters_off(model):

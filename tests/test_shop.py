@@ -8,7 +8,11 @@ from collections import Counter
 import pytest
 
 from envs import STOP_TOOLS, ToolResult, make_env, play
-from envs.shop import ITEMS, ORDER_RE, ShopEnv, make_task
+from envs.shop import ShopEnv
+from envs.shop_expert import ShopExpert
+from envs.shop_tasks import ORDER_RE, SHOP, make_task, refund_named
+
+ITEMS = SHOP.items
 from envs.shop_user import ShopUser
 
 AUTH_ASK = "Sure. First, what is your email, or your name and zip code?"
@@ -224,15 +228,16 @@ class SkipConfirmation:
     """The expert, except that it writes where it would ask for confirmation."""
 
     def __init__(self):
-        self.expert = ShopEnv(n_train=0, n_test=0).expert(None)
+        self.expert = ShopExpert()
 
     def act(self, messages):
         m = self.expert.act(messages)
         text = m.get("content") or ""
-        if cancel := re.match(r"I will cancel order (o\d+)\.", text):
-            return write_call("cancel_order", order_id=cancel.group(1))
-        if ret := re.match(r"I will return the (\w+ \w+) from order (o\d+)\.", text):
-            return write_call("return_item", order_id=ret.group(2), item=ret.group(1))
+        refund = {"refund": r} if (r := refund_named(text)) else {}
+        if cancel := re.match(r"I will cancel order (o\d+)[ .]", text):
+            return write_call("cancel_order", order_id=cancel.group(1), **refund)
+        if ret := re.match(r"I will return the (\w+ \w+) from order (o\d+)[ .]", text):
+            return write_call("return_item", order_id=ret.group(2), item=ret.group(1), **refund)
         if ex := re.match(r"I will exchange the (\w+ \w+) for the (\w+ \w+) in order (o\d+)\.", text):
             return write_call("exchange_item", order_id=ex.group(3), item=ex.group(1), new_item=ex.group(2))
         return m
@@ -242,7 +247,7 @@ class NoAction:
     """The expert, except that it claims success instead of writing."""
 
     def __init__(self):
-        self.expert = ShopEnv(n_train=0, n_test=0).expert(None)
+        self.expert = ShopExpert()
 
     def act(self, messages):
         m = self.expert.act(messages)
@@ -351,3 +356,112 @@ def test_tool_errors_never_raise(env):
 
     messages, reward, info, termination = play(env, task, Garbage(), max_turns=3)
     assert termination == "max_turns" and reward == 0.0 and messages[-1]["content"].startswith("Error")
+
+
+def _scores(env, agent_of) -> dict:
+    """{task id: reward} of the agent `agent_of(env, task)` on the first 300 test tasks."""
+    return {t.id: play(env, t, agent_of(env, t))[1] for t in env.tasks("test")}
+
+
+def test_reward_table_only_the_dynamic_user_punishes_not_asking_where_the_refund_goes():
+    """The decision only a user who answers what it is asked can teach (envs/shop_tasks.py). With scripted agents on
+    300 test tasks: the expert, which asks, scores 1 with every user; the agent that never asks where a refund goes
+    (it names what it was told, else nothing, and the write refunds the original payment) loses only with the
+    dynamic user, only on the refund tasks whose user wants a voucher; the agent that skips the confirmation (the
+    positive control) loses the same tasks with every user; with every user wanting the default (":default", the
+    negative control) not asking costs nothing."""
+    envs = {u: make_env(f"shop:{u}", n_train=0, n_test=300) for u in ("dynamic", "static", "replay")}
+    tasks = envs["dynamic"].tasks("test")
+    refund = {t.id: t.meta["refund"] for t in tasks}
+    vouchers = [i for i, r in refund.items() if r == "voucher"]
+    table = {}
+    for user, env in envs.items():
+        assert all(r == 1.0 for r in _scores(env, lambda e, t: e.expert(t)).values()), user
+        table[user] = _scores(env, lambda e, t: e.expert(t, skip_refund=1.0))
+        table[user, "confirm"] = _scores(env, lambda e, t: e.expert(t, skip_confirm=1.0))
+    lost = {i for i, r in table["dynamic"].items() if r != 1.0}
+    assert lost == set(vouchers)  # exactly the refund tasks whose user wants a voucher
+    on_refund = [table["dynamic"][i] for i, r in refund.items() if r]
+    print(f"\nnot asking, dynamic user: {sum(on_refund) / len(on_refund):.3f} on {len(on_refund)} refund tasks")
+    assert 0.45 < sum(on_refund) / len(on_refund) < 0.67
+    assert all(r == 1.0 for r in table["static"].values()) and all(r == 1.0 for r in table["replay"].values())
+    # the positive control: the same loss, task for task, with every user
+    assert table["dynamic", "confirm"] == table["static", "confirm"] == table["replay", "confirm"]
+    assert sum(table["dynamic", "confirm"].values()) < 0.5 * len(tasks)
+    control = make_env("shop:dynamic:default", n_train=0, n_test=300)
+    assert {t.meta["refund"] for t in control.tasks("test")} <= {"original", None}
+    assert all(r == 1.0 for r in _scores(control, lambda e, t: e.expert(t, skip_refund=1.0)).values())
+
+
+def test_dynamic_user_says_where_the_refund_goes_only_when_asked():
+    env = make_env("shop", n_train=0, n_test=300)
+    for task in env.tasks("test"):
+        messages = play(env, task, env.expert(task, skip_refund=1.0))[0]
+        for m in messages:
+            if m["role"] == "user":
+                assert not re.search(r"voucher|original|refund", m["content"]), (task.id, m["content"])
+        if task.meta["refund"] and task.data["goal"]["action"] in ("cancel", "return"):  # not before a change of mind
+            user = env.scripted_user(task)
+            start = [{"role": "user", "content": user.opening()}]
+            answer = user.reply(start + [{"role": "assistant", "content": "Where should the refund go?"}])
+            assert task.meta["refund"] in answer.lower(), (task.id, answer)
+            if task.data["change"]:
+                continue
+            # a proposal that names the wrong destination, or both, is refused without saying the right one
+            right = _proposal(task.data["goal"]).replace(".", "", 1)
+            other = {"voucher": "to your original payment", "original": "as a voucher"}[task.meta["refund"]]
+            for text in (right.replace(" Confirm", f" and refund it {other}. Confirm", 1),
+                         right.replace(" Confirm", " and refund it as a voucher or to your original payment. Confirm", 1)):
+                no = user.reply(start + [{"role": "assistant", "content": text}])
+                assert no.startswith("No.") and not re.search(r"voucher|original", no.lower()), (task.id, text, no)
+
+
+def test_replay_user_plays_the_experts_user_turns_whatever_the_agent_says():
+    replay, dynamic = make_env("shop:replay", n_train=0, n_test=40), make_env("shop", n_train=0, n_test=40)
+    for task, same in zip(replay.tasks("test"), dynamic.tasks("test")):
+        assert task.data == same.data and task.meta["user_sim"] == {"scripted": True}
+        expert = [m["content"] for m in play(dynamic, same, dynamic.expert(same))[0] if m["role"] == "user"]
+        user = replay.scripted_user(task)
+        assert user.opening() == expert[0]
+        nonsense = [{"role": "user", "content": expert[0]}]
+        for k in range(1, len(expert) + 2):  # any text gets the next turn; the last one again once they run out
+            nonsense.append({"role": "assistant", "content": f"blah {k}"})
+            assert user.reply(nonsense) == expert[min(k, len(expert) - 1)]
+            nonsense.append({"role": "user", "content": user.reply(nonsense)})
+    with pytest.raises(ValueError, match="'lazy' is not a shop user"):
+        make_env("shop:lazy")
+    with pytest.raises(ValueError, match="voucher_share"):
+        ShopEnv(n_train=1, n_test=1, voucher_share=2.0)
+
+
+def test_sibling_stores_share_the_api_but_not_the_goods_statuses_or_policy():
+    shop, garden, sport = (make_env(n, n_train=50, n_test=0) for n in ("shop", "shop:garden", "shop:sport"))
+    assert shop.tools(None) == garden.tools(None) == sport.tools(None)
+    prompts = {e.system_prompt(None) for e in (shop, garden, sport)}
+    assert len(prompts) == 3
+    shop_words = set(SHOP.items) | {"pending", "delivered"}
+    for env in (garden, sport):
+        for task in env.tasks("train"):
+            messages, reward, _, _ = play(env, task, env.expert(task))
+            assert reward == 1.0, task.id
+            text = json.dumps(messages) + json.dumps(task.data)
+            assert not any(re.search(rf"\b{w}\b", text) for w in shop_words), task.id
+
+
+def test_the_committed_base_is_the_default_settings_own_and_reads_every_store():
+    """assets/tiny-base (sft.COMMITTED_BASE) is what `--model tiny` starts from with the default settings: made with
+    them, by the siblings only, and its tokenizer still makes every identifier of every store one token and renders
+    the current tool template. Rebuild it with `./run python sft.py --pretrain-only --base-out assets/tiny-base
+    --overwrite` when one of these fails."""
+    import sft
+    from models import load_tokenizer
+    from envs.shop_tasks import id_tokens
+    from toolcall import TOOL_CHAT_TEMPLATE
+
+    saved = json.loads((sft.COMMITTED_BASE / "muarl_config.json").read_text())
+    assert saved["pretrain"]["settings"] == sft.base_settings(sft.SFTConfig())
+    assert sft.pretrain_tiny(sft.SFTConfig()) == sft.COMMITTED_BASE
+    tok = load_tokenizer(str(sft.COMMITTED_BASE))
+    assert tok.chat_template == TOOL_CHAT_TEMPLATE
+    for word in id_tokens():
+        assert len(tok(word, add_special_tokens=False)["input_ids"]) == 1, word

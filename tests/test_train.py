@@ -354,7 +354,7 @@ def test_sft_max_len_defaults_to_the_model_context_and_says_how_much_to_raise_it
     with pytest.raises(ValueError, match=f"longer than the model's context \\({shortest - 1} tokens"):
         sft.train(sft.SFTConfig(model=str(tmp_path / "short"), out=str(tmp_path / "sft")), convs)
     assert sft.SFTConfig().max_len == 0
-    assert sft.length_limit(sft.SFTConfig(), tiny_lm) == tiny_lm.config.max_position_embeddings
+    assert coldstart.length_limit(sft.SFTConfig(), tiny_lm) == tiny_lm.config.max_position_embeddings
 
 
 def test_sft_bf16_keeps_small_updates_in_fp32_master_weights(tmp_path, tiny_tok, tiny_lm, bf16_accelerator, monkeypatch):
@@ -444,14 +444,26 @@ def test_eval_rollout_batch_and_memory_estimate(tmp_path, ckpt, capsys):
                    "load_peak": 2000, "host_load": 2000, "host_peak": 3000, "peak": 4000}
 
 
-def test_pretrain_tiny_stops_at_the_copy_target_and_is_cached(tmp_path, monkeypatch):
+def test_pretrain_tiny_stops_at_the_copy_target_then_learns_whole_sibling_conversations(tmp_path, monkeypatch):
+    """Two stages: drills from the sibling stores until the copy target, then whole conversations of those stores
+    (never shop); recorded in the base's muarl_config.json, cached, and the committed base used only for its own
+    settings."""
     monkeypatch.setattr(models, "CACHE_DIR", tmp_path)
-    cfg = sft.SFTConfig(num_tasks=8, pretrain_target=100.0, pretrain_max_steps=50, pretrain_batch_size=8)
+    made = []
+    real = coldstart.make_cold_start
+    monkeypatch.setattr(sft, "make_cold_start", lambda cfg: made.append(cfg.env) or real(cfg))
+    cfg = sft.SFTConfig(num_tasks=8, pretrain_target=100.0, pretrain_max_steps=50, pretrain_batch_size=8,
+                        base_conversations=8)
     out = sft.pretrain_tiny(cfg)
-    info = json.loads((out / "muarl_config.json").read_text())["pretrain"]
+    assert out != sft.COMMITTED_BASE and out.parent == tmp_path
+    saved = json.loads((out / "muarl_config.json").read_text())
+    info = saved["pretrain"]
     assert info["steps"] == 25 and info["copy_loss"] < 100.0  # the first check (every 25 steps) met the target
+    assert info["settings"] == sft.base_settings(cfg) and saved["sft"]["epochs"] == 1.0
+    assert made == ["shop:garden", "shop:sport"] * 2  # drills, then whole conversations: siblings only
     stamp = (out / "model.safetensors").stat().st_mtime_ns
     assert sft.pretrain_tiny(cfg) == out and (out / "model.safetensors").stat().st_mtime_ns == stamp  # cached
+    assert not list(tmp_path.glob("*-drills"))  # the first stage's checkpoint is not kept
     with pytest.raises(SystemExit, match="shop"):
         sft.pretrain_tiny(sft.SFTConfig(env="tau2:retail"))
 
@@ -478,14 +490,17 @@ def test_copy_loss_matches_a_loop(tiny_tok, tiny_lm):
 
 def test_plot_curves_writes_a_png_with_each_curve(tmp_path):
     rows = [{"step": i + 1, "reward_mean": i / 9, "all_correct_ratio": 0.1, "all_wrong_ratio": 0.5, "turns_mean": 7.0,
-             "response_tokens_mean": 40.0, "kl": 0.001 * i, "entropy": 1.5, "reward_info/unconfirmed_writes": 0.3}
-            for i in range(10)]
-    drawn = evaluation.plot_curves(rows, tmp_path / "c.png", before=0.2, after=0.6)
+             "response_tokens_mean": 40.0, "kl": 0.001 * i, "entropy": 1.5, "reward_info/unconfirmed_writes": 0.3,
+             "reward_info/asked_refund": 0.5, **({"eval/pass1": 0.4} if i == 4 else {})} for i in range(10)]
+    from metrics import plot_curves
+
+    drawn = plot_curves(rows, tmp_path / "c.png", before=0.2, after=0.6)
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert drawn == {
         "reward": ["reward (sampled episodes)", "mean of the last 5 steps", "test pass^1 before (0.20, greedy)",
-                   "test pass^1 after (0.60, greedy)"],
-        "group outcomes": ["groups all correct", "groups all wrong", "episodes that wrote without a yes"],
+                   "test pass^1 after (0.60, greedy)", "held-out test pass^1 (greedy)"],
+        "group outcomes": ["groups all correct", "groups all wrong", "episodes that wrote without a yes",
+                           "refund episodes that asked where it goes"],
         "episode length": ["agent turns per episode", "sampled tokens per episode"],
         "KL and entropy": ["KL to the reference (k3)", "policy entropy"]}
     # From a run directory, as `python eval.py --plot RUN_DIR` does; a line cut short by a crash is skipped.

@@ -1,0 +1,181 @@
+"""bench/ablation.py's tables and pictures, from its results.json alone (so anyone can recompute them from the
+committed file: `./run python bench/ablation.py --replot DIR`).
+
+Scores are means over seeds and tasks; each interval is 95%, from the bootstrap over seeds and tasks together
+(stats.bootstrap_ci_seeds); a difference between two arms is taken task by task within each seed (the same test
+tasks, the same cold start for the arms that share it) before it is resampled.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import stats  # noqa: E402
+from ablation import ARMS, ORDER  # noqa: E402
+
+PAIRS = [("dynamic", "static"), ("dynamic", "replay"), ("dynamic", "sft"), ("dynamic", "cold"), ("cold", "base"),
+         ("rl", "base"), ("static", "cold"), ("replay", "cold"), ("ctl_dynamic", "ctl_static"),
+         ("ctl_dynamic", "ctl_replay")]
+COLORS = {"base": "#7f7f7f", "cold": "#bcbd22", "sft": "#1f77b4", "rl": "#2ca02c", "dynamic": "#d62728",
+          "static": "#ff7f0e", "replay": "#9467bd", "ctl_dynamic": "#e377c2", "ctl_static": "#8c564b",
+          "ctl_replay": "#17becf"}
+
+
+def load(out: Path) -> dict:
+    saved = json.loads((out / "results.json").read_text())
+    saved["results"] = {int(s): arms for s, arms in saved["results"].items()}
+    return saved
+
+
+def matrix(results: dict, seeds: list[int], arm: str, key: str, subset: bool) -> list[list[float]]:
+    """[seeds, tasks] of a per-task value (`key` of the arm's final evaluation), on all tasks or the refund tasks."""
+    rows = []
+    for s in seeds:
+        f = results[s][arm]["final"]
+        tasks = sorted(t for t in f["greedy"] if not subset or f["refund"].get(t))
+        rows.append([f.get(key, {}).get(t, float("nan")) for t in tasks])
+    return rows
+
+
+def score(results: dict, arm: str, key: str, subset: bool = False, minus: str | None = None) -> dict | None:
+    """Mean and interval of an arm's per-task `key` (or of its difference from arm `minus`), over the seeds that have
+    it (both arms)."""
+    seeds = [s for s in sorted(results) if arm in results[s] and (minus is None or minus in results[s])
+             and key in results[s][arm]["final"] and (minus is None or key in results[s][minus]["final"])]
+    if not seeds:
+        return None
+    m = matrix(results, seeds, arm, key, subset)
+    if minus is not None:
+        m = [[a - b for a, b in zip(ra, rb)] for ra, rb in zip(m, matrix(results, seeds, minus, key, subset))]
+    values = [x for row in m for x in row]
+    if not values:
+        return None
+    return {"mean": statistics.mean(values), "ci": list(stats.bootstrap_ci_seeds(m)), "seeds": len(seeds),
+            "tasks": len(m[0])}
+
+
+def cell(sc: dict | None, signed: bool = False) -> str:
+    if sc is None:
+        return ""
+    lo, hi = sc["ci"]
+    return (f"{sc['mean']:+.3f} [{lo:+.3f}, {hi:+.3f}]" if signed else f"{sc['mean']:.3f} [{lo:.3f}, {hi:.3f}]")
+
+
+def table(saved: dict) -> str:
+    results, st = saved["results"], saved["settings"]
+    arms = [a for a in ORDER if any(a in r for r in results.values())]
+    seeds = sorted(results)
+    lines = [f"Settings: {json.dumps(st)}; base {saved.get('base', '?')}; seeds "
+             f"{', '.join(str(s) for s in seeds)}. Evaluated against the dynamic user (the control arms against "
+             f"shop:default's) on the first {st['eval_tasks']} test tasks; sampled: {st['trials']} episodes a task at "
+             f"temperature {st['temperature']:g}. Mean over seeds and tasks [95% interval, bootstrap over seeds and "
+             "tasks; with 5 seeds the percentile bootstrap over seeds is somewhat optimistic].", "",
+             "| arm | seeds | greedy pass^1 | greedy, refund tasks | sampled pass^1 | sampled, refund tasks | asked "
+             "where the refund goes (sampled, refund tasks) | wrote without a yes (sampled) | seconds of training |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for a in arms:
+        have = [s for s in seeds if a in results[s]]
+        secs = statistics.mean(results[s][a]["seconds"] for s in have)
+        lines.append(f"| {a}: {ARMS[a]} | {len(have)} | {cell(score(results, a, 'greedy'))} | "
+                     f"{cell(score(results, a, 'greedy', True))} | {cell(score(results, a, 'sampled'))} | "
+                     f"{cell(score(results, a, 'sampled', True))} | {cell(score(results, a, 'sampled_asked', True))} | "
+                     f"{cell(score(results, a, 'sampled_unasked'))} | {secs:.0f} |")
+    lines += ["", "Paired differences (task by task within each seed):", "",
+              "| difference | seeds | greedy, all tasks | greedy, refund tasks | sampled, all tasks | sampled, refund "
+              "tasks | asked (sampled, refund tasks) |", "|---|---|---|---|---|---|---|"]
+    for a, b in PAIRS:
+        sc = score(results, a, "greedy", minus=b)
+        if sc is None:
+            continue
+        lines.append(f"| {a} - {b} | {sc['seeds']} | {cell(sc, True)} | "
+                     f"{cell(score(results, a, 'greedy', True, b), True)} | "
+                     f"{cell(score(results, a, 'sampled', minus=b), True)} | "
+                     f"{cell(score(results, a, 'sampled', True, b), True)} | "
+                     f"{cell(score(results, a, 'sampled_asked', True, b), True)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(saved: dict, path: Path) -> None:
+    """Left: final greedy pass^1 per arm, all tasks and refund tasks, with intervals. Right: greedy pass^1 against
+    seconds of training after the cold start (mean over seeds)."""
+    plt = _plt()
+    results = saved["results"]
+    arms = [a for a in ORDER if any(a in r for r in results.values())]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 5.5), constrained_layout=True)
+    for j, (subset, label) in enumerate(((False, "all tasks"), (True, "refund tasks"))):
+        for i, a in enumerate(arms):
+            sc = score(results, a, "greedy", subset)
+            if sc is None:
+                continue
+            x = i + (j - 0.5) * 0.38
+            ax.bar(x, sc["mean"], 0.36, color=COLORS[a], alpha=1.0 if not subset else 0.55,
+                   label=label if i == 0 else None, edgecolor="black" if subset else None)
+            ax.errorbar(x, sc["mean"], [[sc["mean"] - sc["ci"][0]], [sc["ci"][1] - sc["mean"]]], color="black",
+                        capsize=3)
+    ax.set_xticks(range(len(arms)), arms, rotation=30, ha="right")
+    ax.set(title="greedy pass^1 against the dynamic user (95% intervals): all tasks, then refund tasks",
+           ylabel="pass^1")
+    ax.legend(fontsize=9)
+    for a in arms:
+        curves = [results[s][a]["curve"] for s in results if a in results[s] and len(results[s][a]["curve"]) > 1]
+        if not curves:
+            continue
+        n = min(len(c) for c in curves)
+        pts = [(statistics.mean(c[i][0] for c in curves), statistics.mean(c[i][1] for c in curves)) for i in range(n)]
+        bx.plot(*zip(*pts), color=COLORS[a], marker="o", lw=2, label=a)
+    bx.set(title="greedy pass^1 over training (mean over seeds)", xlabel="seconds of training after the cold start",
+           ylabel="pass^1")
+    bx.grid(alpha=0.3)
+    bx.legend(fontsize=9)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+DYNAMICS = [("reward per step", "reward_mean"), ("asked where the refund goes", "reward_info/asked_refund"),
+            ("wrote without a yes", "reward_info/unconfirmed_writes"), ("groups all correct", "all_correct_ratio"),
+            ("groups all wrong", "all_wrong_ratio"), ("turns per episode", "turns_mean")]
+
+
+def plot_dynamics(saved: dict, path: Path) -> None:
+    plt = _plt()
+    results = saved["results"]
+    fig, axes = plt.subplots(3, 2, figsize=(11, 10), sharex=True, constrained_layout=True)
+    for ax, (title, key) in zip(axes.flat, DYNAMICS):
+        for a in ("rl", "dynamic", "static", "replay"):
+            runs = [results[s][a]["dynamics"] for s in results if a in results[s]]
+            if not runs:
+                continue
+            n = min(len(r) for r in runs)
+            # a step with no refund task records no asked_refund: left out of the mean, not counted as 0
+            ys = [statistics.mean(v) if (v := [r[i][key] for r in runs if key in r[i]]) else float("nan")
+                  for i in range(n)]
+            ax.plot(range(1, n + 1), ys, color=COLORS[a], lw=2, label=a)
+        ax.set(title=title)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=9)
+    for ax in axes[-1]:
+        ax.set_xlabel("GRPO step (mean over seeds)")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(out: Path) -> str:
+    saved = load(out)
+    md = table(saved)
+    (out / "results.md").write_text(md)
+    plot(saved, out / "ablation.png")
+    plot_dynamics(saved, out / "dynamics.png")
+    return md

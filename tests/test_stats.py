@@ -1,0 +1,70 @@
+"""The intervals of stats.py against plain loops, and eval.py's use of them (pass^1 with its interval, --compare)."""
+import json
+import random
+
+import numpy as np
+import pytest
+
+import eval as evaluation
+import stats
+
+
+def test_bootstrap_ci_matches_a_plain_loop():
+    values = [1.0] * 30 + [0.0] * 34 + [0.5] * 6
+    lo, hi = stats.bootstrap_ci(values, draws=4000, seed=3)
+    rng = np.random.default_rng(3)
+    idx = rng.integers(0, len(values), size=(4000, len(values)))
+    means = sorted(sum(values[i] for i in row) / len(values) for row in idx)
+    assert lo == pytest.approx(np.percentile(means, 2.5)) and hi == pytest.approx(np.percentile(means, 97.5))
+    mean = sum(values) / len(values)
+    se = (np.var(values) / len(values)) ** 0.5
+    assert lo < mean < hi and abs((hi - lo) - 2 * 1.96 * se) < 0.03  # near the normal interval at n = 70
+    assert stats.bootstrap_ci([0.4]) == (0.4, 0.4)
+    assert all(np.isnan(stats.bootstrap_ci([])))
+
+
+def test_paired_difference_removes_the_spread_of_task_difficulty():
+    """B solves what A solves plus 10 more of 100 tasks: the paired interval excludes 0 where an unpaired one
+    (the two intervals side by side) overlaps."""
+    rng = random.Random(0)
+    a = {f"t{i}": float(rng.random() < 0.5) for i in range(100)}
+    flip = [t for t, v in a.items() if v == 0.0][:10]
+    b = {t: 1.0 if t in flip else v for t, v in a.items()}
+    d = stats.paired(b, a)
+    assert d["diff"] == pytest.approx(0.10) and d["better"] == 10 and d["worse"] == 0 and d["tasks"] == 100
+    assert d["ci"][0] > 0
+    ci_a, ci_b = stats.bootstrap_ci(list(a.values())), stats.bootstrap_ci(list(b.values()))
+    assert ci_b[0] < ci_a[1]  # unpaired, they overlap
+    assert stats.paired({"x": 1.0}, {"y": 0.0})["tasks"] == 0
+    assert stats.fmt(d).startswith("+0.100 [+")
+
+
+def _episodes(rewards: dict, kind: dict, trials: int = 2) -> list[dict]:
+    return [{"task_id": t, "reward": r, "infra_failed": False, "turns": 3, "termination": "user_stop",
+             "tool_calls": {}, "reward_info": {"db_match": r == 1.0, **({"asked_refund": r == 1.0} if kind[t] else {})}}
+            for t, r in rewards.items() for _ in range(trials)]
+
+
+def test_summary_reports_intervals_rates_and_compare_pairs_by_group(tmp_path):
+    kind = {f"t{i}": ("voucher" if i % 2 else None) for i in range(40)}
+    a = {t: float(i % 3 != 0) for i, t in enumerate(kind)}
+    b = {t: float(i % 3 != 0 and not (kind[t] and i % 5 == 1)) for i, t in enumerate(kind)}
+    meta = {t: {"refund": v} for t, v in kind.items()}
+    for name, rewards in (("A", a), ("B", b)):
+        s = evaluation.summarize(_episodes(rewards, kind), 2, meta)
+        lo, hi = s["pass^1_ci95"]
+        assert lo < s["pass^1"] < hi
+        assert s["rates"]["asked_refund"]["episodes"] == 40  # the 20 refund tasks x 2 trials, no others
+        assert s["by_meta"]["refund"]["voucher"]["ci95"][0] <= s["by_meta"]["refund"]["voucher"]["pass^1"]
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(s))
+        md = evaluation.markdown(evaluation.EvalConfig(agent=name), s)
+        assert f"{s['pass^1']:.3f} [{lo:.3f}, {hi:.3f}]" in md and "asked_refund" in md
+    table = evaluation.compare(str(tmp_path / "A"), str(tmp_path / "B"))
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines() if line.startswith("| ")}
+    diff = sum(a[t] - b[t] for t in kind) / 40
+    assert f"+{diff:.3f} [" in rows["all tasks"] and rows["refund = None"].split(" | ")[4].startswith("+0.000")
+    with pytest.raises(SystemExit, match="summary.json does not exist"):
+        evaluation.compare(str(tmp_path / "A"), str(tmp_path / "nowhere"))
+    with pytest.raises(SystemExit, match="--compare takes two"):
+        evaluation.main(["--compare", str(tmp_path / "A")])
