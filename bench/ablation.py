@@ -36,6 +36,7 @@ training) and dynamics.png (per GRPO step: reward, asked-refund share, unasked w
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -43,8 +44,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))  # before bench/ (this script's directory): bench/rollout.py is not the rollout module
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -162,7 +162,7 @@ ORDER = ["base", "cold", "dynamic", "sft", "static", "replay", "rl", "ctl_dynami
 
 
 def main(argv=None):
-    import ablation_report as report
+    import ablation_report as report  # bench/, beside this file
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1")
@@ -204,7 +204,10 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
     saved = json.loads(path.read_text()) if path.exists() else {}
+    base = args.base or str(sft.pretrain_tiny(sft.SFTConfig()))
+    weights = Path(base) / "model.safetensors"  # a base rebuilt in place is another base
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "replot", "seeds", "arms")}
+    settings["base_weights"] = hashlib.sha256(weights.read_bytes()).hexdigest()[:16] if weights.exists() else None
     if saved and saved["settings"] != settings:
         raise SystemExit(f"bench/ablation.py: {out} was started with other settings ({saved['settings']}); "
                          "continue it with those, or choose another --out")
@@ -221,7 +224,6 @@ def main(argv=None):
         logf.write(line + "\n")
         logf.flush()
 
-    base = args.base or str(sft.pretrain_tiny(sft.SFTConfig()))
     log(f"base {base}; seeds 0-{args.seeds - 1}; arms {', '.join(arms)}; writing to {out}")
     for seed in range(args.seeds):
         done = results.setdefault(seed, {})

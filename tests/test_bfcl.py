@@ -211,7 +211,7 @@ def test_eval_with_an_api_agent(env, tmp_path, monkeypatch):
         server.close()
     s = json.loads((tmp_path / "ev" / "summary.json").read_text())
     assert s["pass^1"] == 1.0 and s["category_mean"] == 1.0  # the data's user, though an LLM user was asked for
-    assert s["by_meta"]["category"] == {"multi_turn_miss_func": {"pass^1": 1.0, "episodes": 1}}
+    assert s["by_meta"]["category"] == {"multi_turn_miss_func": {"pass^1": 1.0, "episodes": 1, "ci95": [1.0, 1.0]}}
     assert "mean over categories" in (tmp_path / "ev" / "results.md").read_text()
     assert all(("sort" in tools) == (turn >= 3) for turn, tools in seen_tools)
 

@@ -410,8 +410,9 @@ def test_dynamic_user_says_where_the_refund_goes_only_when_asked():
             # a proposal that names the wrong destination, or both, is refused without saying the right one
             right = _proposal(task.data["goal"]).replace(".", "", 1)
             other = {"voucher": "to your original payment", "original": "as a voucher"}[task.meta["refund"]]
+            both = " and refund it as a voucher or to your original payment. Confirm"
             for text in (right.replace(" Confirm", f" and refund it {other}. Confirm", 1),
-                         right.replace(" Confirm", " and refund it as a voucher or to your original payment. Confirm", 1)):
+                         right.replace(" Confirm", both, 1)):
                 no = user.reply(start + [{"role": "assistant", "content": text}])
                 assert no.startswith("No.") and not re.search(r"voucher|original", no.lower()), (task.id, text, no)
 

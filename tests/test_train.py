@@ -413,7 +413,8 @@ def test_pass_hat_k():
     s = evaluation.summarize(eps, 2)
     assert s["pass^1"] == 0.75 and s["pass^2"] == 0.5 and s["infra_failed"] == 1
     s = evaluation.summarize(eps, 2, {"a": {"kind": "cancel", "seed": 1}, "b": {"kind": "return", "seed": 2}})
-    assert s["by_meta"] == {"kind": {"cancel": {"pass^1": 1.0, "episodes": 2}, "return": {"pass^1": 0.5, "episodes": 2}}}
+    assert s["by_meta"] == {"kind": {"cancel": {"pass^1": 1.0, "episodes": 2, "ci95": (1.0, 1.0)},  # one task each:
+                                     "return": {"pass^1": 0.5, "episodes": 2, "ci95": (0.5, 0.5)}}}  # no spread
 
 
 def test_eval_main_writes_summary(tmp_path, ckpt):
