@@ -297,9 +297,9 @@ class ShopEnv:
         of the user), each with the store's policy and the tool schemas as the prompt shows them, so that BPE merges
         are weighted the way the model will read text."""
         texts = []
-        stores = ["shop", *SIBLINGS]
+        stores = [ShopEnv(0, 0, self.seed, goods=g) for g in ("shop", *SIBLINGS)]
         for i in range(n_tasks):
-            env = ShopEnv(0, 0, self.seed, goods=stores[i % len(stores)])
+            env = stores[i % len(stores)]
             task = make_task("train", i // len(stores), self.seed, env.goods)
             messages, _, _, _ = play(env, task, env.expert(task))
             texts += [env.goods.policy] + [json.dumps(t) for t in TOOLS]
