@@ -14,7 +14,7 @@ the committed `tiny` base that has seen only shop's sibling stores (sft.pretrain
   base       the base itself
   cold       cold start: SFT on the imperfect teacher's shop conversations (it writes without a yes in 60% of them,
              never asks where the refund goes in 50%; kept when the database is right): the default run's cold start
-  sft        cold + more SFT of the same teacher on new conversations, for as many seconds as arm `dynamic` took
+  sft        cold + more SFT of the same teacher on new conversations, for as many CPU seconds as arm `dynamic` took
   rl         GRPO from the base with the dynamic user, no cold start
   dynamic    cold + GRPO with the dynamic user (the paper's method)
   static     cold + GRPO with the static user (who it is, what it wants and where the refund goes, all at once)
@@ -96,18 +96,18 @@ def teacher_conversations(n: int, seed: int) -> list[dict]:
     return coldstart.make_cold_start(sft.SFTConfig(env="shop", num_tasks=n, seed=seed, **TEACHER))
 
 
-def grpo_arm(start: list[str], env: str, out: Path, args, seed: int) -> tuple[float, list[tuple[int, Path]]]:
-    """A GRPO run; returns its seconds and its checkpoints (step, model directory)."""
-    t0 = time.time()  # --overwrite: an arm cut short is run again from its start
+def grpo_arm(start: list[str], env: str, out: Path, args, seed: int) -> tuple[float, float, list[tuple[int, Path]]]:
+    """A GRPO run; returns its seconds, its CPU seconds and its checkpoints (step, model directory)."""
+    t0, c0 = time.time(), time.process_time()  # --overwrite: an arm cut short is run again from its start
     grpo.main([*start, "--overwrite", "--env", env, "--steps", str(args.steps), "--seed", str(seed),
                "--eval-tasks", "0",
                "--tasks-per-step", str(args.tasks_per_step), "--group-size", str(args.group_size),
                "--temperature", str(args.temperature), "--save-every", str(-(-args.steps // args.points)),
                "--save-weights-only", "--log-episodes", "0", "--out-dir", str(out)])
-    seconds = time.time() - t0
+    seconds, cpu_s = time.time() - t0, time.process_time() - c0
     ckpts = sorted((int(p.name.split("-")[1]), p / "model") for p in (out / "checkpoints").glob("step-*")
                    if not p.name.endswith(".tmp"))
-    return seconds, ckpts
+    return seconds, cpu_s, ckpts
 
 
 def run_arm(arm: str, seed: int, done: dict, base: str, args, out: Path, log) -> dict:
@@ -121,28 +121,30 @@ def run_arm(arm: str, seed: int, done: dict, base: str, args, out: Path, log) ->
     if arm == "cold":
         t0 = time.time()
         convs = teacher_conversations(args.cold_tasks, seed)
-        t1 = time.time()
+        t1, c1 = time.time(), time.process_time()
         path = sft.train(sft.SFTConfig(model=base, out=str(d / "cold"), seed=seed), convs)
-        t2 = time.time()  # SFT's seconds a step, measured on its training alone (the evaluation comes after)
+        t2, c2 = time.time(), time.process_time()  # SFT's cost a step, on its training alone (evaluation after)
         steps = max(1, len(convs) // sft.SFTConfig.batch_size)
         return {"final": ev(path), "seconds": 0.0, "curve": [], "cold_start_s": t2 - t0,
-                "sft_step_s": (t2 - t1) / steps, "tasks": sorted(c["task_id"] for c in convs)}
+                "sft_step_s": (t2 - t1) / steps, "sft_step_cpu_s": (c2 - c1) / steps,
+                "tasks": sorted(c["task_id"] for c in convs)}
     cold = d / "cold"
-    if arm == "sft":  # the same teacher on tasks the cold start did not see, for the seconds GRPO took
-        t0 = time.time()
+    if arm == "sft":  # the same teacher on tasks the cold start did not see, for the compute GRPO took
+        t0, c0 = time.time(), time.process_time()
         seen = set(done["cold"]["tasks"])  # the same shuffle, twice as far: the cold start's tasks, then new ones
         more = [c for c in teacher_conversations(2 * args.cold_tasks, seed) if c["task_id"] not in seen]
-        budget = done["dynamic"]["seconds"] - (time.time() - t0)
-        steps = max(1, int(budget / done["cold"]["sft_step_s"]))
+        # CPU seconds, not wall seconds: a run paused (kill -STOP) or sharing the machine keeps the same budget
+        budget = done["dynamic"]["cpu_s"] - (time.process_time() - c0)
+        steps = max(1, int(budget / done["cold"]["sft_step_cpu_s"]))
         epochs = (steps + 0.5) / max(1, len(more) // sft.SFTConfig.batch_size)
         path = sft.train(sft.SFTConfig(model=str(cold), out=str(d / "sft"), seed=seed + 100, epochs=epochs), more)
-        seconds = time.time() - t0
+        seconds, cpu_s = time.time() - t0, time.process_time() - c0
         final = ev(path)
-        return {"final": final, "seconds": seconds, "sft_steps": steps,
+        return {"final": final, "seconds": seconds, "cpu_s": cpu_s, "sft_steps": steps,
                 "curve": [(0.0, mean(done["cold"]["final"]["greedy"])), (seconds, mean(final["greedy"]))]}
     start_path = base if arm == "rl" else str(cold)
     flag = "--model" if arm == "rl" else "--init-from"
-    seconds, ckpts = grpo_arm([flag, start_path], TRAIN_ENV[arm], d / arm, args, seed)
+    seconds, cpu_s, ckpts = grpo_arm([flag, start_path], TRAIN_ENV[arm], d / arm, args, seed)
     rows = [json.loads(line) for line in open(d / arm / "metrics.jsonl")]
     step_s = [r["rollout_s"] + r["update_s"] for r in rows]
     first = done["base" if arm == "rl" else "cold"]["final"] if not arm.startswith("ctl_") else ev(start_path, 0)
@@ -150,8 +152,18 @@ def run_arm(arm: str, seed: int, done: dict, base: str, args, out: Path, log) ->
     for step, path in ckpts[:-1]:
         curve.append((seconds * sum(step_s[:step]) / sum(step_s), mean(ev(path, 0)["greedy"])))
     final = ev(ckpts[-1][1])
-    return {"final": final, "seconds": seconds, "curve": curve + [(seconds, mean(final["greedy"]))],
-            "dynamics": rows}
+    return {"final": final, "seconds": seconds, "cpu_s": cpu_s, "dynamics": rows,
+            "curve": curve + [(seconds, mean(final["greedy"]))]}
+
+
+def code_commit() -> str:
+    """The commit the arms ran from (recorded with each arm: a run resumed across sessions shows if the code moved),
+    with "+changes" when the working tree differs from it."""
+    import subprocess
+
+    git = lambda *a: subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True)  # noqa: E731
+    head = git("rev-parse", "--short", "HEAD").stdout.strip() or "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no").stdout.strip() else "")
 
 
 def mean(d: dict) -> float:
@@ -224,7 +236,8 @@ def main(argv=None):
         logf.write(line + "\n")
         logf.flush()
 
-    log(f"base {base}; seeds 0-{args.seeds - 1}; arms {', '.join(arms)}; writing to {out}")
+    commit = code_commit()
+    log(f"code {commit}; base {base}; seeds 0-{args.seeds - 1}; arms {', '.join(arms)}; writing to {out}")
     for seed in range(args.seeds):
         done = results.setdefault(seed, {})
         for arm in [a for a in ORDER if a in arms]:
@@ -232,6 +245,7 @@ def main(argv=None):
                 continue
             t0 = time.time()
             done[arm] = run_arm(arm, seed, done, base, args, out, log)
+            done[arm]["commit"] = commit
             f = done[arm]["final"]
             log(f"seed {seed} {arm} ({ARMS[arm]}): greedy {mean(f['greedy']):.3f}, sampled "
                 f"{mean(f.get('sampled', {})):.3f}, asked {mean(f.get('sampled_asked', {})):.2f} "
