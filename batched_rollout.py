@@ -46,6 +46,7 @@ import torch
 
 import cli
 import models
+from deadlines import guard
 from engine import _prefill_openings, _Row, generate_turn
 from envs import next_turn, opening_messages
 from envs.llm_users import HFUserSim, OpenAIUserSim
@@ -82,6 +83,7 @@ class RolloutConfig(Sampling):
         on a GPU, the caches of the episodes that wait park in host memory."""
         return cls(temperature=opts.temperature or 1e-5, top_p=opts.top_p, greedy=opts.temperature == 0,
                    max_new_tokens=opts.max_new_tokens, max_context=opts.max_context, max_turns=opts.max_turns,
+                   tool_timeout=opts.tool_timeout,
                    reuse_cache=opts.reuse_cache, max_batch=opts.rollout_batch,
                    park_device="cpu" if opts.rollout_batch and on_gpu else "")
 
@@ -202,7 +204,8 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
         group, retried = [], opening_retries(user_sim, task)
         for g in range(group_size):
             ep = Episode(task_id=task.id, sample=g, tools=tools, user_retries=retried if g == 0 else 0)
-            session = env.start(task)  # fresh state per episode (docs/invariants.md, 4)
+            # fresh state per episode (docs/invariants.md, 4); its tool calls under a deadline
+            session = guard(env.start(task), cfg.tool_timeout, remote=getattr(env, "slow_tools", False))
             # by the task's place in `tasks` too: a task drawn twice in a step gets two different groups
             gen = None if cfg.greedy else torch.Generator(device).manual_seed(episode_seed(seed, f"{i}:{task.id}", g))
             row = _Row(ep, session, None, gen=gen)

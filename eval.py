@@ -26,6 +26,7 @@ from pathlib import Path
 
 import cli
 import lora
+from deadlines import guard
 import memory
 import metrics
 import models
@@ -217,7 +218,7 @@ def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
             else:
                 agent = OpenAIAgent(cfg.agent.split(":", 1)[1], env.tools(task), cfg.agent_base_url, cfg.temperature)
                 agent = _ToolsAt(agent, env, task) if hasattr(env, "tools_at") else agent
-            session = env.start(task)
+            session = guard(env.start(task), cfg.tool_timeout, remote=getattr(env, "slow_tools", False))
             try:
                 messages, reward, info, termination = play(env, task, agent,
                                                            sim.sync_user(env, task, session) if sim else None,

@@ -29,6 +29,9 @@ class SamplingOptions:
     """new tokens per agent turn (the paper: 1024); a turn that reaches it ends the episode (response_truncated)"""
     max_context: int = 32768
     """tokens per episode (the paper: 32k); an episode that reaches it ends (context_limit)"""
+    tool_timeout: float = 30.0
+    """seconds one tool call may run (0: no deadline); a call that overruns is stopped, changes nothing and comes
+    back as an error the agent reads (deadlines.py)"""
     reuse_cache: bool = True
     """keep each episode's KV cache across turns (off: re-encode the conversation every turn; same tokens, slower)"""
     rollout_batch: int = 0

@@ -44,7 +44,7 @@ RECIPES = {
 # changes the algorithm. A dead endpoint can be replaced on resume, under another model name if the new server
 # serves the user so (a --user-model that names another model changes the user itself: your call, recorded in
 # resumes.jsonl). Anything else continues with the run's saved settings; giving another value is refused.
-RESUMABLE = ("steps", "user_base_url", "user_model", "user_concurrency", "user_timeout", "user_retries",
+RESUMABLE = ("steps", "user_base_url", "user_model", "user_concurrency", "user_timeout", "user_retries", "tool_timeout",
              "report_to", "log_episodes", "save_every", "keep_checkpoints", "memory_check", "dist_timeout",
              "eval_every")
 

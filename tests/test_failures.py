@@ -14,6 +14,7 @@ import options
 import sft
 from batched_rollout import RolloutConfig, make_user_sim, rollout
 from conftest import ChatServer
+from envs import ToolResult
 from envs.llm_users import OpenAIUserSim
 from envs.users import UserSimError
 from tests.fake_env import FakeEnv
@@ -411,3 +412,60 @@ def test_second_ctrl_c_stops_at_once_and_names_the_last_checkpoint(tmp_path, ckp
     assert (f"interrupted during step 2: the newest checkpoint is step 1; continue with: accelerate launch grpo.py "
             f"--resume {run}") in out
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+# ---- a tool call has a deadline ---------------------------------------------------------------------------------
+class _Tools:
+    """A session whose tools write, hold the interpreter in C (a big-integer power: no thread or signal can stop
+    it), or kill their own process."""
+
+    def __init__(self):
+        self.db = []
+
+    def call_tool(self, name, arguments, requestor="assistant"):
+        if name == "power":
+            return ToolResult(str((3 ** arguments["exponent"]).bit_length()))
+        if name == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.db.append(arguments["x"])
+        return ToolResult(str(self.db))
+
+
+def test_a_tool_call_past_its_deadline_or_killing_its_process_is_an_error_that_changes_nothing():
+    import time
+
+    import deadlines
+
+    session = deadlines.guard(_Tools(), 1.0)
+    assert session.call_tool("write", {"x": 1}) == ToolResult("[1]")
+    t0 = time.monotonic()
+    res = session.call_tool("power", {"exponent": 10**9})  # minutes in C
+    assert res.error and "did not finish within its deadline of 1 s (--tool-timeout)" in res.content
+    assert time.monotonic() - t0 < 10
+    assert session.call_tool("power", {"exponent": 10}) == ToolResult("16")
+    # the copy that tries each call is forked again with this process's state: the write before is still there
+    assert session.call_tool("write", {"x": 2}) == ToolResult("[1, 2]")
+    res = session.call_tool("die", {})  # would end this process; ends only the copy
+    assert res.error and "changed nothing" in res.content
+    assert session.call_tool("write", {"x": 3}) == ToolResult("[1, 2, 3]") and session.session.db == [1, 2, 3]
+    assert deadlines.guard(_Tools(), 0).__class__ is _Tools  # --tool-timeout 0: no deadline
+
+
+def test_the_rollout_runs_every_tool_call_under_the_deadline(tiny_lm, tiny_tok):
+    """The session an episode's tools (the agent's and a user's) act on is the one under --tool-timeout."""
+    import deadlines
+
+    seen = []
+
+    class Spy(FakeEnv):
+        def start(self, task):
+            return _Tools()
+
+    sim = make_user_sim("scripted")
+    real_start = sim.start
+    sim.start = lambda env, task, session, opening: seen.append(session) or real_start(env, task, session, opening)
+    rollout(tiny_lm, tiny_tok, Spy(), Spy().tasks("train")[:1], 2, sim,
+            RolloutConfig(greedy=True, max_new_tokens=8, max_turns=2, tool_timeout=7.0))
+    assert len(seen) == 2 and all(isinstance(s, deadlines.DeadlineSession) and s.timeout == 7.0 for s in seen)
+    opts = options.SamplingOptions(tool_timeout=3.0)
+    assert RolloutConfig.from_options(opts, on_gpu=False).tool_timeout == 3.0
