@@ -96,8 +96,39 @@ def save_pretrained(acc, model, tok, out: Path, run_config: dict) -> None:
 
 
 # What a run writes into its directory (grpo.main); --overwrite removes these and nothing else.
-RUN_FILES = ("config.json", "metrics.jsonl", "episodes.jsonl", "eval-before.jsonl", "eval-after.jsonl",
-             "summary.json", "curves.png", "checkpoints", "resumes.jsonl", "metrics.jsonl.cut", "episodes.jsonl.cut")
+RUN_FILES = ("config.json", "metrics.jsonl", "episodes.jsonl", "eval-before.jsonl", "eval-before.json",
+             "eval-after.jsonl", "summary.json", "curves.png", "checkpoints", "resumes.jsonl", "metrics.jsonl.cut",
+             "episodes.jsonl.cut")
+_held: list = []  # the open lock files of the run directories this process writes (kept for its lifetime)
+
+
+def lock(run_dir: Path, program: str = "grpo.py") -> str | None:
+    """Take run_dir/run.lock for this process's lifetime (a POSIX lock: the kernel drops it when the process ends,
+    however it ends, and a forked child does not inherit it). Returns why not when another run holds it."""
+    import fcntl
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    f = open(run_dir / "run.lock", "a+")
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        return (f"{program}: {run_dir} is in use by a run that is still going ({holder}); wait for it to end or stop "
+                f"it (Ctrl-C, SIGTERM) first: two runs in one directory would mix their steps and checkpoints")
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {os.uname().nodename}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    _held.append(f)
+    return None
+
+
+def unlock() -> None:
+    """Release the run directories this process locked (the run ended; a crash releases them anyway)."""
+    while _held:
+        _held.pop().close()
 LOGS = ("metrics.jsonl", "episodes.jsonl")  # one JSON object a line, each with its "step"
 
 
@@ -117,6 +148,11 @@ def claim(acc, run_dir: Path, resuming: bool, overwrite: bool) -> Path:
         elif present and not resuming and not overwrite:
             decision[0] = (f"grpo.py: --out-dir: {run_dir} already holds a run ({', '.join(present)}); continue it "
                            f"with --resume {run_dir}, replace it with --overwrite, or choose another --out-dir")
+        elif present and overwrite and "config.json" not in present:
+            decision[0] = (f"grpo.py: --overwrite: {run_dir} holds {', '.join(present)} but no config.json, so no "
+                           "run of grpo.py wrote them; nothing was deleted. Move them away or choose another --out-dir")
+        else:
+            decision[0] = lock(run_dir)
     if acc.num_processes > 1:
         broadcast_object_list(decision)
     if decision[0]:
@@ -215,6 +251,27 @@ def find(path: str) -> Path:
                      "(expected trainer_state.json or checkpoints/latest.json)")
 
 
+def unsaved_run(path: str) -> Path | None:
+    """The run directory --resume names when it holds a run that stopped before its first checkpoint (config.json,
+    no complete step): such a run starts again from step 0 with its own settings."""
+    p = Path(path)
+    if not (p / "config.json").is_file() or (p / "trainer_state.json").exists():
+        return None
+    ckpts = p / "checkpoints"
+    if ckpts.is_dir() and any((s / "trainer_state.json").exists() for s in ckpts.glob("step-*")
+                              if not s.name.endswith(".tmp")):
+        return None
+    return p
+
+
+def saved_settings(path: Path) -> dict:
+    """The settings a run was started with: a checkpoint's (model/muarl_config.json) or a run directory's
+    (config.json, for a run that saved no checkpoint)."""
+    if (path / "config.json").is_file() and not (path / "trainer_state.json").exists():
+        return json.loads((path / "config.json").read_text())
+    return json.loads((path / "model" / "muarl_config.json").read_text())["grpo"]
+
+
 def newest(ckpt_dir: Path) -> Path:
     """The checkpoint `latest.json` names; when it is missing, unreadable (cut short) or names a step that is gone,
     the newest complete step (a step directory exists only once it was fully written: save renames it into place)."""
@@ -235,10 +292,10 @@ def newest(ckpt_dir: Path) -> Path:
 
 
 def resume_settings(path: Path, cfg, given: set, resumable: tuple) -> tuple[dict, dict]:
-    """The settings a resumed run continues with: the checkpoint's, with the options given on the command line that
-    may change (`resumable`; an option equal to the saved value is no change). Returns (settings, changes: name ->
-    [saved, new]); any other change is refused, naming it."""
-    saved = json.loads((path / "model" / "muarl_config.json").read_text())["grpo"]
+    """The settings a resumed run continues with: the checkpoint's (or the unsaved run's, `path` its directory),
+    with the options given on the command line that may change (`resumable`; an option equal to the saved value is
+    no change). Returns (settings, changes: name -> [saved, new]); any other change is refused, naming it."""
+    saved = saved_settings(path)
     changes = {k: [saved.get(k), getattr(cfg, k)] for k in sorted(given - {"resume"})
                if k == "recipe" or saved.get(k) != getattr(cfg, k)}
     fixed = [k for k in changes if k not in resumable]

@@ -136,47 +136,115 @@ def main_print(*args) -> None:
         print(*args, flush=True)
 
 
+class Abandoned(Exception):
+    """A stop signal arrived where the work in progress is not worth finishing (loading, an evaluation, or, on one
+    process, a rollout under SIGTERM): raised from the signal handler to leave it at once."""
+
+    def __init__(self, signame: str):
+        super().__init__(signame)
+        self.signame = signame
+
+
+SIGNALS = {"SIGINT": "Ctrl-C", "SIGTERM": "SIGTERM", "SIGHUP": "SIGHUP"}
+
+
 class StopOnInterrupt:
-    """Ctrl-C as a request to stop at the next safe point. The first SIGINT sets a flag that the loop reads once a
-    step (`agreed`, the same answer on every process) to save and stop cleanly; a second one, two seconds or more
-    later, raises KeyboardInterrupt as usual. (A launcher that forwards the terminal's SIGINT to its workers sends
-    them a second one at once: that one is not taken as the user's second Ctrl-C.)"""
+    """Ctrl-C, SIGTERM and SIGHUP (what Slurm and Kubernetes send before they preempt a job, and a closed terminal) as
+    a request to stop at the next safe point. The first one sets a flag that the loop reads once a step (`agreed`,
+    the same answer on every process) to save and stop cleanly; a second Ctrl-C, two seconds or more later, raises
+    KeyboardInterrupt as usual. (A launcher that forwards the terminal's SIGINT to its workers sends them a second
+    one at once: that one is not taken as the user's second Ctrl-C.) Inside `abandoning()` (loading, evaluations,
+    and on one process the rollout under SIGTERM or SIGHUP, whose grace period before SIGKILL is often 30 s) the
+    first signal raises Abandoned instead, so the caller saves what finished. A signal that the process inherited as
+    ignored (`nohup`, a background job of a script) stays ignored; exit status 128 + the signal's number."""
 
     debounce_s = 2.0  # a second SIGINT sooner than this is the launcher's copy of the first
 
     def __init__(self, program: str):
-        self.program, self.asked, self.at, self._old = program, False, 0.0, None
+        self.program, self.asked, self.at, self._old = program, None, 0.0, {}
+        self.abandon: set[str] = set()  # the signals that abandon the work in progress now
 
     def __enter__(self):
         import signal
         import threading
 
         if threading.current_thread() is threading.main_thread():  # signal handlers live on the main thread only
-            self._old = signal.signal(signal.SIGINT, self._handler)
+            follow_launcher()
+            for name in SIGNALS:
+                sig = getattr(signal, name, None)
+                if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._old[sig] = signal.signal(sig, self._handler)
         return self
 
     def _handler(self, signum, frame):
+        import signal
         import time
 
+        name = signal.Signals(signum).name
         if not self.asked:
-            self.asked, self.at = True, time.monotonic()
-            main_print(f"\n[{self.program}] Ctrl-C: finishing this step, then saving a checkpoint and stopping "
-                       "(Ctrl-C again to stop at once)")
-        elif time.monotonic() - self.at >= self.debounce_s:
+            self.asked, self.at = name, time.monotonic()
+            if name in self.abandon:
+                raise Abandoned(name)
+            main_print(f"\n[{self.program}] {SIGNALS[name]}: finishing this step, then saving a checkpoint and "
+                       "stopping" + (" (Ctrl-C again to stop at once)" if name == "SIGINT" else ""))
+        elif name == "SIGINT" and time.monotonic() - self.at >= self.debounce_s:
             raise KeyboardInterrupt
+
+    def abandoning(self, *names: str):
+        """`with ctrl_c.abandoning("SIGTERM", "SIGHUP"):` the first of these signals raises Abandoned in the block
+        (all three when none is named); one that arrived before the block raises at its start."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def block():
+            before, self.abandon = self.abandon, set(names or SIGNALS)
+            try:
+                if self.asked in self.abandon:
+                    raise Abandoned(self.asked)
+                yield
+            finally:
+                self.abandon = before
+        return block()
+
+    def exit_code(self) -> int:
+        import signal
+
+        return 128 + int(getattr(signal, self.asked or "SIGINT"))
 
     def __exit__(self, *exc):
         import signal
 
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
         return False
 
     def agreed(self, acc) -> bool:
         """Whether any process was asked to stop (a collective when there are several: call it on every one)."""
         if acc.num_processes == 1:
-            return self.asked
-        return acc.reduce(torch.tensor(float(self.asked), device=acc.device), reduction="max").item() > 0
+            return bool(self.asked)
+        return acc.reduce(torch.tensor(float(bool(self.asked)), device=acc.device), reduction="max").item() > 0
+
+
+def follow_launcher() -> None:
+    """Under `accelerate launch` with one process, the launcher runs this program as its child and dies of a SIGTERM
+    without passing it on: ask Linux to send this process SIGTERM when its parent dies, so it saves and stops
+    instead of training on, orphaned. Not when run from a shell (`nohup` must keep working)."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        parent = open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\0")
+    except OSError:
+        return
+    if not any(b"accelerate" in part for part in parent[:3]):
+        return
+    ppid = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    if os.getppid() != ppid:  # it died before the request
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class option_errors:

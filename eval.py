@@ -320,6 +320,10 @@ def main(argv=None):
         return
     if cfg.trials < 1:
         raise SystemExit("eval.py: --trials must be >= 1")
+    if cfg.out_dir and any((Path(cfg.out_dir) / name).exists() for name in ("config.json", "checkpoints")):
+        raise SystemExit(f"eval.py: --out-dir: {cfg.out_dir} holds a training run (config.json, checkpoints/), "
+                         "whose episodes.jsonl and summary.json this evaluation would replace; give it a directory of "
+                         f"its own, e.g. --out-dir {Path(cfg.out_dir) / 'eval'}")
     if cfg.user_retries < 0 or not cfg.user_timeout > 0:
         raise SystemExit("eval.py: --user-retries must be >= 0 and --user-timeout > 0")
     if cfg.rollout_batch < 0:

@@ -187,21 +187,19 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
 
 
 def main(argv=None):
-    """The paper's pipeline, phase by phase."""
+    """The paper's pipeline, phase by phase. Ctrl-C, SIGTERM or SIGHUP save what finished and stop (pipeline.stops)."""
     cfg, resume_from, changes = pipeline.options(Config, argv)
-    try:
-        run = pipeline.set_up(cfg, resume_from, changes)  # directory, environment, user, cold start, policy, reference
-        results = pipeline.evaluate(run, "before") if run.first_step == 0 else {}
-        pipeline.train(run, train_on_episodes)            # the GRPO steps, checkpoints
-        if run.first_step < run.cfg.steps:
+    if pipeline.finished(cfg, resume_from):  # nothing left to do, nothing rewritten
+        return None
+    with cli.StopOnInterrupt("grpo") as stop, pipeline.stops(cfg, stop):
+        with stop.abandoning():  # loading and evaluating are left at once: nothing of them is worth saving
+            run = pipeline.set_up(cfg, resume_from, changes)  # directory, environment, user, cold start, policy, ref
+            run.ctrl_c = stop
+            results = pipeline.evaluate(run, "before") if run.first_step == 0 else pipeline.results_so_far(run)
+        pipeline.train(run, train_on_episodes)                # the GRPO steps, checkpoints
+        with stop.abandoning():
             results.update(pipeline.evaluate(run, "after"))
         pipeline.write(run, results)
-    except RuntimeError as e:
-        if not cli.is_collective_timeout(e):
-            raise
-        raise SystemExit(f"grpo.py: this process waited more than --dist-timeout {cfg.dist_timeout:g} s for another "
-                         f"at a collective (a rollout that waited on the user, a process that died, a slow disk): "
-                         f"{str(e)[:300]}") from e
     return SimpleNamespace(run_dir=run.dir, model=run.acc.unwrap_model(run.model), results=results)
 
 

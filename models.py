@@ -31,6 +31,21 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def rng_state() -> tuple:
+    """Every generator a checkpoint saves (Python, NumPy, torch on the CPU and each GPU)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def restore_rng(state: tuple) -> None:
+    py, npy, cpu, cuda = state
+    random.setstate(py)
+    np.random.set_state(npy)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

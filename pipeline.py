@@ -5,6 +5,7 @@ Ctrl-C, and the summary. Machinery: a first reader skips it; grpo.main calls it 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
@@ -97,9 +98,52 @@ def options(Config, argv) -> tuple:
     cfg = cli.parse_config(Config, argv, recipes=RECIPES, description=Config.__doc__.split("\n\n")[0], given=given)
     if not cfg.resume:
         return cfg, None, {}
-    resume_from = checkpoints.find(cfg.resume)
-    saved, changes = checkpoints.resume_settings(resume_from, cfg, given, RESUMABLE)
-    return Config(**{**saved, "resume": cfg.resume, "overwrite": False}), resume_from, changes
+    unsaved = checkpoints.unsaved_run(cfg.resume)  # stopped before its first checkpoint: starts again at step 0
+    resume_from = None if unsaved else checkpoints.find(cfg.resume)
+    saved, changes = checkpoints.resume_settings(unsaved or resume_from, cfg, given, RESUMABLE)
+    if unsaved:
+        cli.main_print(f"[grpo] --resume: {unsaved} stopped before its first checkpoint; starting it again from step "
+                       "0 with its settings")
+    out_dir = str(unsaved) if unsaved else saved["out_dir"]
+    return Config(**{**saved, "resume": cfg.resume, "overwrite": False, "out_dir": out_dir}), resume_from, changes
+
+
+@contextlib.contextmanager
+def stops(cfg, stop):
+    """How a run ends outside its steps (pipeline.train handles those): a stop signal while it loads or evaluates,
+    and a collective that timed out, each in one line. The run directory's lock goes when the run does."""
+    try:
+        yield
+    except cli.Abandoned as e:
+        run_dir = Path(cfg.out_dir) if cfg.out_dir else None
+        then = (f"continue with: accelerate launch grpo.py --resume {run_dir}" if run_dir and
+                (run_dir / "config.json").exists() else "nothing was written; run the same command again")
+        cli.main_print(f"\n[grpo] stopped by {cli.SIGNALS[e.signame]} while loading or evaluating; {then}")
+        raise SystemExit(stop.exit_code()) from None
+    except RuntimeError as e:
+        if not cli.is_collective_timeout(e):
+            raise
+        raise SystemExit(f"grpo.py: this process waited more than --dist-timeout {cfg.dist_timeout:g} s for another "
+                         f"at a collective (a rollout that waited on the user, a process that died, a slow disk): "
+                         f"{str(e)[:300]}") from e
+    finally:
+        checkpoints.unlock()
+
+
+def finished(cfg, resume_from: Path | None) -> bool:
+    """A resumed run that already did all its steps and wrote its summary: nothing is left to do, or to rewrite
+    (a run stopped after its last checkpoint but before the summary goes on to its "after" evaluation)."""
+    if resume_from is None or checkpoints.step_of(resume_from) < cfg.steps:
+        return False
+    summary = resume_from.parents[1] / "summary.json"
+    try:
+        done = json.loads(summary.read_text()).get("steps") == cfg.steps
+    except (OSError, ValueError, AttributeError):
+        done = False
+    if done:
+        cli.main_print(f"[grpo] {resume_from.parents[1]} finished all {cfg.steps} steps ({summary}); nothing to do. "
+                       f"To train it further: --resume {cfg.resume} --steps N (N > {cfg.steps})")
+    return done
 
 
 def set_up(cfg, resume_from: Path | None, changes: dict) -> SimpleNamespace:
@@ -117,8 +161,9 @@ def set_up(cfg, resume_from: Path | None, changes: dict) -> SimpleNamespace:
     models.seed_everything(cfg.seed)
     run_dir = resume_from.parents[1] if resume_from else Path(
         cfg.out_dir or f"runs/grpo-{cfg.env.replace(':', '-')}-{time.strftime('%Y%m%d-%H%M%S')}")
-    # An existing run is refused now unless --resume or --overwrite; nothing is removed until the run has loaded.
-    run_dir = checkpoints.claim(acc, run_dir, resuming=resume_from is not None, overwrite=cfg.overwrite)
+    # An existing run is refused now unless --resume or --overwrite, and a directory another run is using, always
+    # (run.lock); nothing is removed until the run has loaded.
+    run_dir = checkpoints.claim(acc, run_dir, resuming=bool(cfg.resume), overwrite=cfg.overwrite)
     if cfg.lora_rank and cfg.overwrite:  # the adapters' checkpoints need their base where it is
         lora.check_base_kept(cfg.init_from or cfg.model, run_dir, "grpo.py: --overwrite")
     cfg.out_dir = str(run_dir)
@@ -147,7 +192,8 @@ def set_up(cfg, resume_from: Path | None, changes: dict) -> SimpleNamespace:
     if resume_from:
         acc.print(f"[grpo] resumed from {resume_from} at step {run.first_step}")
     # Once everything has loaded: a run that fails to start leaves the directory as it was.
-    checkpoints.open_run(acc, run_dir, asdict(cfg), run.first_step if resume_from else None, changes, cfg.overwrite)
+    checkpoints.open_run(acc, run_dir, asdict(cfg), run.first_step if cfg.resume else None, changes, cfg.overwrite)
+    run.done_steps = run.first_step  # steps whose update and logs are complete
     run.sampling = RolloutConfig.from_options(cfg, on_gpu=acc.device.type != "cpu")
     return run
 
@@ -295,14 +341,24 @@ def evaluate(run, tag: str) -> dict:
                       for k, vs in list(s.get("by_meta", {}).items())[:2])
     acc.print(f"[grpo] eval ({tag}) on {s['tasks']} test tasks, greedy: pass^1 = {s['pass^1']:.3f}"
               + (f" ({kinds})" if kinds else ""))
-    return {f"eval/{tag}/pass1": s["pass^1"], f"eval/{tag}/tasks": s["tasks"],
-            f"eval/{tag}/by_meta": s.get("by_meta", {})}
+    out = {f"eval/{tag}/pass1": s["pass^1"], f"eval/{tag}/tasks": s["tasks"],
+           f"eval/{tag}/by_meta": s.get("by_meta", {})}
+    if tag == "before" and acc.is_main_process:  # a resumed run's summary still holds it
+        cli.write_json_atomic(run.dir / "eval-before.json", out)
+    return out
+
+
+def results_so_far(run) -> dict:
+    """The "before" evaluation of a resumed run (eval-before.json), for its summary."""
+    path = run.dir / "eval-before.json"
+    return json.loads(path.read_text()) if run.first_step and path.exists() else {}
 
 
 def train(run, train_on_episodes) -> None:
     """The loop of GRPO steps (grpo_step, with grpo.train_on_episodes as the update) from the run's first step, with
-    its checkpoints. A step where every episode failed on infrastructure stops the run; Ctrl-C stops it after the
-    step (both say how to continue)."""
+    its checkpoints. A step where every episode failed on infrastructure stops the run; Ctrl-C, SIGTERM or SIGHUP
+    stops it after the step, SIGTERM or SIGHUP on one process by abandoning the step's rollout (all say how to
+    continue)."""
     from tqdm.auto import tqdm
 
     cfg, acc = run.cfg, run.acc
@@ -310,36 +366,48 @@ def train(run, train_on_episodes) -> None:
                disable=not acc.is_main_process, desc="grpo", dynamic_ncols=True)
     resume_hint = f"accelerate launch grpo.py --resume {run.dir}"
     saved, step = run.first_step, run.first_step  # the newest checkpoint's step; the step in progress
+    ctrl_c = run.ctrl_c
     try:
-        with cli.StopOnInterrupt("grpo") as ctrl_c:
-            for step in bar:
-                m, failed = grpo_step(run, step, train_on_episodes)
-                if m is None:  # stop, loudly, rather than train on nothing step after step
-                    if step > saved:
-                        checkpoints.save(acc, run.model, run.tok, cfg, run.dir, step)
-                    then = (f"then continue with {resume_hint} (the user-simulator options may change on --resume)"
-                            if step else f"then start again (--overwrite {run.dir})")
-                    acc.end_training()
-                    raise SystemExit(f"grpo.py: step {step + 1}: all {len(failed)} episodes failed on infrastructure, "
-                                     f"so there is nothing to train on; the first error: {failed[0]['error']}\nFix "
-                                     f"it, {then}.")
-                if acc.is_main_process:
-                    bar.set_postfix(reward=f"{m.get('reward_mean', 0):.3f}", kl=f"{m.get('kl', 0):.4f}")
-                    tqdm.write(metrics.console_line(m, failed, m["rollout_s"], m["update_s"]))
-                stop = ctrl_c.agreed(acc)  # every process stops after the same step
-                if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stop:
-                    checkpoints.save(acc, run.model, run.tok, cfg, run.dir, step + 1)
-                    saved = step + 1
-                if stop and step + 1 < cfg.steps:
-                    bar.close()
-                    acc.end_training()
-                    acc.print(f"[grpo] stopped by Ctrl-C after step {step + 1} of {cfg.steps}, checkpoint saved; "
-                              f"continue with: {resume_hint}")
-                    raise SystemExit(130)
+        for step in bar:
+            m, failed = grpo_step(run, step, train_on_episodes)
+            if m is None:  # stop, loudly, rather than train on nothing step after step
+                if step > saved:
+                    checkpoints.save(acc, run.model, run.tok, cfg, run.dir, step)
+                then = (f"then continue with {resume_hint} (the user-simulator options may change on --resume)"
+                        if step else f"then start again (--overwrite {run.dir})")
+                acc.end_training()
+                raise SystemExit(f"grpo.py: step {step + 1}: all {len(failed)} episodes failed on infrastructure, "
+                                 f"so there is nothing to train on; the first error: {failed[0]['error']}\nFix "
+                                 f"it, {then}.")
+            if acc.is_main_process:
+                bar.set_postfix(reward=f"{m.get('reward_mean', 0):.3f}", kl=f"{m.get('kl', 0):.4f}")
+                tqdm.write(metrics.console_line(m, failed, m["rollout_s"], m["update_s"]))
+            stop = ctrl_c.agreed(acc)  # every process stops after the same step
+            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stop:
+                checkpoints.save(acc, run.model, run.tok, cfg, run.dir, step + 1)
+                saved = step + 1
+            if stop and step + 1 < cfg.steps:
+                bar.close()
+                acc.end_training()
+                acc.print(f"[grpo] stopped by {cli.SIGNALS[ctrl_c.asked]} after step {step + 1} of {cfg.steps}, "
+                          f"checkpoint saved; continue with: {resume_hint}")
+                raise SystemExit(ctrl_c.exit_code())
+    except cli.Abandoned as e:  # SIGTERM/SIGHUP in a rollout, or any stop signal in an evaluation of the step
+        bar.close()
+        if run.done_steps == step:  # abandoned in the rollout: the state is the last step's, RNG included
+            models.restore_rng(run.rng_at_step)
+        if run.done_steps > saved:
+            checkpoints.save(acc, run.model, run.tok, cfg, run.dir, run.done_steps)
+            saved = run.done_steps
+        where = (f"checkpoint of step {saved} saved; continue with: {resume_hint}" if saved else
+                 f"no step had finished; --resume {run.dir} starts it again")
+        acc.print(f"\n[grpo] stopped by {cli.SIGNALS[e.signame]} during step {step + 1}: {where}")
+        acc.end_training()
+        raise SystemExit(ctrl_c.exit_code()) from None
     except KeyboardInterrupt:  # the second Ctrl-C: stop at once; the step in progress is lost
         bar.close()
         where = (f"the newest checkpoint is step {saved}; continue with: {resume_hint}" if saved else
-                 f"no checkpoint was written; start again with --overwrite {run.dir}")
+                 f"no checkpoint was written; --resume {run.dir} starts it again")
         acc.print(f"\n[grpo] interrupted during step {step + 1}: {where}")
         acc.end_training()
         raise SystemExit(130) from None
@@ -356,7 +424,10 @@ def grpo_step(run, step: int, train_on_episodes) -> tuple[dict | None, list[dict
     # Sampling seeded by (run seed, step, process): a resumed run draws exactly what it would have drawn.
     gen = torch.Generator(acc.device).manual_seed(cfg.seed * 1_000_003 + step * 1_009 + acc.process_index)
     tasks = step_tasks(run.tasks, cfg, step, acc.process_index, acc.num_processes)
-    episodes = play(run, tasks, cfg.group_size, run.sampling, gen)
+    run.rng_at_step = models.rng_state()  # what a checkpoint of the last step holds, if this rollout is abandoned
+    # one process may abandon its rollout at SIGTERM (preemption leaves ~30 s); several finish the step together
+    with run.ctrl_c.abandoning("SIGTERM", "SIGHUP") if acc.num_processes == 1 else contextlib.nullcontext():
+        episodes = play(run, tasks, cfg.group_size, run.sampling, gen)
     t_roll, t1 = time.time() - t0, time.time()
     summaries = gather_object([metrics.episode_summary(e) for e in episodes])
     failed = [s for s in summaries if not s["valid"]]
@@ -367,9 +438,14 @@ def grpo_step(run, step: int, train_on_episodes) -> tuple[dict | None, list[dict
     m = {"step": step + 1, **metrics.rollout_metrics(summaries, cfg.group_size), **update,
          "lr": run.sched.get_last_lr()[0], "rollout_s": t_roll, "update_s": time.time() - t1,
          "gen_tokens_per_s": n_gen / max(t_roll, 1e-9)}
+    stopped = None
     if cfg.eval_tasks and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:  # last: "after"
         t2 = time.time()
-        m["eval/pass1"] = evaluate(run, f"step{step + 1}").get(f"eval/step{step + 1}/pass1")
+        try:
+            with run.ctrl_c.abandoning():  # a stop signal leaves the evaluation; the step is logged and saved
+                m["eval/pass1"] = evaluate(run, f"step{step + 1}").get(f"eval/step{step + 1}/pass1")
+        except cli.Abandoned as e:
+            stopped = e
         m["eval_s"] = time.time() - t2
     samples = gather_object([e.to_json() for e in episodes[:max(0, cfg.log_episodes)]])
     if acc.is_main_process:
@@ -380,6 +456,9 @@ def grpo_step(run, step: int, train_on_episodes) -> tuple[dict | None, list[dict
                 f.write(json.dumps({"step": step + 1, **s}, ensure_ascii=False) + "\n")
     if cfg.report_to:
         acc.log(m, step=step + 1)
+    run.done_steps = step + 1
+    if stopped:
+        raise stopped
     return m, failed
 
 

@@ -362,7 +362,21 @@ def test_loading_errors_name_the_path_and_the_option(tmp_path, ckpt, monkeypatch
 
 
 # ---- interrupts ---------------------------------------------------------------------------------------------------
-def test_ctrl_c_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, ckpt, monkeypatch, capsys):
+@pytest.fixture
+def terminal_signals():
+    """Signals as a terminal's foreground job has them, whatever the suite inherited (`nohup ./run pytest &` starts
+    it with SIGINT and SIGHUP ignored, and muarl leaves an ignored signal ignored)."""
+    names = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {s: signal.getsignal(s) for s in names}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    for s, handler in old.items():
+        signal.signal(s, handler)
+
+
+def test_ctrl_c_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, ckpt, monkeypatch, capsys, terminal_signals):
     import batched_rollout as rollout_module
 
     real, calls = rollout_module.rollout, []
@@ -389,7 +403,7 @@ def test_ctrl_c_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, ckpt
     assert steps_logged(run) == [1, 2, 3, 4]
 
 
-def test_second_ctrl_c_stops_at_once_and_names_the_last_checkpoint(tmp_path, ckpt, monkeypatch, capsys):
+def test_second_ctrl_c_stops_at_once_and_names_the_last_checkpoint(tmp_path, ckpt, monkeypatch, capsys, terminal_signals):
     import cli
     import batched_rollout as rollout_module
 
@@ -469,3 +483,137 @@ def test_the_rollout_runs_every_tool_call_under_the_deadline(tiny_lm, tiny_tok):
     assert len(seen) == 2 and all(isinstance(s, deadlines.DeadlineSession) and s.timeout == 7.0 for s in seen)
     opts = options.SamplingOptions(tool_timeout=3.0)
     assert RolloutConfig.from_options(opts, on_gpu=False).tool_timeout == 3.0
+
+
+# ---- stop signals, one run per directory, finished runs ---------------------------------------------------------
+def _signal_at_rollout(monkeypatch, n, sig):
+    import batched_rollout as rollout_module
+
+    real, calls = rollout_module.rollout, []
+
+    def signalled(*args, **kwargs):  # the signal arrives while the n-th rollout runs
+        calls.append(1)
+        if len(calls) == n:
+            os.kill(os.getpid(), sig)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rollout_module, "rollout", signalled)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_sighup_abandons_the_rollout_saves_the_last_step_and_says_how_to_resume(tmp_path, ckpt, monkeypatch,
+                                                                                           capsys, sig,
+                                                                                           terminal_signals):
+    """Preemption (Slurm, Kubernetes) sends SIGTERM and kills ~30 s later: one process leaves the rollout at once
+    and saves the last finished step, with its RNG state as it was then."""
+    _signal_at_rollout(monkeypatch, 2, sig)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        grpo.main(grpo_args(ckpt, run, "--steps", "3", "--save-every", "10"))
+    assert e.value.code == 128 + sig
+    out = capsys.readouterr().out
+    assert (f"stopped by {signal.Signals(sig).name} during step 2: checkpoint of step 1 saved; continue with: "
+            f"accelerate launch grpo.py --resume {run}") in out
+    assert steps_logged(run) == [1] and (run / "checkpoints" / "step-000001" / "trainer_state.json").exists()
+    monkeypatch.undo()
+    grpo.main(["--resume", str(run)])
+    assert steps_logged(run) == [1, 2, 3]
+
+
+def test_a_stop_before_the_first_checkpoint_or_in_the_evaluation_leaves_a_run_that_resume_starts_again(
+        tmp_path, ckpt, monkeypatch, capsys, terminal_signals):
+    _signal_at_rollout(monkeypatch, 1, signal.SIGTERM)  # the "before" evaluation's rollout
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        grpo.main(grpo_args(ckpt, run, "--eval-tasks", "2"))
+    assert e.value.code == 128 + signal.SIGTERM
+    assert (f"stopped by SIGTERM while loading or evaluating; continue with: accelerate launch grpo.py --resume "
+            f"{run}") in capsys.readouterr().out
+    _signal_at_rollout(monkeypatch, 2, signal.SIGINT)  # Ctrl-C in step 1's rollout: it finishes, and is saved
+    with pytest.raises(SystemExit) as e:
+        grpo.main(["--resume", str(run)])
+    assert e.value.code == 130 and steps_logged(run) == [1]
+    monkeypatch.undo()
+    grpo.main(["--resume", str(run)])
+    summary = json.loads((run / "summary.json").read_text())
+    assert steps_logged(run) == [1, 2] and "eval/before/pass1" in summary and "eval/after/pass1" in summary
+
+
+def test_resuming_a_finished_run_rewrites_nothing(tmp_path, ckpt, capsys):
+    run = tmp_path / "run"
+    grpo.main(grpo_args(ckpt, run, "--eval-tasks", "2"))
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    assert grpo.main(["--resume", str(run)]) is None
+    assert "finished all 2 steps" in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+
+
+def test_two_runs_never_share_a_directory_and_a_dead_run_leaves_no_lock(tmp_path, ckpt):
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    grpo.main(grpo_args(ckpt, run, "--steps", "1"))
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+                               "fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB); f.write('pid 4242'); f.flush(); print('held', "
+                               "flush=True); time.sleep(60)", str(run / "run.lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(SystemExit, match="is in use by a run that is still going"):
+            grpo.main(["--resume", str(run), "--steps", "2"])
+        with pytest.raises(SystemExit, match="is in use by a run that is still going"):
+            grpo.main(grpo_args(ckpt, run, "--overwrite"))
+    finally:
+        holder.kill()
+        holder.wait()
+    grpo.main(["--resume", str(run), "--steps", "2"])  # killed: its lock went with it
+    assert steps_logged(run) == [1, 2]
+
+
+def test_overwrite_deletes_nothing_that_no_run_wrote_and_eval_never_writes_into_a_run(tmp_path, ckpt):
+    other = tmp_path / "other"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "checkpoints" / "mine.bin").write_text("not a run's")
+    with pytest.raises(SystemExit, match="no config.json, so no run of grpo.py wrote them; nothing was deleted"):
+        grpo.main(grpo_args(ckpt, other, "--overwrite"))
+    assert (other / "checkpoints" / "mine.bin").read_text() == "not a run's"
+    run = tmp_path / "run"
+    grpo.main(grpo_args(ckpt, run, "--steps", "1"))
+    with pytest.raises(SystemExit, match="holds a training run"):
+        evaluation.main(["--agent", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--out-dir", str(run)])
+
+
+def test_a_launcher_that_dies_takes_its_single_process_run_with_it(tmp_path):
+    """`accelerate launch` with one process dies of SIGTERM without passing it on: the run gets SIGTERM itself."""
+    import subprocess
+    import sys
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    child = (f"import sys, signal, time; sys.path.insert(0, {root!r}); import cli; "
+             f"signal.signal(signal.SIGTERM, lambda *a: (open({str(tmp_path / 'got')!r}, 'w').write('SIGTERM'), "
+             "sys.exit(0))); cli.follow_launcher(); print('ready', flush=True); time.sleep(60)")
+    launcher = tmp_path / "accelerate-launch.py"  # its command line names accelerate, as the real one's does
+    launcher.write_text(f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])")
+    p = subprocess.Popen([sys.executable, str(launcher)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    p.kill()  # SIGKILL: the launcher passes nothing on
+    p.wait()
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "got").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (tmp_path / "got").read_text() == "SIGTERM"
+
+
+def test_a_signal_inherited_as_ignored_stays_ignored():
+    """`nohup` and the background jobs of a script start with SIGINT (or SIGHUP) ignored: muarl leaves it so."""
+    import cli
+
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with cli.StopOnInterrupt("grpo"):
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, old)

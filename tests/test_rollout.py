@@ -428,12 +428,14 @@ def test_ctrl_c_while_replies_are_on_their_way(lm, tiny_tok):
     lm.train()
     timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
     t0 = time.perf_counter()
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even under `nohup ... &`
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             rollout(lm, tiny_tok, env, env.tasks(), 2, LaggingUser(lambda tid, k: 30.0), GREEDY)
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, old)
     assert time.perf_counter() - t0 < 20  # not the 30 s a reply would take
     assert lm.training
     lm.eval()
