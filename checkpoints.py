@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+
 import cli
 import lora
 import shard
@@ -207,10 +209,11 @@ def cut_log(path: Path, last_step: int) -> int:
     return dropped
 
 
-def save(acc, model, tok, cfg, run_dir: Path, step: int) -> Path:
-    """run_dir/checkpoints/step-N: Hugging Face model + tokenizer + run config, and accelerate/ (optimizer,
-    scheduler, RNG states of every process). Written to a temporary directory and renamed, then `latest`
+def save(acc, run, step: int) -> Path:
+    """run_dir/checkpoints/step-N: Hugging Face model + tokenizer + run config, and accelerate/ (optimizer and RNG
+    states of every process; the scheduler's as JSON). Written to a temporary directory and renamed, then `latest`
     is updated: a crash mid-save never corrupts the last good checkpoint."""
+    model, tok, cfg, run_dir = run.model, run.tok, run.cfg, run.dir
     final = run_dir / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if acc.is_main_process:
@@ -219,6 +222,8 @@ def save(acc, model, tok, cfg, run_dir: Path, step: int) -> Path:
     acc.wait_for_everyone()
     if not cfg.save_weights_only:
         acc.save_state(str(tmp / "accelerate"))
+        if acc.is_main_process:
+            cli.write_json_atomic(tmp / "accelerate" / "scheduler.json", run.sched.state_dict())
     save_pretrained(acc, model, tok, tmp / "model", {"grpo": asdict(cfg)})
     if acc.is_main_process:
         cli.write_json_atomic(tmp / "trainer_state.json", {"step": step, "data_position": step * cfg.tasks_per_step})
@@ -312,10 +317,39 @@ def step_of(path: Path) -> int:
     return json.loads((path / "trainer_state.json").read_text())["step"]
 
 
-def load(acc, path: Path, tasks_per_step: int) -> int:
+def load(acc, path: Path, tasks_per_step: int, sched) -> int:
     """Restore the saved states (weights, optimizer, scheduler, RNG of every process); returns the step reached,
-    after checking that the data position matches it."""
-    acc.load_state(str(path / "accelerate"))
+    after checking that the data position matches it. Nothing is unpickled that could run code: Accelerate loads
+    with weights_only=True, the scheduler is JSON (an older checkpoint's custom_checkpoint_0.pkl is read with
+    weights_only=True too)."""
+    import pickle
+    import tempfile
+
+    from accelerate.utils import load as accelerate_load
+
+    state_dir = path / "accelerate"
+    try:
+        rng = state_dir / f"random_states_{acc.process_index}.pkl"
+        if rng.exists():  # Accelerate would skip an unreadable one without a word: the resume would not be exact
+            accelerate_load(rng)
+        with tempfile.TemporaryDirectory() as view:
+            if any(state_dir.glob("custom_checkpoint_*.pkl")):  # not for Accelerate to unpickle: a view without them
+                for p in state_dir.iterdir():
+                    if not p.name.startswith("custom_checkpoint_"):
+                        os.symlink(p.resolve(), Path(view) / p.name)
+            acc.load_state(view if any(Path(view).iterdir()) else str(state_dir))
+    except pickle.UnpicklingError as e:  # a payload planted in the run directory: refused, never run
+        raise SystemExit(f"grpo.py: --resume: {state_dir} holds a file that is not plain saved state, so it was not "
+                         f"loaded (it could run code): {str(e).splitlines()[0][:200]}") from None
+    state_file, old = state_dir / "scheduler.json", state_dir / "custom_checkpoint_0.pkl"
+    if state_file.exists():
+        sched.load_state_dict(json.loads(state_file.read_text()))
+    elif old.exists():
+        try:
+            sched.load_state_dict(torch.load(old, map_location="cpu", weights_only=True))
+        except Exception as e:  # a planted payload is refused here, never run
+            raise SystemExit(f"grpo.py: --resume: {old} is not a plain scheduler state, so it was not loaded (it "
+                             f"could run code): {str(e).splitlines()[0][:200]}") from None
     state = json.loads((path / "trainer_state.json").read_text())
     step = state["step"]
     if state["data_position"] != step * tasks_per_step:

@@ -188,7 +188,7 @@ def set_up(cfg, resume_from: Path | None, changes: dict) -> SimpleNamespace:
                           resume_from=resume_from)
     load_policy(run)
     check_max_context(run.tok, env, tasks, cfg.max_context)
-    run.first_step = checkpoints.load(acc, resume_from, cfg.tasks_per_step) if resume_from else 0
+    run.first_step = checkpoints.load(acc, resume_from, cfg.tasks_per_step, run.sched) if resume_from else 0
     if resume_from:
         acc.print(f"[grpo] resumed from {resume_from} at step {run.first_step}")
     # Once everything has loaded: a run that fails to start leaves the directory as it was.
@@ -282,7 +282,8 @@ def load_policy(run) -> None:
             shard.shard_like(run.ref, run.model, param_dtype=torch.bfloat16 if cfg.bf16 else None)
         elif run.ref is not None and shard.is_deepspeed(run.model):
             run.ref = shard.deepspeed_reference(run.ref, acc.state.deepspeed_plugin.deepspeed_config)
-    acc.register_for_checkpointing(run.sched)
+    # run.sched is saved by checkpoints.save as JSON, not registered with Accelerate, which would unpickle it on
+    # --resume with weights_only=False: a file planted in a run directory would run code
 
 
 def merged_start(run, model, start: str):
@@ -372,7 +373,7 @@ def train(run, train_on_episodes) -> None:
             m, failed = grpo_step(run, step, train_on_episodes)
             if m is None:  # stop, loudly, rather than train on nothing step after step
                 if step > saved:
-                    checkpoints.save(acc, run.model, run.tok, cfg, run.dir, step)
+                    checkpoints.save(acc, run, step)
                 then = (f"then continue with {resume_hint} (the user-simulator options may change on --resume)"
                         if step else f"then start again (--overwrite {run.dir})")
                 acc.end_training()
@@ -384,7 +385,7 @@ def train(run, train_on_episodes) -> None:
                 tqdm.write(metrics.console_line(m, failed, m["rollout_s"], m["update_s"]))
             stop = ctrl_c.agreed(acc)  # every process stops after the same step
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stop:
-                checkpoints.save(acc, run.model, run.tok, cfg, run.dir, step + 1)
+                checkpoints.save(acc, run, step + 1)
                 saved = step + 1
             if stop and step + 1 < cfg.steps:
                 bar.close()
@@ -397,7 +398,7 @@ def train(run, train_on_episodes) -> None:
         if run.done_steps == step:  # abandoned in the rollout: the state is the last step's, RNG included
             models.restore_rng(run.rng_at_step)
         if run.done_steps > saved:
-            checkpoints.save(acc, run.model, run.tok, cfg, run.dir, run.done_steps)
+            checkpoints.save(acc, run, run.done_steps)
             saved = run.done_steps
         where = (f"checkpoint of step {saved} saved; continue with: {resume_hint}" if saved else
                  f"no step had finished; --resume {run.dir} starts it again")

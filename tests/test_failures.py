@@ -617,3 +617,28 @@ def test_a_signal_inherited_as_ignored_stays_ignored():
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, old)
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+@pytest.mark.parametrize("planted", ["custom_checkpoint_0.pkl", "random_states_0.pkl"])
+def test_resuming_a_run_directory_never_runs_code_planted_in_it(tmp_path, ckpt, planted):
+    import pickle
+
+    run = tmp_path / "run"
+    grpo.main(grpo_args(ckpt, run, "--steps", "1"))
+    state = run / "checkpoints" / "step-000001" / "accelerate"
+    assert (state / "scheduler.json").exists() and not (state / "custom_checkpoint_0.pkl").exists()
+    if planted == "custom_checkpoint_0.pkl":  # where older checkpoints kept the scheduler
+        (state / "scheduler.json").unlink()
+    marker = tmp_path / "pwned"
+    (state / planted).write_bytes(pickle.dumps(_Payload(str(marker))))
+    with pytest.raises(SystemExit, match="it was not loaded \\(it could run code\\)"):
+        grpo.main(["--resume", str(run), "--steps", "2"])
+    assert not marker.exists()
