@@ -13,6 +13,7 @@ had is lost. sft.py and grpo.py use it.
            is unreadable); resume_settings: its saved settings and the few a resume may change
     load   its optimizer, scheduler and RNG states into the prepared Accelerator; the step to continue from
 """
+import errno
 import json
 import os
 import shutil
@@ -212,10 +213,26 @@ def cut_log(path: Path, last_step: int) -> int:
 def save(acc, run, step: int) -> Path:
     """run_dir/checkpoints/step-N: Hugging Face model + tokenizer + run config, and accelerate/ (optimizer and RNG
     states of every process; the scheduler's as JSON). Written to a temporary directory and renamed, then `latest`
-    is updated: a crash mid-save never corrupts the last good checkpoint."""
-    model, tok, cfg, run_dir = run.model, run.tok, run.cfg, run.dir
-    final = run_dir / "checkpoints" / f"step-{step:06d}"
+    is updated: a crash mid-save never corrupts the last good checkpoint. A full or read-only disk removes the
+    partial copy (so that a --resume has room) and stops the run in one line."""
+    final = run.dir / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
+    try:
+        return _save(acc, run, step, final, tmp)
+    except (OSError, RuntimeError) as e:
+        full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EIO)
+        if not (full or "write failed" in str(e) or "No space left" in str(e)):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        newest = sorted(p.name for p in final.parent.glob("step-*") if not p.name.endswith(".tmp"))
+        kept = f"the newest checkpoint, {newest[-1]}, is untouched" if newest else "no checkpoint was saved before it"
+        raise SystemExit(f"grpo.py: writing the checkpoint of step {step} into {final.parent} failed: "
+                         f"{str(e).splitlines()[0][:200]} (is the disk full or read-only?). The partial copy was "
+                         f"removed; {kept}. Make room, then: accelerate launch grpo.py --resume {run.dir}") from None
+
+
+def _save(acc, run, step: int, final: Path, tmp: Path) -> Path:
+    model, tok, cfg, run_dir = run.model, run.tok, run.cfg, run.dir
     if acc.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

@@ -642,3 +642,29 @@ def test_resuming_a_run_directory_never_runs_code_planted_in_it(tmp_path, ckpt, 
     with pytest.raises(SystemExit, match="it was not loaded \\(it could run code\\)"):
         grpo.main(["--resume", str(run), "--steps", "2"])
     assert not marker.exists()
+
+
+def test_a_full_disk_while_saving_stops_in_one_line_and_leaves_a_run_that_resumes(tmp_path, ckpt, monkeypatch):
+    import errno
+
+    import checkpoints
+
+    real = checkpoints._save
+
+    def full(acc, run, step, final, tmp):
+        if step == 2:
+            (tmp / "accelerate").mkdir(parents=True)
+            (tmp / "accelerate" / "optimizer.bin").write_bytes(b"\0" * 1000)  # half written when the disk filled
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(acc, run, step, final, tmp)
+
+    monkeypatch.setattr(checkpoints, "_save", full)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"writing the checkpoint of step 2 .* No space left on device \(is the disk "
+                       r"full or read-only\?\)\. The partial copy was removed; the newest checkpoint, step-000001, is "
+                       r"untouched\. Make room, then: accelerate launch grpo.py --resume"):
+        grpo.main(grpo_args(ckpt, run, "--steps", "3", "--save-every", "1"))
+    assert not (run / "checkpoints" / "step-000002.tmp").exists()
+    monkeypatch.undo()
+    grpo.main(["--resume", str(run)])
+    assert steps_logged(run) == [1, 2, 3]
