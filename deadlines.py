@@ -107,7 +107,12 @@ class _Probe:
         with self.lock:
             key = self.key(session)
             if self.pid is None or key not in self.forked_keys:
-                self._fork()
+                try:
+                    self._fork()
+                except OSError as e:  # no memory or processes left for a copy: this call runs without one
+                    log.warning("tool %s runs without its deadline: the copy that would try it could not be forked "
+                                "(%s)", name, e)
+                    return session.call_tool(name, arguments, **kwargs)
             try:
                 self.conn.send_bytes(pickle.dumps((key, name, arguments, kwargs)))
                 ok = self.conn.poll(timeout)
