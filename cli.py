@@ -32,10 +32,75 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
-def parse_config(cls, argv=None, recipes: dict | None = None, description: str = "", given: set | None = None):
+class Range:
+    """The values a numeric option accepts, in interval notation: "[0, 1]", "(0, 1]", "[1, inf)". It is declared in
+    the option's annotation, `lr: Annotated[float, Range("(0, inf)")] = 2e-4`, so that an option and what it accepts
+    are written once, together; --help shows it and `check_ranges` refuses any value outside it at start. A value
+    must also be finite: NaN and inf are in no range ("(0, inf)" means every positive number)."""
+
+    def __init__(self, text: str):
+        low, high = (part.strip() for part in text[1:-1].split(","))
+        self.text, self.low_open, self.high_open = text, text[0] == "(", text[-1] == ")"
+        self.low, self.high = float(low), float(high)
+        if text[0] not in "([" or text[-1] not in ")]" or not self.low <= self.high:
+            raise ValueError(f"Range({text!r}) is not an interval like '[0, 1]' or '(0, inf)'")
+
+    def __contains__(self, x) -> bool:
+        import math
+
+        return (math.isfinite(x) and (self.low < x if self.low_open else self.low <= x)
+                and (x < self.high if self.high_open else x <= self.high))
+
+    def __str__(self) -> str:
+        return self.text
+
+
+SEEDS = Range(f"[0, {2**32 - 1}]")  # numpy's seeds (models.seed_everything); torch's and random's take more
+# Seconds: ~3 years, far past any wait, and within the int64 nanosecond clocks that sockets and process groups keep.
+TIMEOUTS = Range("(0, 1e8]")
+
+
+def range_of(cls, name: str) -> Range | None:
+    """The Range declared for field `name` of dataclass `cls`: the annotation of the first class in its bases that
+    declares one (a subclass that only gives the field another default keeps its base's range)."""
+    import typing
+
+    for klass in cls.__mro__:
+        if name in vars(klass).get("__annotations__", {}):
+            hint = typing.get_type_hints(klass, include_extras=True)[name]
+            found = [m for m in getattr(hint, "__metadata__", ()) if isinstance(m, Range)]
+            if found:
+                return found[0]
+    return None
+
+
+def numeric_fields(cls) -> list[str]:
+    """The fields of dataclass `cls` that hold a number (int or float; bool is a flag, not a number)."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    return [f.name for f in dataclasses.fields(cls) if hints[f.name] in (int, float)]
+
+
+def check_ranges(cfg, program: str) -> None:
+    """Every numeric option of `cfg` finite and inside its declared Range, else SystemExit in one line naming the
+    option, its value and the range."""
+    for name in numeric_fields(type(cfg)):
+        value, allowed = getattr(cfg, name), range_of(type(cfg), name)
+        if allowed is None:
+            raise TypeError(f"{type(cfg).__name__}.{name} is a number with no declared Range (Annotated[..., Range])")
+        if value not in allowed:
+            finite = "" if value == value and abs(value) != float("inf") else "a finite number "
+            raise SystemExit(f"{program}: --{name.replace('_', '-')} {value}: must be {finite}in {allowed}")
+
+
+def parse_config(cls, argv=None, recipes: dict | None = None, description: str = "", given: set | None = None,
+                 program: str = ""):
     """Parse --field value options into `cls` (a dataclass). `--recipe NAME` applies a preset first; options
-    given on the command line win. Unknown options and bad values fail at start, naming the option. `given`, a set,
-    receives the names of the fields set on the command line (grpo.py --resume: which settings the user changes)."""
+    given on the command line win. Unknown options and bad values fail at start, naming the option, and so does a
+    number outside its declared Range (`check_ranges`, messages prefixed by `program`). `given`, a set, receives the
+    names of the fields set on the command line (grpo.py --resume: which settings the user changes)."""
     import argparse
     import dataclasses
     import typing
@@ -57,8 +122,10 @@ def parse_config(cls, argv=None, recipes: dict | None = None, description: str =
             base = (typing.get_args(kind)[0]
                     if typing.get_origin(kind) in (typing.Union, getattr(__import__('types'), 'UnionType', None))
                     else kind)
+            allowed = range_of(cls, f.name) if base in (int, float) else None
             group.add_argument(flag, dest=f.name, type=base, default=None, metavar=base.__name__.upper(),
-                           help=f"{docs.get(f.name, '')} (default: {f.default!r})".replace("%", "%%"))
+                               help=f"{docs.get(f.name, '')} (default: {f.default!r}"
+                                    f"{f'; range: {allowed}' if allowed else ''})".replace("%", "%%"))
     args = vars(p.parse_args(argv))
     recipe = args.pop("recipe", None)
     values = dict(recipes[recipe]) if recipe else {}
@@ -68,7 +135,9 @@ def parse_config(cls, argv=None, recipes: dict | None = None, description: str =
     values.update({k: tuple(v) if isinstance(v, list) else v for k, v in args.items() if v is not None})
     if given is not None:
         given.update([k for k, v in args.items() if v is not None] + (["recipe"] if recipe else []))
-    return cls(**values)
+    cfg = cls(**values)
+    check_ranges(cfg, program or p.prog)
+    return cfg
 
 
 def groups(parser, cls, name: str):
@@ -113,6 +182,27 @@ def make_accelerator(dist_timeout: float | None = None, **kwargs):
         local = int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes))
         torch.set_num_threads(int(os.environ.get("MUARL_THREADS", 0)) or max(1, (os.cpu_count() or 1) // local))
     return acc
+
+
+def check_report_to(report_to: str, program: str) -> None:
+    """--report-to names a tracker Accelerate knows whose package is installed ('all': at least one is), else
+    SystemExit in one line naming the known ones. Accelerate itself only warns about a missing package, and the run
+    then logs to no tracker at all."""
+    if not report_to:
+        return
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, LoggerType, get_available_trackers
+
+    known = sorted(LOGGER_TYPE_TO_CLASS)
+    installed = [str(t) for t in get_available_trackers()] + [k for k in known if k not in LoggerType.list()]
+    if report_to not in known + ["all"]:
+        raise SystemExit(f"{program}: --report-to {report_to}: not a tracker Accelerate knows ({', '.join(known)}, "
+                         "or all)")
+    if report_to == "all" and not installed:
+        raise SystemExit(f"{program}: --report-to all: none of the trackers' packages is installed "
+                         f"({', '.join(known)})")
+    if report_to != "all" and report_to not in installed:
+        raise SystemExit(f"{program}: --report-to {report_to}: its package is not installed (pip install {report_to}); "
+                         f"installed: {', '.join(installed) or 'none'}")
 
 
 def fsdp2_plugin(mixed_precision: str):

@@ -135,20 +135,19 @@ def make_cold_start(cfg) -> list[dict]:
     those that broke only the confirmation rule (the database is right): filtered on the database alone."""
     import inspect
 
-    from envs import make_env, message_history, play
+    from envs import load_tasks, message_history, play
 
     skips = {"skip_confirm": cfg.teacher_skips_confirm, "skip_refund": cfg.teacher_skips_refund}
     for name, p in skips.items():
         if not 0 <= p <= 1:
             raise SystemExit(f"sft.py: --teacher-{name[:4]}s-{name[5:]} {p}: must be in [0, 1]")
-    env = make_env(cfg.env)
+    env, tasks = load_tasks(cfg.env, cfg.split, "sft.py")
     for name, p in skips.items():
         if p and (cfg.teacher != "expert" or name not in
                   inspect.signature(getattr(env, "expert", lambda task: None)).parameters):
             raise SystemExit(f"sft.py: --teacher-{name[:4]}s-{name[5:]} {p}: only the scripted expert of the 'shop' "
                              f"domain can be imperfect so (teacher {cfg.teacher!r}, env {cfg.env!r})")
     imperfect = {k: p for k, p in skips.items() if p}
-    tasks = env.tasks(cfg.split)
     random.Random(cfg.seed).shuffle(tasks)
     kept, t0 = [], time.time()
     sim = None

@@ -179,6 +179,16 @@ def _sample(logits: torch.Tensor, cfg, gens: list | None = None) -> tuple[torch.
     return tok, logp.gather(-1, tok[:, None]).squeeze(1)
 
 
+def with_cache(decoder, cache: Cache) -> dict:
+    """The keyword arguments that hand `cache` to `decoder`'s forward: `cache=` where its forward takes that name
+    (newer transformers, which warns on the old name and drops it in 5.40), else `past_key_values=` (5.17, whose
+    forward would pass an unknown `cache=` on into **kwargs and ignore it: each turn would decode without its past)."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
+
+
 def _prefill(model, rows: list[_Row], pending: list[list[int]], cfg, eot: int,
              park_device: str = "") -> None:
     """Feed each row its pending tokens (none sampled: the cache only), in one batch, in column chunks of at most
@@ -189,7 +199,7 @@ def _prefill(model, rows: list[_Row], pending: list[list[int]], cfg, eot: int,
     step = max(1, cfg.prefill_tokens // len(rows)) if cfg.prefill_tokens else W
     for c in range(0, W, step):  # each chunk attends to the cache so far and to itself (causally)
         dec(input_ids=ids[:, c:c + step], attention_mask=mask[:, :L + c + step], position_ids=pos[:, c:c + step],
-            past_key_values=cache, use_cache=True)
+            **with_cache(dec, cache))
     for j, r in enumerate(rows):
         _park(r, cache, mask, j, park_device)
 
@@ -227,7 +237,7 @@ def generate_turn(model, rows: list[_Row], cfg, stops: list[int], ready=None) ->
     eot, stops = stops[0], set(stops)
     dec, lm_head = model.get_decoder(), model.get_output_embeddings()
     fwd = lambda cache, ids, mask, pos: dec(input_ids=ids, attention_mask=mask, position_ids=pos,
-                                            past_key_values=cache, use_cache=True).last_hidden_state
+                                            **with_cache(dec, cache)).last_hidden_state
     for r in rows:  # a row whose previous turn ended (stop set) starts a new one
         if r.stop:
             r.new_ids, r.new_logprobs, r.stop = [], [], ""

@@ -23,6 +23,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from math import comb
 from pathlib import Path
+from typing import Annotated
 
 import cli
 import lora
@@ -34,6 +35,7 @@ import muarl
 import shard
 import stats
 from batched_rollout import user_sim_options
+from cli import SEEDS, TIMEOUTS, Range
 from options import AttentionOptions, SamplingOptions, UserOptions
 
 
@@ -54,18 +56,18 @@ class Evaluation:
     """task split"""
     env_reward: str = ""
     """tau2 only: 'db' for the database check only; '' for tau2's full reward (what tau2 reports)"""
-    num_tasks: int = 0
+    num_tasks: Annotated[int, Range("[0, inf)")] = 0
     """evaluate the first N tasks of the split (0: all)"""
-    trials: int = 1
+    trials: Annotated[int, Range("[1, inf)")] = 1
     """trials per task, k (pass^k needs k >= 2)"""
-    seed: int = 0
+    seed: Annotated[int, SEEDS] = 0
     """sampling seed"""
     out_dir: str = ""
     """output directory (default: runs/eval-<env>-<time>)"""
     memory_check: bool = True
     """on a GPU, stop at start when the estimated memory (weights and the decoding episodes' KV cache at
     --max-context, printed) exceeds it"""
-    dist_timeout: float = 7200.0
+    dist_timeout: Annotated[float, TIMEOUTS] = 7200.0
     """seconds a process waits for the others (they finish their episodes at different times) before it stops"""
     compare: tuple[str, ...] = ()
     """two evaluation directories (--out-dir of two runs of eval.py on the same tasks): agent A minus agent B,
@@ -83,7 +85,7 @@ class Evaluation:
 @dataclass
 class EvalConfig(AttentionOptions, UserOptions, SamplingOptions, Evaluation):
     """Evaluate an agent: pass^1 and pass^k over --trials per task."""
-    temperature: float = 0.0
+    temperature: Annotated[float, Range("[0, inf)")] = 0.0
     """agent sampling temperature (0: greedy)"""
     user_model: str = "gpt-4.1"
     """user simulator model (the paper evaluates with GPT-4.1)"""
@@ -299,9 +301,9 @@ def main(argv=None):
     import torch
     from accelerate.utils import gather_object
 
-    from envs import make_env
+    from envs import load_tasks
 
-    cfg = cli.parse_config(EvalConfig, argv, description=__doc__.split("\n\n")[0])
+    cfg = cli.parse_config(EvalConfig, argv, description=__doc__.split("\n\n")[0], program="eval.py")
     if cfg.plot:
         print(f"[eval] learning curves written to {metrics.plot_run(cfg.plot)}")
         return
@@ -318,23 +320,16 @@ def main(argv=None):
     if cfg.merge_lora:
         print(f"[eval] {cfg.agent} merged into its base: {merge_adapters(cfg.agent, cfg.merge_lora, cfg.merge_dtype)}")
         return
-    if cfg.trials < 1:
-        raise SystemExit("eval.py: --trials must be >= 1")
     if cfg.out_dir and any((Path(cfg.out_dir) / name).exists() for name in ("config.json", "checkpoints")):
         raise SystemExit(f"eval.py: --out-dir: {cfg.out_dir} holds a training run (config.json, checkpoints/), "
                          "whose episodes.jsonl and summary.json this evaluation would replace; give it a directory of "
                          f"its own, e.g. --out-dir {Path(cfg.out_dir) / 'eval'}")
-    if cfg.user_retries < 0 or not cfg.user_timeout > 0:
-        raise SystemExit("eval.py: --user-retries must be >= 0 and --user-timeout > 0")
-    if cfg.rollout_batch < 0:
-        raise SystemExit("eval.py: --rollout-batch must be >= 0 (0: every episode decodes at once)")
-    acc = cli.make_accelerator(cfg.dist_timeout)
     options = {"reward": cfg.env_reward} if cfg.env_reward else {}
     if cfg.env.startswith("acebench:") and cfg.acebench_root:
         options["root"] = cfg.acebench_root
-    env = make_env(cfg.env, **options)
-    tasks = env.tasks(cfg.split)
+    env, tasks = load_tasks(cfg.env, cfg.split, "eval.py", **options)
     tasks = tasks[:cfg.num_tasks] if cfg.num_tasks else tasks
+    acc = cli.make_accelerator(cfg.dist_timeout)
     t0 = time.time()
     if cfg.agent.startswith("openai:") or cfg.agent == "expert":
         episodes = run_api_agent(cfg, env, tasks[acc.process_index::acc.num_processes])

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
 
 import torch
 
@@ -27,6 +27,7 @@ import lora
 import metrics
 import pipeline
 import shard
+from cli import Range
 from logprobs import token_logprobs
 from loss import ADVANTAGES, grpo_loss, normalizer_count, uniform_groups
 from muarl import collate
@@ -36,27 +37,27 @@ from options import AttentionOptions, LoraOptions, RunOptions, SamplingOptions, 
 @dataclass
 class Algorithm:
     """GRPO: the algorithm (defaults: the paper's, at the tiny CPU run's scale and learning rate: see --recipe paper)"""
-    steps: int = 40
+    steps: Annotated[int, Range("[1, inf)")] = 40
     """optimizer steps (each: rollout, rewards, advantages, update)"""
-    tasks_per_step: int = 4
+    tasks_per_step: Annotated[int, Range("[1, inf)")] = 4
     """tasks per step over all processes (the paper: 32); each process rolls out an equal share"""
-    group_size: int = 8
+    group_size: Annotated[int, Range("[2, inf)")] = 8
     """episodes per task, G (the paper: 8)"""
-    lr: float = 2e-4
+    lr: Annotated[float, Range("(0, inf)")] = 2e-4
     """learning rate, constant after warm-up (the paper: 1e-6 for Qwen3; the tiny model needs more)"""
-    warmup_steps: int = 0
+    warmup_steps: Annotated[int, Range("[0, inf)")] = 0
     """linear warm-up steps"""
     optimizer: str = "adamw"
     """'adamw' (the paper) or 'sgd' (plain SGD: its --lr is on another scale)"""
-    grad_clip: float = 1.0
+    grad_clip: Annotated[float, Range("(0, inf)")] = 1.0
     """gradient-norm clip (the paper: 1.0)"""
-    kl_coef: float = 0.001
+    kl_coef: Annotated[float, Range("[0, inf)")] = 0.001
     """coefficient of the k3 KL to the frozen reference, as a loss term (the paper: 0.001; 0 drops the reference)"""
-    clip_low: float = 0.2
+    clip_low: Annotated[float, Range("(0, 1)")] = 0.2
     """ratio clipped below at 1 - clip_low"""
-    clip_high: float = 0.2
+    clip_high: Annotated[float, Range("(0, 1)")] = 0.2
     """ratio clipped above at 1 + clip_high"""
-    dual_clip: float = 3.0
+    dual_clip: Annotated[float, Range("[0, inf)")] = 3.0
     """dual-clip constant for negative advantages (the paper: 3.0; 0 disables; --policy-loss ppo only)"""
     policy_loss: str = "ppo"
     """per-token policy term in loss.POLICY_LOSSES: 'ppo' (clipped ratio, dual clip: the paper) or 'cispo'"""
@@ -72,7 +73,7 @@ class Algorithm:
     """divide GRPO's advantages by the group std (the paper); off: r - mean (Dr. GRPO)"""
     drop_uniform_groups: bool = False
     """leave the groups whose rewards are all equal out of the update (DAPO's dynamic sampling, no resampling)"""
-    updates_per_batch: int = 1
+    updates_per_batch: Annotated[int, Range("[1, inf)")] = 1
     """policy updates per rollout batch (the paper: 1, so old logprobs are the current ones and cost nothing)"""
 
 

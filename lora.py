@@ -45,12 +45,6 @@ def check_options(cfg, program: str) -> None:
         for opt, value in (("alpha", alpha), ("dropout", dropout), ("target-modules", targets)):
             if value != getattr(type(cfg), "lora_" + opt.replace("-", "_")):
                 bad(opt, "has no effect without --lora-rank (0: no adapters)")
-    if rank < 0:
-        bad("rank", "must be >= 0 (0: no adapters, the whole model is trained)")
-    if alpha < 0:
-        bad("alpha", "must be >= 0 (0: twice the rank)")
-    if not 0 <= dropout < 1:
-        bad("dropout", "must be in [0, 1)")
     if rank and not [t for t in targets.split(",") if t.strip()]:
         bad("target-modules", "names no module (a comma-separated list of layer names, e.g. q_proj,v_proj)")
 

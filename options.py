@@ -8,33 +8,35 @@ subclass may give a field another default (grpo.py samples the tiny model at 0.7
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 
 import cli
 import lora
+from cli import SEEDS, TIMEOUTS, Range
 from loss import ADVANTAGES, AGGS, POLICY_LOSSES, RATIO_LEVELS
 
 
 @dataclass
 class SamplingOptions:
     """sampling: how the agent samples, and the caps of an episode"""
-    temperature: float = 1.0
+    temperature: Annotated[float, Range("(0, inf)")] = 1.0
     """sampling temperature, applied identically when the trainer scores the tokens (the paper: 1.0)"""
-    top_p: float = 1.0
+    top_p: Annotated[float, Range("(0, 1]")] = 1.0
     """nucleus sampling (1.0: off); it picks which token is drawn, the recorded log-prob stays the full tempered one"""
-    max_turns: int = 30
+    max_turns: Annotated[int, Range("[1, inf)")] = 30
     """agent turns per episode (the paper: 30)"""
-    max_new_tokens: int = 1024
+    max_new_tokens: Annotated[int, Range("[1, inf)")] = 1024
     """new tokens per agent turn (the paper: 1024); a turn that reaches it ends the episode (response_truncated)"""
-    max_context: int = 32768
+    max_context: Annotated[int, Range("[1, inf)")] = 32768
     """tokens per episode (the paper: 32k); an episode that reaches it ends (context_limit)"""
-    tool_timeout: float = 30.0
+    tool_timeout: Annotated[float, Range("[0, 1e8]")] = 30.0
     """seconds one tool call may run (0: no deadline); a call that overruns is stopped, changes nothing and comes
     back as an error the agent reads (deadlines.py)"""
     reuse_cache: bool = True
     """keep each episode's KV cache across turns (off: re-encode the conversation every turn; same tokens, slower)"""
-    rollout_batch: int = 0
+    rollout_batch: Annotated[int, Range("[0, inf)")] = 0
     """at most this many episodes decode together on one process (0: all); bounds GPU memory: on a GPU the other
     episodes' KV caches wait in host memory"""
 
@@ -50,11 +52,11 @@ class UserOptions:
     with GPT-4o and evaluates with GPT-4.1"""
     user_base_url: str = ""
     """OpenAI-compatible endpoint of the user simulator (default: OPENAI_BASE_URL); key from OPENAI_API_KEY"""
-    user_concurrency: int = 64
+    user_concurrency: Annotated[int, Range("[1, inf)")] = 64
     """requests in flight to the user-simulator endpoint"""
-    user_timeout: float = 60.0
+    user_timeout: Annotated[float, TIMEOUTS] = 60.0
     """seconds the user simulator's endpoint has to answer one request before it is retried"""
-    user_retries: int = 5
+    user_retries: Annotated[int, Range("[0, inf)")] = 5
     """retries of a failed user-simulator request (timeouts, connection errors, 408/409/429, 5xx, malformed replies),
     with backoff 1, 2, 4, ... s; then the episode ends as infra_error. A call costs at most
     (retries + 1) x timeout + the backoff (~6.5 minutes with the defaults)"""
@@ -74,13 +76,13 @@ class AttentionOptions:
 @dataclass
 class LoraOptions:
     """LoRA adapters (lora.py)"""
-    lora_rank: int = 0
+    lora_rank: Annotated[int, Range("[0, inf)")] = 0
     """train adapters of this rank on --lora-target-modules, the start model frozen in the compute dtype (bf16 with
     --bf16), the adapters in fp32; a GRPO reference is then the policy with its adapters off, no second copy. 0: train
     the whole model"""
-    lora_alpha: float = 0.0
+    lora_alpha: Annotated[float, Range("[0, inf)")] = 0.0
     """LoRA scale: an adapter's output is multiplied by alpha / rank (0: alpha = 2 x rank)"""
-    lora_dropout: float = 0.0
+    lora_dropout: Annotated[float, Range("[0, 1)")] = 0.0
     """dropout on the adapters' inputs while training (not while sampling: above 0 the trainer's log-probs differ
     from the sampler's, and logprob_gap shows it)"""
     lora_target_modules: str = lora.DEFAULT_TARGETS
@@ -95,10 +97,10 @@ class StartOptions:
     """policy to start from: 'tiny', 'smollm2-135m', a checkpoint directory or a hub id (Qwen/Qwen3-8B)"""
     init_from: str = ""
     """cold-start (SFT) checkpoint to start from; with --model tiny and none given, one is made and cached"""
-    cold_start_skips_confirm: float = 0.6
+    cold_start_skips_confirm: Annotated[float, Range("[0, 1]")] = 0.6
     """the cold start made when no --init-from is given: share of the scripted teacher's write conversations in which
     it writes without asking the user first (sft.py --teacher-skips-confirm), a decision the reward settles"""
-    cold_start_skips_refund: float = 0.5
+    cold_start_skips_refund: Annotated[float, Range("[0, 1]")] = 0.5
     """likewise, the share of its cancels and returns in which it never asks where the refund goes (sft.py
     --teacher-skips-refund): a decision only a user who answers what it is asked can teach"""
     env: str = "shop"
@@ -113,7 +115,7 @@ class StartOptions:
 @dataclass
 class RunOptions:
     """run: precision, memory, checkpoints, logs, processes"""
-    micro_batch_size: int = 4
+    micro_batch_size: Annotated[int, Range("[1, inf)")] = 4
     """episodes per forward/backward pass on one process (gradient accumulation covers the rest; the gradient does
     not depend on it)"""
     bf16: bool = False
@@ -123,16 +125,16 @@ class RunOptions:
     and with them a tied output layer); '' trains all"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (long contexts)"""
-    seed: int = 0
+    seed: Annotated[int, SEEDS] = 0
     """seed of task order, sampling and initialization"""
     out_dir: str = ""
     """run directory (default: runs/grpo-<env>-<time>); one that already holds a run is refused unless --resume or
     --overwrite"""
     overwrite: bool = False
     """replace the run already in --out-dir: its config, logs, checkpoints and summary are removed (nothing else)"""
-    save_every: int = 20
+    save_every: Annotated[int, Range("[1, inf)")] = 20
     """steps between checkpoints (the last step is always saved)"""
-    keep_checkpoints: int = 0
+    keep_checkpoints: Annotated[int, Range("[0, inf)")] = 0
     """keep only the newest N checkpoints of the run (0: keep all); the one `latest` names is never removed"""
     save_weights_only: bool = False
     """checkpoints hold the model and tokenizer only: no optimizer, scheduler or RNG state (a quarter of the size
@@ -141,14 +143,14 @@ class RunOptions:
     """run directory or checkpoint to continue from exactly (weights, optimizer, scheduler, RNG, data position)"""
     report_to: str = ""
     """also log to Accelerate trackers: 'tensorboard', 'wandb', ... (JSONL is always written)"""
-    log_episodes: int = 4
+    log_episodes: Annotated[int, Range("[0, inf)")] = 4
     """episodes per step saved as readable conversations (episodes.jsonl)"""
-    eval_tasks: int = 64
+    eval_tasks: Annotated[int, Range("[0, inf)")] = 64
     """test-split tasks evaluated (greedy, pass^1) before and after training; 0 skips"""
-    eval_every: int = 10
+    eval_every: Annotated[int, Range("[0, inf)")] = 10
     """also evaluate them every this many steps (eval/pass1 in metrics.jsonl, points on the curve); 0: only before
     and after"""
-    dist_timeout: float = 7200.0
+    dist_timeout: Annotated[float, TIMEOUTS] = 7200.0
     """seconds a process waits for the others at a collective before the run stops, naming this option (NCCL's
     default is 10 minutes; a process's rollout can wait far longer on a slow user endpoint, or the others on a large
     checkpoint being written)"""
@@ -158,9 +160,11 @@ class RunOptions:
 
 
 def validate(cfg, world: int) -> None:
-    """grpo.py's options checked at start: a bad value stops the run with a message naming the option."""
+    """grpo.py's options checked at start: a bad value stops the run with a message naming the option. Each number's
+    range is declared with it (cli.Range); what is checked here are the names and the options that depend on others."""
     def bad(opt, why):
         raise SystemExit(f"grpo.py: --{opt.replace('_', '-')}: {why}")
+    cli.check_ranges(cfg, "grpo.py")
     if cfg.optimizer not in ("adamw", "sgd"):
         bad("optimizer", f"{cfg.optimizer!r} is not 'adamw' or 'sgd'")
     if cfg.agg not in AGGS:
@@ -177,37 +181,11 @@ def validate(cfg, world: int) -> None:
         if getattr(cfg, opt) not in names:
             bad(opt, f"{opt} must be one of {names}, got {getattr(cfg, opt)!r}")
     if cfg.dual_clip and cfg.dual_clip <= 1:
-        bad("dual_clip", f"dual_clip must be > 1 (or None), got {cfg.dual_clip}")
+        bad("dual_clip", f"dual_clip must be > 1 (or 0: off), got {cfg.dual_clip}")
     if cfg.user_sim not in ("scripted", "openai", "hf"):
         bad("user_sim", f"{cfg.user_sim!r} is not one of scripted, openai, hf")
-    if cfg.group_size < 2:
-        bad("group_size", "group advantages need at least 2 episodes per task")
-    if cfg.tasks_per_step < 1 or cfg.tasks_per_step % world:
-        bad("tasks_per_step", f"{cfg.tasks_per_step} must be a positive multiple of the {world} processes")
-    for opt in ("steps", "micro_batch_size", "updates_per_batch", "max_turns", "max_new_tokens", "max_context",
-                "save_every"):
-        if getattr(cfg, opt) < 1:
-            bad(opt, "must be >= 1")
-    for opt in ("warmup_steps", "eval_tasks", "eval_every", "log_episodes", "rollout_batch", "kl_coef", "grad_clip",
-                "keep_checkpoints", "user_retries"):
-        if getattr(cfg, opt) < 0:
-            bad(opt, "must be >= 0")
-    for opt in ("clip_low", "clip_high"):
-        if not 0 < getattr(cfg, opt) < 1:
-            bad(opt, "must be in (0, 1)")
-    if not cfg.user_timeout > 0:
-        bad("user_timeout", "must be > 0 seconds")
-    if not cfg.dist_timeout > 0:
-        bad("dist_timeout", "must be > 0 seconds")
-    if not cfg.temperature > 0:
-        bad("temperature", "must be > 0")
-    if not 0 < cfg.top_p <= 1:
-        bad("top_p", "must be in (0, 1]")
-    if cfg.lr <= 0:
-        bad("lr", "must be > 0")
-    for name in ("cold_start_skips_confirm", "cold_start_skips_refund"):
-        if not 0 <= getattr(cfg, name) <= 1:
-            bad(name, "must be in [0, 1]")
+    if cfg.tasks_per_step % world:
+        bad("tasks_per_step", f"{cfg.tasks_per_step} must be a multiple of the {world} processes")
     if cfg.model == "tiny" and not cfg.init_from and not cfg.resume and cfg.env.split(":")[0] != "shop":
         bad("env", f"{cfg.env!r} with the 'tiny' model needs a cold-start checkpoint (--init-from): the embedded cold "
                    "start and the tiny base are made on 'shop' only")

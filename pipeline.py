@@ -95,7 +95,8 @@ def options(Config, argv) -> tuple:
     """The run's settings: the command line, or with --resume the run's saved settings and the few that may change
     (RESUMABLE). Returns (config, the checkpoint to resume from, what the resume changes: name -> [old, new])."""
     given = set()
-    cfg = cli.parse_config(Config, argv, recipes=RECIPES, description=Config.__doc__.split("\n\n")[0], given=given)
+    cfg = cli.parse_config(Config, argv, recipes=RECIPES, description=Config.__doc__.split("\n\n")[0], given=given,
+                           program="grpo.py")
     if not cfg.resume:
         return cfg, None, {}
     unsaved = checkpoints.unsaved_run(cfg.resume)  # stopped before its first checkpoint: starts again at step 0
@@ -149,11 +150,13 @@ def finished(cfg, resume_from: Path | None) -> bool:
 def set_up(cfg, resume_from: Path | None, changes: dict) -> SimpleNamespace:
     """Everything a run needs, loaded and checked: the Accelerator, the run directory, the environment and its user,
     the policy (after the cold start, for tiny) with its optimizer, the frozen reference, the resumed state."""
-    from envs import make_env
+    from envs import load_tasks
     from batched_rollout import RolloutConfig, check_max_context, make_user_sim, user_sim_options
 
-    acc = cli.make_accelerator(cfg.dist_timeout, mixed_precision="bf16" if cfg.bf16 else "no",
-                               log_with=cfg.report_to or None)
+    cli.check_report_to(cfg.report_to, "grpo.py")
+    # the trackers are given the run directory once it is claimed (below): Accelerate refuses a tracker that writes
+    # files (TensorBoard) when the Accelerator is made without a directory
+    acc = cli.make_accelerator(cfg.dist_timeout, mixed_precision="bf16" if cfg.bf16 else "no")
     validate(cfg, acc.num_processes)
     shard.check_accelerator(acc)
     if cfg.lora_rank:
@@ -167,10 +170,13 @@ def set_up(cfg, resume_from: Path | None, changes: dict) -> SimpleNamespace:
     if cfg.lora_rank and cfg.overwrite:  # the adapters' checkpoints need their base where it is
         lora.check_base_kept(cfg.init_from or cfg.model, run_dir, "grpo.py: --overwrite")
     cfg.out_dir = str(run_dir)
-    if cfg.report_to:
+    env, tasks = load_tasks(cfg.env, cfg.split, "grpo.py", **({"reward": cfg.env_reward} if cfg.env_reward else {}))
+    if cfg.report_to:  # its files in the run directory (TensorBoard's: RUN_DIR/<run name>/)
+        from accelerate.tracking import filter_trackers
+
+        acc.project_configuration.set_directories(str(run_dir))
+        acc.log_with = filter_trackers([cfg.report_to], acc.logging_dir)
         acc.init_trackers(run_dir.name, config=asdict(cfg))
-    env = make_env(cfg.env, **({"reward": cfg.env_reward} if cfg.env_reward else {}))
-    tasks = env.tasks(cfg.split)
     user_sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
     if cfg.user_sim == "hf":  # each process loaded its own copy of the user: the same one?
         shard.check_same_weights(acc, user_sim.sim.model, f"--user-model {cfg.user_model}")

@@ -25,6 +25,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Annotated
 
 import torch
 
@@ -33,6 +34,7 @@ import cli
 import lora
 import models
 import shard
+from cli import SEEDS, TIMEOUTS, Range
 from coldstart import (NothingFits, copy_loss, encode, length_limit, load_conversations, make_cold_start,
                        nothing_fits, windows)
 from envs import make_env
@@ -59,10 +61,10 @@ class SFT:
     """refuse a --data file with any malformed conversation (default: report each with its file and line, skip it)"""
     teacher: str = "expert"
     """cold-start teacher when --data is empty: 'expert' (scripted, small domain) or an OpenAI-compatible model"""
-    teacher_skips_confirm: float = 0.0
+    teacher_skips_confirm: Annotated[float, Range("[0, 1]")] = 0.0
     """share of conversations in which the scripted expert writes without asking first (shop only). Those break the
     policy (reward 0) and are kept when the database is right: demonstrations filtered on the database alone"""
-    teacher_skips_refund: float = 0.0
+    teacher_skips_refund: Annotated[float, Range("[0, 1]")] = 0.0
     """share of conversations in which the scripted expert never asks where a refund goes (shop only): it names what
     the user said, else nothing, and the refund goes to the original payment; kept when the database is right"""
     teacher_base_url: str = ""
@@ -71,47 +73,47 @@ class SFT:
     """environment the teacher plays: 'shop' or 'tau2:<domain>'"""
     split: str = "train"
     """task split the teacher plays"""
-    num_tasks: int = 1200
+    num_tasks: Annotated[int, Range("[1, inf)")] = 1200
     """how many tasks the teacher plays (episodes with reward 1 are kept; see --teacher-skips-confirm)"""
     data_out: str = ""
     """also write the synthesized conversations here (JSONL)"""
-    epochs: float = 1.0
+    epochs: Annotated[float, Range("[0, inf)")] = 1.0
     """passes over the data (0: only synthesize data)"""
     pretrain_only: bool = False
     """only make (or find) the pretrained 'tiny' base (`pretrain_tiny`) and exit"""
-    pretrain_target: float = 0.1
+    pretrain_target: Annotated[float, Range("[0, inf)")] = 0.1
     """'tiny' pretraining stops when the held-out copy loss (nats per copied value) falls below this"""
-    pretrain_max_steps: int = 3000
+    pretrain_max_steps: Annotated[int, Range("[1, inf)")] = 3000
     """'tiny' pretraining stops here at the latest (and says that it missed the target)"""
-    pretrain_batch_size: int = 32
+    pretrain_batch_size: Annotated[int, Range("[1, inf)")] = 32
     """drills per pretraining step, over all processes"""
-    base_conversations: int = 1200
+    base_conversations: Annotated[int, Range("[1, inf)")] = 1200
     """'tiny' pretraining's second stage: whole conversations of the sibling stores it is fine-tuned on"""
     base_out: str = ""
     """with --pretrain-only: also copy the base here (assets/tiny-base is the committed one)"""
-    lr: float = 4e-3
+    lr: Annotated[float, Range("(0, inf)")] = 4e-3
     """peak learning rate (the paper: 5e-6 for Qwen3; a tiny model from scratch needs far more)"""
-    warmup_steps: int = 10
+    warmup_steps: Annotated[int, Range("[0, inf)")] = 10
     """linear warm-up steps, then cosine decay to 10% of the peak"""
-    batch_size: int = 8
+    batch_size: Annotated[int, Range("[1, inf)")] = 8
     """conversations per optimizer step, over all processes (the paper: 128)"""
-    micro_batch_size: int = 4
+    micro_batch_size: Annotated[int, Range("[1, inf)")] = 4
     """conversations per forward/backward pass on one process"""
-    max_len: int = 0
+    max_len: Annotated[int, Range("[0, inf)")] = 0
     """conversations longer than this many tokens are skipped (and counted), never cut; 0: the model's context
     (max_position_embeddings), so every conversation the model can read is kept (a tau2 retail opening alone
     is ~4.7k)"""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, Range("[0, inf)")] = 0.0
     """AdamW weight decay"""
-    grad_clip: float = 1.0
+    grad_clip: Annotated[float, Range("(0, inf)")] = 1.0
     """gradient-norm clip"""
     bf16: bool = False
     """bf16 mixed precision: fp32 master weights, forward passes under bf16 autocast (GPU)"""
     gradient_checkpointing: bool = False
     """trade compute for memory on long conversations"""
-    seed: int = 0
+    seed: Annotated[int, SEEDS] = 0
     """seed for data order, initialization of 'tiny' and the teacher's episodes"""
-    dist_timeout: float = 7200.0
+    dist_timeout: Annotated[float, TIMEOUTS] = 7200.0
     """seconds a process waits for the others at a collective before it stops (NCCL's default: 10 minutes)"""
 
 
@@ -371,7 +373,7 @@ def pretrain_tiny(cfg: SFTConfig, committed: bool = True) -> Path:
 
 
 def main(argv=None):
-    cfg = cli.parse_config(SFTConfig, argv, description=__doc__.split("\n\n")[0])
+    cfg = cli.parse_config(SFTConfig, argv, description=__doc__.split("\n\n")[0], program="sft.py")
     if cfg.pretrain_only:
         if cfg.model != "tiny":
             raise SystemExit("sft.py: --pretrain-only: only the 'tiny' model is pretrained here (--model tiny)")
@@ -383,8 +385,6 @@ def main(argv=None):
             shutil.copytree(base, cfg.base_out)
             print(f"[pretrain] copied to {cfg.base_out}")
         return
-    if cfg.user_retries < 0 or not cfg.user_timeout > 0:
-        raise SystemExit("sft.py: --user-retries must be >= 0 and --user-timeout > 0")
     if cfg.epochs > 0:
         checkpoints.check_out(cfg.out, cfg.overwrite)
         with cli.option_errors("sft.py: --model"):

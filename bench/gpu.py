@@ -268,6 +268,7 @@ def decode(model, tok, env, tasks, device, batch, new_tokens):
     from transformers import DynamicCache
 
     from batched_rollout import RolloutConfig, make_user_sim, rollout
+    from engine import with_cache
 
     import copy
 
@@ -294,7 +295,7 @@ def decode(model, tok, env, tasks, device, batch, new_tokens):
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
             steps = max(1, n_engine // len(prompt))
             for _ in range(steps):
-                out = model(input_ids=x, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+                out = model(input_ids=x, attention_mask=mask, position_ids=pos, **with_cache(model, cache))
                 x = out.logits[:, -1].argmax(-1, keepdim=True)
                 mask = torch.cat([mask, mask.new_ones(len(prompt), 1)], 1)
                 pos = pos[:, -1:] + 1

@@ -102,7 +102,7 @@ def step_cost(model, batch: int, context: int, steps: int = 30) -> float:
     device at all (on a small CPU a step's cost grows with the batch; on a GPU it stays nearly flat)."""
     from transformers.cache_utils import Cache
 
-    from engine import _BufferLayer
+    from engine import _BufferLayer, with_cache
 
     c = model.config
     kv = lambda: torch.randn(batch, c.num_key_value_heads, context + steps + 8, c.head_dim, device=model.device)
@@ -114,7 +114,7 @@ def step_cost(model, batch: int, context: int, steps: int = 30) -> float:
             t = time.perf_counter()
         mask = torch.cat([mask, mask.new_ones(batch, 1)], 1)
         h = model.get_decoder()(input_ids=tok, attention_mask=mask, position_ids=torch.full_like(tok, context + i),
-                                past_key_values=cache).last_hidden_state
+                                **with_cache(model.get_decoder(), cache)).last_hidden_state
         torch.multinomial(torch.softmax(model.get_output_embeddings()(h[:, -1]).float(), -1), 1)
     return (time.perf_counter() - t) / steps
 

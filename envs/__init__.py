@@ -143,9 +143,30 @@ def make_env(name: str, **options) -> Environment:
         import importlib
 
         module, cls = name.split(":", 1)
-        return getattr(importlib.import_module(module), cls)(**options)
+        try:
+            found = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module and not module.startswith(f"{e.name}."):
+                raise  # the module exists but imports something missing: its own traceback says what
+            raise ValueError(f"unknown environment {name!r}: there is no module {module!r}") from None
+        if not hasattr(found, cls):
+            raise ValueError(f"unknown environment {name!r}: {module} has no {cls!r}")
+        return getattr(found, cls)(**options)
     raise ValueError(f"unknown environment {name!r}: use 'shop', 'tau2:<retail|airline|telecom|mock>', "
                      "'bfcl:<multi_turn|multi_turn_base|...>', 'acebench:agent' or 'package.module:ClassName'")
+
+
+def load_tasks(name: str, split: str, program: str, **options) -> tuple[Environment, list[Task]]:
+    """make_env(name) and its split's tasks, at an entry point's start: an environment or split it does not know stops
+    `program` in one line naming the option (--env, --split) and the known values."""
+    try:
+        env = make_env(name, **options)
+    except ValueError as e:
+        raise SystemExit(f"{program}: --env {name}: {e}") from None
+    try:
+        return env, env.tasks(split)
+    except ValueError as e:
+        raise SystemExit(f"{program}: --split {split}: {e}") from None
 
 
 # Parameter type names of BFCL-style function docs (BFCL, ACEBench) -> JSON Schema's, which OpenAI tools use.

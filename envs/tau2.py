@@ -124,7 +124,7 @@ class Tau2Env:
         if domain not in DOMAINS:
             raise ValueError(f"unknown tau2 domain {domain!r}: use one of {', '.join(DOMAINS)}")
         if reward not in REWARDS:
-            raise ValueError(f"unknown reward {reward!r}: use one of {', '.join(REWARDS)}")
+            raise ValueError(f"unknown reward {reward!r} (--env-reward): use one of {', '.join(REWARDS)}")
         self.name, self.domain, self.reward_mode, self.telecom_policy = f"tau2:{domain}", domain, reward, telecom_policy
         self._module = importlib.import_module(f"tau2.domains.{domain}.environment")
         self._all_tasks: list[Task] | None = None  # parsed on first use (telecom's task file is 14 MB)

@@ -7,9 +7,11 @@ import signal
 
 import pytest
 
+import cli
 import coldstart
 import eval as evaluation
 import grpo
+import models
 import options
 import sft
 from batched_rollout import RolloutConfig, make_user_sim, rollout
@@ -264,6 +266,144 @@ def test_eval_with_nothing_scored_exits_non_zero(tmp_path, ckpt):
         dead.close()
     s = json.loads((tmp_path / "ev" / "summary.json").read_text())
     assert s["scored"] == 0 and s["pass^1"] is None  # null: nothing was measured, not a score of 0
+
+
+# ---- options checked at start ------------------------------------------------------------------------------------
+MAINS = {"grpo.py": grpo.main, "sft.py": sft.main, "eval.py": evaluation.main}
+
+
+def entry_args(program, ckpt, tmp_path):
+    """A command of each entry point that would run (on the fake environment, or shop's first tasks for sft.py)."""
+    return {"grpo.py": grpo_args(ckpt, tmp_path / "run"),
+            "sft.py": ["--model", str(ckpt), "--num-tasks", "4", "--out", str(tmp_path / "run")],
+            "eval.py": ["--agent", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--num-tasks", "2",
+                        "--max-new-tokens", "8", "--out-dir", str(tmp_path / "run")]}[program]
+
+
+def test_every_numeric_option_declares_its_range(capsys):
+    """A number's range is part of its declaration (cli.Range in its annotation), so an option added without one
+    fails here. Every default lies in its range, and --help shows it."""
+    for program, cls in (("grpo.py", grpo.Config), ("sft.py", sft.SFTConfig), ("eval.py", evaluation.EvalConfig)):
+        numbers = cli.numeric_fields(cls)
+        assert len(numbers) > 3 and [n for n in numbers if cli.range_of(cls, n) is None] == [], program
+        cli.check_ranges(cls(), program)
+    assert str(cli.range_of(grpo.Config, "temperature")) == "(0, inf)"  # grpo.py's other default keeps the range
+    assert str(cli.range_of(evaluation.EvalConfig, "temperature")) == "[0, inf)"  # eval.py's own: 0 is greedy
+    with pytest.raises(SystemExit):
+        cli.parse_config(grpo.Config, ["--help"])
+    assert "(default: 0.0002; range: (0, inf))" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("program, argv, shown", [
+    ("grpo.py", ["--lr", "inf"], "--lr inf: must be a finite number in (0, inf)"),  # saved NaN weights, exit 0
+    ("grpo.py", ["--lr", "nan"], "--lr nan: must be a finite number in (0, inf)"),
+    ("grpo.py", ["--grad-clip", "nan"], "--grad-clip nan: must be a finite number in (0, inf)"),
+    ("grpo.py", ["--grad-clip", "0"], "--grad-clip 0.0: must be in (0, inf)"),  # clipped every gradient to 0
+    ("grpo.py", ["--kl-coef", "nan"], "--kl-coef nan: must be a finite number in [0, inf)"),  # the KL off
+    ("grpo.py", ["--dual-clip", "nan"], "--dual-clip nan: must be a finite number in [0, inf)"),  # a NaN loss
+    ("grpo.py", ["--lora-rank", "4", "--lora-alpha", "nan"], "--lora-alpha nan: must be a finite number in [0, inf)"),
+    ("grpo.py", ["--dist-timeout", "inf"], "--dist-timeout inf: must be a finite number in (0, 1e8]"),
+    ("grpo.py", ["--seed", "-1"], "--seed -1: must be in [0, 4294967295]"),
+    ("grpo.py", ["--seed", str(2**32)], "--seed 4294967296: must be in [0, 4294967295]"),
+    ("grpo.py", ["--user-concurrency", "0"], "--user-concurrency 0: must be in [1, inf)"),  # waited forever
+    ("grpo.py", ["--user-concurrency", "-1"], "--user-concurrency -1: must be in [1, inf)"),
+    ("eval.py", ["--num-tasks", "-1"], "--num-tasks -1: must be in [0, inf)"),  # left the last task out
+    ("eval.py", ["--max-new-tokens", "0"], "--max-new-tokens 0: must be in [1, inf)"),
+    ("eval.py", ["--max-turns", "0"], "--max-turns 0: must be in [1, inf)"),
+    ("eval.py", ["--temperature", "-1"], "--temperature -1.0: must be in [0, inf)"),  # sampled at 1e-5
+    ("eval.py", ["--user-concurrency", "0"], "--user-concurrency 0: must be in [1, inf)"),
+    ("sft.py", ["--micro-batch-size", "0"], "--micro-batch-size 0: must be in [1, inf)"),
+    ("sft.py", ["--epochs", "-1"], "--epochs -1.0: must be in [0, inf)"),  # did nothing, exit 0
+    ("sft.py", ["--num-tasks", "-5"], "--num-tasks -5: must be in [1, inf)"),  # played all but 5 tasks
+    ("sft.py", ["--user-concurrency", "0"], "--user-concurrency 0: must be in [1, inf)"),
+    ("sft.py", ["--seed", "-1"], "--seed -1: must be in [0, 4294967295]"),
+])
+def test_a_number_outside_its_range_is_refused_at_start(tmp_path, ckpt, monkeypatch, program, argv, shown):
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the options were checked")
+    monkeypatch.setattr(models, "load_model", no_model)
+    with pytest.raises(SystemExit) as e:
+        MAINS[program](entry_args(program, ckpt, tmp_path) + argv)
+    assert str(e.value) == f"{program}: {shown}"
+    assert not (tmp_path / "run").exists()
+
+
+def test_seeds_fit_every_generator_they_feed():
+    """--seed's range is numpy's (models.seed_everything); the other generators it feeds take its top value too."""
+    import random
+
+    import numpy as np
+    import torch
+
+    top = int(cli.SEEDS.high)
+    models.seed_everything(top)
+    torch.Generator().manual_seed(top * 1_000_003 + 7)  # eval.py's generator of process 7
+    random.Random(top * 1_000_003 + 10**6)  # pipeline.step_tasks' permutation of epoch 10**6
+    with pytest.raises(ValueError):
+        np.random.seed(top + 1)
+
+
+@pytest.mark.parametrize("program, argv, shown", [
+    ("grpo.py", ["--env", "nope"], "grpo.py: --env nope: unknown environment 'nope': use 'shop', 'tau2:<retail"),
+    ("grpo.py", ["--env", "tests.nope:Env"], "grpo.py: --env tests.nope:Env: unknown environment "
+                                             "'tests.nope:Env': there is no module 'tests.nope'"),
+    ("grpo.py", ["--env", "tests.fake_env:Nope"], "tests.fake_env has no 'Nope'"),
+    ("grpo.py", ["--split", "nope"], "grpo.py: --split nope: unknown split 'nope': train, test"),
+    ("eval.py", ["--env", "nope"], "eval.py: --env nope: unknown environment 'nope': use 'shop'"),
+    ("eval.py", ["--split", "nope"], "eval.py: --split nope: unknown split 'nope': train, test"),
+    ("sft.py", ["--env", "nope"], "sft.py: --env nope: unknown environment 'nope': use 'shop'"),
+    ("sft.py", ["--split", "nope"], "sft.py: --split nope: unknown split 'nope': shop has train, test"),
+    ("grpo.py", ["--report-to", "nope"], "grpo.py: --report-to nope: not a tracker Accelerate knows (aim, "),
+])
+def test_an_unknown_name_is_refused_at_start_with_the_known_ones(tmp_path, ckpt, monkeypatch, program, argv, shown):
+    monkeypatch.setattr(models, "load_model", lambda *args, **kwargs: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as e:
+        MAINS[program](entry_args(program, ckpt, tmp_path) + argv)
+    assert shown in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "run" / "config.json").exists()
+
+
+def test_report_to_a_tracker_not_installed_is_refused_at_start(tmp_path, ckpt, monkeypatch):
+    """Accelerate only warns, and the run logs to no tracker."""
+    import accelerate.tracking
+
+    monkeypatch.setattr(accelerate.tracking, "get_available_trackers", lambda: [])
+    with pytest.raises(SystemExit, match=r"^grpo.py: --report-to tensorboard: its package is not installed"):
+        grpo.main(grpo_args(ckpt, tmp_path / "run", "--report-to", "tensorboard"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_report_to_tensorboard_logs_into_the_run_directory(tmp_path, ckpt, monkeypatch):
+    """Accelerate refuses TensorBoard (a tracker that writes files) on an Accelerator made without a directory; the
+    run gives its trackers the run directory once it has one. TensorBoard itself is stood in for by a recorder."""
+    import accelerate.tracking
+    from accelerate.tracking import GeneralTracker, LoggerType
+
+    made = []
+
+    class Recorder(GeneralTracker):
+        name, requires_logging_directory = "tensorboard", True
+
+        def __init__(self, run_name, logging_dir, **kwargs):
+            super().__init__()
+            self.logging_dir, self.config, self.steps = logging_dir, None, []
+            made.append(self)
+
+        @property
+        def tracker(self):
+            return self
+
+        def store_init_configuration(self, values):
+            self.config = values
+
+        def log(self, values, step=None, **kwargs):
+            self.steps.append(step)
+
+    monkeypatch.setattr(accelerate.tracking, "get_available_trackers", lambda: [LoggerType.TENSORBOARD])
+    monkeypatch.setitem(accelerate.tracking.LOGGER_TYPE_TO_CLASS, "tensorboard", Recorder)
+    grpo.main(grpo_args(ckpt, tmp_path / "run", "--report-to", "tensorboard"))
+    assert len(made) == 1 and made[0].logging_dir == str(tmp_path / "run")
+    assert made[0].config["lr"] == 1e-2 and sorted(set(made[0].steps)) == [1, 2]
 
 
 # ---- checked inputs ----------------------------------------------------------------------------------------------

@@ -203,7 +203,7 @@ def test_sft_with_lora_trains_the_adapters_only(tmp_path, ckpt, start_lm):
 
 @pytest.mark.parametrize("argv, option, shown", [
     (["--lora-target-modules", "attn_proj,v_proj"], "--lora-target-modules", "gate_proj"),
-    (["--lora-rank", "-1"], "--lora-rank", "must be >= 0"),
+    (["--lora-rank", "-1"], "--lora-rank", "must be in [0, inf)"),
     (["--lora-dropout", "1.5"], "--lora-dropout", "[0, 1)"),
     (["--freeze", "embed"], "--freeze", "only the adapters train"),
     (["--lora-rank", "0", "--lora-alpha", "32"], "--lora-alpha", "no effect without --lora-rank"),

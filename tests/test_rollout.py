@@ -144,6 +144,31 @@ def test_greedy_cache_reuse_equals_reencoding(lm, tiny_tok):
     assert [e.input_ids for e in a] == [e.input_ids for e in c]
 
 
+def test_the_cache_goes_by_the_name_the_decoder_takes(lm, tiny_tok):
+    """transformers renamed the forward's `past_key_values` to `cache` (newer 5.x warn on every call with the old
+    name and drop it in 5.40), while 5.17 knows only the old name and would pass `cache=` on into **kwargs unread,
+    decoding each turn without its past. The engine asks the decoder's signature; decoding here warns of neither."""
+    import warnings
+
+    from engine import with_cache
+
+    class Old(torch.nn.Module):  # 5.17's signature
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):
+            pass
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, use_cache=None, **kwargs):
+            pass
+    assert with_cache(Old(), "C") == {"past_key_values": "C", "use_cache": True}
+    assert with_cache(New(), "C") == {"cache": "C", "use_cache": True}
+    env = FakeEnv(n_tasks=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eps = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), GREEDY)
+    assert sum(e.turns for e in eps) >= 4 and not any(e.infra_failed for e in eps)
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
+
+
 def test_engine_plays_the_reference_episodes(lm, tiny_tok):
     """The oracle: under greedy decoding the engine (cross-turn KV cache, continuous batching, padded batches) gives
     exactly the token ids, loss masks, messages, endings and rewards of reference_rollout (HF generate, one episode
