@@ -75,11 +75,12 @@ def table(saved: dict) -> str:
              f"temperature {st['temperature']:g}. Mean over seeds and tasks [95% interval, bootstrap over seeds and "
              "tasks; with 5 seeds the percentile bootstrap over seeds is somewhat optimistic].", "",
              "| arm | seeds | greedy pass^1 | greedy, refund tasks | sampled pass^1 | sampled, refund tasks | asked "
-             "where the refund goes (sampled, refund tasks) | wrote without a yes (sampled) | seconds of training |",
+             "where the refund goes (sampled, refund tasks) | wrote without a yes (sampled) | CPU seconds of "
+             "training |",
              "|---|---|---|---|---|---|---|---|---|"]
     for a in arms:
         have = [s for s in seeds if a in results[s]]
-        secs = statistics.mean(results[s][a]["seconds"] for s in have)
+        secs = statistics.mean(cpu_seconds(results[s][a]) for s in have)
         lines.append(f"| {a}: {ARMS[a]} | {len(have)} | {cell(score(results, a, 'greedy'))} | "
                      f"{cell(score(results, a, 'greedy', True))} | {cell(score(results, a, 'sampled'))} | "
                      f"{cell(score(results, a, 'sampled', True))} | {cell(score(results, a, 'sampled_asked', True))} | "
@@ -99,6 +100,12 @@ def table(saved: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def cpu_seconds(r: dict) -> float:
+    """An arm's training cost in CPU seconds (all threads; a run paused with kill -STOP, or sharing the machine,
+    costs the same), or its wall seconds where it recorded none."""
+    return r.get("cpu_s", r["seconds"])
+
+
 def _plt():
     import matplotlib
 
@@ -110,7 +117,7 @@ def _plt():
 
 def plot(saved: dict, path: Path) -> None:
     """Left: final greedy pass^1 per arm, all tasks and refund tasks, with intervals. Right: greedy pass^1 against
-    seconds of training after the cold start (mean over seeds)."""
+    CPU seconds of training after the cold start (mean over seeds)."""
     plt = _plt()
     results = saved["results"]
     arms = [a for a in ORDER if any(a in r for r in results.values())]
@@ -130,13 +137,16 @@ def plot(saved: dict, path: Path) -> None:
            ylabel="pass^1")
     ax.legend(fontsize=9)
     for a in arms:
-        curves = [results[s][a]["curve"] for s in results if a in results[s] and len(results[s][a]["curve"]) > 1]
+        # a curve's points are at wall seconds; scaled to the arm's CPU seconds, like the table
+        curves = [[(x * cpu_seconds(r) / max(r["seconds"], 1e-9), y) for x, y in r["curve"]]
+                  for r in (results[s][a] for s in results if a in results[s]) if len(r["curve"]) > 1]
         if not curves:
             continue
         n = min(len(c) for c in curves)
         pts = [(statistics.mean(c[i][0] for c in curves), statistics.mean(c[i][1] for c in curves)) for i in range(n)]
         bx.plot(*zip(*pts), color=COLORS[a], marker="o", lw=2, label=a)
-    bx.set(title="greedy pass^1 over training (mean over seeds)", xlabel="seconds of training after the cold start",
+    bx.set(title="greedy pass^1 over training (mean over seeds)",
+           xlabel="CPU seconds of training after the cold start",
            ylabel="pass^1")
     bx.grid(alpha=0.3)
     bx.legend(fontsize=9)
