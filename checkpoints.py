@@ -114,7 +114,12 @@ def lock(run_dir: Path, program: str = "grpo.py") -> str | None:
     f = open(run_dir / "run.lock", "a+")
     try:
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES):  # a file system without locks (some NFS, Lustre mounts)
+            cli.main_print(f"[{program.removesuffix('.py')}] {run_dir} cannot be locked ({e}): nothing stops another "
+                           "run from writing into it")
+            f.close()
+            return None
         f.seek(0)
         holder = f.read().strip() or "unknown"
         f.close()
@@ -181,7 +186,7 @@ def open_run(acc, run_dir: Path, config: dict, resume_step: int | None, changes:
                                 "changed": changes}) + "\n")
     elif present and overwrite:
         print(f"[grpo] --overwrite: removing the earlier run's {', '.join(present)} from {run_dir}", flush=True)
-        for name in present:
+        for name in sorted(present, key=lambda n: n == "config.json"):  # config.json last: cut short, it is still ours
             p = run_dir / name
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -223,7 +228,8 @@ def save(acc, run, step: int) -> Path:
         full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EIO)
         if not (full or "write failed" in str(e) or "No space left" in str(e)):
             raise
-        shutil.rmtree(tmp, ignore_errors=True)
+        if acc.is_main_process:  # the partial copy is the main process's to remove (the others stop at a collective)
+            shutil.rmtree(tmp, ignore_errors=True)
         newest = sorted(p.name for p in final.parent.glob("step-*") if not p.name.endswith(".tmp"))
         kept = f"the newest checkpoint, {newest[-1]}, is untouched" if newest else "no checkpoint was saved before it"
         raise SystemExit(f"grpo.py: writing the checkpoint of step {step} into {final.parent} failed: "
@@ -347,8 +353,9 @@ def load(acc, path: Path, tasks_per_step: int, sched) -> int:
     state_dir = path / "accelerate"
     try:
         rng = state_dir / f"random_states_{acc.process_index}.pkl"
-        if rng.exists():  # Accelerate would skip an unreadable one without a word: the resume would not be exact
-            accelerate_load(rng)
+        if not rng.exists():  # Accelerate would go on without it: the resume would not be exact
+            raise SystemExit(f"grpo.py: --resume: {rng} is missing: the checkpoint is incomplete")
+        accelerate_load(rng)  # an unreadable one Accelerate would skip without a word
         with tempfile.TemporaryDirectory() as view:
             if any(state_dir.glob("custom_checkpoint_*.pkl")):  # not for Accelerate to unpickle: a view without them
                 for p in state_dir.iterdir():

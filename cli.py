@@ -253,6 +253,9 @@ class StopOnInterrupt:
     def __init__(self, program: str):
         self.program, self.asked, self.at, self._old = program, None, 0.0, {}
         self.abandon: set[str] = set()  # the signals that abandon the work in progress now
+        # several processes never abandon: one that left a rollout or an evaluation early would meet the others at
+        # a different collective; they finish the step together and stop after it
+        self.alone = int(os.environ.get("WORLD_SIZE", "1")) == 1
 
     def __enter__(self):
         import signal
@@ -271,23 +274,33 @@ class StopOnInterrupt:
         import time
 
         name = signal.Signals(signum).name
+        if name == "SIGHUP":  # the terminal is gone: writing to it would raise EIO wherever the run is
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            for fd in (1, 2):
+                if os.isatty(fd):
+                    os.dup2(devnull, fd)
+            os.close(devnull)
         if not self.asked:
             self.asked, self.at = name, time.monotonic()
             if name in self.abandon:
                 raise Abandoned(name)
-            main_print(f"\n[{self.program}] {SIGNALS[name]}: finishing this step, then saving a checkpoint and "
-                       "stopping" + (" (Ctrl-C again to stop at once)" if name == "SIGINT" else ""))
+            try:
+                main_print(f"\n[{self.program}] {SIGNALS[name]}: finishing this step, then saving a checkpoint and "
+                           "stopping" + (" (Ctrl-C again to stop at once)" if name == "SIGINT" else ""))
+            except OSError:
+                pass
         elif name == "SIGINT" and time.monotonic() - self.at >= self.debounce_s:
             raise KeyboardInterrupt
 
     def abandoning(self, *names: str):
         """`with ctrl_c.abandoning("SIGTERM", "SIGHUP"):` the first of these signals raises Abandoned in the block
-        (all three when none is named); one that arrived before the block raises at its start."""
+        (all three when none is named); one that arrived before the block raises at its start. With several
+        processes, nothing is abandoned (the signal only asks to stop after the step)."""
         import contextlib
 
         @contextlib.contextmanager
         def block():
-            before, self.abandon = self.abandon, set(names or SIGNALS)
+            before, self.abandon = self.abandon, set(names or SIGNALS) if self.alone else set()
             try:
                 if self.asked in self.abandon:
                     raise Abandoned(self.asked)

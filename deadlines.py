@@ -22,7 +22,6 @@ import signal
 import threading
 import weakref
 from multiprocessing.connection import Pipe
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 
 from envs import ToolResult
 
@@ -41,6 +40,7 @@ class DeadlineSession:
 
     def __init__(self, session, timeout: float, remote: bool):
         self.session, self.timeout, self.remote = session, timeout, remote
+        self.busy = threading.Lock()  # remote: an abandoned call may still run; the next waits for it
 
     def __getattr__(self, name):
         return getattr(self.session, name)
@@ -49,7 +49,7 @@ class DeadlineSession:
         kwargs = {"requestor": requestor} if requestor != "assistant" else {}  # as the session was called
         kwargs.update({"n_messages": n_messages} if n_messages is not None else {})
         if self.remote:
-            return _in_thread(self.session, self.timeout, name, arguments, kwargs)
+            return _in_thread(self, name, arguments, kwargs)
         return PROBE.call(self.session, self.timeout, name, arguments, kwargs)
 
 
@@ -58,16 +58,29 @@ def overran(name: str, timeout: float, what: str = "did not finish") -> ToolResu
                       "it was stopped and changed nothing", error=True)
 
 
-_threads = ThreadPoolExecutor(max_workers=8, thread_name_prefix="muarl-tool")
+def _in_thread(guarded: DeadlineSession, name, arguments, kwargs) -> ToolResult:
+    """A remote tool's call in a daemon thread (an abandoned one never holds the process at exit); the session takes
+    one call at a time, so a call that overran still holds it until it returns."""
+    timeout, out = guarded.timeout, []
+    if not guarded.busy.acquire(timeout=timeout):
+        return ToolResult(f"Error: tool {name} was not run: this episode's previous tool call is still running past "
+                          f"its deadline of {timeout:g} s (--tool-timeout)", error=True)
 
+    def call():
+        try:
+            out.append(guarded.session.call_tool(name, arguments, **kwargs))
+        except Exception as e:  # the session's contract is to never raise; one that does is the agent's error
+            out.append(ToolResult(f"Error: tool {name} raised {type(e).__name__}: {e}", error=True))
+        finally:
+            guarded.busy.release()
 
-def _in_thread(session, timeout, name, arguments, kwargs) -> ToolResult:
-    future = _threads.submit(session.call_tool, name, arguments, **kwargs)
-    try:
-        return future.result(timeout=timeout)
-    except FutureTimeout:
-        return ToolResult(f"Error: tool {name} did not answer within its deadline of {timeout:g} s (--tool-timeout); "
-                          "the call was abandoned", error=True)
+    thread = threading.Thread(target=call, daemon=True, name="muarl-tool")
+    thread.start()
+    thread.join(timeout)
+    if out:
+        return out[0]
+    return ToolResult(f"Error: tool {name} did not answer within its deadline of {timeout:g} s (--tool-timeout); "
+                      "the call was abandoned (the remote side may still carry it out)", error=True)
 
 
 class _Probe:
@@ -115,10 +128,14 @@ class _Probe:
                     return session.call_tool(name, arguments, **kwargs)
             try:
                 self.conn.send_bytes(pickle.dumps((key, name, arguments, kwargs)))
-                ok = self.conn.poll(timeout)
-                answer = self.conn.recv_bytes() if ok else None
+                answer = self.conn.recv_bytes() if self.conn.poll(timeout) else None
             except (OSError, EOFError, pickle.PicklingError):
-                ok, answer = False, b"crashed"
+                answer = b"crashed"
+            except BaseException:  # interrupted mid-call (a stop signal): the probe's answer would be the next's
+                self._kill()
+                raise
+            if answer == b"raised":  # an ordinary exception: here it raises as it always did
+                return session.call_tool(name, arguments, **kwargs)
             if answer is None or answer == b"crashed" or answer.startswith(b"error:"):
                 self._kill()
                 if answer is None:
@@ -154,9 +171,14 @@ class _Probe:
 
 
 def _serve(conn, sessions: dict) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM are the parent's to handle
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # stop signals are the parent's to handle
+        signal.signal(sig, signal.SIG_IGN)
+    try:  # and the probe ends with its parent, however the parent ends (Linux)
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
     logging.disable(logging.CRITICAL)  # the parent logs what it runs; a copy must not log twice
     while True:
         try:
@@ -166,7 +188,12 @@ def _serve(conn, sessions: dict) -> None:
         try:
             sessions[key].call_tool(name, arguments, **kwargs)
             conn.send_bytes(b"ok")
-        except BaseException as e:  # a tool that raises past the session's own handling (MemoryError, ...)
+        except (MemoryError, RecursionError) as e:  # would take the parent down too: the call is not run there
+            conn.send_bytes(f"error: {type(e).__name__}: {e}".encode(errors="replace"))
+            return
+        except Exception:  # the parent makes the same call and raises the same way: the two stay equal
+            conn.send_bytes(b"raised")
+        except BaseException as e:  # SystemExit and the like: a tool that would end the process
             conn.send_bytes(f"error: {type(e).__name__}: {e}".encode(errors="replace"))
             return
 

@@ -117,8 +117,8 @@ def stops(cfg, stop):
         yield
     except cli.Abandoned as e:
         run_dir = Path(cfg.out_dir) if cfg.out_dir else None
-        then = (f"continue with: accelerate launch grpo.py --resume {run_dir}" if run_dir and
-                (run_dir / "config.json").exists() else "nothing was written; run the same command again")
+        then = (f"continue with: accelerate launch grpo.py --resume {run_dir}" if run_dir and not cfg.overwrite and
+                (run_dir / "config.json").exists() else "run the same command again")
         cli.main_print(f"\n[grpo] stopped by {cli.SIGNALS[e.signame]} while loading or evaluating; {then}")
         raise SystemExit(stop.exit_code()) from None
     except RuntimeError as e:
@@ -136,6 +136,9 @@ def finished(cfg, resume_from: Path | None) -> bool:
     (a run stopped after its last checkpoint but before the summary goes on to its "after" evaluation)."""
     if resume_from is None or checkpoints.step_of(resume_from) < cfg.steps:
         return False
+    if checkpoints.step_of(resume_from) > cfg.steps:
+        raise SystemExit(f"grpo.py: --resume --steps {cfg.steps}: {resume_from} is already at step "
+                         f"{checkpoints.step_of(resume_from)}; --steps can only grow")
     summary = resume_from.parents[1] / "summary.json"
     try:
         done = json.loads(summary.read_text()).get("steps") == cfg.steps
@@ -432,8 +435,8 @@ def grpo_step(run, step: int, train_on_episodes) -> tuple[dict | None, list[dict
     gen = torch.Generator(acc.device).manual_seed(cfg.seed * 1_000_003 + step * 1_009 + acc.process_index)
     tasks = step_tasks(run.tasks, cfg, step, acc.process_index, acc.num_processes)
     run.rng_at_step = models.rng_state()  # what a checkpoint of the last step holds, if this rollout is abandoned
-    # one process may abandon its rollout at SIGTERM (preemption leaves ~30 s); several finish the step together
-    with run.ctrl_c.abandoning("SIGTERM", "SIGHUP") if acc.num_processes == 1 else contextlib.nullcontext():
+    # one process abandons its rollout at SIGTERM (preemption leaves ~30 s); several finish the step together
+    with run.ctrl_c.abandoning("SIGTERM", "SIGHUP"):
         episodes = play(run, tasks, cfg.group_size, run.sampling, gen)
     t_roll, t1 = time.time() - t0, time.time()
     summaries = gather_object([metrics.episode_summary(e) for e in episodes])

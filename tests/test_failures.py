@@ -6,6 +6,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 import cli
 import coldstart
@@ -603,6 +604,58 @@ def test_a_tool_call_past_its_deadline_or_killing_its_process_is_an_error_that_c
     assert res.error and "changed nothing" in res.content
     assert session.call_tool("write", {"x": 3}) == ToolResult("[1, 2, 3]") and session.session.db == [1, 2, 3]
     assert deadlines.guard(_Tools(), 0).__class__ is _Tools  # --tool-timeout 0: no deadline
+    with pytest.raises(KeyError):  # an ordinary exception (a bug of the session's) raises here as it always did
+        session.call_tool("write", {})
+    assert session.call_tool("write", {"x": 4}) == ToolResult("[1, 2, 3, 4]")
+
+
+def test_a_call_interrupted_mid_way_leaves_no_answer_behind_for_the_next(monkeypatch):
+    """A stop signal (or any exception) between asking the probe and reading its answer: the next call must not
+    read that stale answer as its own (it would then run, for real, a call nobody timed)."""
+    import time
+
+    import deadlines
+
+    session = deadlines.guard(_Tools(), 1.0)
+    assert session.call_tool("write", {"x": 1}) == ToolResult("[1]")
+    conn_class = type(deadlines.PROBE.conn)
+
+    def interrupted(conn, timeout):
+        time.sleep(0.2)  # the probe has answered by now
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(conn_class, "poll", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        session.call_tool("write", {"x": 2})
+    monkeypatch.undo()
+    res = session.call_tool("power", {"exponent": 10**9})
+    assert res.error and "deadline" in res.content  # timed, not answered by the interrupted call's "ok"
+    assert session.session.db == [1]
+
+
+def test_a_remote_tool_past_its_deadline_is_abandoned_and_the_session_takes_one_call_at_a_time():
+    import threading
+    import time
+
+    import deadlines
+
+    gate = threading.Event()
+
+    class Remote(_Tools):
+        def call_tool(self, name, arguments, requestor="assistant"):
+            if name == "slow":
+                gate.wait(10)
+            return super().call_tool(name, arguments, requestor)
+
+    session = deadlines.guard(Remote(), 0.5, remote=True)
+    t0 = time.monotonic()
+    res = session.call_tool("slow", {"x": 1})
+    assert res.error and "was abandoned" in res.content and time.monotonic() - t0 < 5
+    res = session.call_tool("write", {"x": 2})  # the abandoned call still holds the session
+    assert res.error and "previous tool call is still running" in res.content
+    gate.set()
+    time.sleep(0.2)
+    assert session.call_tool("write", {"x": 3}) == ToolResult("[1, 3]")  # the abandoned one did land, remotely
 
 
 def test_the_rollout_runs_every_tool_call_under_the_deadline(tiny_lm, tiny_tok):
@@ -656,8 +709,14 @@ def test_sigterm_or_sighup_abandons_the_rollout_saves_the_last_step_and_says_how
             f"accelerate launch grpo.py --resume {run}") in out
     assert steps_logged(run) == [1] and (run / "checkpoints" / "step-000001" / "trainer_state.json").exists()
     monkeypatch.undo()
-    grpo.main(["--resume", str(run)])
+    resumed = grpo.main(["--resume", str(run)])
     assert steps_logged(run) == [1, 2, 3]
+    # exactly the run that was never stopped: the abandoned rollout left nothing behind
+    full = grpo.main(grpo_args(ckpt, tmp_path / "full", "--steps", "3", "--save-every", "10"))
+    a, b = full.model.state_dict(), resumed.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    losses = [[json.loads(line)["loss"] for line in open(d / "metrics.jsonl")] for d in (run, tmp_path / "full")]
+    assert losses[0] == losses[1]
 
 
 def test_a_stop_before_the_first_checkpoint_or_in_the_evaluation_leaves_a_run_that_resume_starts_again(
