@@ -50,8 +50,8 @@ from deadlines import guard
 from engine import _prefill_openings, _Row, generate_turn
 from envs import next_turn, opening_messages
 from envs.llm_users import HFUserSim, OpenAIUserSim
-from envs.users import (DataUserSim, ScriptedUserSim, UserSim, UserSimError, opening_retries, retries_of,
-                        said_something)
+from envs.users import (DataUserSim, ScriptedUserSim, UserSim, UserSimError, close_user_sim, opening_retries,
+                        reply_problem, retries_of)
 from muarl import Episode, prompt_ids, stop_token_ids, template_kwargs
 from rollout import Sampling, after_tools, agent_turn, append_delta, end_episode, record_turn, run_tool_calls
 
@@ -136,7 +136,7 @@ class _UserThread:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self.user_sim.aclose()
+            await close_user_sim(self.user_sim)
 
         try:
             if self.thread.is_alive():
@@ -194,8 +194,8 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
     for i, (task, opening) in enumerate(zip(tasks, openings)):
         if isinstance(opening, BaseException) and not isinstance(opening, UserSimError):
             raise opening
-        if opening is not None and not isinstance(opening, UserSimError) and not said_something(opening):
-            opening = UserSimError(f"the user simulator's opening is empty ({opening!r})")
+        if opening is not None and not isinstance(opening, UserSimError) and reply_problem(opening):
+            opening = UserSimError(f"the user simulator's opening {reply_problem(opening)}")
         tools = env.tools(task)
         failed = isinstance(opening, UserSimError)
         if failed:
@@ -327,9 +327,10 @@ def _take_reply(r: _Row, reply, seconds: float, cfg: RolloutConfig) -> str:
         return "infra_error"
     if isinstance(reply, BaseException):
         raise reply
-    if not said_something(reply):  # an empty user turn is a broken user, not a dialogue to score
-        log.warning("user simulator gave an empty reply for task %s: %r", r.ep.task_id, reply)
-        r.ep.reward_info = {"error": f"the user simulator's reply is empty ({reply!r})"}
+    problem = reply_problem(reply)
+    if problem:  # an empty, endless or broken user turn is a broken user, not a dialogue to score
+        log.warning("user simulator's reply for task %s %s", r.ep.task_id, problem)
+        r.ep.reward_info = {"error": f"the user simulator's reply {problem}"}
         return "infra_error"
     r.ep.messages.append({"role": "user", "content": reply})
     return next_turn(r.ep.messages, r.ep.turns, cfg.max_turns)

@@ -151,6 +151,15 @@ def groups(parser, cls, name: str):
     return made[title]
 
 
+def json_line(obj) -> str:
+    """One line of a JSONL file (episodes, evaluations, cold-start data), non-ASCII text kept as it is. Always valid
+    UTF-8: an unpaired surrogate, which json.loads makes of an escape like "\\ud800" wherever JSON is read (a tool
+    call, an endpoint's reply, a data file), is written back as that escape, so the line reads back to the same
+    string. Every JSONL writer goes through here, whatever the text came from; a surrogate is checked for again only
+    where text meets a tokenizer (toolcall.parse_assistant, envs.users.reply_problem, coldstart.load_conversations)."""
+    return json.dumps(obj, ensure_ascii=False, default=str).encode("utf-8", "backslashreplace").decode("utf-8") + "\n"
+
+
 def write_json_atomic(path, obj) -> None:
     """Write JSON so that a crash mid-write never leaves a truncated file (write a temp file, then rename)."""
     path = Path(path)

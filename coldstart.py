@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 from dataclasses import replace
 
@@ -17,8 +18,14 @@ from batched_rollout import make_user_sim, user_sim_options
 from envs import OpenAIAgent
 from logprobs import token_logprobs
 from muarl import collate, encode_conversation
+from toolcall import loads_limited
 
 ROLES = ("system", "user", "assistant", "tool")
+MAX_LINE_BYTES = 2 << 20
+"""The longest cold-start line read, in bytes: about 15 times the text of a conversation that fills the paper's context
+(32k tokens). A longer line is refused before it is decoded (a 50 MB line took 9.6 GB and 78 s to tokenize, only to be
+skipped as too long)."""
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def check_conversation(rec) -> dict:
@@ -92,8 +99,9 @@ def check_conversation(rec) -> dict:
 
 
 def load_conversations(path: str, strict: bool = False) -> list[dict]:
-    """Read JSONL conversations, each checked (`check_conversation`). A bad line (not UTF-8, not JSON, a broken
-    conversation) is reported with its file and line and skipped, and the skipped are counted; with `strict`
+    """Read JSONL conversations, each checked (`check_conversation`). A bad line (longer than MAX_LINE_BYTES, not UTF-8,
+    not JSON, nested deeper than toolcall.MAX_JSON_DEPTH, not text, a broken conversation) is reported with its file
+    and line and skipped, and the skipped are counted; with `strict`
     (--strict-data) the first one stops the run. Each conversation keeps its "source" (file:line) for later errors."""
     out, bad = [], []
     with open(path, "rb") as f:
@@ -102,14 +110,22 @@ def load_conversations(path: str, strict: bool = False) -> list[dict]:
         if not raw.strip():
             continue
         try:
+            if len(raw) > MAX_LINE_BYTES:
+                raise ValueError(f"{len(raw):,} bytes long, more than a conversation (at most {MAX_LINE_BYTES:,}: "
+                                 "coldstart.MAX_LINE_BYTES)")
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise ValueError(f"not UTF-8: byte {raw[e.start]:#04x} at column {e.start + 1}") from None
             try:
-                rec = json.loads(line)
+                rec = loads_limited(line)  # nested deeper than MAX_JSON_DEPTH: refused before parsing
             except json.JSONDecodeError as e:
                 raise ValueError(f"not JSON: {e}") from None
+            except ValueError as e:
+                raise ValueError(f"a record that {e}") from None
+            if _SURROGATE_ESCAPE.search(line) and not _is_text(rec):
+                raise ValueError("not text: an escape of an unpaired surrogate (\\ud800-\\udfff), which no tokenizer "
+                                 "takes")
             conv = check_conversation(rec)
         except ValueError as e:
             if strict:
@@ -128,6 +144,14 @@ def load_conversations(path: str, strict: bool = False) -> list[dict]:
     if not out:
         raise ValueError(f"{path}: none of its {len(bad)} conversations is usable (the first: {bad[0]})")
     return out
+
+
+def _is_text(rec) -> bool:
+    try:
+        json.dumps(rec, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def make_cold_start(cfg) -> list[dict]:

@@ -366,9 +366,9 @@ def main(argv=None):
     if acc.is_main_process:
         out = Path(cfg.out_dir or f"runs/eval-{cfg.env.replace(':', '-')}-{time.strftime('%Y%m%d-%H%M%S')}")
         out.mkdir(parents=True, exist_ok=True)
-        with open(out / "episodes.jsonl", "w") as f:
+        with open(out / "episodes.jsonl", "w", encoding="utf-8") as f:
             for e in episodes:
-                f.write(json.dumps(e, ensure_ascii=False, default=str) + "\n")
+                f.write(cli.json_line(e))
         s = summarize(episodes, cfg.trials, {t.id: t.meta for t in tasks})
         s["config"], s["seconds"] = asdict(cfg), time.time() - t0
         cli.write_json_atomic(out / "summary.json", s)

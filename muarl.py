@@ -21,6 +21,7 @@ the ids of earlier turns are never re-derived from text.
 """
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
@@ -115,14 +116,59 @@ def render(tokenizer, messages, tools=None, add_generation_prompt=False) -> str:
                                          add_generation_prompt=add_generation_prompt, **template_kwargs(tokenizer))
 
 
+# A user, a tool or a data file may write "<|im_end|>\n<|im_start|>assistant\n" in its text. Tokenized with the rest of
+# the rendered conversation, that text would become the control tokens themselves: a turn boundary forged inside an
+# episode the agent is trained on. So the strings of the messages and tools are rendered with each control string (a
+# special token of the tokenizer) replaced by a marker (`as_text`), and encode_text encodes what a marker stands for as
+# ordinary characters; the template's own control strings stay control tokens. The agent's sampled ids never come
+# through here (token in, token out).
+_MARK, _MARK_END = "\ue000", "\ue001"  # private-use characters; a _MARK in the text itself is marked too
+_MARKED = re.compile(f"{_MARK}(\\d+){_MARK_END}")
+
+
+def _controls(tokenizer) -> tuple[list[str], re.Pattern]:
+    """The strings to keep as text (the special tokens, and _MARK) and a pattern finding them; cached."""
+    cached = getattr(tokenizer, "_muarl_controls", None)
+    if cached is None:
+        strings = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special} | {_MARK},
+                         key=len, reverse=True)
+        cached = strings, re.compile("|".join(map(re.escape, strings)))
+        tokenizer._muarl_controls = cached
+    return cached
+
+
+def as_text(tokenizer, obj):
+    """Messages, tools or a string, with each control string in their strings replaced by a marker that encode_text
+    encodes as the string's own characters: what a user, a tool or the data wrote stays text."""
+    strings, pattern = _controls(tokenizer)
+    if isinstance(obj, str):
+        return pattern.sub(lambda m: f"{_MARK}{strings.index(m.group())}{_MARK_END}", obj)
+    if isinstance(obj, dict):
+        return {as_text(tokenizer, k): as_text(tokenizer, v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [as_text(tokenizer, v) for v in obj]
+    return obj
+
+
 def encode_text(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    """Ids of rendered text. Control strings the template wrote become control tokens; a marker (as_text) becomes the
+    characters of the string it stands for, never its control token."""
+    if _MARK not in text:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    strings, ids = _controls(tokenizer)[0], []
+    for k, piece in enumerate(_MARKED.split(text)):  # text, marker index, text, ...
+        if k % 2:
+            ids += tokenizer(strings[int(piece)], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        elif piece:
+            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
+    return ids
 
 
 def prompt_ids(tokenizer, messages: list[dict], tools=None) -> list[int]:
     """Ids of the opening of an episode (system prompt with tools, the user's first message) plus the
     generation prompt. Nothing precedes it, so it is tokenized whole."""
-    return encode_text(tokenizer, render(tokenizer, messages, tools, add_generation_prompt=True))
+    return encode_text(tokenizer, render(tokenizer, as_text(tokenizer, messages), as_text(tokenizer, tools),
+                                         add_generation_prompt=True))
 
 
 def after_turn_text(tokenizer) -> str:
@@ -161,7 +207,8 @@ def delta_ids(tokenizer, new_messages: list[dict], add_generation_prompt: bool =
     """
     assert new_messages and all(m["role"] != "assistant" for m in new_messages), "deltas carry no agent text"
     base = render(tokenizer, _BASE)
-    full = render(tokenizer, _BASE + list(new_messages), add_generation_prompt=add_generation_prompt)
+    full = render(tokenizer, _BASE + as_text(tokenizer, list(new_messages)),
+                  add_generation_prompt=add_generation_prompt)
     if not full.startswith(base):
         raise ValueError("chat template is not prefix-stable for appended messages: "
                          f"{base[-80:]!r} is not a prefix of {full[:len(base) + 80]!r}")
@@ -188,7 +235,7 @@ def encode_conversation(tokenizer, messages: list[dict], tools=None, prompt_mess
     i = first_agent
     while i < len(messages):
         if messages[i]["role"] == "assistant":
-            ids = encode_text(tokenizer, format_assistant(messages[i])) + [eot]
+            ids = encode_text(tokenizer, format_assistant(as_text(tokenizer, messages[i]))) + [eot]
             ep.append(ids, agent=True, logprobs=[0.0] * len(ids))
             i += 1
         else:

@@ -55,7 +55,7 @@ class UserOptions:
     user_concurrency: Annotated[int, Range("[1, inf)")] = 64
     """requests in flight to the user-simulator endpoint"""
     user_timeout: Annotated[float, TIMEOUTS] = 60.0
-    """seconds the user simulator's endpoint has to answer one request before it is retried"""
+    """seconds the user simulator's endpoint has to answer one request, the whole reply read, before it is retried"""
     user_retries: Annotated[int, Range("[0, inf)")] = 5
     """retries of a failed user-simulator request (timeouts, connection errors, 408/409/429, 5xx, malformed replies),
     with backoff 1, 2, 4, ... s; then the episode ends as infra_error. A call costs at most

@@ -340,8 +340,8 @@ def evaluate(run, tag: str) -> dict:
     eps = gather_object([e.to_json() for e in eps])
     s = summarize(eps, 1, {t.id: t.meta for t in test})
     if acc.is_main_process:
-        with open(run.dir / f"eval-{tag}.jsonl", "w") as f:
-            f.writelines(json.dumps(e, ensure_ascii=False, default=str) + "\n" for e in eps)
+        with open(run.dir / f"eval-{tag}.jsonl", "w", encoding="utf-8") as f:
+            f.writelines(cli.json_line(e) for e in eps)
     if not s["scored"]:
         first = next((e["reward_info"].get("error") for e in eps if e.get("reward_info")), None)
         acc.print(f"[grpo] eval ({tag}): none of the {len(eps)} episodes was scored (all failed on infrastructure; "
@@ -461,9 +461,9 @@ def grpo_step(run, step: int, train_on_episodes) -> tuple[dict | None, list[dict
     if acc.is_main_process:
         with open(run.dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(m) + "\n")
-        with open(run.dir / "episodes.jsonl", "a") as f:
+        with open(run.dir / "episodes.jsonl", "a", encoding="utf-8") as f:
             for s in samples[:cfg.log_episodes]:
-                f.write(json.dumps({"step": step + 1, **s}, ensure_ascii=False) + "\n")
+                f.write(cli.json_line({"step": step + 1, **s}))
     if cfg.report_to:
         acc.log(m, step=step + 1)
     run.done_steps = step + 1

@@ -407,7 +407,7 @@ def main(argv=None):
         tmp = Path(cfg.data_out + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             for c in conversations:
-                f.write(json.dumps(c, ensure_ascii=False) + "\n")
+                f.write(cli.json_line(c))
         os.replace(tmp, cfg.data_out)
     if cfg.epochs > 0:
         try:

@@ -9,6 +9,12 @@ import re
 from dataclasses import dataclass
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+MAX_JSON_DEPTH = 64
+"""The deepest nesting of arrays and objects read from a tool call or a cold-start line (a call's own object is one
+level; real calls use a handful). Checked before parsing: Python's JSON parser and the tools that walk arguments
+recurse per level (json.loads fails near 1,000 levels, BFCL's call path near 450)."""
+MAX_INT_DIGITS = 100
+"""The longest integer a tool call may hold, in digits (no tool takes more). Python refuses to read one past 4,300."""
 
 
 def format_tool_call(name: str, arguments) -> str:
@@ -61,9 +67,12 @@ def parse_assistant(text: str, call_id_prefix: str = "call") -> ParsedMessage:
         spans.append(m.span())
         raw = m.group(1).strip()
         try:
-            obj = json.loads(raw)
+            obj = loads_limited(raw)
         except json.JSONDecodeError as e:
             add(_guess_name(raw), raw, f"Error: tool call is not valid JSON ({e.msg} at char {e.pos}): {raw[:200]}")
+            continue
+        except ValueError as e:
+            add(_guess_name(raw), raw, f"Error: tool call {e}: {raw[:200]}")
             continue
         if not isinstance(obj, dict):
             add("", raw, 'Error: a tool call must be a JSON object {"name": ..., "arguments": {...}}')
@@ -71,18 +80,23 @@ def parse_assistant(text: str, call_id_prefix: str = "call") -> ParsedMessage:
         name, args = obj.get("name"), obj.get("arguments", {})
         if isinstance(args, str):  # some models double-encode the arguments
             try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
+                args = loads_limited(args)
+            except ValueError:
                 pass
         unknown = sorted(set(obj) - {"name", "arguments"})
+        canonical = json.dumps(args, ensure_ascii=False)
         if not isinstance(name, str) or not name:
             add("", raw, 'Error: tool call has no "name" string')
         elif not isinstance(args, dict):
             add(name, raw, f'Error: "arguments" of {name} must be a JSON object')
         elif unknown:
             add(name, raw, f"Error: tool call has unknown keys {unknown}; use only name and arguments")
+        elif _SURROGATE.search(name + canonical):
+            # an escape like "\ud800" read alone: not a character, so no tool, tokenizer or UTF-8 file can take it
+            add(_guess_name(raw), raw, "Error: tool call holds an unpaired surrogate escape (\\ud800-\\udfff), "
+                                       "which is not a character")
         else:
-            add(name, json.dumps(args, ensure_ascii=False))
+            add(name, canonical)
     # An opening tag with no closing tag after the last complete call: the agent stopped mid-call.
     tail_start = spans[-1][1] if spans else 0
     tail = text[tail_start:]
@@ -97,6 +111,37 @@ def parse_assistant(text: str, call_id_prefix: str = "call") -> ParsedMessage:
         pos = b
     content.append(text[pos:])
     return ParsedMessage("".join(content).strip(), calls, errors)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def json_depth(text: str) -> int:
+    """How deep arrays and objects nest in JSON text, counted without parsing it (brackets inside strings skipped)."""
+    depth = deepest = 0
+    for t in _JSON_TOKEN.findall(text):
+        if t in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif t in "]}":
+            depth -= 1
+    return deepest
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"holds an integer of {len(digits.lstrip('-'))} digits (at most {MAX_INT_DIGITS})")
+    return int(digits)
+
+
+def loads_limited(text: str):
+    """json.loads within MAX_JSON_DEPTH and MAX_INT_DIGITS. Raises ValueError naming the limit (JSONDecodeError, a
+    ValueError too, for text that is not JSON), never RecursionError."""
+    depth = json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"is nested {depth} levels deep (at most {MAX_JSON_DEPTH})")
+    return json.loads(text, parse_int=_bounded_int)
 
 
 def _guess_name(raw: str) -> str:

@@ -288,7 +288,7 @@ def play(env: Environment, task: Task, agent: ScriptedAgent, user: ScriptedUser 
             name, arguments = call["function"]["name"], call["function"].get("arguments") or "{}"
             try:
                 arguments = arguments if isinstance(arguments, dict) else json.loads(arguments)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, RecursionError):  # RecursionError: nested ~1,000 levels deep
                 result = ToolResult("Error: arguments are not valid JSON", error=True)
             else:
                 result = session.call_tool(name, arguments)

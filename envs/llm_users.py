@@ -10,15 +10,17 @@ import json
 import os
 
 from envs import message_history, user_speaks_next
-from envs.users import UserSim, UserSimError, _ChatState, _chat_state, _flip_new, _Retries, _user_view
+from envs.users import UserSim, UserSimError, _ChatState, _chat_state, _flip_new, _Retries, _user_view, reply_problem
 
 
 class OpenAIUserSim(UserSim):
     """An LLM user behind any OpenAI-compatible chat endpoint (the paper: GPT-4o for training, temperature 0).
 
     Retries timeouts, connection errors, 408/409/429, 5xx and replies that are not a usable chat completion (not
-    JSON, no choices, an empty or null message) with exponential backoff (backoff * 2**attempt seconds), itself: the
-    client's own retries are off so that the policy is visible here and testable. A call costs at most
+    JSON, no choices, a message that is no message, says nothing or is not text: envs.users.reply_problem) with
+    exponential backoff (backoff * 2**attempt seconds), itself: the client's own retries are off so that the policy is
+    visible here and testable. `timeout` bounds each request as a whole, reading the reply included (the client's own
+    timeout is per read: an endpoint that drips its reply a byte at a time never trips it), so a call costs at most
     (max_retries + 1) * timeout seconds plus the backoff. After `max_retries` retries the episode ends as
     infra_error, with a message that names the endpoint and the options that set it."""
 
@@ -66,12 +68,14 @@ class OpenAIUserSim(UserSim):
             kwargs["tools"] = tools
         for attempt in range(self.max_retries + 1):
             try:
-                async with self._sem:
+                async with self._sem, asyncio.timeout(self.timeout):  # its place in line is not counted
                     resp = await client.chat.completions.create(**kwargs)
                 return _usable_message(resp, bool(tools))
             except (openai.APIConnectionError, openai.APIStatusError) as e:  # timeouts are connection errors
                 status = getattr(e, "status_code", None)
                 retriable, error = status is None or status >= 500 or status in self.RETRY_STATUS, e
+            except TimeoutError:
+                retriable, error = True, TimeoutError(f"no whole reply within {self.timeout:g}s")
             except openai.OpenAIError as e:  # a request the client refuses to send: retrying cannot help
                 raise UserSimError(f"{self.name} failed: {e!r}") from e
             except ValueError as e:  # a reply that is not a chat completion (HTML, bad JSON, no choices, no text)
@@ -117,7 +121,7 @@ class OpenAIUserSim(UserSim):
             for c in calls:
                 try:
                     args = json.loads(c["function"]["arguments"] or "{}")
-                except (json.JSONDecodeError, TypeError) as e:
+                except (ValueError, TypeError, RecursionError) as e:  # not JSON, a huge number, nested too deep
                     content = f"Error: arguments are not a JSON object: {e}"
                 else:  # n_messages: the call's place in the conversation, just before this reply
                     content = state.session.call_tool(c["function"]["name"], args, requestor="user",
@@ -131,20 +135,32 @@ class MalformedReply(ValueError):
 
 
 def _usable_message(resp, tools_offered: bool):
-    """The message of a chat completion, checked: it exists, and it says something (non-empty text), unless it calls
-    one of the user's tools. An empty or null user message would otherwise enter the episode as a turn, and the
-    episode would be scored and trained as if the user had said nothing."""
+    """The message of a chat completion, checked: it exists, and it says something (text fit for an episode:
+    envs.users.reply_problem), unless it calls one of the user's tools. The client does not check the reply's shape (a
+    `choices` that is an object or a number reaches here as it came), and an empty or null user message would otherwise
+    enter the episode as a turn, scored and trained as if the user had said nothing."""
     choices = getattr(resp, "choices", None)
-    if not choices:
+    if not isinstance(choices, list) or not choices:
         raise MalformedReply(f"the reply is not a chat completion with choices: {str(resp)[:200]!r}")
     msg = getattr(choices[0], "message", None)
-    if msg is None:
-        raise MalformedReply("the reply's first choice has no message")
-    if tools_offered and getattr(msg, "tool_calls", None):
+    if msg is None or not hasattr(msg, "content"):
+        raise MalformedReply(f"the reply's first choice has no message ({str(choices[0])[:200]!r})")
+    calls = getattr(msg, "tool_calls", None)
+    if tools_offered and calls:
+        if not isinstance(calls, list) or not all(_is_call(c) for c in calls):
+            raise MalformedReply(f"the reply's tool calls are not calls with an id, a function name and arguments: "
+                                 f"{str(calls)[:200]!r}")
         return msg
-    if not isinstance(msg.content, str) or not msg.content.strip():
-        raise MalformedReply(f"the reply's message is empty (content {msg.content!r})")
+    problem = reply_problem(msg.content)
+    if problem:
+        raise MalformedReply(f"the reply's message {problem}")
     return msg
+
+
+def _is_call(c) -> bool:
+    fn = getattr(c, "function", None)
+    return (isinstance(getattr(c, "id", None), str) and isinstance(getattr(fn, "name", None), str)
+            and isinstance(getattr(fn, "arguments", None), (str, type(None))))
 
 
 class HFUserSim(UserSim):

@@ -23,6 +23,7 @@ env.scripted_user whichever LLM user was chosen.
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,10 +111,33 @@ class UserSim:
         return list(out)
 
 
-def said_something(text) -> bool:
-    """A user message an episode can take: a non-empty string. A user simulator that answers nothing is an
-    infrastructure failure of that episode (OpenAIUserSim retries it first), never a turn to score and train on."""
-    return isinstance(text, str) and bool(text.strip())
+MAX_REPLY_CHARS = 100_000
+"""The longest user message an episode takes, in characters: about 25k tokens of English, most of the paper's whole
+context (32k tokens), and far beyond what a person or an LLM user writes in one turn. A longer one is a broken
+simulator, refused before it is tokenized (a 10 MB reply took 2.2 GB of memory on its way to context_limit)."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def reply_problem(text) -> str:
+    """What makes a user message unfit for an episode ("" when it is fit): it says nothing (not a string, or blank),
+    is longer than MAX_REPLY_CHARS, or holds an unpaired surrogate (an endpoint's escape like "\\ud800", which is not
+    a character: no tokenizer takes it). Such a reply is an infrastructure failure of its episode (OpenAIUserSim
+    retries it first), never a turn to score and train on."""
+    if not isinstance(text, str) or not text.strip():
+        return f"is empty ({text!r:.80})"
+    if len(text) > MAX_REPLY_CHARS:
+        return f"has {len(text):,} characters, more than a user says (at most {MAX_REPLY_CHARS:,}: MAX_REPLY_CHARS)"
+    bad = _SURROGATE.search(text)
+    if bad:
+        return f"is not text: an unpaired surrogate (\\u{ord(bad.group()):04x}) at character {bad.start()}"
+    return ""
+
+
+async def close_user_sim(sim) -> None:
+    """sim.aclose(), where it has one: a simulator written without subclassing UserSim holds nothing to release."""
+    close = getattr(sim, "aclose", None)
+    if close is not None:
+        await close()
 
 
 class _SyncUser:
@@ -122,15 +146,15 @@ class _SyncUser:
 
     def opening(self) -> str | None:
         text = asyncio.run(self.sim.opening(self.env, self.task))
-        if text is not None and not said_something(text):
-            raise UserSimError(f"the user simulator's opening is empty ({text!r})")
+        if text is not None and reply_problem(text):
+            raise UserSimError(f"the user simulator's opening {reply_problem(text)}")
         self.state = self.sim.start(self.env, self.task, self.session, text)
         return text
 
     def reply(self, messages: list[dict]) -> str:
         text = asyncio.run(self.sim.reply(self.state, messages))
-        if not said_something(text):
-            raise UserSimError(f"the user simulator's reply is empty ({text!r})")
+        if reply_problem(text):
+            raise UserSimError(f"the user simulator's reply {reply_problem(text)}")
         return text
 
 
@@ -235,7 +259,7 @@ class DataUserSim(UserSim):
         return self.sim.local
 
     async def aclose(self) -> None:
-        await self.sim.aclose()
+        await close_user_sim(self.sim)
 
     def _pick(self, task) -> UserSim:
         return self.scripted if (task.meta.get("user_sim") or {}).get("scripted") else self.sim

@@ -13,6 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import copy  # noqa: E402
 import json  # noqa: E402
 import threading  # noqa: E402
+import time  # noqa: E402
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E402
 
 import pytest  # noqa: E402
@@ -105,9 +106,10 @@ def ends_turns(model, tokenizer, gap=2.0, seed=0):
 class ChatServer:
     """A real OpenAI-compatible HTTP endpoint on 127.0.0.1: POST /v1/chat/completions. `script` decides each
     answer: a function (request body, request number) -> (status, message dict), or (status, bytes) for a raw body
-    that is not a chat completion (HTML, broken JSON), sent as it is."""
+    that is not a chat completion (HTML, broken JSON), sent as it is. `drip`: seconds between the bytes of a body
+    (an endpoint that answers at once, then sends its reply a byte at a time)."""
 
-    def __init__(self, script):
+    def __init__(self, script, drip: float = 0.0):
         self.requests, self.script, lock = [], script, threading.Lock()
         server = self
 
@@ -123,7 +125,7 @@ class ChatServer:
                     self.send_header("Content-Type", "text/html" if message.startswith(b"<") else "application/json")
                     self.send_header("Content-Length", str(len(message)))
                     self.end_headers()
-                    self.wfile.write(message)
+                    self.send_body(message)
                     return
                 payload = ({"id": f"c{n}", "object": "chat.completion", "created": 0, "model": body["model"],
                             "choices": [{"index": 0, "message": {"role": "assistant", **message},
@@ -135,7 +137,19 @@ class ChatServer:
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                self.send_body(data)
+
+            def send_body(self, data):
+                if not drip:
+                    self.wfile.write(data)
+                    return
+                try:
+                    for i in range(len(data)):
+                        self.wfile.write(data[i:i + 1])
+                        self.wfile.flush()
+                        time.sleep(drip)
+                except OSError:  # the client gave up
+                    pass
 
             def log_message(self, *args):
                 pass

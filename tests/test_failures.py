@@ -3,6 +3,7 @@ named. One test per failure mode of the README's table ("When something breaks")
 a real HTTP endpoint on the loopback (conftest.ChatServer) that fails in the way under test."""
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -19,7 +20,7 @@ from batched_rollout import RolloutConfig, make_user_sim, rollout
 from conftest import ChatServer
 from envs import ToolResult
 from envs.llm_users import OpenAIUserSim
-from envs.users import UserSimError
+from envs.users import MAX_REPLY_CHARS, UserSimError
 from tests.fake_env import FakeEnv
 
 GREEDY = RolloutConfig(greedy=True, max_new_tokens=64, max_turns=8)
@@ -179,7 +180,13 @@ def test_some_failed_episodes_are_counted_on_the_console(tmp_path, ckpt, capsys)
     (200, b'{"id": "c1", "choices": [{"index": 0, "message": {"role": "assis'),      # cut short
     (200, b'{"id": "c1", "object": "chat.completion", "choices": []}'),                # no choices
     (200, b'{"error": "overloaded"}'),                                                  # no choices at all
-], ids=["empty", "null", "blank", "html", "truncated", "no-choices", "error-object"])
+    (200, b'{"id": "c1", "choices": {"0": {"message": {"role": "assistant", "content": "hi"}}}}'),  # not a list
+    (200, b'{"id": "c1", "choices": 3}'),
+    (200, b'{"id": "c1", "choices": [{"index": 0, "message": 7}]}'),                   # a message that is no message
+    (200, b'{"id": "c1", "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi \\ud800"}}]}'),
+    (200, {"content": "x" * (MAX_REPLY_CHARS + 1)}),                                    # endless
+], ids=["empty", "null", "blank", "html", "truncated", "no-choices", "error-object", "choices-object", "choices-number",
+        "message-number", "surrogate", "too-long"])
 def test_malformed_or_empty_user_replies_are_retried_infra_errors(lm, tiny_tok, reply):
     def script(body, n):  # openings succeed; every reply is broken
         return reply if len(body["messages"]) > 3 else (200, {"content": "Hi, please help me."})
@@ -197,20 +204,82 @@ def test_malformed_or_empty_user_replies_are_retried_infra_errors(lm, tiny_tok, 
     assert len(asked) == 3 * len(eps)  # each reply tried 1 + max_retries times
 
 
-def test_an_empty_reply_from_any_user_simulator_is_an_infra_error(lm, tiny_tok):
-    class Silent(FakeEnv):  # a scripted user that says nothing after its opening
+@pytest.mark.parametrize("reply, problem", [
+    ("", "reply is empty"),
+    ("x" * 10_000_000, "reply has 10,000,000 characters, more than a user says"),  # refused before it is tokenized
+    ("caf\ud800", r"reply is not text: an unpaired surrogate \(\\ud800\) at character 3"),
+], ids=["empty", "10MB", "surrogate"])
+def test_an_empty_or_broken_reply_from_any_user_simulator_is_an_infra_error(lm, tiny_tok, reply, problem):
+    class Broken(FakeEnv):  # a scripted user whose replies after its opening are broken
         def scripted_user(self, task):
             user = super().scripted_user(task)
-            user.reply = lambda messages: ""
+            user.reply = lambda messages: reply
             return user
 
-    env = Silent(n_tasks=1)
+    env = Broken(n_tasks=1)
     eps = rollout(lm, tiny_tok, env, env.tasks("train"), 2, make_user_sim("scripted"), GREEDY)
-    assert all(ep.infra_failed and "reply is empty" in ep.reward_info["error"] for ep in eps)
+    assert all(ep.infra_failed and ep.termination == "infra_error" for ep in eps)
+    assert all(re.search(problem, ep.reward_info["error"]) for ep in eps)
     from rollout import reference_rollout  # and the text-level user (reference rollout, envs.play) raises
 
-    with pytest.raises(UserSimError, match="reply is empty"):
+    with pytest.raises(UserSimError, match=problem):
         reference_rollout(lm, tiny_tok, env, env.tasks("train")[0], make_user_sim("scripted"), GREEDY)
+
+
+def test_user_timeout_bounds_the_whole_request_not_each_read():
+    import asyncio
+    import time
+
+    # The reply comes a byte every 0.1 s: each read is quick, the whole reply (~370 bytes) takes over 30 s.
+    server = ChatServer(lambda body, n: (200, {"content": "ok " * 40}), drip=0.1)
+    try:
+        user = OpenAIUserSim(model="sim", base_url=server.url, api_key="k", timeout=2.0, max_retries=1, backoff=0.0)
+        t0 = time.monotonic()
+        with pytest.raises(UserSimError, match=r"after 2 attempts .*--user-timeout 2s.*no whole reply within 2s"):
+            asyncio.run(user._complete([{"role": "user", "content": "hi"}], []))
+        seconds = time.monotonic() - t0
+    finally:
+        server.close()
+    assert len(server.requests) == 2
+    assert seconds < 15  # two attempts of 2 s each, never the 30 s the reply would take to arrive
+
+
+def test_a_user_simulator_without_aclose_closes_quietly(lm, tiny_tok, caplog):
+    class Plain:  # the interface written out without subclassing UserSim: nothing to release
+        local = False
+
+        async def opening(self, env, task):
+            return "Hi, please help me."
+
+        def start(self, env, task, session, opening):
+            return None
+
+        async def replies(self, states, conversations):
+            return ["Thanks. ###STOP###" for _ in states]
+
+    env = FakeEnv(n_tasks=1)
+    with caplog.at_level("WARNING"):
+        eps = rollout(lm, tiny_tok, env, env.tasks("train"), 2, Plain(), GREEDY)
+    assert all(ep.termination and not ep.infra_failed for ep in eps)
+    assert not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+
+
+def test_text_that_is_not_unicode_is_written_as_its_escape(tmp_path):
+    import cli
+    import muarl
+    from toolcall import parse_assistant
+
+    # A tool call of a surrogate escape is refused where it enters: the agent reads why, the tool never runs.
+    parsed = parse_assistant('<tool_call>\n{"name": "echo", "arguments": {"text": "\\ud800"}}\n</tool_call>')
+    assert parsed.errors[0].startswith("Error: tool call holds an unpaired surrogate")
+    assert parsed.tool_calls[0]["function"]["arguments"].encode("utf-8")  # the call's text as sampled
+    # Whatever still holds one (here a tool's result) is written as valid UTF-8 that reads back to the same text.
+    ep = muarl.Episode(task_id="t", messages=[{"role": "tool", "content": "caf\u00e9 \ud800"}])
+    path = tmp_path / "episodes.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(cli.json_line({"step": 1, **ep.to_json()}))
+    line = path.read_bytes().decode("utf-8")
+    assert "café" in line and json.loads(line)["messages"][0]["content"] == "caf\u00e9 \ud800"
 
 
 def test_sft_data_out_and_a_dead_teacher_user(tmp_path):
@@ -241,13 +310,13 @@ def test_user_timeout_and_retries_are_options(tmp_path):
     assert (sim.timeout, sim.max_retries) == (0.3, 1)
 
     def slow(body, n):
-        time.sleep(1.0)
+        time.sleep(3.0)
         return 200, {"content": "late"}
 
     server = ChatServer(slow)
-    try:
-        user = OpenAIUserSim(model="sim", base_url=server.url, api_key="k", timeout=0.3, max_retries=1, backoff=0.0)
-        with pytest.raises(UserSimError, match=r"after 2 attempts \(--user-retries 1, --user-timeout 0.3s\)"):
+    try:  # (a deadline for the whole request: a loaded machine must still send it well within the second)
+        user = OpenAIUserSim(model="sim", base_url=server.url, api_key="k", timeout=1.0, max_retries=1, backoff=0.0)
+        with pytest.raises(UserSimError, match=r"after 2 attempts \(--user-retries 1, --user-timeout 1s\)"):
             asyncio.run(user._complete([{"role": "user", "content": "hi"}], []))
     finally:
         server.close()
@@ -447,7 +516,11 @@ RESULT = {"role": "tool", "tool_call_id": "c1", "content": "x"}
     (conv(U, CALL, {"role": "tool", "tool_call_id": "c1"}, A), "content must be a string"),
     (conv({"role": "robot", "content": "x"}, A), "role must be one of"),
     (conv(U, {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}), "other than text"),
-])
+    (conv(U, {"role": "assistant", "content": "x" * coldstart.MAX_LINE_BYTES}), "bytes long, more than a conversation"),
+    ('{"messages": ' + "[" * 5000 + "]" * 5000 + "}", "nested 5001 levels deep"),
+    (conv(U, {"role": "assistant", "content": "caf\ud800"}), "an escape of an unpaired surrogate"),
+], ids=["no-call", "other-call", "not-json-arguments", "arguments-not-object", "no-function", "no-content", "role",
+        "image", "too-long", "too-deep", "surrogate"])
 def test_broken_cold_start_conversations_are_named_and_skipped(tmp_path, line, problem, capsys):
     p = tmp_path / "d.jsonl"
     good = conv(U, CALL, RESULT, {"role": "assistant", "content": [{"type": "text", "text": "done"}]})

@@ -43,7 +43,7 @@ ALLOWED = {  # module -> the project modules it may import
     "metrics": set(),
     "checkpoints": {"cli", "shard", "lora"},
     "batched_rollout": {"envs", "muarl", "rollout", "engine", "models", "cli"},
-    "coldstart": {"envs", "cli", "muarl", "logprobs", "batched_rollout"},
+    "coldstart": {"envs", "cli", "muarl", "logprobs", "batched_rollout", "toolcall"},
     "sft": {"envs", "cli", "muarl", "models", "logprobs", "options", "shard", "checkpoints", "lora", "coldstart"},
     "stats": set(),
     "eval": {"envs", "cli", "muarl", "models", "batched_rollout", "memory", "checkpoints", "lora", "options", "shard",
