@@ -61,6 +61,8 @@ log = logging.getLogger("muarl.rollout")
 @dataclass
 class RolloutConfig(Sampling):
     """Sampling, and how the batched engine decodes (none of it changes the tokens of greedy decoding)."""
+    tool_timeout: float = 30.0
+    """seconds one tool call may run (0: none); an overrun is an error tool message the agent reads (deadlines.py)"""
     reuse_cache: bool = True
     """keep each episode's KV cache across turns and prefill only the new tokens; False re-encodes every turn"""
     max_batch: int = 0

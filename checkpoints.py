@@ -17,7 +17,6 @@ import errno
 import json
 import os
 import shutil
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -98,123 +97,6 @@ def save_pretrained(acc, model, tok, out: Path, run_config: dict) -> None:
         raise SystemExit(error[0])
 
 
-# What a run writes into its directory (grpo.main); --overwrite removes these and nothing else.
-RUN_FILES = ("config.json", "metrics.jsonl", "episodes.jsonl", "eval-before.jsonl", "eval-before.json",
-             "eval-after.jsonl", "summary.json", "curves.png", "checkpoints", "resumes.jsonl", "metrics.jsonl.cut",
-             "episodes.jsonl.cut")
-_held: list = []  # the open lock files of the run directories this process writes (kept for its lifetime)
-
-
-def lock(run_dir: Path, program: str = "grpo.py") -> str | None:
-    """Take run_dir/run.lock for this process's lifetime (a POSIX lock: the kernel drops it when the process ends,
-    however it ends, and a forked child does not inherit it). Returns why not when another run holds it."""
-    import fcntl
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    f = open(run_dir / "run.lock", "a+")
-    try:
-        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno not in (errno.EAGAIN, errno.EACCES):  # a file system without locks (some NFS, Lustre mounts)
-            cli.main_print(f"[{program.removesuffix('.py')}] {run_dir} cannot be locked ({e}): nothing stops another "
-                           "run from writing into it")
-            f.close()
-            return None
-        f.seek(0)
-        holder = f.read().strip() or "unknown"
-        f.close()
-        return (f"{program}: {run_dir} is in use by a run that is still going ({holder}); wait for it to end or stop "
-                f"it (Ctrl-C, SIGTERM) first: two runs in one directory would mix their steps and checkpoints")
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {os.uname().nodename}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    f.flush()
-    _held.append(f)
-    return None
-
-
-def unlock() -> None:
-    """Release the run directories this process locked (the run ended; a crash releases them anyway)."""
-    while _held:
-        _held.pop().close()
-LOGS = ("metrics.jsonl", "episodes.jsonl")  # one JSON object a line, each with its "step"
-
-
-def claim(acc, run_dir: Path, resuming: bool, overwrite: bool) -> Path:
-    """Check, at start, that this run may write into `run_dir`; returns it as the main process named it (a default
-    name holds the time, which could tick between processes). A directory that already holds a run is refused
-    unless the run is resumed or --overwrite is given. Nothing is removed here: that waits until the run has
-    loaded (`open_run`), so a run that fails to start loses nothing. The main process decides; every process
-    stops with it."""
-    from accelerate.utils import broadcast_object_list
-
-    decision = [None, str(run_dir)]
-    if acc.is_main_process:
-        present = [n for n in RUN_FILES if (run_dir / n).exists()]
-        if run_dir.exists() and not run_dir.is_dir():
-            decision[0] = f"grpo.py: --out-dir: {run_dir} is a file"
-        elif present and not resuming and not overwrite:
-            decision[0] = (f"grpo.py: --out-dir: {run_dir} already holds a run ({', '.join(present)}); continue it "
-                           f"with --resume {run_dir}, replace it with --overwrite, or choose another --out-dir")
-        elif present and overwrite and "config.json" not in present:
-            decision[0] = (f"grpo.py: --overwrite: {run_dir} holds {', '.join(present)} but no config.json, so no "
-                           "run of grpo.py wrote them; nothing was deleted. Move them away or choose another --out-dir")
-        else:
-            decision[0] = lock(run_dir)
-    if acc.num_processes > 1:
-        broadcast_object_list(decision)
-    if decision[0]:
-        raise SystemExit(decision[0])
-    return Path(decision[1])
-
-
-def open_run(acc, run_dir: Path, config: dict, resume_step: int | None, changes: dict, overwrite: bool) -> None:
-    """Once everything has loaded (main process): --overwrite removes the earlier run's own files; --resume moves the
-    log lines of steps after the checkpoint to `<log>.cut` (so every step appears once in the logs) and records
-    what it changed in resumes.jsonl; then config.json is written."""
-    if not acc.is_main_process:
-        return
-    present = [n for n in RUN_FILES if (run_dir / n).exists()]
-    if resume_step is not None:
-        for name in LOGS:
-            dropped = cut_log(run_dir / name, resume_step)
-            if dropped:
-                print(f"[grpo] --resume at step {resume_step}: {dropped} line(s) of {name} after it moved to "
-                      f"{name}.cut", flush=True)
-        with open(run_dir / "resumes.jsonl", "a") as f:
-            f.write(json.dumps({"step": resume_step, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                "changed": changes}) + "\n")
-    elif present and overwrite:
-        print(f"[grpo] --overwrite: removing the earlier run's {', '.join(present)} from {run_dir}", flush=True)
-        for name in sorted(present, key=lambda n: n == "config.json"):  # config.json last: cut short, it is still ours
-            p = run_dir / name
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cli.write_json_atomic(run_dir / "config.json", config)
-
-
-def cut_log(path: Path, last_step: int) -> int:
-    """Keep the lines of a JSONL log up to `last_step`; move later steps, and a line cut short by a crash, to
-    `<path>.cut`. Returns how many lines moved. Streams: episodes.jsonl can be large."""
-    if not path.exists():
-        return 0
-    tmp, dropped = path.with_name(path.name + ".tmp"), 0
-    with open(path, encoding="utf-8", errors="replace") as src, open(tmp, "w", encoding="utf-8") as keep, \
-            open(path.with_name(path.name + ".cut"), "a", encoding="utf-8") as cut:
-        for line in src:
-            try:
-                ok = json.loads(line)["step"] <= last_step
-            except (ValueError, KeyError, TypeError):
-                ok = False
-            if ok:
-                keep.write(line)
-            elif line.strip():
-                cut.write(line if line.endswith("\n") else line + "\n")
-                dropped += 1
-    os.replace(tmp, path)
-    return dropped
-
-
 def save(acc, run, step: int) -> Path:
     """run_dir/checkpoints/step-N: Hugging Face model + tokenizer + run config, and accelerate/ (optimizer and RNG
     states of every process; the scheduler's as JSON). Written to a temporary directory and renamed, then `latest`
@@ -279,27 +161,6 @@ def find(path: str) -> Path:
                      "(expected trainer_state.json or checkpoints/latest.json)")
 
 
-def unsaved_run(path: str) -> Path | None:
-    """The run directory --resume names when it holds a run that stopped before its first checkpoint (config.json,
-    no complete step): such a run starts again from step 0 with its own settings."""
-    p = Path(path)
-    if not (p / "config.json").is_file() or (p / "trainer_state.json").exists():
-        return None
-    ckpts = p / "checkpoints"
-    if ckpts.is_dir() and any((s / "trainer_state.json").exists() for s in ckpts.glob("step-*")
-                              if not s.name.endswith(".tmp")):
-        return None
-    return p
-
-
-def saved_settings(path: Path) -> dict:
-    """The settings a run was started with: a checkpoint's (model/muarl_config.json) or a run directory's
-    (config.json, for a run that saved no checkpoint)."""
-    if (path / "config.json").is_file() and not (path / "trainer_state.json").exists():
-        return json.loads((path / "config.json").read_text())
-    return json.loads((path / "model" / "muarl_config.json").read_text())["grpo"]
-
-
 def newest(ckpt_dir: Path) -> Path:
     """The checkpoint `latest.json` names; when it is missing, unreadable (cut short) or names a step that is gone,
     the newest complete step (a step directory exists only once it was fully written: save renames it into place)."""
@@ -317,22 +178,6 @@ def newest(ckpt_dir: Path) -> Path:
         raise SystemExit(f"grpo.py: --resume: {latest} {why}, and {ckpt_dir} holds no complete checkpoint")
     cli.main_print(f"[grpo] --resume: {latest} {why}; using the newest complete checkpoint, {steps[-1].name}")
     return steps[-1]
-
-
-def resume_settings(path: Path, cfg, given: set, resumable: tuple) -> tuple[dict, dict]:
-    """The settings a resumed run continues with: the checkpoint's (or the unsaved run's, `path` its directory),
-    with the options given on the command line that may change (`resumable`; an option equal to the saved value is
-    no change). Returns (settings, changes: name -> [saved, new]); any other change is refused, naming it."""
-    saved = saved_settings(path)
-    changes = {k: [saved.get(k), getattr(cfg, k)] for k in sorted(given - {"resume"})
-               if k == "recipe" or saved.get(k) != getattr(cfg, k)}
-    fixed = [k for k in changes if k not in resumable]
-    if fixed:
-        raise SystemExit(f"grpo.py: --resume continues the run with its saved settings; "
-                         f"{', '.join('--' + k.replace('_', '-') for k in fixed)} cannot change in it (only "
-                         f"{', '.join('--' + k.replace('_', '-') for k in resumable)} can); start a new run with "
-                         f"--init-from {path / 'model'} to change them")
-    return {**saved, **{k: new for k, (_, new) in changes.items()}}, changes
 
 
 def step_of(path: Path) -> int:

@@ -26,6 +26,7 @@ import cli
 import lora
 import metrics
 import pipeline
+import rundir
 import shard
 from cli import Range
 from logprobs import token_logprobs
@@ -188,15 +189,15 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
 
 
 def main(argv=None):
-    """The paper's pipeline, phase by phase. Ctrl-C, SIGTERM or SIGHUP save what finished and stop (pipeline.stops)."""
-    cfg, resume_from, changes = pipeline.options(Config, argv)
-    if pipeline.finished(cfg, resume_from):  # nothing left to do, nothing rewritten
+    """The paper's pipeline, phase by phase. Ctrl-C, SIGTERM or SIGHUP save what finished and stop (rundir.stops)."""
+    cfg, resume_from, changes = rundir.options(Config, argv, pipeline.RECIPES)
+    if rundir.finished(cfg, resume_from):  # nothing left to do, nothing rewritten
         return None
-    with cli.StopOnInterrupt("grpo") as stop, pipeline.stops(cfg, stop):
+    with cli.StopOnInterrupt("grpo") as stop, rundir.stops(cfg, stop):
         with stop.abandoning():  # loading and evaluating are left at once: nothing of them is worth saving
             run = pipeline.set_up(cfg, resume_from, changes)  # directory, environment, user, cold start, policy, ref
             run.ctrl_c = stop
-            results = pipeline.evaluate(run, "before") if run.first_step == 0 else pipeline.results_so_far(run)
+            results = pipeline.evaluate(run, "before") if run.first_step == 0 else rundir.results_so_far(run)
         pipeline.train(run, train_on_episodes)                # the GRPO steps, checkpoints
         with stop.abandoning():
             results.update(pipeline.evaluate(run, "after"))

@@ -5,7 +5,6 @@ Ctrl-C, and the summary. Machinery: a first reader skips it; grpo.main calls it 
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 import time
@@ -22,6 +21,7 @@ import memory
 import metrics
 import models
 import muarl
+import rundir
 import shard
 from logprobs import token_logprobs
 from options import validate
@@ -39,15 +39,6 @@ RECIPES = {
                   # and memory: what the estimate gives for Qwen3-8B at 32k)
                   rollout_batch=8),
 }
-
-
-# What --resume lets a user change: how the run reaches its user simulator and how it reports and saves; none of it
-# changes the algorithm. A dead endpoint can be replaced on resume, under another model name if the new server
-# serves the user so (a --user-model that names another model changes the user itself: your call, recorded in
-# resumes.jsonl). Anything else continues with the run's saved settings; giving another value is refused.
-RESUMABLE = ("steps", "user_base_url", "user_model", "user_concurrency", "user_timeout", "user_retries", "tool_timeout",
-             "report_to", "log_episodes", "save_every", "keep_checkpoints", "memory_check", "dist_timeout",
-             "eval_every")
 
 
 def step_tasks(tasks: list, cfg, step: int, rank: int, world: int) -> list:
@@ -91,65 +82,6 @@ def freeze(model, pattern: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------
-def options(Config, argv) -> tuple:
-    """The run's settings: the command line, or with --resume the run's saved settings and the few that may change
-    (RESUMABLE). Returns (config, the checkpoint to resume from, what the resume changes: name -> [old, new])."""
-    given = set()
-    cfg = cli.parse_config(Config, argv, recipes=RECIPES, description=Config.__doc__.split("\n\n")[0], given=given,
-                           program="grpo.py")
-    if not cfg.resume:
-        return cfg, None, {}
-    unsaved = checkpoints.unsaved_run(cfg.resume)  # stopped before its first checkpoint: starts again at step 0
-    resume_from = None if unsaved else checkpoints.find(cfg.resume)
-    saved, changes = checkpoints.resume_settings(unsaved or resume_from, cfg, given, RESUMABLE)
-    if unsaved:
-        cli.main_print(f"[grpo] --resume: {unsaved} stopped before its first checkpoint; starting it again from step "
-                       "0 with its settings")
-    out_dir = str(unsaved) if unsaved else saved["out_dir"]
-    return Config(**{**saved, "resume": cfg.resume, "overwrite": False, "out_dir": out_dir}), resume_from, changes
-
-
-@contextlib.contextmanager
-def stops(cfg, stop):
-    """How a run ends outside its steps (pipeline.train handles those): a stop signal while it loads or evaluates,
-    and a collective that timed out, each in one line. The run directory's lock goes when the run does."""
-    try:
-        yield
-    except cli.Abandoned as e:
-        run_dir = Path(cfg.out_dir) if cfg.out_dir else None
-        then = (f"continue with: accelerate launch grpo.py --resume {run_dir}" if run_dir and not cfg.overwrite and
-                (run_dir / "config.json").exists() else "run the same command again")
-        cli.main_print(f"\n[grpo] stopped by {cli.SIGNALS[e.signame]} while loading or evaluating; {then}")
-        raise SystemExit(stop.exit_code()) from None
-    except RuntimeError as e:
-        if not cli.is_collective_timeout(e):
-            raise
-        raise SystemExit(f"grpo.py: this process waited more than --dist-timeout {cfg.dist_timeout:g} s for another "
-                         f"at a collective (a rollout that waited on the user, a process that died, a slow disk): "
-                         f"{str(e)[:300]}") from e
-    finally:
-        checkpoints.unlock()
-
-
-def finished(cfg, resume_from: Path | None) -> bool:
-    """A resumed run that already did all its steps and wrote its summary: nothing is left to do, or to rewrite
-    (a run stopped after its last checkpoint but before the summary goes on to its "after" evaluation)."""
-    if resume_from is None or checkpoints.step_of(resume_from) < cfg.steps:
-        return False
-    if checkpoints.step_of(resume_from) > cfg.steps:
-        raise SystemExit(f"grpo.py: --resume --steps {cfg.steps}: {resume_from} is already at step "
-                         f"{checkpoints.step_of(resume_from)}; --steps can only grow")
-    summary = resume_from.parents[1] / "summary.json"
-    try:
-        done = json.loads(summary.read_text()).get("steps") == cfg.steps
-    except (OSError, ValueError, AttributeError):
-        done = False
-    if done:
-        cli.main_print(f"[grpo] {resume_from.parents[1]} finished all {cfg.steps} steps ({summary}); nothing to do. "
-                       f"To train it further: --resume {cfg.resume} --steps N (N > {cfg.steps})")
-    return done
-
-
 def set_up(cfg, resume_from: Path | None, changes: dict) -> SimpleNamespace:
     """Everything a run needs, loaded and checked: the Accelerator, the run directory, the environment and its user,
     the policy (after the cold start, for tiny) with its optimizer, the frozen reference, the resumed state."""
@@ -169,7 +101,7 @@ def set_up(cfg, resume_from: Path | None, changes: dict) -> SimpleNamespace:
         cfg.out_dir or f"runs/grpo-{cfg.env.replace(':', '-')}-{time.strftime('%Y%m%d-%H%M%S')}")
     # An existing run is refused now unless --resume or --overwrite, and a directory another run is using, always
     # (run.lock); nothing is removed until the run has loaded.
-    run_dir = checkpoints.claim(acc, run_dir, resuming=bool(cfg.resume), overwrite=cfg.overwrite)
+    run_dir = rundir.claim(acc, run_dir, resuming=bool(cfg.resume), overwrite=cfg.overwrite)
     if cfg.lora_rank and cfg.overwrite:  # the adapters' checkpoints need their base where it is
         lora.check_base_kept(cfg.init_from or cfg.model, run_dir, "grpo.py: --overwrite")
     cfg.out_dir = str(run_dir)
@@ -201,7 +133,7 @@ def set_up(cfg, resume_from: Path | None, changes: dict) -> SimpleNamespace:
     if resume_from:
         acc.print(f"[grpo] resumed from {resume_from} at step {run.first_step}")
     # Once everything has loaded: a run that fails to start leaves the directory as it was.
-    checkpoints.open_run(acc, run_dir, asdict(cfg), run.first_step if cfg.resume else None, changes, cfg.overwrite)
+    rundir.open_run(acc, run_dir, asdict(cfg), run.first_step if cfg.resume else None, changes, cfg.overwrite)
     run.done_steps = run.first_step  # steps whose update and logs are complete
     run.sampling = RolloutConfig.from_options(cfg, on_gpu=acc.device.type != "cpu")
     return run
@@ -356,12 +288,6 @@ def evaluate(run, tag: str) -> dict:
     if tag == "before" and acc.is_main_process:  # a resumed run's summary still holds it
         cli.write_json_atomic(run.dir / "eval-before.json", out)
     return out
-
-
-def results_so_far(run) -> dict:
-    """The "before" evaluation of a resumed run (eval-before.json), for its summary."""
-    path = run.dir / "eval-before.json"
-    return json.loads(path.read_text()) if run.first_step and path.exists() else {}
 
 
 def train(run, train_on_episodes) -> None:

@@ -20,7 +20,6 @@ from typing import NamedTuple
 
 import torch
 
-from deadlines import guard
 from envs import STOP_TOOLS, next_turn, opening_messages, score
 from muarl import Episode, delta_ids, prompt_ids, stop_token_ids
 from toolcall import parse_assistant
@@ -43,8 +42,6 @@ class Sampling:
     """cap on an episode's total tokens (paper: 32k); reaching it ends the episode as context_limit"""
     max_turns: int = 30
     """cap on agent messages per episode (paper: 30)"""
-    tool_timeout: float = 30.0
-    """seconds one tool call may run (0: none); an overrun is an error tool message (deadlines.py)"""
 
 
 @torch.no_grad()
@@ -55,7 +52,7 @@ def reference_rollout(model, tokenizer, env, task, user_sim, cfg: Sampling | Non
     raises here (the batched rollout records infra_error instead)."""
     cfg = cfg or Sampling()
     stops = stop_token_ids(model, tokenizer)
-    session = guard(env.start(task), cfg.tool_timeout)  # fresh state per episode (docs/invariants.md, 4)
+    session = env.start(task)                       # fresh state per episode (docs/invariants.md, 4)
     user = user_sim.sync_user(env, task, session)
     ep = Episode(task_id=task.id, tools=env.tools(task), messages=opening_messages(env, task, user.opening()))
     ep.append(prompt_ids(tokenizer, ep.messages, ep.tools), agent=False)

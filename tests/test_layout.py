@@ -15,8 +15,9 @@ then the machinery beside it, which a first reader skips:
     lora.py            LoRA adapters (peft)
     engine.py          batched decoding with each episode's KV cache kept across turns (torch, transformers only)
     batched_rollout.py many episodes at once over the engine, users answering from their own thread
+    deadlines.py       every tool call under a deadline (a forked copy tries it first)
     coldstart.py, sft.py, eval.py    cold-start data, SFT and the tiny base, evaluation
-    metrics.py, checkpoints.py, pipeline.py   what a run logs, saves, and how it is set up and looped
+    metrics.py, checkpoints.py, rundir.py, pipeline.py   what a run logs, saves, its directory, how it is set up and looped
 
 Checked on the source (every import statement, function-local ones included), so a lazy import cannot hide a
 dependency that runs later. Nothing below envs/ imports an environment (the tiny tokenizer is trained on the text of
@@ -31,7 +32,7 @@ ALLOWED = {  # module -> the project modules it may import
     "muarl": {"toolcall"},
     "rollout": {"envs", "muarl", "toolcall"},
     "loss": {"logprobs"},
-    "grpo": {"cli", "logprobs", "lora", "loss", "metrics", "muarl", "options", "pipeline", "shard"},
+    "grpo": {"cli", "logprobs", "lora", "loss", "metrics", "muarl", "options", "pipeline", "rundir", "shard"},
     "cli": set(),
     "lora": set(),
     "options": {"cli", "lora", "loss"},
@@ -42,14 +43,16 @@ ALLOWED = {  # module -> the project modules it may import
     "engine": set(),
     "metrics": set(),
     "checkpoints": {"cli", "shard", "lora"},
-    "batched_rollout": {"envs", "muarl", "rollout", "engine", "models", "cli"},
+    "rundir": {"cli", "checkpoints"},
+    "deadlines": {"envs"},
+    "batched_rollout": {"envs", "muarl", "rollout", "engine", "models", "cli", "deadlines"},
     "coldstart": {"envs", "cli", "muarl", "logprobs", "batched_rollout", "toolcall"},
     "sft": {"envs", "cli", "muarl", "models", "logprobs", "options", "shard", "checkpoints", "lora", "coldstart"},
     "stats": set(),
     "eval": {"envs", "cli", "muarl", "models", "batched_rollout", "memory", "checkpoints", "lora", "options", "shard",
-             "metrics", "stats"},
+             "metrics", "stats", "deadlines"},
     "pipeline": {"envs", "cli", "muarl", "models", "logprobs", "options", "batched_rollout", "sft", "eval", "shard",
-                 "memory", "checkpoints", "metrics", "lora"},
+                 "memory", "checkpoints", "metrics", "lora", "rundir"},
 }
 BELOW_ENVS = ("toolcall", "muarl", "loss", "cli", "lora", "options", "models", "logprobs", "shard", "memory", "engine", "metrics",
               "stats")

@@ -1,0 +1,254 @@
+"""A run's directory: claimed at start (one run at a time: run.lock), opened once the run has loaded (--overwrite
+removes only a run's own files; --resume cuts the logs back to its checkpoint), the settings a --resume continues
+with (a run stopped before its first checkpoint starts again, a finished one is left as it is), and how a run ends
+outside its steps (a stop signal while it loads or evaluates, a collective that timed out)."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import checkpoints
+import cli
+
+# What --resume lets a user change: how the run reaches its user simulator and how it reports and saves; none of it
+# changes the algorithm. A dead endpoint can be replaced on resume, under another model name if the new server
+# serves the user so (a --user-model that names another model changes the user itself: your call, recorded in
+# resumes.jsonl). Anything else continues with the run's saved settings; giving another value is refused.
+RESUMABLE = ("steps", "user_base_url", "user_model", "user_concurrency", "user_timeout", "user_retries", "tool_timeout",
+             "report_to", "log_episodes", "save_every", "keep_checkpoints", "memory_check", "dist_timeout",
+             "eval_every")
+
+
+def options(Config, argv, recipes: dict) -> tuple:
+    """The run's settings: the command line, or with --resume the run's saved settings and the few that may change
+    (RESUMABLE). Returns (config, the checkpoint to resume from, what the resume changes: name -> [old, new])."""
+    given = set()
+    cfg = cli.parse_config(Config, argv, recipes=recipes, description=Config.__doc__.split("\n\n")[0], given=given,
+                           program="grpo.py")
+    if not cfg.resume:
+        return cfg, None, {}
+    unsaved = unsaved_run(cfg.resume)  # stopped before its first checkpoint: starts again at step 0
+    resume_from = None if unsaved else checkpoints.find(cfg.resume)
+    saved, changes = resume_settings(unsaved or resume_from, cfg, given, RESUMABLE)
+    if unsaved:
+        cli.main_print(f"[grpo] --resume: {unsaved} stopped before its first checkpoint; starting it again from step "
+                       "0 with its settings")
+    out_dir = str(unsaved) if unsaved else saved["out_dir"]
+    return Config(**{**saved, "resume": cfg.resume, "overwrite": False, "out_dir": out_dir}), resume_from, changes
+
+
+def finished(cfg, resume_from: Path | None) -> bool:
+    """A resumed run that already did all its steps and wrote its summary: nothing is left to do, or to rewrite
+    (a run stopped after its last checkpoint but before the summary goes on to its "after" evaluation)."""
+    if resume_from is None or checkpoints.step_of(resume_from) < cfg.steps:
+        return False
+    if checkpoints.step_of(resume_from) > cfg.steps:
+        raise SystemExit(f"grpo.py: --resume --steps {cfg.steps}: {resume_from} is already at step "
+                         f"{checkpoints.step_of(resume_from)}; --steps can only grow")
+    summary = resume_from.parents[1] / "summary.json"
+    try:
+        done = json.loads(summary.read_text()).get("steps") == cfg.steps
+    except (OSError, ValueError, AttributeError):
+        done = False
+    if done:
+        cli.main_print(f"[grpo] {resume_from.parents[1]} finished all {cfg.steps} steps ({summary}); nothing to do. "
+                       f"To train it further: --resume {cfg.resume} --steps N (N > {cfg.steps})")
+    return done
+
+
+@contextlib.contextmanager
+def stops(cfg, stop):
+    """How a run ends outside its steps (pipeline.train handles those): a stop signal while it loads or evaluates,
+    and a collective that timed out, each in one line. The run directory's lock goes when the run does."""
+    try:
+        yield
+    except cli.Abandoned as e:
+        run_dir = Path(cfg.out_dir) if cfg.out_dir else None
+        then = (f"continue with: accelerate launch grpo.py --resume {run_dir}" if run_dir and not cfg.overwrite and
+                (run_dir / "config.json").exists() else "run the same command again")
+        cli.main_print(f"\n[grpo] stopped by {cli.SIGNALS[e.signame]} while loading or evaluating; {then}")
+        raise SystemExit(stop.exit_code()) from None
+    except RuntimeError as e:
+        if not cli.is_collective_timeout(e):
+            raise
+        raise SystemExit(f"grpo.py: this process waited more than --dist-timeout {cfg.dist_timeout:g} s for another "
+                         f"at a collective (a rollout that waited on the user, a process that died, a slow disk): "
+                         f"{str(e)[:300]}") from e
+    finally:
+        unlock()
+
+
+# What a run writes into its directory (grpo.main); --overwrite removes these and nothing else.
+RUN_FILES = ("config.json", "metrics.jsonl", "episodes.jsonl", "eval-before.jsonl", "eval-before.json",
+             "eval-after.jsonl", "summary.json", "curves.png", "checkpoints", "resumes.jsonl", "metrics.jsonl.cut",
+             "episodes.jsonl.cut")
+
+
+_held: list = []  # the open lock files of the run directories this process writes (kept for its lifetime)
+
+
+LOGS = ("metrics.jsonl", "episodes.jsonl")  # one JSON object a line, each with its "step"
+
+
+def lock(run_dir: Path, program: str = "grpo.py") -> str | None:
+    """Take run_dir/run.lock for this process's lifetime (a POSIX lock: the kernel drops it when the process ends,
+    however it ends, and a forked child does not inherit it). Returns why not when another run holds it."""
+    import fcntl
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    f = open(run_dir / "run.lock", "a+")
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES):  # a file system without locks (some NFS, Lustre mounts)
+            cli.main_print(f"[{program.removesuffix('.py')}] {run_dir} cannot be locked ({e}): nothing stops another "
+                           "run from writing into it")
+            f.close()
+            return None
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        return (f"{program}: {run_dir} is in use by a run that is still going ({holder}); wait for it to end or stop "
+                f"it (Ctrl-C, SIGTERM) first: two runs in one directory would mix their steps and checkpoints")
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {os.uname().nodename}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    _held.append(f)
+    return None
+
+
+def unlock() -> None:
+    """Release the run directories this process locked (the run ended; a crash releases them anyway). A directory
+    that holds nothing but its lock (a run refused or stopped before it opened) goes with it."""
+    while _held:
+        f = _held.pop()
+        f.close()
+        run_dir = Path(f.name).parent
+        if [p.name for p in run_dir.iterdir()] == ["run.lock"]:
+            os.remove(f.name)
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
+
+
+def claim(acc, run_dir: Path, resuming: bool, overwrite: bool) -> Path:
+    """Check, at start, that this run may write into `run_dir`; returns it as the main process named it (a default
+    name holds the time, which could tick between processes). A directory that already holds a run is refused
+    unless the run is resumed or --overwrite is given. Nothing is removed here: that waits until the run has
+    loaded (`open_run`), so a run that fails to start loses nothing. The main process decides; every process
+    stops with it."""
+    from accelerate.utils import broadcast_object_list
+
+    decision = [None, str(run_dir)]
+    if acc.is_main_process:
+        present = [n for n in RUN_FILES if (run_dir / n).exists()]
+        if run_dir.exists() and not run_dir.is_dir():
+            decision[0] = f"grpo.py: --out-dir: {run_dir} is a file"
+        elif present and not resuming and not overwrite:
+            decision[0] = (f"grpo.py: --out-dir: {run_dir} already holds a run ({', '.join(present)}); continue it "
+                           f"with --resume {run_dir}, replace it with --overwrite, or choose another --out-dir")
+        elif present and overwrite and "config.json" not in present:
+            decision[0] = (f"grpo.py: --overwrite: {run_dir} holds {', '.join(present)} but no config.json, so no "
+                           "run of grpo.py wrote them; nothing was deleted. Move them away or choose another --out-dir")
+        else:
+            decision[0] = lock(run_dir)
+    if acc.num_processes > 1:
+        broadcast_object_list(decision)
+    if decision[0]:
+        raise SystemExit(decision[0])
+    return Path(decision[1])
+
+
+def open_run(acc, run_dir: Path, config: dict, resume_step: int | None, changes: dict, overwrite: bool) -> None:
+    """Once everything has loaded (main process): --overwrite removes the earlier run's own files; --resume moves the
+    log lines of steps after the checkpoint to `<log>.cut` (so every step appears once in the logs) and records
+    what it changed in resumes.jsonl; then config.json is written."""
+    if not acc.is_main_process:
+        return
+    present = [n for n in RUN_FILES if (run_dir / n).exists()]
+    if resume_step is not None:
+        for name in LOGS:
+            dropped = cut_log(run_dir / name, resume_step)
+            if dropped:
+                print(f"[grpo] --resume at step {resume_step}: {dropped} line(s) of {name} after it moved to "
+                      f"{name}.cut", flush=True)
+        with open(run_dir / "resumes.jsonl", "a") as f:
+            f.write(json.dumps({"step": resume_step, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                "changed": changes}) + "\n")
+    elif present and overwrite:
+        print(f"[grpo] --overwrite: removing the earlier run's {', '.join(present)} from {run_dir}", flush=True)
+        for name in sorted(present, key=lambda n: n == "config.json"):  # config.json last: cut short, it is still ours
+            p = run_dir / name
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cli.write_json_atomic(run_dir / "config.json", config)
+
+
+def cut_log(path: Path, last_step: int) -> int:
+    """Keep the lines of a JSONL log up to `last_step`; move later steps, and a line cut short by a crash, to
+    `<path>.cut`. Returns how many lines moved. Streams: episodes.jsonl can be large."""
+    if not path.exists():
+        return 0
+    tmp, dropped = path.with_name(path.name + ".tmp"), 0
+    with open(path, encoding="utf-8", errors="replace") as src, open(tmp, "w", encoding="utf-8") as keep, \
+            open(path.with_name(path.name + ".cut"), "a", encoding="utf-8") as cut:
+        for line in src:
+            try:
+                ok = json.loads(line)["step"] <= last_step
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            if ok:
+                keep.write(line)
+            elif line.strip():
+                cut.write(line if line.endswith("\n") else line + "\n")
+                dropped += 1
+    os.replace(tmp, path)
+    return dropped
+
+
+def unsaved_run(path: str) -> Path | None:
+    """The run directory --resume names when it holds a run that stopped before its first checkpoint (config.json,
+    no complete step): such a run starts again from step 0 with its own settings."""
+    p = Path(path)
+    if not (p / "config.json").is_file() or (p / "trainer_state.json").exists():
+        return None
+    ckpts = p / "checkpoints"
+    if ckpts.is_dir() and any((s / "trainer_state.json").exists() for s in ckpts.glob("step-*")
+                              if not s.name.endswith(".tmp")):
+        return None
+    return p
+
+
+def saved_settings(path: Path) -> dict:
+    """The settings a run was started with: a checkpoint's (model/muarl_config.json) or a run directory's
+    (config.json, for a run that saved no checkpoint)."""
+    if (path / "config.json").is_file() and not (path / "trainer_state.json").exists():
+        return json.loads((path / "config.json").read_text())
+    return json.loads((path / "model" / "muarl_config.json").read_text())["grpo"]
+
+
+def resume_settings(path: Path, cfg, given: set, resumable: tuple) -> tuple[dict, dict]:
+    """The settings a resumed run continues with: the checkpoint's (or the unsaved run's, `path` its directory),
+    with the options given on the command line that may change (`resumable`; an option equal to the saved value is
+    no change). Returns (settings, changes: name -> [saved, new]); any other change is refused, naming it."""
+    saved = saved_settings(path)
+    changes = {k: [saved.get(k), getattr(cfg, k)] for k in sorted(given - {"resume"})
+               if k == "recipe" or saved.get(k) != getattr(cfg, k)}
+    fixed = [k for k in changes if k not in resumable]
+    if fixed:
+        raise SystemExit(f"grpo.py: --resume continues the run with its saved settings; "
+                         f"{', '.join('--' + k.replace('_', '-') for k in fixed)} cannot change in it (only "
+                         f"{', '.join('--' + k.replace('_', '-') for k in resumable)} can); start a new run with "
+                         f"--init-from {path / 'model'} to change them")
+    return {**saved, **{k: new for k, (_, new) in changes.items()}}, changes
+
+
+def results_so_far(run) -> dict:
+    """The "before" evaluation of a resumed run (eval-before.json), for its summary."""
+    path = run.dir / "eval-before.json"
+    return json.loads(path.read_text()) if run.first_step and path.exists() else {}
