@@ -36,7 +36,7 @@ import shard
 import stats
 from batched_rollout import user_sim_options
 from cli import SEEDS, TIMEOUTS, Range
-from options import AttentionOptions, SamplingOptions, UserOptions
+from options import AttentionOptions, SamplingOptions, UserOptions, check_user_sim
 
 
 @dataclass
@@ -304,6 +304,7 @@ def main(argv=None):
     from envs import load_tasks
 
     cfg = cli.parse_config(EvalConfig, argv, description=__doc__.split("\n\n")[0], program="eval.py")
+    check_user_sim(cfg, "eval.py")
     if cfg.plot:
         print(f"[eval] learning curves written to {metrics.plot_run(cfg.plot)}")
         return

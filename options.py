@@ -41,6 +41,14 @@ class SamplingOptions:
     episodes' KV caches wait in host memory"""
 
 
+USER_SIMS = ("scripted", "openai", "hf")
+
+
+def check_user_sim(cfg, program: str) -> None:
+    if cfg.user_sim not in USER_SIMS:
+        raise SystemExit(f"{program}: --user-sim {cfg.user_sim!r}: not one of {', '.join(USER_SIMS)}")
+
+
 @dataclass
 class UserOptions:
     """the simulated user"""
@@ -182,8 +190,7 @@ def validate(cfg, world: int) -> None:
             bad(opt, f"{opt} must be one of {names}, got {getattr(cfg, opt)!r}")
     if cfg.dual_clip and cfg.dual_clip <= 1:
         bad("dual_clip", f"dual_clip must be > 1 (or 0: off), got {cfg.dual_clip}")
-    if cfg.user_sim not in ("scripted", "openai", "hf"):
-        bad("user_sim", f"{cfg.user_sim!r} is not one of scripted, openai, hf")
+    check_user_sim(cfg, "grpo.py")
     if cfg.tasks_per_step % world:
         bad("tasks_per_step", f"{cfg.tasks_per_step} must be a multiple of the {world} processes")
     if cfg.model == "tiny" and not cfg.init_from and not cfg.resume and cfg.env.split(":")[0] != "shop":

@@ -41,7 +41,7 @@ from envs import make_env
 from envs.shop_tasks import GOODS, SIBLINGS, relabel_goods
 from logprobs import token_logprobs
 from muarl import collate
-from options import AttentionOptions, LoraOptions, UserOptions
+from options import AttentionOptions, LoraOptions, UserOptions, check_user_sim
 
 
 @dataclass
@@ -374,6 +374,7 @@ def pretrain_tiny(cfg: SFTConfig, committed: bool = True) -> Path:
 
 def main(argv=None):
     cfg = cli.parse_config(SFTConfig, argv, description=__doc__.split("\n\n")[0], program="sft.py")
+    check_user_sim(cfg, "sft.py")
     if cfg.pretrain_only:
         if cfg.model != "tiny":
             raise SystemExit("sft.py: --pretrain-only: only the 'tiny' model is pretrained here (--model tiny)")

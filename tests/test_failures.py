@@ -424,6 +424,8 @@ def test_seeds_fit_every_generator_they_feed():
     ("sft.py", ["--env", "nope"], "sft.py: --env nope: unknown environment 'nope': use 'shop'"),
     ("sft.py", ["--split", "nope"], "sft.py: --split nope: unknown split 'nope': shop has train, test"),
     ("grpo.py", ["--report-to", "nope"], "grpo.py: --report-to nope: not a tracker Accelerate knows (aim, "),
+    *[(p, ["--user-sim", "nope"], f"{p}: --user-sim 'nope': not one of scripted, openai, hf")
+      for p in ("grpo.py", "eval.py", "sft.py")],
 ])
 def test_an_unknown_name_is_refused_at_start_with_the_known_ones(tmp_path, ckpt, monkeypatch, program, argv, shown):
     monkeypatch.setattr(models, "load_model", lambda *args, **kwargs: pytest.fail("a model was loaded"))
