@@ -407,8 +407,7 @@ def main(argv=None):
         Path(cfg.data_out).parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(cfg.data_out + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
-            for c in conversations:
-                f.write(cli.json_line(c))
+            f.writelines(cli.json_line(c) for c in conversations)
         os.replace(tmp, cfg.data_out)
     if cfg.epochs > 0:
         try:
