@@ -46,6 +46,7 @@ import torch
 
 import cli
 import models
+import deadlines
 from deadlines import guard
 from engine import _prefill_openings, _Row, generate_turn
 from envs import next_turn, opening_messages
@@ -182,6 +183,7 @@ def rollout(model, tokenizer, env, tasks: list, group_size: int, user_sim, cfg: 
                 users.close()
         finally:
             model.train(was_training)
+            deadlines.PROBE.close()  # its copy of this process's memory would make the update copy every page
 
 
 def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, local, slow_tools) -> list[Episode]:

@@ -7,8 +7,11 @@ probe), which is killed at the deadline. Only a call that finished there runs he
 same state, so its writes land once, in this process, and the two copies stay equal. A call that overran, or that
 killed the probe (a crash, out of memory), is answered with an error and never runs here.
 
-The probe is forked once and kept: it answers calls over a pipe (about 0.1 ms each) and is forked again, carrying
-every session's current state, when a call names a session it does not have or after it was killed. An environment
+The probe is forked at a rollout's first tool call and ended with the rollout: it answers calls over a pipe (about
+0.05 ms each) and is forked again, carrying every session's current state, when a call names a session it does not
+have or after it was killed. Its cost is copy-on-write: while it lives, each page this process writes is copied
+first. On the tiny model on 2 CPU cores a GRPO step's rollout took 6.1 s against 4.3 s with --tool-timeout 0; a
+probe started by its own interpreter, holding only the environment, would avoid that (not done yet). An environment
 whose tools are remote (`slow_tools = True`) is not probed, since its calls are not safe to make twice: its calls wait
 at most the deadline in a thread and are then abandoned (the remote side may still act on them). Where this process
 cannot fork (not POSIX), calls run without a deadline, with one warning.
@@ -157,6 +160,13 @@ class _Probe:
                 os._exit(0)
         child.close()
         self.pid, self.conn, self.forked_keys = pid, parent, set(self.sessions)
+
+    def close(self) -> None:
+        """End the probe (the rollout is over): while it lives, every page this process writes is first copied,
+        since the two share them (copy-on-write): a training step of the tiny model took 1.0 s instead of 0.57 s
+        beside a forked child."""
+        with self.lock:
+            self._kill()
 
     def _kill(self) -> None:
         if self.pid is None:
