@@ -193,7 +193,7 @@ def main(argv=None):
     cfg, resume_from, changes = rundir.options(Config, argv, pipeline.RECIPES)
     if rundir.finished(cfg, resume_from):  # nothing left to do, nothing rewritten
         return None
-    with cli.StopOnInterrupt("grpo") as stop, rundir.stops(cfg, stop):
+    with rundir.StopOnInterrupt("grpo") as stop, rundir.stops(cfg, stop):
         with stop.abandoning():  # loading and evaluating are left at once: nothing of them is worth saving
             run = pipeline.set_up(cfg, resume_from, changes)  # directory, environment, user, cold start, policy, ref
             run.ctrl_c = stop

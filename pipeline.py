@@ -325,10 +325,10 @@ def train(run, train_on_episodes) -> None:
             if stop and step + 1 < cfg.steps:
                 bar.close()
                 acc.end_training()
-                acc.print(f"[grpo] stopped by {cli.SIGNALS[ctrl_c.asked]} after step {step + 1} of {cfg.steps}, "
+                acc.print(f"[grpo] stopped by {rundir.SIGNALS[ctrl_c.asked]} after step {step + 1} of {cfg.steps}, "
                           f"checkpoint saved; continue with: {resume_hint}")
                 raise SystemExit(ctrl_c.exit_code())
-    except cli.Abandoned as e:  # SIGTERM/SIGHUP in a rollout, or any stop signal in an evaluation of the step
+    except rundir.Abandoned as e:  # SIGTERM/SIGHUP in a rollout, or any stop signal in an evaluation of the step
         bar.close()
         if run.done_steps == step:  # abandoned in the rollout: the state is the last step's, RNG included
             models.restore_rng(run.rng_at_step)
@@ -337,7 +337,7 @@ def train(run, train_on_episodes) -> None:
             saved = run.done_steps
         where = (f"checkpoint of step {saved} saved; continue with: {resume_hint}" if saved else
                  f"no step had finished; --resume {run.dir} starts it again")
-        acc.print(f"\n[grpo] stopped by {cli.SIGNALS[e.signame]} during step {step + 1}: {where}")
+        acc.print(f"\n[grpo] stopped by {rundir.SIGNALS[e.signame]} during step {step + 1}: {where}")
         acc.end_training()
         raise SystemExit(ctrl_c.exit_code()) from None
     except KeyboardInterrupt:  # the second Ctrl-C: stop at once; the step in progress is lost
@@ -380,7 +380,7 @@ def grpo_step(run, step: int, train_on_episodes) -> tuple[dict | None, list[dict
         try:
             with run.ctrl_c.abandoning():  # a stop signal leaves the evaluation; the step is logged and saved
                 m["eval/pass1"] = evaluate(run, f"step{step + 1}").get(f"eval/step{step + 1}/pass1")
-        except cli.Abandoned as e:
+        except rundir.Abandoned as e:
             stopped = e
         m["eval_s"] = time.time() - t2
     samples = gather_object([e.to_json() for e in episodes[:max(0, cfg.log_episodes)]])

@@ -620,7 +620,7 @@ def test_ctrl_c_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, ckpt
 
 
 def test_second_ctrl_c_stops_at_once_and_names_the_last_checkpoint(tmp_path, ckpt, monkeypatch, capsys, terminal_signals):
-    import cli
+    import rundir
     import batched_rollout as rollout_module
 
     real, calls = rollout_module.rollout, []
@@ -633,7 +633,7 @@ def test_second_ctrl_c_stops_at_once_and_names_the_last_checkpoint(tmp_path, ckp
         return real(*args, **kwargs)
 
     monkeypatch.setattr(rollout_module, "rollout", interrupted)
-    monkeypatch.setattr(cli.StopOnInterrupt, "debounce_s", 0.0)
+    monkeypatch.setattr(rundir.StopOnInterrupt, "debounce_s", 0.0)
     run = tmp_path / "run"
     with pytest.raises(SystemExit) as e:
         grpo.main(grpo_args(ckpt, run, "--steps", "4", "--save-every", "1"))
@@ -864,9 +864,9 @@ def test_a_launcher_that_dies_takes_its_single_process_run_with_it(tmp_path):
     import time
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    child = (f"import sys, signal, time; sys.path.insert(0, {root!r}); import cli; "
+    child = (f"import sys, signal, time; sys.path.insert(0, {root!r}); import rundir; "
              f"signal.signal(signal.SIGTERM, lambda *a: (open({str(tmp_path / 'got')!r}, 'w').write('SIGTERM'), "
-             "sys.exit(0))); cli.follow_launcher(); print('ready', flush=True); time.sleep(60)")
+             "sys.exit(0))); rundir.follow_launcher(); print('ready', flush=True); time.sleep(60)")
     launcher = tmp_path / "accelerate-launch.py"  # its command line names accelerate, as the real one's does
     launcher.write_text(f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])")
     p = subprocess.Popen([sys.executable, str(launcher)], stdout=subprocess.PIPE, text=True)
@@ -881,11 +881,11 @@ def test_a_launcher_that_dies_takes_its_single_process_run_with_it(tmp_path):
 
 def test_a_signal_inherited_as_ignored_stays_ignored():
     """`nohup` and the background jobs of a script start with SIGINT (or SIGHUP) ignored: muarl leaves it so."""
-    import cli
+    import rundir
 
     old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
-        with cli.StopOnInterrupt("grpo"):
+        with rundir.StopOnInterrupt("grpo"):
             assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
             assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
