@@ -1,6 +1,6 @@
 """One process of tests/test_sharding.py's two-process FSDP2 runs (started by torchrun; see that file).
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/fsdp2_worker.py grads|rollout OUT_JSON
+    python -m torch.distributed.run --nproc_per_node 2 tests/fsdp2_worker.py grads|rollout|recipe OUT_JSON
 
 Each process builds the same tiny model in-process (nothing downloaded), keeps an unsharded copy as the oracle,
 shards the other with raw `fully_shard` over a CPU mesh, and writes what it measured; rank 0 writes OUT_JSON.
@@ -146,13 +146,17 @@ def episode_steps(model):
     return calls
 
 
-def rollout_then_train(acc, mesh, tok):
+def rollout_then_train(acc, mesh, tok, updates=1, checkpointing=False):
     """A greedy rollout of a sharded model inside shard.full_weights, where the processes decode different numbers
-    of steps, vs the unsharded copy; then grpo.train_on_episodes on those episodes vs one process on all of them."""
+    of steps, vs the unsharded copy; then grpo.train_on_episodes on those episodes (two micro-batches a process;
+    `updates` optimizer steps on the batch, --updates-per-batch; with gradient checkpointing if asked) vs one
+    process on all of them."""
     rank, world = acc.process_index, acc.num_processes
     policy = chatty(tiny_model(tok, tied=True, init=0.3), tok, rate=0.2).train()
     ref = perturbed(policy, scale=0.05)
     plain, plain_ref = copy.deepcopy(policy), copy.deepcopy(ref)
+    if checkpointing:  # before sharding, as pipeline.set_up enables it before acc.prepare
+        policy.gradient_checkpointing_enable()
     fsdp2(policy, mesh)
     shard.shard_like(ref, policy)
     env, G = FakeEnv(n_tasks=4), 2
@@ -168,38 +172,46 @@ def rollout_then_train(acc, mesh, tok):
     lp_diff = max(abs(x - y) for a, b in zip(eps, want) for x, y in zip(a.logprobs, b.logprobs))
 
     cfg = grpo.Config(group_size=G, micro_batch_size=1, kl_coef=0.1, lr=1.0, grad_clip=0.5, max_context=400,
-                      temperature=1.0)  # the oracle below scores at temperature 1
+                      temperature=1.0, updates_per_batch=updates)  # the oracle below scores at temperature 1
     opt = torch.optim.SGD(policy.parameters(), lr=cfg.lr)  # SGD: the step is the clipped gradient itself
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     policy.train()
     met = grpo.train_on_episodes(eps, policy, ref, opt, sched, acc, cfg, tok.pad_token_id)
 
-    want_loss, want_norm = one_process_sgd_step(plain, plain_ref, eps, tok, cfg)
-    return {"steps": all_steps, "same_tokens": same, "episodes": len(eps), "logprob_diff": lp_diff,
+    want_loss, want_norm = one_process_sgd_steps(plain, plain_ref, eps, tok, cfg)
+    return {"steps": all_steps,
+            "checkpointing": bool(getattr(policy, "is_gradient_checkpointing", False)), "same_tokens": same, "episodes": len(eps), "logprob_diff": lp_diff,
             "grad_norm": [met["grad_norm"], want_norm], "loss": [met["loss"], want_loss],
             "weight_diff": max_diff(list(policy.parameters()), list(plain.parameters())),
             "skipped": met["skipped_updates"]}
 
 
-def one_process_sgd_step(plain, plain_ref, eps, tok, cfg):
-    """The oracle of grpo.train_on_episodes: one process, every process's episodes in one batch, one backward,
-    clip, SGD step (on `plain`, in place). Returns (loss, gradient norm before clipping)."""
+def one_process_sgd_steps(plain, plain_ref, eps, tok, cfg):
+    """The oracle of grpo.train_on_episodes: one process, every process's episodes in one batch; per update one
+    backward, clip, SGD step (on `plain`, in place), the old log-probs those of the first. Returns (the updates' mean
+    loss, their mean gradient norm before clipping)."""
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, [(e.input_ids, e.loss_mask, e.reward, e.infra_failed) for e in eps])
     every = [e for part in every for e in part]
     ids, attn, mask = muarl.collate([(i, m) for i, m, _, _ in every], tok.pad_token_id)
     adv = group_advantages(torch.tensor([r for _, _, r, _ in every]), cfg.group_size,
                                 valid=torch.tensor([not f for *_, f in every]))
-    logp = token_logprobs(plain, ids, attn)
     with torch.no_grad():
         ref_lp = token_logprobs(plain_ref, ids, attn)
-    loss, _ = grpo_loss(logp, logp.detach(), ref_lp, adv, mask, kl_coef=cfg.kl_coef, normalizer=float(mask.sum()))
-    loss.backward()
-    norm = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.grad_clip))
-    with torch.no_grad():
-        for p in plain.parameters():
-            p -= cfg.lr * p.grad
-    return float(loss.detach()), norm
+        old = token_logprobs(plain, ids, attn)
+    losses, norms = [], []
+    for _ in range(cfg.updates_per_batch):
+        logp = token_logprobs(plain, ids, attn)
+        loss, _ = grpo_loss(logp, old if cfg.updates_per_batch > 1 else logp.detach(), ref_lp, adv, mask,
+                            kl_coef=cfg.kl_coef, normalizer=float(mask.sum()))
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.grad_clip)))
+        with torch.no_grad():
+            for p in plain.parameters():
+                p -= cfg.lr * p.grad
+                p.grad = None
+        losses.append(float(loss.detach()))
+    return sum(losses) / len(losses), sum(norms) / len(norms)
 
 
 def main():
@@ -210,6 +222,8 @@ def main():
     if mode == "grads":
         result = {f"tied={t} {layout}": grads(acc, mesh, tok, t, layout) for t in (True, False)
                   for layout in ("layers", "accelerate")}
+    elif mode == "recipe":  # what a GPU run configures besides: gradient checkpointing, --updates-per-batch 2
+        result = rollout_then_train(acc, mesh, tok, updates=2, checkpointing=True)
     else:
         result = rollout_then_train(acc, mesh, tok)
     finish(acc, out_path, result)

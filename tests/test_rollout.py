@@ -122,6 +122,7 @@ def _segments(ep):
     return out
 
 
+@pytest.mark.versions
 # ---------------------------------------------------------------------------------------------------------
 # The loop and the token layout
 # ---------------------------------------------------------------------------------------------------------
@@ -144,6 +145,7 @@ def test_greedy_cache_reuse_equals_reencoding(lm, tiny_tok):
     assert [e.input_ids for e in a] == [e.input_ids for e in c]
 
 
+@pytest.mark.versions
 def test_the_cache_goes_by_the_name_the_decoder_takes(lm, tiny_tok):
     """transformers renamed the forward's `past_key_values` to `cache` (newer 5.x warn on every call with the old
     name and drop it in 5.40), while 5.17 knows only the old name and would pass `cache=` on into **kwargs unread,

@@ -38,6 +38,7 @@ def metrics(run_dir):
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
 
 
+@pytest.mark.versions
 def test_grpo_moves_every_parameter_and_logs(tmp_path, ckpt, start_lm):
     res = grpo.main(grpo_args(ckpt, tmp_path / "run"))
     before, after = weights(start_lm), weights(res.model)
@@ -130,6 +131,7 @@ def test_checkpoints_pruned_and_weights_only(tmp_path, ckpt):
         grpo.main(["--resume", str(tmp_path / "b"), "--steps", "4"])
 
 
+@pytest.mark.versions
 def test_resume_continues_exactly(tmp_path, ckpt):
     full = grpo.main(grpo_args(ckpt, tmp_path / "a", "--steps", "4", "--save-every", "2"))
     grpo.main(grpo_args(ckpt, tmp_path / "b", "--steps", "2", "--save-every", "2"))
@@ -204,6 +206,7 @@ def _torchrun(tmp_path, argv, prologue="", port=29519, timeout=600):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.versions
 def test_two_processes_end_with_identical_weights(tmp_path, ckpt):
     """torchrun starts two CPU processes that the Accelerator joins over gloo; each rolls out one task."""
     out = tmp_path / "run"
@@ -417,6 +420,7 @@ def test_pass_hat_k():
                                      "return": {"pass^1": 0.5, "episodes": 2, "ci95": (0.5, 0.5)}}}  # no spread
 
 
+@pytest.mark.versions
 def test_eval_main_writes_summary(tmp_path, ckpt):
     evaluation.main(["--agent", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--num-tasks", "3", "--trials", "2",
                      "--max-new-tokens", "8", "--out-dir", str(tmp_path / "ev")])
@@ -515,6 +519,7 @@ def test_plot_curves_writes_a_png_with_each_curve(tmp_path):
         evaluation.main(["--plot", str(tmp_path)])
 
 
+@pytest.mark.versions
 def test_reference_kl_is_zero_at_step_one_under_bf16(ckpt, tiny_tok, bf16_accelerator):
     """The reference runs the policy's precision path (fp32 weights under the same bf16 autocast): before the
     policy moves, the kl metric is 0 to rounding. A bf16 reference, as it was, is a different function."""

@@ -1,6 +1,7 @@
 """Two processes over gloo (torchrun, tests/test_sharding.py): each loads one checkpoint through models.load_model
 with the launcher's FSDP CPU-RAM-efficient loading switched on (the setting that zeroes weights off rank 0 in
-transformers 5.17), then runs shard.check_same_weights on it; in mode `differ`, rank 1 changes its copy first. Rank 0
+transformers 5.17), then runs shard.check_same_weights on it; in mode `differ`, rank 1 changes its copy first; in mode `raw`, each
+loads with transformers' own from_pretrained instead (what muarl guards against). Rank 0
 writes what every process saw."""
 import json
 import os
@@ -21,7 +22,12 @@ def main():
     mode, ckpt, out_path = sys.argv[1:4]
     acc = cli.make_accelerator()  # joins torchrun's processes over gloo
     os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_CPU_RAM_EFFICIENT_LOADING="true")
-    model, _ = models.load_model(ckpt, device="cpu", dtype=torch.float32)
+    if mode == "raw":  # the negative control: transformers' own loading, without models.load_model's guard
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    else:
+        model, _ = models.load_model(ckpt, device="cpu", dtype=torch.float32)
     restored = os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "true"
     if mode == "differ" and acc.process_index == 1:
         with torch.no_grad():
