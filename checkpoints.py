@@ -24,6 +24,7 @@ import torch
 
 import cli
 import lora
+import memory
 import shard
 
 
@@ -81,7 +82,9 @@ def save_pretrained(acc, model, tok, out: Path, run_config: dict) -> None:
             unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True, save_embedding_layers=False)
             (tmp / "README.md").unlink(missing_ok=True)  # peft's generated model card: not a file a checkpoint keeps
         else:
-            unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            # files of at most 5 GB: safetensors serializes a whole file in host memory before writing it
+            unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True,
+                                      max_shard_size=memory.MODEL_FILE_BYTES)
         tok.save_pretrained(tmp)
         cli.write_json_atomic(tmp / "muarl_config.json", run_config)
         other = not_checkpoint_files(out) if out.is_dir() else []

@@ -185,12 +185,25 @@ def make_accelerator(dist_timeout: float | None = None, **kwargs):
         kwargs["kwargs_handlers"] = [*kwargs.get("kwargs_handlers", []),
                                      InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout))]
     acc = Accelerator(cpu=not torch.cuda.is_available(), **kwargs)
+    sharded_checkpoints(getattr(acc.state, "fsdp_plugin", None))
     if acc.device.type == "cpu":
         # `accelerate launch` sets OMP_NUM_THREADS=1 when it has no config, which halves a 2-core machine:
         # share the cores among this machine's processes instead (MUARL_THREADS overrides).
         local = int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes))
         torch.set_num_threads(int(os.environ.get("MUARL_THREADS", 0)) or max(1, (os.cpu_count() or 1) // local))
     return acc
+
+
+def sharded_checkpoints(fsdp_plugin) -> None:
+    """Under FSDP2, save_state (a checkpoint's accelerate/) writes each process's shards of the weights and AdamW
+    moments, all processes in parallel (torch.distributed.checkpoint, resumable on another number of GPUs), whatever
+    the accelerate config chose: with its other answer, FULL_STATE_DICT, model and optimizer are gathered to one
+    process (~100 GB of host memory at 8B) and saved by it alone. The model directory is one full gather
+    (shard.full_state_dict)."""
+    if fsdp_plugin is not None and fsdp_plugin.fsdp_version == 2:
+        # the full state dict's configs (rank0_only: broadcast from rank 0) would stay, and torch refuses them sharded
+        fsdp_plugin.state_dict_config = fsdp_plugin.optim_state_dict_config = None
+        fsdp_plugin.set_state_dict_type("SHARDED_STATE_DICT")
 
 
 def check_report_to(report_to: str, program: str) -> None:

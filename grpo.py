@@ -115,6 +115,7 @@ class MicroBatch(NamedTuple):
     loss_mask: torch.Tensor        # [b, T] 1 on the tokens the agent sampled
     sampler_logp: torch.Tensor     # [b, T] the sampler's log-probs of those tokens (0 elsewhere): logprob_gap's check
     advantages: torch.Tensor       # [b]
+    n_tokens: int                  # sum of loss_mask, counted on the host (reading it off the GPU would wait for it)
 
 
 def micro_batches(episodes, rows: list[int], adv, cfg, acc, pad_id: int) -> list[MicroBatch]:
@@ -127,7 +128,7 @@ def micro_batches(episodes, rows: list[int], adv, cfg, acc, pad_id: int) -> list
         seqs = [(episodes[i].input_ids, episodes[i].loss_mask, episodes[i].logprobs) for i in mb]
         seqs = seqs or [([pad_id], [0], [0])]
         out.append(MicroBatch(*collate(seqs, pad_id, acc.device), adv[mb].to(acc.device) if mb else
-                              torch.zeros(1, device=acc.device)))
+                              torch.zeros(1, device=acc.device), sum(sum(m) for _, m, _ in seqs)))
     return out
 
 
@@ -171,7 +172,7 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
                     met.pop("kl")  # no reference, no KL: absent rather than a 0 that reads as a measurement
                 # the backends average gradients over processes; the normalizer is already global: undo the mean
                 shard.backward(acc, model, loss * acc.num_processes)
-            n_tok = float(b.loss_mask.sum())
+            n_tok = b.n_tokens
             if update == 0 and n_tok:  # sampler vs trainer on the same weights: should be ~0 (numerics only)
                 met["entropy"] = (ent * b.loss_mask).sum() / n_tok
                 met["logprob_gap"] = ((b.sampler_logp - logp.detach()).abs() * b.loss_mask).sum() / n_tok

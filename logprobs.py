@@ -73,7 +73,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
     time: d logp / d z = onehot(target) - softmax(z), so with upstream g [N]:
         dz = g * (onehot - softmax(z)) / temperature,  dh = dz @ W,  dW += dz.T @ h,  db += dz.sum(0)
     Extra memory is one [chunk, V] buffer, in forward and backward alike (plus a float32 dW accumulator
-    when W or the compute dtype is bf16/fp16, and under autocast one bf16 copy of h and of W). Cost: one
+    when W or the compute dtype is bf16/fp16, accumulate_weight_grad, and under autocast one bf16 copy of h and
+    of W). Cost: one
     more [N, H] x [H, V] matmul than autograd on the full logits (the recompute), i.e. 4 matmuls instead
     of 3 for forward + backward; the forward alone costs the same.
     (torch.utils.checkpoint per chunk gives a similar memory bound, but also recomputes the log_softmax
@@ -144,12 +145,31 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     else:
                         grad_h[s:e] = torch.mm(dz, w)
                 if need_w:
-                    if cd == grad_w.dtype:
-                        grad_w.addmm_(dz.t(), h)
-                    else:
-                        grad_w += torch.mm(dz.t(), h).float()
+                    accumulate_weight_grad(grad_w, dz, h)
         return (grad_h, grad_w.to(weight.dtype) if need_w else None,
                 grad_b.to(bias.dtype) if need_b else None, None, None, None, None)
+
+
+_FUSED = {}  # device -> whether torch.addmm can accumulate a bf16/fp16 product into float32 there (CUDA)
+
+
+def accumulate_weight_grad(grad_w, dz, h) -> None:
+    """grad_w += dz.T @ h, grad_w in float32, dz and h in the compute dtype. Where it runs (CUDA), a bf16/fp16
+    product accumulates straight into the float32 buffer in one GEMM (torch.addmm's out_dtype); elsewhere the product
+    is made in the compute dtype, cast and added, which costs a [V, H] transient of 6 bytes a weight for every chunk
+    (3.7 GB at Qwen3-8B's vocabulary and width, and ~7 GB of memory traffic per chunk of 256 tokens)."""
+    if dz.dtype == grad_w.dtype:
+        grad_w.addmm_(dz.t(), h)
+        return
+    key = str(grad_w.device)
+    if _FUSED.get(key, grad_w.is_cuda):
+        try:
+            torch.addmm(grad_w, dz.t(), h, out_dtype=grad_w.dtype, out=grad_w)
+            _FUSED[key] = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):  # no such kernel in this torch or on this device
+            _FUSED[key] = False
+    grad_w += torch.mm(dz.t(), h).float()
 
 
 DEFAULT_CHUNK_SIZE = 256  # tokens per output-layer chunk: 256 x 151936 float32 logits ~ 156 MB

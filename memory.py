@@ -10,6 +10,8 @@ import os
 
 import torch
 
+MODEL_FILE_BYTES = 5 * 10**9  # the largest weights file of a model directory (checkpoints.save_pretrained)
+
 
 def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf16: bool = False,
                     reference: bool = True, kv_bytes_per_token: int = 0, max_context: int = 0,
@@ -42,7 +44,11 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
       host_kv_cache   the same for the parked episodes, in host memory (not GPU memory: not in the peaks)
       prefill         one prefill forward's activations (the rollout prefills in chunks of prefill_tokens)
       host_load       host memory while loading: one full fp32 model per process (the policy, then the reference)
-      host_peak       the larger of host_load and host_kv_cache (they are not held at the same time)
+      host_save       host memory of the one process that writes a checkpoint's model directory: the whole fp32
+                      model gathered there when sharded (shard.full_state_dict), and one weights file serialized
+                      (safetensors builds a file in memory; files of at most MODEL_FILE_BYTES). The other processes
+                      write only their shards (a sharded save_state).
+      host_peak       the largest of host_load, host_kv_cache and host_save (they are not held at the same time)
     The rollout holds weights + master_weights + optimizer + reference + kv_cache + prefill; the update holds
     master_weights + gradients + optimizer + reference (+ weights under DDP); loading holds, under DDP, the whole
     fp32 policy (and its reduction buckets) and then the reference; under FSDP2 (shard.load_device: loaded in host
@@ -57,7 +63,7 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
     if inference:  # eval.py: each process loads the whole model in the compute dtype and decodes
         est = {"weights": n_params * compute, "kv_cache": kv, "prefill": prefill, "host_kv_cache": host_kv,
                "rollout_peak": n_params * compute + kv + prefill, "load_peak": n_params * compute,
-               "host_load": n_params * compute, "host_peak": max(n_params * compute, host_kv)}
+               "host_load": n_params * compute, "host_save": 0, "host_peak": max(n_params * compute, host_kv)}
         est["peak"] = est["rollout_peak"]
         return est
     grads = 2 if (not sharded and world > 1) else 1  # DDP keeps its reduction buckets beside param.grad
@@ -69,7 +75,8 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
         est["update_peak"] = held + lora * 4
         est["load_peak"] = n_params * compute + lora * 4 * grads
         est["host_load"] = n_params * compute
-        est["host_peak"] = max(est["host_load"], host_kv)
+        est["host_save"] = lora * 4  # the adapters only, in fp32
+        est["host_peak"] = max(est["host_load"], host_kv, est["host_save"])
         est["peak"] = max(est["rollout_peak"], est["update_peak"], est["load_peak"])
         return est
     est = {
@@ -91,7 +98,8 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
     else:
         est["load_peak"] = n_params * 4 * (2 if reference else 1) + (n_params * 4 if grads == 2 else 0)
     est["host_load"] = n_params * 4
-    est["host_peak"] = max(est["host_load"], est["host_kv_cache"])
+    est["host_save"] = (n_params * 4 if sharded else 0) + min(n_params * 4, MODEL_FILE_BYTES)
+    est["host_peak"] = max(est["host_load"], est["host_kv_cache"], est["host_save"])
     est["peak"] = max(est["rollout_peak"], est["update_peak"], est["load_peak"])
     return est
 
@@ -167,8 +175,15 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
         return est
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # processes on this machine, each with its own host memory
     host = host_memory_bytes()
-    if host and est["host_peak"] * local > host:
-        need, total = gib(est["host_peak"]), gib(est["host_peak"] * local)
+    each = max(est["host_load"], est["host_kv_cache"])  # every process at once; host_save on one process only
+    if host and est["host_save"] > host and est["host_save"] >= each * local:
+        raise SystemExit(
+            f"{program}: saving a checkpoint needs an estimated {gib(est['host_save'])} of host memory on the process "
+            f"that writes it (the whole model gathered there in fp32, and one weights file of up to "
+            f"{gib(MODEL_FILE_BYTES)} serialized), more than this machine's {gib(host)}. Use a machine with more host "
+            "memory, or train LoRA adapters (--lora-rank: only they are saved); --no-memory-check runs anyway.")
+    if host and each * local > host:
+        need, total = gib(each), gib(each * local)
         if est["host_kv_cache"] >= est["host_load"]:
             raise SystemExit(
                 f"{program}: the parked episodes' KV caches need an estimated {need} of host memory per process, "
@@ -192,6 +207,26 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
                if lora else "add GPUs, shard with FSDP2 (fsdp_version 2), train LoRA adapters on a frozen base "
                "(--lora-rank, e.g. 64), or set --kl-coef 0 (no reference)") + "; --no-memory-check runs anyway.")
     return est
+
+
+def fitting_batch(config, *, live: int, device_bytes: int, bf16: bool, max_context: int, prefill_tokens: int = 0,
+                  world: int = 1) -> int:
+    """For an evaluation (eval.py, --rollout-batch 0 on a GPU): the most of a process's `live` episodes that can
+    decode at once on a GPU of device_bytes by memory_estimate (inference), the others waiting in host memory; at
+    least 1, when even one does not fit (check_memory then says so)."""
+    n_params = sum(p.numel() for p in meta_model(config).parameters())
+    kv = kv_bytes_per_token(config, bf16)
+
+    def peak(episodes):
+        return memory_estimate(n_params, world=world, bf16=bf16, reference=False, kv_bytes_per_token=kv,
+                               max_context=max_context, episodes=episodes, inference=True, prefill=prefill_bytes(
+                                   config, bf16, min(prefill_tokens or max_context * episodes,
+                                                     max_context * episodes), max_context))["peak"]
+    lo, hi = 1, max(1, live)
+    while lo < hi:  # the peak grows with the episodes: the largest that fits
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if peak(mid) <= device_bytes else (lo, mid - 1)
+    return lo
 
 
 def kv_bytes_per_token(config, bf16: bool) -> int:

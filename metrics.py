@@ -124,47 +124,52 @@ def rollout_metrics(summaries: list[dict], G: int) -> dict:
 
 class Accumulator:
     """The update's metrics over micro-batches and processes: token-weighted means (TOKEN_MEANS), maxima (MAXES),
-    sums (SUMS). `reduce` issues one all-reduce per kind with the same names on every process, whatever each one
-    saw: a process with nothing to train (every episode failed, every group dropped) still joins with zeros, where a
-    metric added only when present would leave the processes waiting on different collectives."""
+    sums (SUMS). Added as tensors where they are (the GPU): nothing is read back to the host until `reduce`, so
+    the next micro-batch's forward is queued while this one's backward still runs. `reduce` issues one all-reduce
+    per kind with the same names on every process, whatever each one saw: a process with nothing to train (every
+    episode failed, every group dropped) still joins with zeros, where a metric added only when present would leave
+    the processes waiting on different collectives; then one read of every number."""
 
     def __init__(self):
         self.sums = dict.fromkeys(TOKEN_MEANS + SUMS, 0.0)
         self.weights = dict.fromkeys(TOKEN_MEANS, 0.0)
         self.maxes = dict.fromkeys(MAXES, 0.0)
 
-    def add(self, metrics: dict, tokens: float) -> None:
-        """One micro-batch's metrics (0-dim tensors or floats) over its `tokens` trained tokens. A metric of no
-        known kind is an error: a fork's new metric needs its name in METRICS and its kind above, or it would be
-        lost."""
+    def add(self, metrics: dict, tokens: int) -> None:
+        """One micro-batch's metrics (0-dim tensors or floats) over its `tokens` trained tokens (a host number). A
+        metric of no known kind is an error: a fork's new metric needs its name in METRICS and its kind above, or it
+        would be lost."""
         for k, v in metrics.items():
             if k == "n_tokens":
                 continue
             if not (k in self.weights or k in self.maxes or k in self.sums):
                 raise KeyError(f"metric {k!r} has no kind: add it to metrics.METRICS and to TOKEN_MEANS, MAXES or "
                                "SUMS")
-            v = float(v)
+            v = v.detach().double() if torch.is_tensor(v) else float(v)  # a tensor stays on its device, unread
             if k in self.weights:
                 if tokens:
-                    self.sums[k] += v * tokens
+                    self.sums[k] = self.sums[k] + v * tokens
                     self.weights[k] += tokens
             elif k in self.maxes:
-                self.maxes[k] = max(self.maxes[k], v)
+                f64 = torch.float64  # (a 0-dim host tensor meets a GPU one as a scalar)
+                self.maxes[k] = torch.maximum(torch.as_tensor(self.maxes[k], dtype=f64), torch.as_tensor(v, dtype=f64))
             elif k in self.sums:
-                self.sums[k] += v
+                self.sums[k] = self.sums[k] + v
 
     def reduce(self, acc) -> dict:
-        means = torch.tensor([[self.sums[k], self.weights[k]] for k in TOKEN_MEANS], dtype=torch.float64,
-                             device=acc.device)
-        sums = torch.tensor([self.sums[k] for k in SUMS], dtype=torch.float64, device=acc.device)
-        maxes = torch.tensor([self.maxes[k] for k in MAXES], dtype=torch.float64, device=acc.device)
+        def column(values):
+            return torch.stack([torch.as_tensor(x, dtype=torch.float64).to(acc.device) for x in values])
+        means = torch.stack([column([self.sums[k] for k in TOKEN_MEANS]), column([self.weights[k] for k in
+                                                                                  TOKEN_MEANS])], 1)
+        sums, maxes = column([self.sums[k] for k in SUMS]), column([self.maxes[k] for k in MAXES])
         if acc.num_processes > 1:
             means, sums = acc.reduce(means, reduction="sum"), acc.reduce(sums, reduction="sum")
             maxes = acc.reduce(maxes, reduction="max")
+        means, sums, maxes = means.tolist(), sums.tolist(), maxes.tolist()  # the update's only reads to the host
         # a mean over no token (nothing trained, no reference for kl) is absent, not a 0 that reads as a measurement
-        out = {k: (s / w).item() for k, (s, w) in zip(TOKEN_MEANS, means) if w}
-        out.update({k: v.item() for k, v in zip(SUMS, sums)})
-        out.update({k: v.item() for k, v in zip(MAXES, maxes)})
+        out = {k: s / w for k, (s, w) in zip(TOKEN_MEANS, means) if w}
+        out.update(zip(SUMS, sums))
+        out.update(zip(MAXES, maxes))
         return out
 
 

@@ -37,8 +37,8 @@ class SamplingOptions:
     reuse_cache: bool = True
     """keep each episode's KV cache across turns (off: re-encode the conversation every turn; same tokens, slower)"""
     rollout_batch: Annotated[int, Range("[0, inf)")] = 0
-    """at most this many episodes decode together on one process (0: all); bounds GPU memory: on a GPU the other
-    episodes' KV caches wait in host memory"""
+    """at most this many episodes decode together on one process (0: all; in eval.py on a GPU, as many as it holds
+    by the memory estimate); bounds GPU memory: on a GPU the other episodes' KV caches wait in host memory"""
 
 
 USER_SIMS = ("scripted", "openai", "hf")

@@ -253,8 +253,8 @@ def play(run, tasks: list, group_size: int, sampling, generator=None) -> list:
     """This process's episodes of `tasks` with the current policy (its full weights gathered once when sharded)."""
     from batched_rollout import rollout
 
-    with shard.full_weights(run.model, run.acc.device), run.acc.autocast():
-        return rollout(run.acc.unwrap_model(run.model), run.tok, run.env, tasks, group_size, run.user_sim, sampling,
+    with shard.full_weights(run.model, run.acc.device) as decoder, run.acc.autocast():
+        return rollout(run.acc.unwrap_model(decoder), run.tok, run.env, tasks, group_size, run.user_sim, sampling,
                        generator)
 
 

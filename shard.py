@@ -4,6 +4,7 @@
     is_sharded        whether a model is sharded by FSDP2 (`fully_shard`)
     shard_like        shard the frozen reference model by hand, as the policy is
     full_weights      gather a sharded policy's full weights once for a rollout, so decoding needs no collectives
+                      (under FSDP2 through plain_twin: the same tensors in a model without FSDP's hooks)
     load_device       where to load a model: host memory under FSDP2 (sharding moves each process's part over)
     micro_batch, backward, optimizer_step
                       one optimizer step over several micro-batches, the same for DDP, FSDP2 and DeepSpeed
@@ -209,14 +210,26 @@ def deepspeed_reference(ref_model, config: dict):
 
 
 def full_state_dict(acc, model) -> dict:
-    """The trained weights, whole, for a checkpoint (every process must call it: the gathers are collectives). Under
-    DeepSpeed the fp32 master weights (deepspeed.utils.safe_get_full_fp32_param), not the engine's bf16 copies:
-    rounding them would drop the small updates fp32 master weights exist for."""
-    if not is_deepspeed(model):
-        return acc.get_state_dict(model)
-    from deepspeed.utils import safe_get_full_fp32_param
+    """The trained weights, whole, for the model directory the main process writes; every process must call it (the
+    gathers are collectives), the others get {} and hold nothing. One parameter at a time is gathered and, on the main
+    process only, copied to host memory (memory.memory_estimate's host_save). Under DeepSpeed the fp32 master weights
+    (deepspeed.utils.safe_get_full_fp32_param), not the engine's bf16 copies: rounding them would drop the small
+    updates fp32 master weights exist for. Under DDP the model's own tensors (nothing gathered)."""
+    if is_deepspeed(model):
+        from deepspeed.utils import safe_get_full_fp32_param
 
-    return {name: safe_get_full_fp32_param(p).detach().cpu() for name, p in model.module.named_parameters()}
+        out = {}
+        for name, p in model.module.named_parameters():
+            full = safe_get_full_fp32_param(p)  # every process gathers it; only the main process keeps it
+            if acc.is_main_process:
+                out[name] = full.detach().cpu()
+            del full
+        return out
+    if is_sharded(model):  # torch's own full gather to the first process, as Accelerate's FSDP2 branch does
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return acc.get_state_dict(model)
 
 
 def shard_like(ref_model, policy, param_dtype=None) -> None:
@@ -237,64 +250,50 @@ def shard_like(ref_model, policy, param_dtype=None) -> None:
     fully_shard(ref_model, mesh=mesh, mp_policy=mp)
 
 
-def _param_groups(state) -> list | None:
-    """An FSDP2 state's parameter groups (private): a list in torch 2.13, one optional group before; None when
-    neither field exists."""
-    groups = state.__dict__.get("_fsdp_param_groups")  # 2.13 also has a property _fsdp_param_group
-    if isinstance(groups, list):
-        return groups
-    if "_fsdp_param_group" in state.__dict__:
-        group = state.__dict__["_fsdp_param_group"]
-        return [] if group is None else [group]
-    return None
+def plain_twin(model):
+    """A model of `model`'s own class with no FSDP hooks, built on the meta device, whose parameters and buffers are
+    `model`'s current tensors (nothing copied): while `model` is unsharded, its forward is the plain module's, with
+    no collective, no per-step root set-up and nothing recorded for a backward that never comes."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # fully_shard subclasses it
+    with torch.device("meta"):
+        twin = cls(model.config)
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        owner, _, leaf = name.rpartition(".")
+        setattr(twin.get_submodule(owner), leaf, tensor)  # a tied weight is set under both names, to one tensor
+    left = [n for n, t in [*twin.named_parameters(), *twin.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"shard.plain_twin: {type(model).__name__} built anew has tensors the sharded model has "
+                           f"not: {left[:3]}")
+    return twin.train(model.training)
 
 
 @contextlib.contextmanager
 def full_weights(model, device):
-    """Inside: every parameter of a sharded `model` (FSDP2, ZeRO-3) is whole on this process and stays so through
-    forwards, so the rollout's decoding runs no collective and processes may decode different numbers of steps. A
-    no-op when the model is not sharded. All processes must enter it together (the gathers are collectives).
+    """Inside, a model to decode with whose every parameter is whole on this process (a sharded `model`, FSDP2 or
+    ZeRO-3, gathered; any other as it is), so the rollout runs no collective and processes may decode different
+    numbers of steps. All processes must enter it together (the gathers are collectives).
 
-    FSDP2 recipe: one forward through the root (its lazy initialization must happen there), unshard every FSDP
-    module in the same order on all processes, stop resharding after forward; after the rollout, the settings
-    are restored and the parameters resharded."""
+    FSDP2: one forward through the root (its lazy initialization happens there), every unit unsharded in the same
+    order on all processes, then decoding through plain_twin, not through FSDP's hooks; resharded afterwards."""
     if is_zero3(model):  # DeepSpeed's own recipe: gather every parameter, take its hooks off, put them back after
         from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 
         with unwrap_model_for_generation(model):
-            yield
+            yield model
         return
     modules = fsdp_modules(model)
     if not modules:
-        yield
+        yield model
         return
     with torch.no_grad():
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
-    # Each module's reshard-after-forward setting, restored exactly afterwards: the root's is specially off
-    # (FSDP2's default) and accelerate may set the others either way. torch has no getter, hence the private fields:
-    # each param group's post_forward_mesh_info (torch 2.13 keeps a list of groups, earlier torch one group, as
-    # _fsdp_param_group) and, where it exists, the state's _auto_reshard_after_forward (torch 2.13).
-    saved = []
-    for m in modules:
-        state = m._get_fsdp_state()
-        groups = _param_groups(state)
-        if groups is None:
-            raise RuntimeError(f"shard.full_weights reads FSDP2 fields that torch {torch.__version__} does not have "
-                               "(_fsdp_param_groups or _fsdp_param_group; seen in torch 2.11 and 2.13): use one of "
-                               "those, or DDP / DeepSpeed ZeRO-3")
-        saved.append((state, getattr(state, "_auto_reshard_after_forward", None), groups,
-                      [g.post_forward_mesh_info for g in groups]))
-    for m in modules:
-        m.unshard()
-        m.set_reshard_after_forward(False, recurse=False)
     try:
-        yield
+        for m in modules:
+            m.unshard()
+        yield plain_twin(model)
     finally:
-        for state, auto, groups, infos in saved:
-            if hasattr(state, "_auto_reshard_after_forward"):
-                state._auto_reshard_after_forward = auto
-            for group, info in zip(groups, infos):
-                group.post_forward_mesh_info = info
         for m in modules:
             m.reshard()
 

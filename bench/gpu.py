@@ -24,8 +24,13 @@ Checks, in order; each is PASS, FAIL or SKIP (with why) and its figures, in OUT/
   lora       the same GRPO steps with --lora-rank 16 (the base frozen in bf16 on a GPU, fp32 adapters, the reference
              the base with the adapters off): kl 0 at step 1, the base bit-identical after, adapter-only
              checkpoints, --resume; the peak memory reported beside the start-up estimate with its LoRA terms
-  fsdp2      the same GRPO steps under `accelerate launch` with FSDP2, one process (GPU)
+  head_grad  the output layer's weight gradient at Qwen3-8B's vocabulary and width in bf16: accumulated into float32
+             in one GEMM (CUDA) against cast-and-add, their errors, transient memory and time
+  fsdp2      the same GRPO steps under `accelerate launch` with FSDP2, one process, then --resume (sharded
+             checkpoints) (GPU)
   zero3      the same with DeepSpeed ZeRO-3 where deepspeed imports (GPU)
+  fsdp2_x2   fsdp2 with two processes and CPU-RAM-efficient loading on (transformers 5.17 zeroes weights off the first
+             process without muarl's guard): kl exactly 0 at step 1; SKIP, saying so, where there is one GPU
 A failing check does not stop the others; the exit status is 1 when any failed.
 """
 from __future__ import annotations
@@ -119,7 +124,8 @@ def bench_rollout():
     return module
 
 
-CHECKS = ("versions", "engine", "flash", "kv_peak", "decode", "train", "lora", "fsdp2", "zero3")
+CHECKS = ("versions", "engine", "flash", "kv_peak", "decode", "head_grad", "train", "lora", "fsdp2", "zero3",
+          "fsdp2_x2")
 
 
 class Padded:
@@ -426,46 +432,99 @@ def lora_steps(model, tok, device, work: Path, bf16: bool):
     return ("PASS" if all(checks.values()) else "FAIL"), figs
 
 
-def launched(kind: str, work: Path, out: Path, device):
-    """The GRPO steps under `accelerate launch` with FSDP2 or ZeRO-3 on one process (GPU)."""
+def head_grad(device, vocab: int, hidden: int, tokens: int = 256):
+    """The chunked output layer's weight gradient in bf16 (logprobs.accumulate_weight_grad) at Qwen3-8B's vocabulary
+    and width: one chunk's dz.T @ h accumulated into the float32 buffer in one GEMM where the device can (CUDA), against
+    the product made in bf16, cast and added; the error of each against float32 arithmetic, the peak memory above
+    the inputs, the time."""
+    import logprobs
+
+    g = torch.Generator(device=device).manual_seed(0)
+    dz = (torch.randn(tokens, vocab, device=device, generator=g) * 1e-3).bfloat16()
+    h = torch.randn(tokens, hidden, device=device, generator=g).bfloat16()
+    want = dz.float().t() @ h.float()
+    figs, results = {}, {}
+    for name, fused in (("fused", True), ("cast and add", False)):
+        logprobs._FUSED[str(device)] = fused and device.type == "cuda"
+        grad = torch.zeros(vocab, hidden, device=device)
+        for _ in range(2):  # warm-up, then the measured one
+            grad.zero_()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            t0 = time.perf_counter()
+            logprobs.accumulate_weight_grad(grad, dz, h)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        took = time.perf_counter() - t0
+        results[name] = logprobs._FUSED[str(device)]
+        figs[name] = {"ms": round(took * 1e3, 2), "max_error": float((grad - want).abs().max()),
+                      "transient_mb": round((torch.cuda.max_memory_allocated(device) - base) / 2**20, 1)
+                      if device.type == "cuda" else None, "one_gemm": results[name]}
+    logprobs._FUSED.pop(str(device), None)
+    if device.type != "cuda":
+        return "SKIP", {"why": "the one-GEMM float32 accumulation exists on CUDA only", **figs}
+    ok = results["fused"] and figs["fused"]["max_error"] <= figs["cast and add"]["max_error"] \
+        and figs["fused"]["transient_mb"] < figs["cast and add"]["transient_mb"]
+    return ("PASS" if ok else "FAIL"), figs
+
+
+def launched(kind: str, work: Path, out: Path, device, processes: int = 1):
+    """The GRPO steps under `accelerate launch` with FSDP2 or ZeRO-3, then --resume for a third step (the sharded
+    checkpoint written and read back). With two processes (FSDP2, where two GPUs are at hand), with the accelerate
+    config's CPU-RAM-efficient loading on, which in transformers 5.17 zeroes the weights of every process but the
+    first: the start-up checksum check passes and kl is exactly 0 at step 1 only if every process loaded real
+    weights."""
     if device.type != "cuda":
         return "SKIP", {"why": "needs CUDA"}
+    if torch.cuda.device_count() < processes:
+        return "SKIP", {"why": f"needs {processes} GPUs; this machine has {torch.cuda.device_count()}, so the "
+                               "multi-process checks did not run"}
     if kind == "zero3":
         try:
             import deepspeed  # noqa: F401
         except Exception as e:
             return "SKIP", {"why": f"deepspeed does not import ({e.__class__.__name__})"}
-    config = work / f"{kind}.yaml"
-    if kind == "fsdp2":
+    config = work / f"{kind}-x{processes}.yaml"
+    if kind == "fsdp2":  # FULL_STATE_DICT: muarl saves sharded whatever the config says (cli.sharded_checkpoints)
         config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nmixed_precision: bf16\n"
-                          "num_machines: 1\nnum_processes: 1\nmachine_rank: 0\nuse_cpu: false\nfsdp_config:\n"
-                          "  fsdp_version: 2\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+                          f"num_machines: 1\nnum_processes: {processes}\nmachine_rank: 0\nuse_cpu: false\n"
+                          "fsdp_config:\n  fsdp_version: 2\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
                           "  fsdp_transformer_layer_cls_to_wrap: Qwen3DecoderLayer\n"
                           "  fsdp_reshard_after_forward: true\n  fsdp_state_dict_type: FULL_STATE_DICT\n"
-                          "  fsdp_cpu_ram_efficient_loading: false\n")
+                          f"  fsdp_cpu_ram_efficient_loading: {'true' if processes > 1 else 'false'}\n")
     else:
         config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nmixed_precision: bf16\n"
                           "num_machines: 1\nnum_processes: 1\nmachine_rank: 0\nuse_cpu: false\ndeepspeed_config:\n"
                           "  zero_stage: 3\n  zero3_init_flag: true\n  gradient_accumulation_steps: 1\n"
                           "  offload_optimizer_device: none\n  offload_param_device: none\n")
-    run = work / f"grpo-{kind}"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(ROOT / "grpo.py"),
-           "--init-from", str(work / "start"), "--env", "tests.fake_env:HalfUniformEnv", "--steps", "2", "--tasks-per-step",
-           "2", "--group-size", "4", "--max-new-tokens", "48", "--max-turns", "4", "--max-context", "2048",
-           "--eval-tasks", "0", "--micro-batch-size", "2", "--bf16", "--gradient-checkpointing",
-           "--out-dir", str(run), "--overwrite"]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    run, name = work / f"grpo-{kind}-x{processes}", f"{kind}-x{processes}"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(ROOT / "grpo.py")]
+    first = ["--init-from", str(work / "start"), "--env", "tests.fake_env:HalfUniformEnv", "--steps", "2",
+             "--tasks-per-step", "2", "--group-size", "4", "--max-new-tokens", "48", "--max-turns", "4",
+             "--max-context", "2048", "--eval-tasks", "0", "--micro-batch-size", "2", "--bf16",
+             "--gradient-checkpointing", "--save-every", "1", "--out-dir", str(run), "--overwrite"]
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{kind}.log").write_text(r.stdout + "\n---- stderr ----\n" + r.stderr)
-    if r.returncode:  # the launched process's own traceback comes before the launcher's (ChildFailedError)
-        first = r.stderr.find("Traceback")
-        return "FAIL", {"exit": r.returncode, "log": str(out / f"{kind}.log"),
-                        "error": r.stderr[first:first + 3000] if first >= 0 else r.stderr[-3000:]}
+    for part, args in (("", first), ("-resume", ["--resume", str(run), "--steps", "3"])):
+        r = subprocess.run(launch + args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        (out / f"{name}{part}.log").write_text(r.stdout + "\n---- stderr ----\n" + r.stderr)
+        if r.returncode:  # the launched process's own traceback comes before the launcher's (ChildFailedError)
+            at = r.stderr.find("Traceback")
+            return "FAIL", {"exit": r.returncode, "log": str(out / f"{name}{part}.log"),
+                            "error": r.stderr[at:at + 3000] if at >= 0 else r.stderr[-3000:]}
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
-    ok = (len(rows) == 2 and "kl" in rows[0] and abs(rows[0]["kl"]) < 1e-6
-          and all(r["skipped_updates"] == 0 and 0 < r.get("grad_norm", 0) < float("inf") for r in rows))
-    return ("PASS" if ok else "FAIL"), {"kl": [r.get("kl") for r in rows], "grad_norm": [r.get("grad_norm") for r in rows],
-                                        "logprob_gap": [r.get("logprob_gap") for r in rows]}
+    state = run / "checkpoints" / "step-000002" / "accelerate"
+    checks = {"steps logged once": [r["step"] for r in rows] == [1, 2, 3],
+              "kl 0 at step 1": "kl" in rows[0] and abs(rows[0]["kl"]) < 1e-6,
+              "finite, non-zero grad norm": all(0 < r.get("grad_norm", 0) < float("inf") for r in rows),
+              "no skipped update": all(r["skipped_updates"] == 0 for r in rows)}
+    if kind == "fsdp2":  # each process wrote its own shards (torch.distributed.checkpoint), no full state dict
+        checks["sharded save_state"] = (state / "pytorch_model_fsdp_0").is_dir() and not any(state.glob("*.bin"))
+    figs = dict(checks)
+    figs.update(kl=[r.get("kl") for r in rows], grad_norm=[r.get("grad_norm") for r in rows],
+                logprob_gap=[r.get("logprob_gap") for r in rows], processes=processes)
+    return ("PASS" if all(checks.values()) else "FAIL"), figs
 
 
 def main(argv=None):
@@ -499,12 +558,15 @@ def main(argv=None):
               "flash": (flash, tok, env, tasks, device, small),
               "kv_peak": (kv_peak, tok, env, tasks[:2], device, "qwen3-8b-attn-4l", (8192, 16384, 32768)),
               "decode": (decode, model, tok, env, tasks, device, 4 if args.cpu else 16, 16 if args.cpu else 128),
+              "head_grad": (head_grad, device, 4096 if args.cpu else 151936, 64 if args.cpu else 4096),
               "train": (train, model, tok, env, tasks, device, work, device.type == "cuda"),
               "lora": (lora_steps, model, tok, device, work, device.type == "cuda"),
               "fsdp2": (launched, "fsdp2", work, out, device),
-              "zero3": (launched, "zero3", work, out, device)}
+              "zero3": (launched, "zero3", work, out, device),
+              "fsdp2_x2": (launched, "fsdp2", work, out, device, 2)}
     assert list(checks) == list(CHECKS)
-    if "train" not in only and ({"fsdp2", "zero3"} & set(only) and device.type == "cuda" or "lora" in only):
+    if "train" not in only and ({"fsdp2", "zero3", "fsdp2_x2"} & set(only) and device.type == "cuda"
+                                or "lora" in only):
         save_start(model, tok, env, tasks, work)  # the runs start from the checkpoint train saves
     for name in only:
         report.run(name, *checks[name])

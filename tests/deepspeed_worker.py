@@ -26,7 +26,7 @@ import shard  # noqa: E402
 from batched_rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
 from conftest import TEST_CORPUS, chatty  # noqa: E402
 from fake_env import FakeEnv  # noqa: E402
-from fsdp2_worker import (episode_steps, finish, grad_batch, one_process_backward, one_process_sgd_step,  # noqa: E402
+from fsdp2_worker import (episode_steps, finish, grad_batch, one_process_backward, one_process_sgd_steps,  # noqa: E402
                           perturbed, tiny_model)
 from logprobs import token_logprobs  # noqa: E402
 from loss import grpo_loss  # noqa: E402
@@ -88,7 +88,10 @@ def grads(acc, tok, tied, stage):
         norm, stepped = shard.optimizer_step(acc, engine, None, 0.5)
         plain_opt.step()
         plain_opt.zero_grad(set_to_none=True)
-        state = shard.full_state_dict(acc, engine)
+        state = shard.full_state_dict(acc, engine)  # whole on the main process only, which writes the result
+        if not acc.is_main_process:
+            assert state == {}, sorted(state)[:3]
+            continue
         out[f"iter{it}"] = {"grad_diff": grad_diff, "grad_scale": max(float(w.abs().max()) for w in want.values()),
                             "norm": [norm, want_norm],
                             "stepped": stepped, "ref_logp_diff": ref_diff,
@@ -116,8 +119,8 @@ def rollout_then_train(acc, tok, stage):
     tasks = env.tasks("train")[rank::world]
     sampling = RolloutConfig(greedy=True, max_new_tokens=(8, 24)[rank], max_context=400)
     steps = episode_steps(engine.module)
-    with shard.full_weights(engine, "cpu"):
-        eps = rollout(acc.unwrap_model(engine), tok, env, tasks, cfg.group_size, make_user_sim("scripted"), sampling)
+    with shard.full_weights(engine, "cpu") as decoder:
+        eps = rollout(acc.unwrap_model(decoder), tok, env, tasks, cfg.group_size, make_user_sim("scripted"), sampling)
     want = rollout(plain, tok, env, tasks, cfg.group_size, make_user_sim("scripted"), sampling)
     all_steps = [None] * world
     dist.all_gather_object(all_steps, steps[0])
@@ -127,12 +130,14 @@ def rollout_then_train(acc, tok, stage):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     engine.train()
     met = grpo.train_on_episodes(eps, engine, ref_engine, opt, sched, acc, cfg, tok.pad_token_id)
-    want_loss, want_norm = one_process_sgd_step(plain, plain_ref, eps, tok, cfg)
-    state = shard.full_state_dict(acc, engine)
+    want_loss, want_norm = one_process_sgd_steps(plain, plain_ref, eps, tok, cfg)
+    state = shard.full_state_dict(acc, engine)  # whole on the main process (rank 0 writes the result), {} elsewhere
+    held = [None] * world
+    dist.all_gather_object(held, len(state))
     return {"steps": all_steps, "same_tokens": same, "episodes": len(eps), "logprob_diff": lp_diff,
-            "grad_norm": [met["grad_norm"], want_norm], "loss": [met["loss"], want_loss],
-            "weight_diff": max(float((state[n] - p.detach()).abs().max()) for n, p in plain.named_parameters()),
-            "skipped": met["skipped_updates"]}
+            "grad_norm": [met["grad_norm"], want_norm], "loss": [met["loss"], want_loss], "state_held": held,
+            "weight_diff": max(float((state[n] - p.detach()).abs().max()) for n, p in plain.named_parameters())
+            if state else None, "skipped": met["skipped_updates"]}
 
 
 def main():

@@ -1,6 +1,6 @@
 """One process of tests/test_sharding.py's two-process FSDP2 runs (started by torchrun; see that file).
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/fsdp2_worker.py grads|rollout|recipe OUT_JSON
+    python -m torch.distributed.run --nproc_per_node 2 tests/fsdp2_worker.py grads|rollout|recipe|checkpoint OUT_JSON
 
 Each process builds the same tiny model in-process (nothing downloaded), keeps an unsharded copy as the oracle,
 shards the other with raw `fully_shard` over a CPU mesh, and writes what it measured; rank 0 writes OUT_JSON.
@@ -162,9 +162,13 @@ def rollout_then_train(acc, mesh, tok, updates=1, checkpointing=False):
     env, G = FakeEnv(n_tasks=4), 2
     tasks = env.tasks("train")[rank::world]
     sampling = RolloutConfig(greedy=True, max_new_tokens=(8, 24)[rank], max_context=400)
-    steps = episode_steps(policy)
-    with shard.full_weights(policy, "cpu"):
-        eps = rollout(policy, tok, env, tasks, G, make_user_sim("scripted"), sampling)
+    through_fsdp = episode_steps(policy)  # forwards through FSDP's units: only full_weights' first one
+    with shard.full_weights(policy, "cpu") as decoder:
+        plain_decoder = not shard.is_sharded(decoder) and not any(hasattr(p, "full_tensor")
+                                                                  for p in decoder.parameters())
+        steps = episode_steps(decoder)
+        eps = rollout(decoder, tok, env, tasks, G, make_user_sim("scripted"), sampling)
+    fsdp_forwards = through_fsdp[0]
     want = rollout(plain, tok, env, tasks, G, make_user_sim("scripted"), sampling)
     all_steps = [None] * world
     dist.all_gather_object(all_steps, steps[0])
@@ -179,8 +183,9 @@ def rollout_then_train(acc, mesh, tok, updates=1, checkpointing=False):
     met = grpo.train_on_episodes(eps, policy, ref, opt, sched, acc, cfg, tok.pad_token_id)
 
     want_loss, want_norm = one_process_sgd_steps(plain, plain_ref, eps, tok, cfg)
-    return {"steps": all_steps,
-            "checkpointing": bool(getattr(policy, "is_gradient_checkpointing", False)), "same_tokens": same, "episodes": len(eps), "logprob_diff": lp_diff,
+    return {"steps": all_steps, "fsdp_forwards": fsdp_forwards, "plain_decoder": plain_decoder,
+            "checkpointing": bool(getattr(policy, "is_gradient_checkpointing", False)), "same_tokens": same,
+            "episodes": len(eps), "logprob_diff": lp_diff,
             "grad_norm": [met["grad_norm"], want_norm], "loss": [met["loss"], want_loss],
             "weight_diff": max_diff(list(policy.parameters()), list(plain.parameters())),
             "skipped": met["skipped_updates"]}
@@ -214,6 +219,51 @@ def one_process_sgd_steps(plain, plain_ref, eps, tok, cfg):
     return sum(losses) / len(losses), sum(norms) / len(norms)
 
 
+def checkpoint(acc, mesh, tok, out_dir):
+    """A checkpoint of a sharded policy after one AdamW step, as grpo.py writes it: save_state's model and optimizer
+    through Accelerate's own FSDP functions with the plugin cli.sharded_checkpoints sets (each process writes its
+    shards), loaded into a fresh sharded model and optimizer; and the model directory's weights
+    (shard.full_state_dict), whole on the main process only."""
+    from accelerate import FullyShardedDataParallelPlugin
+    from accelerate.utils import load_fsdp_model, load_fsdp_optimizer, save_fsdp_model, save_fsdp_optimizer
+
+    os.environ["FSDP_STATE_DICT_TYPE"] = "FULL_STATE_DICT"  # the accelerate config's other answer: overridden
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    cli.sharded_checkpoints(plugin)
+
+    def trained(seed):
+        policy = tiny_model(tok, tied=False)
+        torch.manual_seed(seed)
+        plain = copy.deepcopy(policy)
+        fsdp2(policy, mesh)
+        opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+        ids = torch.randint(0, len(tok), (2, 9))
+        token_logprobs(policy, ids, torch.ones_like(ids)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        return policy, opt, plain
+
+    policy, opt, plain = trained(0)
+    save_fsdp_model(plugin, acc, policy, out_dir)
+    save_fsdp_optimizer(plugin, acc, opt, policy, out_dir)
+    acc.wait_for_everyone()
+    fresh, fresh_opt, _ = trained(1)  # other data: other weights and moments until loaded
+    differed = max_diff(list(fresh.parameters()), [full(p) for p in policy.parameters()]) > 0
+    load_fsdp_model(plugin, acc, fresh, out_dir)
+    load_fsdp_optimizer(plugin, acc, fresh_opt, fresh, out_dir)
+    weights = max(float((a.to_local() - b.to_local()).abs().max()) for a, b in zip(fresh.parameters(),
+                                                                                      policy.parameters()))
+    moments = max(float((fresh_opt.state[a][k].to_local() - opt.state[b][k].to_local()).abs().max())
+                  for a, b in zip(fresh.parameters(), policy.parameters()) for k in ("exp_avg", "exp_avg_sq"))
+    whole = shard.full_state_dict(acc, policy)
+    want = {n: full(p) for n, p in policy.named_parameters()}
+    got = {n: (tuple(t.shape), t.device.type, float((t - want[n]).abs().max())) for n, t in whole.items()}
+    return {"state_dict_type": str(plugin.state_dict_type), "differed": differed, "weights": weights,
+            "moments": moments, "whole": got, "params": len(want),
+            "files": sorted(str(p.relative_to(out_dir)) for p in __import__("pathlib").Path(out_dir).rglob("*")
+                            if p.is_file())}
+
+
 def main():
     mode, out_path = sys.argv[1], sys.argv[2]
     acc = cli.make_accelerator()  # joins torchrun's processes over gloo, as grpo.main does
@@ -222,6 +272,11 @@ def main():
     if mode == "grads":
         result = {f"tied={t} {layout}": grads(acc, mesh, tok, t, layout) for t in (True, False)
                   for layout in ("layers", "accelerate")}
+    elif mode == "checkpoint":
+        result = checkpoint(acc, mesh, tok, os.path.join(os.path.dirname(out_path), "ckpt"))
+        every = [None] * acc.num_processes
+        dist.all_gather_object(every, result)
+        result = every
     elif mode == "recipe":  # what a GPU run configures besides: gradient checkpointing, --updates-per-batch 2
         result = rollout_then_train(acc, mesh, tok, updates=2, checkpointing=True)
     else:

@@ -2,6 +2,8 @@
 
 import math
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -554,8 +556,8 @@ def _one_step(episodes, **options):
     torch.manual_seed(0)
     model = tiny_model(dtype=torch.float32)
     policy, ref = copy.deepcopy(model).train(), copy.deepcopy(model)
-    cfg = grpo.Config(group_size=4, micro_batch_size=3, optimizer="sgd", lr=0.5, temperature=1.0, max_context=64,
-                      **options)
+    cfg = grpo.Config(**{**dict(group_size=4, micro_batch_size=3, optimizer="sgd", lr=0.5, temperature=1.0,
+                                max_context=64), **options})
     opt = torch.optim.SGD(policy.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     out = grpo.train_on_episodes(episodes, policy, ref, opt, sched, cli.make_accelerator(), cfg, pad_id=0)
@@ -683,6 +685,36 @@ def test_the_update_runs_in_train_mode_and_unknown_metrics_are_refused():
     assert "kl" not in out and "entropy" in out  # no reference: no kl, rather than a 0
     with pytest.raises(KeyError, match="'new_metric' has no kind"):
         metrics.Accumulator().add({"new_metric": 1.0}, 3)
+
+
+def test_the_update_reads_nothing_back_per_micro_batch(monkeypatch):
+    """Every read of a tensor's value on the host (item, float, tolist, bool) waits for the device; inside the
+    micro-batch loop it would keep the next micro-batch from being queued. The update's reads do not grow with its
+    micro-batches, and its metrics are the same however the step is split."""
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    reads = []  # the project's own reads (transformers' sdpa mask check reads one per forward: its own, left alone)
+
+    def counted(real):
+        def read(self, *args):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(root) and "/tests/" not in caller:
+                reads.append(caller)
+            return real(self, *args)
+        return read
+    for name in ("item", "tolist", "__float__", "__bool__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
+    eps = _episodes([1, 0, 1, 0, 0, 1, 1, 0])
+    counts, outs = [], []
+    for micro in (8, 1):
+        reads.clear()
+        outs.append(_one_step(eps, micro_batch_size=micro)[1])
+        counts.append(len(reads))
+    assert counts[0] == counts[1] > 0, counts  # 1 micro-batch or 8
+    assert outs[0].keys() == outs[1].keys()
+    for k in outs[0]:
+        assert outs[0][k] == pytest.approx(outs[1][k], rel=1e-5, abs=1e-7), k
 
 
 def test_every_metric_the_loss_returns_is_named_in_metrics():

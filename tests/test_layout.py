@@ -42,7 +42,7 @@ ALLOWED = {  # module -> the project modules it may import
     "memory": {"cli"},
     "engine": set(),
     "metrics": set(),
-    "checkpoints": {"cli", "shard", "lora"},
+    "checkpoints": {"cli", "shard", "lora", "memory"},
     "rundir": {"cli", "checkpoints"},
     "deadlines": {"envs"},
     "batched_rollout": {"envs", "muarl", "rollout", "engine", "models", "cli", "deadlines"},

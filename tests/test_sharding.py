@@ -64,10 +64,14 @@ def test_fsdp2_gradients_equal_one_process(tmp_path):
 
 @pytest.mark.versions
 def test_fsdp2_rollout_with_unequal_steps_then_a_training_step(tmp_path):
-    """Inside shard.full_weights the two processes decode different numbers of steps (different per-turn caps) and
-    finish, with the unsharded model's greedy tokens; grpo.train_on_episodes after it (FSDP2, no no_sync, sharded
-    reference) gives the one-process loss, gradient norm and clipped update on both processes' episodes."""
-    check_rollout_then_train(run_worker("rollout", tmp_path, 29543))
+    """Inside shard.full_weights the two processes decode different numbers of steps (different per-turn caps), with
+    plain tensors through no FSDP hook, and finish, with the unsharded model's greedy tokens; grpo.train_on_episodes
+    after it (FSDP2, no no_sync, sharded reference) gives the one-process loss, gradient norm and clipped update on
+    both processes' episodes."""
+    r = run_worker("rollout", tmp_path, 29543)
+    # decoded by a model without FSDP's hooks (shard.plain_twin): one forward through the units, full_weights' first
+    assert r["plain_decoder"] and r["fsdp_forwards"] == 1, r
+    check_rollout_then_train(r)
 
 
 @pytest.mark.versions
@@ -75,9 +79,26 @@ def test_fsdp2_with_checkpointing_and_two_updates_a_batch_equals_one_process(tmp
     """What a GPU run configures besides, under Accelerate's unit layout: gradient checkpointing on the sharded policy
     and --updates-per-batch 2 (old log-probs scored once, two clipped steps), two micro-batches a process; the mean
     loss, mean gradient norm and the weights after both steps equal one process's."""
-    r = run_worker("recipe", tmp_path, 29545)
+    r = run_worker("recipe", tmp_path, 29561)
     assert r["checkpointing"]
     check_rollout_then_train(r)
+
+
+@pytest.mark.versions
+def test_fsdp2_checkpoints_are_written_by_every_process_and_gathered_on_the_writer_only(tmp_path):
+    """Under FSDP2, save_state writes each process's shards of the weights and AdamW moments
+    (torch.distributed.checkpoint, whatever the accelerate config's state_dict_type), which load back exactly into a
+    fresh sharded model and optimizer; the model directory's full weights are gathered on the main process only (the
+    other gets nothing). Accelerate's own save and load functions, with the plugin cli.sharded_checkpoints sets."""
+    main, other = run_worker("checkpoint", tmp_path, 29563)
+    assert main["state_dict_type"] == other["state_dict_type"] == "StateDictType.SHARDED_STATE_DICT"
+    assert main["differed"] and main["weights"] == other["weights"] == 0.0
+    assert main["moments"] == other["moments"] == 0.0
+    assert any(f.startswith("pytorch_model_fsdp_0/") for f in main["files"])
+    assert any(f.startswith("optimizer_0/") for f in main["files"])
+    assert not any(f.endswith(".bin") for f in main["files"])  # no full state dict saved by one process
+    assert len(main["whole"]) == main["params"] and other["whole"] == {}
+    assert all(dev == "cpu" and diff == 0.0 for _, dev, diff in main["whole"].values())
 
 
 def check_rollout_then_train(r):
@@ -211,18 +232,23 @@ def test_prefill_activations_are_in_the_rollout_peak(tiny_lm):
         assert b["prefill"] == 12345 and b["rollout_peak"] == a["rollout_peak"] + 12345
 
 
-@pytest.mark.versions
-def test_full_weights_reads_the_fsdp2_fields_of_torch_2_11_and_2_13():
-    """shard.full_weights restores each FSDP2 param group's post-forward setting; torch 2.13 keeps the groups in a
-    list (_fsdp_param_groups), torch 2.11 one optional group (_fsdp_param_group): the first GPU run (torch 2.11)
-    stopped on a check written for 2.13 only."""
-    from types import SimpleNamespace
+def test_an_evaluation_on_a_gpu_decodes_as_many_episodes_as_fit():
+    """eval.py --rollout-batch 0 on a GPU: the most episodes whose estimated peak fits the GPU decode at once (the
+    documented `--trials 4` on tau2 retail, 160 episodes of Qwen3-8B at 32k on one 80 GB GPU, was refused before)."""
+    from transformers import Qwen3Config
 
-    g = SimpleNamespace(post_forward_mesh_info=None)
-    assert shard._param_groups(SimpleNamespace(_fsdp_param_groups=[g])) == [g]
-    assert shard._param_groups(SimpleNamespace(_fsdp_param_group=g)) == [g]
-    assert shard._param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
-    assert shard._param_groups(SimpleNamespace()) is None
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+    gpu, kv = 80 * 2**30, memory.kv_bytes_per_token(cfg, True)
+    n = memory.fitting_batch(cfg, live=160, device_bytes=gpu, bf16=True, max_context=32768, prefill_tokens=8192)
+
+    def peak(episodes):
+        return memory.memory_estimate(memory.count_params(cfg), bf16=True, reference=False, kv_bytes_per_token=kv,
+                                      max_context=32768, episodes=episodes, inference=True,
+                                      prefill=memory.prefill_bytes(cfg, True, 8192, 32768))["peak"]
+    assert 1 < n < 160 and peak(n) <= gpu < peak(n + 1), n
+    assert memory.fitting_batch(cfg, live=3, device_bytes=gpu, bf16=True, max_context=32768) == 3  # all fit
+    assert memory.fitting_batch(cfg, live=9, device_bytes=2**30, bf16=True, max_context=32768) == 1  # none: 1
 
 
 def test_kv_bytes_per_token_from_config(tiny_lm):
@@ -313,7 +339,11 @@ def test_sharded_loading_holds_shards_and_one_unit(tiny_lm, monkeypatch, capsys)
     ddp = memory.memory_estimate(n, world=8, sharded=False, bf16=True, reference=True)
     assert fsdp["load_peak"] == 2 * (4 * n // 8) + 4 * unit < fsdp["rollout_peak"]
     assert ddp["load_peak"] == 4 * n + 4 * n + 4 * n  # policy, its DDP buckets, then the reference
-    assert fsdp["host_load"] == ddp["host_load"] == 4 * n == fsdp["host_peak"]
+    assert fsdp["host_load"] == ddp["host_load"] == 4 * n == ddp["host_peak"]
+    # saving: the process that writes the model directory gathers the whole fp32 model when sharded (not under DDP),
+    # and serializes one file of at most 5 GB
+    assert ddp["host_save"] == memory.MODEL_FILE_BYTES and fsdp["host_save"] == 4 * n + memory.MODEL_FILE_BYTES
+    assert fsdp["host_peak"] == fsdp["host_save"]
 
     gpu = torch.device("cuda", 3)
     for fsdp2, stage, where in ((True, None, "cpu"), (False, 3, gpu), (False, 2, gpu), (False, None, gpu)):
@@ -332,6 +362,13 @@ def test_sharded_loading_holds_shards_and_one_unit(tiny_lm, monkeypatch, capsys)
     with pytest.raises(SystemExit, match="loading needs") as e:
         memory.check_memory(tiny_lm.config, **opts)
     assert "host memory per process" in str(e.value) and "3 on this machine" in str(e.value)
+    # one process writes the checkpoint: its gather is not multiplied by the processes, but must fit by itself
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: full * 3 // 2)  # loading fits, the save's gather does not
+    with pytest.raises(SystemExit, match="saving a checkpoint needs") as e:
+        memory.check_memory(tiny_lm.config, **opts)
+    assert "the process that writes it" in str(e.value)
+    memory.check_memory(tiny_lm.config, **{**opts, "sharded": False})  # DDP: nothing gathered, one file serialized
 
 
 @pytest.mark.versions
@@ -381,8 +418,11 @@ def test_deepspeed_rollout_with_unequal_steps_then_a_training_step(tmp_path, sta
     different numbers of steps and finish, with the unsharded model's greedy tokens; the worker's config keeps
     nothing gathered between forwards, so without the gather the processes' decoding collectives mismatch (seen:
     gloo aborts). grpo.train_on_episodes with the engine and a DeepSpeed reference then gives the one-process
-    loss, clipped gradient norm and SGD update."""
-    check_rollout_then_train(run_deepspeed("rollout", stage, tmp_path, 29551 + stage))
+    loss, clipped gradient norm and SGD update. The checkpoint's fp32 weights are then whole on the main process
+    only (shard.full_state_dict)."""
+    r = run_deepspeed("rollout", stage, tmp_path, 29551 + stage)
+    assert r["state_held"][0] > 0 and r["state_held"][1] == 0, r["state_held"]
+    check_rollout_then_train(r)
 
 
 def test_the_estimate_counts_parameters_under_an_active_zero3_config(tiny_lm):

@@ -446,7 +446,7 @@ def test_eval_rollout_batch_and_memory_estimate(tmp_path, ckpt, capsys):
     est = memory.memory_estimate(1000, bf16=True, kv_bytes_per_token=10, max_context=100, episodes=2, parked=3,
                                 inference=True)
     assert est == {"weights": 2000, "kv_cache": 2000, "prefill": 0, "host_kv_cache": 3000, "rollout_peak": 4000,
-                   "load_peak": 2000, "host_load": 2000, "host_peak": 3000, "peak": 4000}
+                   "load_peak": 2000, "host_load": 2000, "host_save": 0, "host_peak": 3000, "peak": 4000}
 
 
 def test_pretrain_tiny_stops_at_the_copy_target_then_learns_whole_sibling_conversations(tmp_path, monkeypatch):
