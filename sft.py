@@ -52,8 +52,7 @@ class SFT:
     data: str = ""
     """JSONL conversations ({"messages": [...], "tools": [...]}); empty: synthesize them with --teacher"""
     out: str = "runs/sft"
-    """directory the checkpoint is written to (Hugging Face format + tokenizer + this config); an existing one is
-    refused unless --overwrite"""
+    """the checkpoint's directory (Hugging Face format, tokenizer, this config); an existing one needs --overwrite"""
     overwrite: bool = False
     """replace the checkpoint already in --out (and an existing --data-out file); a directory that holds anything but
     a checkpoint's files is refused even so: nothing else is ever deleted"""
@@ -101,8 +100,7 @@ class SFT:
     """conversations per forward/backward pass on one process"""
     max_len: Annotated[int, Range("[0, inf)")] = 0
     """conversations longer than this many tokens are skipped (and counted), never cut; 0: the model's context
-    (max_position_embeddings), so every conversation the model can read is kept (a tau2 retail opening alone
-    is ~4.7k)"""
+    (max_position_embeddings), so every conversation the model can read is kept (a tau2 retail opening: ~4.7k)"""
     weight_decay: Annotated[float, Range("[0, inf)")] = 0.0
     """AdamW weight decay"""
     grad_clip: Annotated[float, Range("(0, inf)")] = 1.0
@@ -135,9 +133,8 @@ def lr_lambda(warmup: int, total: int, floor: float = 0.1):
 
 def fit(acc, model, opt, sched, data, steps: int, batch_size: int, micro_batch_size: int, pad_id: int,
         seed: int, grad_clip: float, tag: str, log_every: int = 10) -> float:
-    """`steps` optimizer steps of `batch_size` sequences drawn in seeded epochs: token-mean NLL of the masked
-    tokens, one normalizer per step over all micro-batches and processes (docs/invariants.md, 3). Returns the
-    mean loss."""
+    """`steps` optimizer steps of `batch_size` sequences drawn in seeded epochs: token-mean NLL of the masked tokens,
+    one normalizer per step over all micro-batches and processes (docs/invariants.md, 3). Returns the mean loss."""
     rng, order, t0 = random.Random(seed), [], time.time()
     run_loss = torch.zeros((), device=acc.device)
     model.train()
@@ -203,8 +200,7 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None, record: d
     check_batch(cfg.batch_size, acc.num_processes)
     models.seed_everything(cfg.seed)
     # fp32 master weights, as grpo.main keeps the policy's; --bf16 runs the passes under autocast (fit). AdamW on
-    # bf16 weights rounds a step of lr 5e-6 away for most weights (docs/gpus.md). The checkpoint is saved in fp32
-    # too: rounding it to bf16 would drop those small updates all the same.
+    # bf16 weights rounds a step of lr 5e-6 away for most weights (docs/gpus.md); the checkpoint stays fp32 too.
     # Under FSDP2 loaded in host memory and sharded onto the GPUs by acc.prepare (shard.load_device). With LoRA the
     # frozen model is in the compute dtype, the adapters in fp32 (lora.add_adapters).
     compute = torch.bfloat16 if cfg.bf16 else torch.float32
@@ -246,8 +242,7 @@ def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_co
     does, from conversations of the scripted teacher on the training split (skipping confirmations in `skips_confirm`
     of them, never asking where a refund goes in `skips_refund`), fine-tuning its pretrained base (`pretrain_tiny`).
     Cached under MUARL_CACHE, keyed by the settings, the base's weights and the code that makes it (`cache_key`)."""
-    # Same precision as the GRPO run: Accelerate keeps one process-wide state, so the SFT inside that process cannot
-    # ask for another mixed precision.
+    # The GRPO run's precision: Accelerate keeps one process-wide state, so an SFT inside it cannot ask for another.
     cfg = SFTConfig(model=model, env=env, split=split, seed=seed, bf16=bf16, teacher_skips_confirm=skips_confirm,
                     teacher_skips_refund=skips_refund)
     base = pretrain_tiny(SFTConfig(bf16=bf16)) if model == "tiny" else model
