@@ -61,7 +61,8 @@ class UserOptions:
     user_base_url: str = ""
     """OpenAI-compatible endpoint of the user simulator (default: OPENAI_BASE_URL); key from OPENAI_API_KEY"""
     user_concurrency: Annotated[int, Range("[1, inf)")] = 64
-    """requests in flight to the user-simulator endpoint"""
+    """requests in flight to the user-simulator endpoint, over all processes: each process keeps ceil(N / processes)
+    of them (at least 1), printed at start when there are several"""
     user_timeout: Annotated[float, TIMEOUTS] = 60.0
     """seconds the user simulator's endpoint has to answer one request, the whole reply read, before it is retried"""
     user_retries: Annotated[int, Range("[0, inf)")] = 5

@@ -119,7 +119,6 @@ class SFT:
 class SFTConfig(AttentionOptions, LoraOptions, UserOptions, SFT):
     """Cold-start SFT on multi-turn tool-use conversations."""
     user_concurrency: int = 8
-    """requests in flight to the user-simulator endpoint"""
 
 
 def lr_lambda(warmup: int, total: int, floor: float = 0.1):
