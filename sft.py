@@ -367,6 +367,7 @@ def pretrain_tiny(cfg: SFTConfig, committed: bool = True) -> Path:
 
 
 def main(argv=None):
+    cli.cuda_allocator_defaults()  # before CUDA starts: expandable segments, unless the user set the allocator
     cfg = cli.parse_config(SFTConfig, argv, description=__doc__.split("\n\n")[0], program="sft.py")
     check_user_sim(cfg, "sft.py")
     if cfg.pretrain_only:

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import cli
 import eval as evaluation
 import grpo
 import sft
@@ -33,3 +34,49 @@ def test_user_concurrency_is_shared_by_the_processes(monkeypatch, capsys):
     for config in (sft.SFTConfig(user_sim="openai", user_concurrency=10),
                    evaluation.EvalConfig(user_sim="openai", user_concurrency=10)):
         assert user_sim_options(config)["max_concurrency"] == 3
+
+
+# ---- expandable segments unless the user set the allocator ----
+ALLOCATOR = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+
+
+@pytest.fixture
+def cuda_build(monkeypatch):
+    """A CUDA build of torch whose CUDA is not started yet, with no allocator setting (restored after the test)."""
+    for name in ALLOCATOR:
+        monkeypatch.setenv(name, "")  # recorded, so that whatever the test sets is undone
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+
+
+def test_cuda_allocator_gets_expandable_segments_unless_the_user_set_it(cuda_build, monkeypatch):
+    assert cli.cuda_allocator_defaults() == "expandable_segments:True"
+    assert os.environ["PYTORCH_ALLOC_CONF"] == os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    for name in ALLOCATOR:  # a user's setting, under any of the names torch reads, is left exactly as it is
+        for other in ALLOCATOR:
+            monkeypatch.delenv(other, raising=False)
+        monkeypatch.setenv(name, "max_split_size_mb:128")
+        assert cli.cuda_allocator_defaults() is None
+        assert {n: os.environ.get(n) for n in ALLOCATOR} == {n: "max_split_size_mb:128" if n == name else None
+                                                              for n in ALLOCATOR}
+    for name in ALLOCATOR:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # too late: the allocator has read it
+    assert cli.cuda_allocator_defaults() is None and "PYTORCH_ALLOC_CONF" not in os.environ
+    monkeypatch.setattr(torch.version, "cuda", None)  # a CPU build
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert cli.cuda_allocator_defaults() is None and "PYTORCH_ALLOC_CONF" not in os.environ
+
+
+@pytest.mark.parametrize("main", [grpo.main, sft.main, evaluation.main])
+def test_every_entry_point_sets_the_allocator_first(main, monkeypatch):
+    class Called(Exception):
+        pass
+
+    def first(*args):
+        raise Called
+
+    monkeypatch.setattr(cli, "cuda_allocator_defaults", first)
+    with pytest.raises(Called):  # before the options are even parsed, so before anything can start CUDA
+        main(["--no-such-option"])
