@@ -41,7 +41,7 @@ from envs import make_env
 from envs.shop_tasks import GOODS, SIBLINGS, relabel_goods
 from logprobs import token_logprobs
 from muarl import collate
-from options import AttentionOptions, LoraOptions, UserOptions, check_user_sim
+from options import AttentionOptions, LoraOptions, UserOptions, check_activation_checkpointing, check_user_sim
 
 
 @dataclass
@@ -168,9 +168,10 @@ def fit(acc, model, opt, sched, data, steps: int, batch_size: int, micro_batch_s
     return acc.reduce(run_loss, reduction="sum").item() / max(1, steps)
 
 
-def check_backend(acc) -> None:
-    """Refuse at start what the loop does not implement (FSDP1, ZeRO-1, ...), as grpo.py does."""
+def check_backend(acc, gradient_checkpointing: bool = False) -> None:
+    """Refuse at start what the loop does not implement (FSDP1, ZeRO-1, ...) and two activation checkpointings."""
     shard.check_accelerator(acc, program="sft.py")
+    check_activation_checkpointing(acc, gradient_checkpointing, "sft.py")
 
 
 def check_lora(cfg: SFTConfig, acc=None) -> None:
@@ -194,7 +195,7 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None, record: d
     """Fine-tune on the conversations; returns the checkpoint directory. 'tiny' starts from its pretrained base."""
     start = str(pretrain_tiny(SFTConfig(bf16=cfg.bf16))) if cfg.model == "tiny" else cfg.model  # the default base
     acc = accelerator or cli.make_accelerator(cfg.dist_timeout, mixed_precision="bf16" if cfg.bf16 else "no")
-    check_backend(acc)
+    check_backend(acc, cfg.gradient_checkpointing)
     check_lora(cfg, acc)
     check_batch(cfg.batch_size, acc.num_processes)
     models.seed_everything(cfg.seed)

@@ -13,6 +13,8 @@ import eval as evaluation
 import grpo
 import sft
 from batched_rollout import make_user_sim, user_concurrency_share, user_sim_options
+from fake_env import choice_conversation
+from options import check_activation_checkpointing
 
 
 # ---- --user-concurrency is the total over all processes ----
@@ -80,3 +82,33 @@ def test_every_entry_point_sets_the_allocator_first(main, monkeypatch):
     monkeypatch.setattr(cli, "cuda_allocator_defaults", first)
     with pytest.raises(Called):  # before the options are even parsed, so before anything can start CUDA
         main(["--no-such-option"])
+
+
+# ---- FSDP's activation checkpointing and --gradient-checkpointing: one of them ----
+def fake_accelerator(fsdp=None, device="cpu"):
+    return SimpleNamespace(distributed_type="FSDP" if fsdp else "NO", num_processes=1, process_index=0,
+                           device=torch.device(device), state=SimpleNamespace(fsdp_plugin=fsdp, deepspeed_plugin=None))
+
+
+def test_two_activation_checkpointings_are_refused_at_start(tmp_path, ckpt, monkeypatch):
+    both = fake_accelerator(SimpleNamespace(fsdp_version=2, activation_checkpointing=True))
+    for program in ("grpo.py", "sft.py"):
+        with pytest.raises(SystemExit) as e:
+            check_activation_checkpointing(both, True, program)
+        message = str(e.value)
+        assert message.startswith(f"{program}: --gradient-checkpointing with FSDP's activation checkpointing")
+        assert "fsdp_activation_checkpointing" in message and "\n" not in message
+    check_activation_checkpointing(both, False, "grpo.py")  # FSDP's alone
+    check_activation_checkpointing(fake_accelerator(SimpleNamespace(fsdp_version=2, activation_checkpointing=False)),
+                                   True, "grpo.py")  # muarl's alone
+    check_activation_checkpointing(fake_accelerator(), True, "sft.py")  # no FSDP: no plugin
+    with pytest.raises(SystemExit, match="sft.py: --gradient-checkpointing with FSDP"):
+        sft.check_backend(both, gradient_checkpointing=True)
+    sft.check_backend(both)
+    with pytest.raises(SystemExit, match="sft.py: --gradient-checkpointing with FSDP"):  # sft.train checks it
+        sft.train(sft.SFTConfig(model=str(ckpt), out=str(tmp_path / "sft"), gradient_checkpointing=True),
+                  [choice_conversation("left")] * 2, accelerator=both)
+    monkeypatch.setattr(cli, "make_accelerator", lambda *a, **k: both)  # grpo.py checks it in pipeline.set_up
+    args = ["--init-from", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--out-dir", str(tmp_path / "run")]
+    with pytest.raises(SystemExit, match="grpo.py: --gradient-checkpointing with FSDP"):
+        grpo.main([*args, "--gradient-checkpointing"])
