@@ -32,6 +32,7 @@ import torch
 import checkpoints
 import cli
 import lora
+import memory
 import models
 import shard
 from cli import SEEDS, TIMEOUTS, Range
@@ -113,6 +114,8 @@ class SFT:
     """seed for data order, initialization of 'tiny' and the teacher's episodes"""
     dist_timeout: Annotated[float, TIMEOUTS] = 7200.0
     """seconds a process waits for the others at a collective before it stops (NCCL's default: 10 minutes)"""
+    memory_check: bool = True
+    """on a GPU, stop at start when the estimated memory (printed: weights, gradients, AdamW state) exceeds it"""
 
 
 @dataclass
@@ -198,6 +201,7 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None, record: d
     check_backend(acc, cfg.gradient_checkpointing)
     check_lora(cfg, acc)
     check_batch(cfg.batch_size, acc.num_processes)
+    memory.check_training(start, cfg, world=acc.num_processes, sharded=shard.shards_weights(acc), device=acc.device)
     models.seed_everything(cfg.seed)
     # fp32 master weights, as grpo.main keeps the policy's; --bf16 runs the passes under autocast (fit). AdamW on
     # bf16 weights rounds a step of lr 5e-6 away for most weights (docs/gpus.md); the checkpoint stays fp32 too.

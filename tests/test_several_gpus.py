@@ -11,6 +11,7 @@ import torch
 import cli
 import eval as evaluation
 import grpo
+import memory
 import sft
 from batched_rollout import make_user_sim, user_concurrency_share, user_sim_options
 from fake_env import choice_conversation
@@ -112,3 +113,86 @@ def test_two_activation_checkpointings_are_refused_at_start(tmp_path, ckpt, monk
     args = ["--init-from", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--out-dir", str(tmp_path / "run")]
     with pytest.raises(SystemExit, match="grpo.py: --gradient-checkpointing with FSDP"):
         grpo.main([*args, "--gradient-checkpointing"])
+
+
+# ---- sft.py's memory estimate at start ----
+def estimate(out: str) -> dict:
+    """The estimate line's figures, in MiB."""
+    line = next(x for x in out.splitlines() if x.startswith("[sft] estimated memory per GPU"))
+    return {k: float(v) * (1024 if unit == "GiB" else 1) for k, v, unit in
+            re.findall(r"(\w+) ([\d.]+) (MiB|GiB)", line)}
+
+
+def test_sft_prints_its_memory_estimate_with_no_rollout(tmp_path, ckpt, capsys):
+    data = [choice_conversation("left")] * 2
+    sft.train(sft.SFTConfig(model=str(ckpt), out=str(tmp_path / "sft"), batch_size=2, micro_batch_size=2), data)
+    out = capsys.readouterr().out
+    assert "[sft] estimated memory per GPU (one process)" in out
+    est = estimate(out)
+    assert est["kv_cache"] == est["reference"] == est["prefill"] == est["host_kv_cache"] == 0
+    assert est["master_weights"] > 0 and est["optimizer"] == pytest.approx(2 * est["master_weights"], abs=0.2)
+    assert (tmp_path / "sft" / "model.safetensors").exists()  # and it trained on
+
+
+def test_sft_stops_on_a_gpu_it_cannot_fit_before_loading(tmp_path, ckpt, monkeypatch, capsys):
+    class Loaded(Exception):
+        pass
+
+    def load_model(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(sft.models, "load_model", load_model)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**16))
+    gpu, data = fake_accelerator(device="cuda:0"), [choice_conversation("left")] * 2
+    cfg = sft.SFTConfig(model=str(ckpt), out=str(tmp_path / "sft"), batch_size=2, lora_rank=4)
+    with pytest.raises(SystemExit) as e:
+        sft.train(cfg, data, accelerator=gpu)
+    message = str(e.value)
+    assert message.startswith("sft.py: the estimated training peak") and "exceeds this GPU's 0.1 MiB" in message
+    assert "--lora-rank" in message and "--no-memory-check" in message and "--rollout-batch" not in message
+    assert "LoRA adapters of" in capsys.readouterr().out
+    cfg.memory_check = False  # --no-memory-check: printed, then loaded
+    with pytest.raises(Loaded):
+        sft.train(cfg, data, accelerator=gpu)
+    assert "[sft] estimated memory per GPU" in capsys.readouterr().out
+    assert "--no-memory-check" in _sft_help(capsys)
+
+
+def test_sft_is_stopped_on_its_training_peaks_not_a_rollouts(ckpt, monkeypatch, capsys):
+    """Sharded SFT gathers one layer at a time and never the whole model, as a rollout does: a GPU that holds the
+    loading and the update is enough, where check_memory (GRPO's, with its rollout) would stop."""
+    cfg = SimpleNamespace(lora_rank=0, bf16=True, memory_check=True)
+    opts = dict(world=8, sharded=True, device="cuda:0")
+    gpu = SimpleNamespace(total_memory=2**40)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: gpu)
+    est = memory.check_training(str(ckpt), cfg, **opts)
+    training = max(est["load_peak"], est["update_peak"])
+    assert training < est["rollout_peak"] == est["peak"]
+    gpu.total_memory = (training + est["peak"]) // 2
+    memory.check_training(str(ckpt), cfg, **opts)
+    with pytest.raises(SystemExit):
+        memory.check_memory(memory.read_config(str(ckpt)), bf16=True, reference=False, max_context=0, episodes=0,
+                            **opts)
+    assert "estimated memory per GPU (sharded over 8)" in capsys.readouterr().out
+
+
+def _sft_help(capsys) -> str:
+    with pytest.raises(SystemExit):
+        sft.main(["--help"])
+    return capsys.readouterr().out
+
+
+def test_sft_estimate_for_qwen3_8b_full_fine_tuning():
+    """The figures docs/gpus.md gives: Qwen3-8B's shape (nothing downloaded), bf16, 8 GPUs. Under DDP every GPU holds
+    the fp32 weights, gradients (twice: DDP's buckets) and AdamW state, far past 80 GB; FSDP2 divides them by 8."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+    n, unit = memory.count_params(config), memory.largest_unit(memory.meta_model(config))
+    ddp = memory.memory_estimate(n, world=8, bf16=True, reference=False)
+    fsdp = memory.memory_estimate(n, world=8, sharded=True, bf16=True, reference=False, unit=unit)
+    ddp_peak, fsdp_peak = (max(e["load_peak"], e["update_peak"]) for e in (ddp, fsdp))  # memory.check_training's
+    print(f"Qwen3-8B SFT on 8 GPUs: DDP {memory.gib(ddp_peak)}, FSDP2 {memory.gib(fsdp_peak)}")
+    assert ddp["reference"] == ddp["kv_cache"] == 0
+    assert ddp_peak > 150 * 2**30 and fsdp_peak < 20 * 2**30
