@@ -38,6 +38,7 @@ import asyncio
 import concurrent.futures
 import hashlib
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -377,10 +378,22 @@ def make_user_sim(name: str, **options) -> UserSim:
     return sims[name](**options) if name == "scripted" else DataUserSim(sims[name](**options))
 
 
-def user_sim_options(cfg) -> dict:
-    """Options of the user simulator named by cfg.user_sim, from the user_* fields of an entry point's config."""
+def user_concurrency_share(total: int, processes: int) -> int:
+    """One process's share of --user-concurrency, which counts the requests of all processes: every process talks
+    to the same endpoint, and 8 processes of 64 each would keep 512 in flight."""
+    return max(1, -(-total // max(1, processes)))
+
+
+def user_sim_options(cfg, processes: int | None = None) -> dict:
+    """Options of the user simulator named by cfg.user_sim, from the user_* fields of an entry point's config;
+    `processes` (default: WORLD_SIZE, set by torchrun and accelerate launch) share --user-concurrency."""
     if cfg.user_sim == "openai":
-        return dict(model=cfg.user_model, base_url=cfg.user_base_url or None, max_concurrency=cfg.user_concurrency,
+        processes = processes or int(os.environ.get("WORLD_SIZE", "1"))
+        share = user_concurrency_share(cfg.user_concurrency, processes)
+        if processes > 1:
+            cli.main_print(f"[user] --user-concurrency {cfg.user_concurrency} over {processes} processes: {share} "
+                           "requests in flight per process")
+        return dict(model=cfg.user_model, base_url=cfg.user_base_url or None, max_concurrency=share,
                     timeout=cfg.user_timeout, max_retries=cfg.user_retries)
     if cfg.user_sim == "hf":
         return dict(model=cfg.user_model)

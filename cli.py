@@ -242,6 +242,23 @@ def fsdp2_plugin(mixed_precision: str):
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
 
 
+ALLOC_CONF = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch >= 2.9 reads the first, older ones the second
+
+
+def cuda_allocator_defaults() -> str | None:
+    """At an entry point's start, before CUDA is initialized: CUDA's caching allocator with expandable segments, so
+    that the KV caches of varying size that come and go every turn (and the parked ones coming back) do not fragment
+    GPU memory into blocks too small to reuse. A setting of the user's (either name, or ROCm's
+    PYTORCH_HIP_ALLOC_CONF) is left exactly as it is. Returns what was set (None: nothing)."""
+    if torch.version.cuda is None or torch.cuda.is_initialized():  # no CUDA build, or too late to take effect
+        return None
+    if any(name in os.environ for name in (*ALLOC_CONF, "PYTORCH_HIP_ALLOC_CONF")):
+        return None
+    for name in ALLOC_CONF:
+        os.environ[name] = "expandable_segments:True"
+    return "expandable_segments:True"
+
+
 def main_print(*args) -> None:
     """print on the main process only (before an Accelerator exists, from torchrun's RANK)."""
     if int(os.environ.get("RANK", "0")) == 0:

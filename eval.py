@@ -298,6 +298,7 @@ def compare(a: str, b: str) -> str:
 
 
 def main(argv=None):
+    cli.cuda_allocator_defaults()  # before CUDA starts: expandable segments, unless the user set the allocator
     import torch
     from accelerate.utils import gather_object
 

@@ -191,6 +191,7 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
 
 def main(argv=None):
     """The paper's pipeline, phase by phase. Ctrl-C, SIGTERM or SIGHUP save what finished and stop (rundir.stops)."""
+    cli.cuda_allocator_defaults()  # before CUDA starts: expandable segments, unless the user set the allocator
     cfg, resume_from, changes = rundir.options(Config, argv, pipeline.RECIPES)
     if rundir.finished(cfg, resume_from):  # nothing left to do, nothing rewritten
         return None

@@ -1,8 +1,8 @@
 """memory.py: the memory a run needs, estimated before the weights load. A pure function by what holds the bytes
 (memory_estimate: per GPU and per machine, for DDP or a sharded backend over N GPUs, with or without LoRA, for
 training or evaluation), the model shapes it reads from a config without loading weights, and check_memory, which
-prints the estimate at start and stops on a GPU it cannot fit. bench/gpu.py's kv_peak holds it to a real peak
-(bench/README.md).
+prints the estimate at start and stops on a GPU it cannot fit (check_training: sft.py's, with no rollout).
+bench/gpu.py's kv_peak holds it to a real peak (bench/README.md).
 """
 from __future__ import annotations
 
@@ -227,6 +227,46 @@ def fitting_batch(config, *, live: int, device_bytes: int, bf16: bool, max_conte
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if peak(mid) <= device_bytes else (lo, mid - 1)
     return lo
+
+
+def check_training(start: str, cfg, *, world: int, sharded: bool, device, program: str = "sft.py") -> dict | None:
+    """sft.py's estimate at start, before the weights load: training with no rollout, so no reference, no KV cache,
+    no prefill (episodes 0), the adapters' parameters with --lora-rank. Printed by check_memory; stopped here on
+    the training peaks (loading, the update), not check_memory's `peak`: its rollout term holds the whole model
+    gathered under FSDP2, which SFT never does (it gathers one layer at a time), and its advice names GRPO's options.
+    None when the start's config cannot be read before loading (smollm2-135m, a name only muarl knows)."""
+    import lora
+
+    config = read_config(lora.base_chain(start)[-1])  # adapters: the model at the chain's root
+    if config is None:
+        return None
+    adapters = 0
+    if cfg.lora_rank:  # a target that matches nothing stops here, before the weights load
+        shapes = meta_model(config)
+        lora.check_targets(shapes, cfg.lora_target_modules, program)
+        adapters = lora.adapter_params(shapes, cfg.lora_rank, cfg.lora_target_modules)
+    est = check_memory(config, world=world, sharded=sharded, bf16=cfg.bf16, reference=False, max_context=0,
+                       episodes=0, device=device, check=False, program=program, lora=adapters)
+    if not cfg.memory_check or torch.device(device).type != "cuda":
+        return est
+    local, host = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), host_memory_bytes()
+    if host and est["host_load"] * local > host:
+        raise SystemExit(f"{program}: loading needs an estimated {gib(est['host_load'])} of host memory per process, "
+                         f"{gib(est['host_load'] * local)} for the {local} on this machine, more than its {gib(host)}. "
+                         "Run fewer processes per machine or a smaller model; --no-memory-check runs anyway.")
+    if host and est["host_save"] > host:
+        raise SystemExit(f"{program}: saving the model needs an estimated {gib(est['host_save'])} of host memory on "
+                         f"the process that writes it (gathered in fp32), more than this machine's {gib(host)}; "
+                         "--no-memory-check runs anyway.")
+    peak, have = max(est["load_peak"], est["update_peak"]), torch.cuda.get_device_properties(device).total_memory
+    if peak > have:
+        backend = f"sharded over {world}" if sharded else ("DDP" if world > 1 else "one process")
+        fix = ("lower --lora-rank or use a smaller model (LoRA runs on one GPU or DDP, each holding the whole base)"
+               if adapters else "add GPUs, shard with FSDP2 (fsdp_version 2) or train LoRA adapters on a frozen base "
+               "(--lora-rank, e.g. 64)")
+        raise SystemExit(f"{program}: the estimated training peak of {gib(peak)} per GPU (weights, gradients, AdamW "
+                         f"state) exceeds this GPU's {gib(have)} ({backend}): {fix}; --no-memory-check runs anyway")
+    return est
 
 
 def kv_bytes_per_token(config, bf16: bool) -> int:

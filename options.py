@@ -1,7 +1,7 @@
 """options.py: the option groups of the entry points, each defined once: how the agent samples (grpo.py, eval.py),
 the simulated user (grpo.py, sft.py, eval.py), LoRA adapters (grpo.py, sft.py), and grpo.py's start and run options
 (pipeline.py reads them; the algorithm's own are grpo.Algorithm), with `validate`, the check of grpo.py's options
-at start. An entry point's config
+at start, and the checks grpo.py and sft.py share. An entry point's config
 dataclass inherits the groups it needs; `cli.parse_config` lists each group under its own header in --help, and a
 subclass may give a field another default (grpo.py samples the tiny model at 0.7; eval.py's user is GPT-4.1).
 """
@@ -41,6 +41,18 @@ class SamplingOptions:
     by the memory estimate); bounds GPU memory: on a GPU the other episodes' KV caches wait in host memory"""
 
 
+def check_activation_checkpointing(acc, gradient_checkpointing: bool, program: str) -> None:
+    """--gradient-checkpointing and FSDP's own activation checkpointing (`accelerate config`:
+    fsdp_activation_checkpointing, read from FSDP_ACTIVATION_CHECKPOINTING into the FSDP plugin) would both wrap every
+    layer: each recomputed twice in the backward pass. Refused at start, naming both."""
+    fsdp = getattr(acc.state, "fsdp_plugin", None)  # set only under FSDP
+    if gradient_checkpointing and getattr(fsdp, "activation_checkpointing", False):
+        raise SystemExit(f"{program}: --gradient-checkpointing with FSDP's activation checkpointing (accelerate "
+                         "config: fsdp_activation_checkpointing: true) recomputes every layer twice: keep one, "
+                         "preferably --gradient-checkpointing, the one muarl tests (fsdp_activation_checkpointing: "
+                         "false), or drop it (--no-gradient-checkpointing)")
+
+
 USER_SIMS = ("scripted", "openai", "hf")
 
 
@@ -61,7 +73,8 @@ class UserOptions:
     user_base_url: str = ""
     """OpenAI-compatible endpoint of the user simulator (default: OPENAI_BASE_URL); key from OPENAI_API_KEY"""
     user_concurrency: Annotated[int, Range("[1, inf)")] = 64
-    """requests in flight to the user-simulator endpoint"""
+    """requests in flight to the user-simulator endpoint, over all processes: each process keeps ceil(N / processes)
+    of them (at least 1), printed at start when there are several"""
     user_timeout: Annotated[float, TIMEOUTS] = 60.0
     """seconds the user simulator's endpoint has to answer one request, the whole reply read, before it is retried"""
     user_retries: Annotated[int, Range("[0, inf)")] = 5

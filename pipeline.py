@@ -24,7 +24,7 @@ import muarl
 import rundir
 import shard
 from logprobs import token_logprobs
-from options import validate
+from options import check_activation_checkpointing, validate
 
 
 RECIPES = {
@@ -94,6 +94,7 @@ def set_up(cfg, resume_from: Path | None, changes: dict) -> SimpleNamespace:
     acc = cli.make_accelerator(cfg.dist_timeout, mixed_precision="bf16" if cfg.bf16 else "no")
     validate(cfg, acc.num_processes)
     shard.check_accelerator(acc)
+    check_activation_checkpointing(acc, cfg.gradient_checkpointing, "grpo.py")
     if cfg.lora_rank:
         lora.check_backend(acc)
     models.seed_everything(cfg.seed)

@@ -32,6 +32,7 @@ import torch
 import checkpoints
 import cli
 import lora
+import memory
 import models
 import shard
 from cli import SEEDS, TIMEOUTS, Range
@@ -41,7 +42,7 @@ from envs import make_env
 from envs.shop_tasks import GOODS, SIBLINGS, relabel_goods
 from logprobs import token_logprobs
 from muarl import collate
-from options import AttentionOptions, LoraOptions, UserOptions, check_user_sim
+from options import AttentionOptions, LoraOptions, UserOptions, check_activation_checkpointing, check_user_sim
 
 
 @dataclass
@@ -52,8 +53,7 @@ class SFT:
     data: str = ""
     """JSONL conversations ({"messages": [...], "tools": [...]}); empty: synthesize them with --teacher"""
     out: str = "runs/sft"
-    """directory the checkpoint is written to (Hugging Face format + tokenizer + this config); an existing one is
-    refused unless --overwrite"""
+    """the checkpoint's directory (Hugging Face format, tokenizer, this config); an existing one needs --overwrite"""
     overwrite: bool = False
     """replace the checkpoint already in --out (and an existing --data-out file); a directory that holds anything but
     a checkpoint's files is refused even so: nothing else is ever deleted"""
@@ -101,8 +101,7 @@ class SFT:
     """conversations per forward/backward pass on one process"""
     max_len: Annotated[int, Range("[0, inf)")] = 0
     """conversations longer than this many tokens are skipped (and counted), never cut; 0: the model's context
-    (max_position_embeddings), so every conversation the model can read is kept (a tau2 retail opening alone
-    is ~4.7k)"""
+    (max_position_embeddings), so every conversation the model can read is kept (a tau2 retail opening: ~4.7k)"""
     weight_decay: Annotated[float, Range("[0, inf)")] = 0.0
     """AdamW weight decay"""
     grad_clip: Annotated[float, Range("(0, inf)")] = 1.0
@@ -115,13 +114,14 @@ class SFT:
     """seed for data order, initialization of 'tiny' and the teacher's episodes"""
     dist_timeout: Annotated[float, TIMEOUTS] = 7200.0
     """seconds a process waits for the others at a collective before it stops (NCCL's default: 10 minutes)"""
+    memory_check: bool = True
+    """on a GPU, stop at start when the estimated memory (printed: weights, gradients, AdamW state) exceeds it"""
 
 
 @dataclass
 class SFTConfig(AttentionOptions, LoraOptions, UserOptions, SFT):
     """Cold-start SFT on multi-turn tool-use conversations."""
     user_concurrency: int = 8
-    """requests in flight to the user-simulator endpoint"""
 
 
 def lr_lambda(warmup: int, total: int, floor: float = 0.1):
@@ -135,9 +135,8 @@ def lr_lambda(warmup: int, total: int, floor: float = 0.1):
 
 def fit(acc, model, opt, sched, data, steps: int, batch_size: int, micro_batch_size: int, pad_id: int,
         seed: int, grad_clip: float, tag: str, log_every: int = 10) -> float:
-    """`steps` optimizer steps of `batch_size` sequences drawn in seeded epochs: token-mean NLL of the masked
-    tokens, one normalizer per step over all micro-batches and processes (docs/invariants.md, 3). Returns the
-    mean loss."""
+    """`steps` optimizer steps of `batch_size` sequences drawn in seeded epochs: token-mean NLL of the masked tokens,
+    one normalizer per step over all micro-batches and processes (docs/invariants.md, 3). Returns the mean loss."""
     rng, order, t0 = random.Random(seed), [], time.time()
     run_loss = torch.zeros((), device=acc.device)
     model.train()
@@ -172,9 +171,10 @@ def fit(acc, model, opt, sched, data, steps: int, batch_size: int, micro_batch_s
     return acc.reduce(run_loss, reduction="sum").item() / max(1, steps)
 
 
-def check_backend(acc) -> None:
-    """Refuse at start what the loop does not implement (FSDP1, ZeRO-1, ...), as grpo.py does."""
+def check_backend(acc, gradient_checkpointing: bool = False) -> None:
+    """Refuse at start what the loop does not implement (FSDP1, ZeRO-1, ...) and two activation checkpointings."""
     shard.check_accelerator(acc, program="sft.py")
+    check_activation_checkpointing(acc, gradient_checkpointing, "sft.py")
 
 
 def check_lora(cfg: SFTConfig, acc=None) -> None:
@@ -198,13 +198,13 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None, record: d
     """Fine-tune on the conversations; returns the checkpoint directory. 'tiny' starts from its pretrained base."""
     start = str(pretrain_tiny(SFTConfig(bf16=cfg.bf16))) if cfg.model == "tiny" else cfg.model  # the default base
     acc = accelerator or cli.make_accelerator(cfg.dist_timeout, mixed_precision="bf16" if cfg.bf16 else "no")
-    check_backend(acc)
+    check_backend(acc, cfg.gradient_checkpointing)
     check_lora(cfg, acc)
     check_batch(cfg.batch_size, acc.num_processes)
+    memory.check_training(start, cfg, world=acc.num_processes, sharded=shard.shards_weights(acc), device=acc.device)
     models.seed_everything(cfg.seed)
     # fp32 master weights, as grpo.main keeps the policy's; --bf16 runs the passes under autocast (fit). AdamW on
-    # bf16 weights rounds a step of lr 5e-6 away for most weights (docs/gpus.md). The checkpoint is saved in fp32
-    # too: rounding it to bf16 would drop those small updates all the same.
+    # bf16 weights rounds a step of lr 5e-6 away for most weights (docs/gpus.md); the checkpoint stays fp32 too.
     # Under FSDP2 loaded in host memory and sharded onto the GPUs by acc.prepare (shard.load_device). With LoRA the
     # frozen model is in the compute dtype, the adapters in fp32 (lora.add_adapters).
     compute = torch.bfloat16 if cfg.bf16 else torch.float32
@@ -246,8 +246,7 @@ def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_co
     does, from conversations of the scripted teacher on the training split (skipping confirmations in `skips_confirm`
     of them, never asking where a refund goes in `skips_refund`), fine-tuning its pretrained base (`pretrain_tiny`).
     Cached under MUARL_CACHE, keyed by the settings, the base's weights and the code that makes it (`cache_key`)."""
-    # Same precision as the GRPO run: Accelerate keeps one process-wide state, so the SFT inside that process cannot
-    # ask for another mixed precision.
+    # The GRPO run's precision: Accelerate keeps one process-wide state, so an SFT inside it cannot ask for another.
     cfg = SFTConfig(model=model, env=env, split=split, seed=seed, bf16=bf16, teacher_skips_confirm=skips_confirm,
                     teacher_skips_refund=skips_refund)
     base = pretrain_tiny(SFTConfig(bf16=bf16)) if model == "tiny" else model
@@ -373,6 +372,7 @@ def pretrain_tiny(cfg: SFTConfig, committed: bool = True) -> Path:
 
 
 def main(argv=None):
+    cli.cuda_allocator_defaults()  # before CUDA starts: expandable segments, unless the user set the allocator
     cfg = cli.parse_config(SFTConfig, argv, description=__doc__.split("\n\n")[0], program="sft.py")
     check_user_sim(cfg, "sft.py")
     if cfg.pretrain_only:
