@@ -204,12 +204,17 @@ def load(acc, path: Path, tasks_per_step: int, sched) -> int:
         if not rng.exists():  # Accelerate would go on without it: the resume would not be exact
             raise SystemExit(f"grpo.py: --resume: {rng} is missing: the checkpoint is incomplete")
         accelerate_load(rng)  # an unreadable one Accelerate would skip without a word
+        full = (state_dir / "pytorch_model_fsdp.bin").exists()  # an FSDP2 checkpoint saved whole, as before
+        cli.sharded_checkpoints(getattr(acc.state, "fsdp_plugin", None), sharded=not full)
         with tempfile.TemporaryDirectory() as view:
             if any(state_dir.glob("custom_checkpoint_*.pkl")):  # not for Accelerate to unpickle: a view without them
                 for p in state_dir.iterdir():
                     if not p.name.startswith("custom_checkpoint_"):
                         os.symlink(p.resolve(), Path(view) / p.name)
-            acc.load_state(view if any(Path(view).iterdir()) else str(state_dir))
+            try:
+                acc.load_state(view if any(Path(view).iterdir()) else str(state_dir))
+            finally:
+                cli.sharded_checkpoints(getattr(acc.state, "fsdp_plugin", None))  # this run saves sharded
     except pickle.UnpicklingError as e:  # a payload planted in the run directory: refused, never run
         raise SystemExit(f"grpo.py: --resume: {state_dir} holds a file that is not plain saved state, so it was not "
                          f"loaded (it could run code): {str(e).splitlines()[0][:200]}") from None

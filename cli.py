@@ -194,16 +194,16 @@ def make_accelerator(dist_timeout: float | None = None, **kwargs):
     return acc
 
 
-def sharded_checkpoints(fsdp_plugin) -> None:
+def sharded_checkpoints(fsdp_plugin, sharded: bool = True) -> None:
     """Under FSDP2, save_state (a checkpoint's accelerate/) writes each process's shards of the weights and AdamW
-    moments, all processes in parallel (torch.distributed.checkpoint, resumable on another number of GPUs), whatever
-    the accelerate config chose: with its other answer, FULL_STATE_DICT, model and optimizer are gathered to one
-    process (~100 GB of host memory at 8B) and saved by it alone. The model directory is one full gather
-    (shard.full_state_dict)."""
+    moments, all processes in parallel (torch.distributed.checkpoint), whatever the accelerate config chose: with
+    its other answer, FULL_STATE_DICT, model and optimizer are gathered to one process (~100 GB of host memory at
+    8B) and saved by it alone. The model directory is one full gather (shard.full_state_dict). `sharded` False:
+    the full state dict, to read a checkpoint saved that way (checkpoints.load)."""
     if fsdp_plugin is not None and fsdp_plugin.fsdp_version == 2:
-        # the full state dict's configs (rank0_only: broadcast from rank 0) would stay, and torch refuses them sharded
+        # the other kind's configs (rank0_only: broadcast from rank 0) would stay, and torch refuses them sharded
         fsdp_plugin.state_dict_config = fsdp_plugin.optim_state_dict_config = None
-        fsdp_plugin.set_state_dict_type("SHARDED_STATE_DICT")
+        fsdp_plugin.set_state_dict_type("SHARDED_STATE_DICT" if sharded else "FULL_STATE_DICT")
 
 
 def check_report_to(report_to: str, program: str) -> None:

@@ -167,6 +167,8 @@ def accumulate_weight_grad(grad_w, dz, h) -> None:
             torch.addmm(grad_w, dz.t(), h, out_dtype=grad_w.dtype, out=grad_w)
             _FUSED[key] = True
             return
+        except torch.OutOfMemoryError:
+            raise  # not a missing kernel: the fallback would need more memory still
         except (RuntimeError, TypeError, NotImplementedError):  # no such kernel in this torch or on this device
             _FUSED[key] = False
     grad_w += torch.mm(dz.t(), h).float()

@@ -11,17 +11,22 @@ import os
 import torch
 
 MODEL_FILE_BYTES = 5 * 10**9  # the largest weights file of a model directory (checkpoints.save_pretrained)
+# A rollout's real peak over the estimate, measured on an H100 at 8k-32k contexts (bench/README.md, kv_peak: 1.49 to
+# 1.55): allocator slack and attention workspaces the estimate does not count
+ESTIMATE_MISSES = 1.55
 
 
 def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf16: bool = False,
                     reference: bool = True, kv_bytes_per_token: int = 0, max_context: int = 0,
                     episodes: int = 0, parked: int = 0, unit: int = 0, inference: bool = False,
-                    prefill: int = 0, lora: int = 0) -> dict:
+                    prefill: int = 0, lora: int = 0, zero2: bool = False) -> dict:
     """Bytes per GPU, by what holds them, for a policy of n_params parameters trained with AdamW (or, with
     `inference`, only evaluated, as eval.py does: its weights in the compute dtype and the KV cache, nothing else).
 
     sharded: FSDP2 or ZeRO-3 over `world` GPUs (else DDP: each GPU holds everything; ZeRO-3 under bf16 also keeps
-    a bf16 partition, 2 bytes a parameter / N, and its reference in bf16, not counted apart). bf16: compute in bf16
+    a bf16 partition, 2 bytes a parameter / N, and its reference in bf16, not counted apart). zero2: DeepSpeed ZeRO-2
+    over `world` GPUs: the weights whole in the compute dtype (the engine's), the fp32 master weights, gradients and
+    AdamW state / N, the reference whole in the compute dtype (its own stage-0 engine). bf16: compute in bf16
     (master weights stay fp32). kv_bytes_per_token: 2 (keys, values) x layers x kv_heads x head_dim x compute bytes.
     episodes: episodes one process decodes at once in a rollout (each holds its KV cache across turns).
     parked: episodes one process keeps waiting in host memory (--rollout-batch below its episodes, on a GPU).
@@ -57,7 +62,7 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
     Other activations, logits chunks and the allocator's slack are not counted: leave room for them (how much:
     bench/README.md, kv_peak).
     """
-    shards = world if sharded else 1
+    shards = world if (sharded or zero2) else 1
     compute = 2 if bf16 else 4
     kv, host_kv = kv_bytes_per_token * max_context * episodes, kv_bytes_per_token * max_context * parked
     if inference:  # eval.py: each process loads the whole model in the compute dtype and decodes
@@ -66,7 +71,7 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
                "host_load": n_params * compute, "host_save": 0, "host_peak": max(n_params * compute, host_kv)}
         est["peak"] = est["rollout_peak"]
         return est
-    grads = 2 if (not sharded and world > 1) else 1  # DDP keeps its reduction buckets beside param.grad
+    grads = 2 if (not sharded and not zero2 and world > 1) else 1  # DDP keeps its reduction buckets beside .grad
     if lora:  # the frozen base in the compute dtype, everything trained is the adapters' (DDP or one process)
         est = {"weights": n_params * compute, "master_weights": lora * 4, "gradients": grads * lora * 4,
                "optimizer": lora * 8, "reference": 0, "kv_cache": kv, "prefill": prefill, "host_kv_cache": host_kv}
@@ -80,11 +85,11 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
         est["peak"] = max(est["rollout_peak"], est["update_peak"], est["load_peak"])
         return est
     est = {
-        "weights": n_params * compute if (sharded or bf16) else 0,
+        "weights": n_params * compute if (sharded or bf16 or zero2) else 0,
         "master_weights": n_params * 4 // shards,
         "gradients": grads * n_params * 4 // shards,
         "optimizer": n_params * 8 // shards,
-        "reference": n_params * 4 // shards if reference else 0,
+        "reference": (n_params * compute if zero2 else n_params * 4 // shards) if reference else 0,
         "kv_cache": kv,
         "prefill": prefill,
         "host_kv_cache": host_kv,
@@ -98,7 +103,7 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
     else:
         est["load_peak"] = n_params * 4 * (2 if reference else 1) + (n_params * 4 if grads == 2 else 0)
     est["host_load"] = n_params * 4
-    est["host_save"] = (n_params * 4 if sharded else 0) + min(n_params * 4, MODEL_FILE_BYTES)
+    est["host_save"] = (n_params * 4 if sharded or zero2 else 0) + min(n_params * 4, MODEL_FILE_BYTES)
     est["host_peak"] = max(est["host_load"], est["host_kv_cache"], est["host_save"])
     est["peak"] = max(est["rollout_peak"], est["update_peak"], est["load_peak"])
     return est
@@ -154,7 +159,7 @@ def host_memory_bytes() -> int:
 
 def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bool, max_context: int,
                  episodes: int, device, check: bool = True, program: str = "grpo.py", parked: int = 0,
-                 inference: bool = False, prefill_tokens: int = 0, lora: int = 0) -> dict:
+                 inference: bool = False, prefill_tokens: int = 0, lora: int = 0, zero2: bool = False) -> dict:
     """Print memory_estimate for this run; on a CUDA device, SystemExit when its peak exceeds the device's memory,
     or when what all processes on this machine hold in host memory at once exceeds it (unless check is False),
     naming the options that change it."""
@@ -162,10 +167,11 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
     est = memory_estimate(sum(p.numel() for p in shapes.parameters()), world=world, sharded=sharded, bf16=bf16,
                           reference=reference, kv_bytes_per_token=kv_bytes_per_token(config, bf16),
                           max_context=max_context, episodes=episodes, parked=parked, unit=largest_unit(shapes),
-                          inference=inference, lora=lora,
+                          inference=inference, lora=lora, zero2=zero2,
                           prefill=prefill_bytes(config, bf16, min(prefill_tokens or max_context * episodes,
                                                                   max_context * episodes), max_context))
-    backend = f"sharded over {world}" if sharded else ("DDP" if world > 1 else "one process")
+    backend = f"sharded over {world}" if sharded else (f"ZeRO-2 over {world}" if zero2 else "DDP" if world > 1
+                                                       else "one process")
     backend += f", LoRA adapters of {lora:,} parameters" if lora else ""
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"[{program.removesuffix('.py')}] estimated memory per GPU ({backend}): "
@@ -212,8 +218,8 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
 def fitting_batch(config, *, live: int, device_bytes: int, bf16: bool, max_context: int, prefill_tokens: int = 0,
                   world: int = 1) -> int:
     """For an evaluation (eval.py, --rollout-batch 0 on a GPU): the most of a process's `live` episodes that can
-    decode at once on a GPU of device_bytes by memory_estimate (inference), the others waiting in host memory; at
-    least 1, when even one does not fit (check_memory then says so)."""
+    decode at once on a GPU of device_bytes by memory_estimate (inference) with its measured miss (ESTIMATE_MISSES),
+    the others waiting in host memory; at least 1, when even one does not fit (check_memory then says so)."""
     n_params = sum(p.numel() for p in meta_model(config).parameters())
     kv = kv_bytes_per_token(config, bf16)
 
@@ -225,11 +231,12 @@ def fitting_batch(config, *, live: int, device_bytes: int, bf16: bool, max_conte
     lo, hi = 1, max(1, live)
     while lo < hi:  # the peak grows with the episodes: the largest that fits
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if peak(mid) <= device_bytes else (lo, mid - 1)
+        lo, hi = (mid, hi) if peak(mid) * ESTIMATE_MISSES <= device_bytes else (lo, mid - 1)
     return lo
 
 
-def check_training(start: str, cfg, *, world: int, sharded: bool, device, program: str = "sft.py") -> dict | None:
+def check_training(start: str, cfg, *, world: int, sharded: bool, device, zero2: bool = False,
+                   program: str = "sft.py") -> dict | None:
     """sft.py's estimate at start, before the weights load: training with no rollout, so no reference, no KV cache,
     no prefill (episodes 0), the adapters' parameters with --lora-rank. Printed by check_memory; stopped here on
     the training peaks (loading, the update), not check_memory's `peak`: its rollout term holds the whole model
@@ -246,7 +253,7 @@ def check_training(start: str, cfg, *, world: int, sharded: bool, device, progra
         lora.check_targets(shapes, cfg.lora_target_modules, program)
         adapters = lora.adapter_params(shapes, cfg.lora_rank, cfg.lora_target_modules)
     est = check_memory(config, world=world, sharded=sharded, bf16=cfg.bf16, reference=False, max_context=0,
-                       episodes=0, device=device, check=False, program=program, lora=adapters)
+                       episodes=0, device=device, check=False, program=program, lora=adapters, zero2=zero2)
     if not cfg.memory_check or torch.device(device).type != "cuda":
         return est
     local, host = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), host_memory_bytes()
@@ -260,7 +267,8 @@ def check_training(start: str, cfg, *, world: int, sharded: bool, device, progra
                          "--no-memory-check runs anyway.")
     peak, have = max(est["load_peak"], est["update_peak"]), torch.cuda.get_device_properties(device).total_memory
     if peak > have:
-        backend = f"sharded over {world}" if sharded else ("DDP" if world > 1 else "one process")
+        backend = f"sharded over {world}" if sharded else (f"ZeRO-2 over {world}" if zero2 else "DDP" if world > 1
+                                                           else "one process")
         fix = ("lower --lora-rank or use a smaller model (LoRA runs on one GPU or DDP, each holding the whole base)"
                if adapters else "add GPUs, shard with FSDP2 (fsdp_version 2) or train LoRA adapters on a frozen base "
                "(--lora-rank, e.g. 64)")

@@ -169,11 +169,11 @@ def load_policy(run) -> None:
             shapes = memory.meta_model(config)
             lora.check_targets(shapes, cfg.lora_target_modules, "grpo.py")
             adapters = lora.adapter_params(shapes, cfg.lora_rank, cfg.lora_target_modules)
-        memory.check_memory(config, world=acc.num_processes, sharded=shard.shards_weights(acc),
-                           bf16=cfg.bf16, reference=cfg.kl_coef > 0 and not cfg.lora_rank,
-                           max_context=cfg.max_context, episodes=decoding,
-                           parked=live - decoding if acc.device.type != "cpu" else 0, device=acc.device,
-                           check=cfg.memory_check, prefill_tokens=RolloutConfig.prefill_tokens, lora=adapters)
+        memory.check_memory(config, **shard.memory_backend(acc), bf16=cfg.bf16,
+                           reference=cfg.kl_coef > 0 and not cfg.lora_rank, max_context=cfg.max_context,
+                           episodes=decoding, parked=live - decoding if acc.device.type != "cpu" else 0,
+                           device=acc.device, check=cfg.memory_check, prefill_tokens=RolloutConfig.prefill_tokens,
+                           lora=adapters)
     # Before loading, when the start names a config (a directory, a hub id, adapters on one of those)
     config = memory.read_config(lora.base_chain(start)[-1])
     if config is not None:

@@ -201,7 +201,7 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None, record: d
     check_backend(acc, cfg.gradient_checkpointing)
     check_lora(cfg, acc)
     check_batch(cfg.batch_size, acc.num_processes)
-    memory.check_training(start, cfg, world=acc.num_processes, sharded=shard.shards_weights(acc), device=acc.device)
+    memory.check_training(start, cfg, device=acc.device, **shard.memory_backend(acc))
     models.seed_everything(cfg.seed)
     # fp32 master weights, as grpo.main keeps the policy's; --bf16 runs the passes under autocast (fit). AdamW on
     # bf16 weights rounds a step of lr 5e-6 away for most weights (docs/gpus.md); the checkpoint stays fp32 too.

@@ -12,6 +12,7 @@
                       what DeepSpeed needs besides: its config set from muarl's options, the output layer's weight
                       gathered in the root's forward (ZeRO-3), the fp32 weights gathered for a checkpoint
     plain             a gradient norm as a plain tensor (FSDP2 gives a DTensor)
+    memory_backend    what memory.memory_estimate needs to know of the backend
     lockstep, free_gathered_weights, total
                       what every process must do together: as many micro-batches, the reference's gathered weights
                       freed, numbers summed over processes
@@ -111,6 +112,15 @@ def is_zero3_plugin(acc) -> bool:
     """Whether the chosen backend is DeepSpeed ZeRO-3, before anything is prepared."""
     ds = getattr(acc.state, "deepspeed_plugin", None)
     return ds is not None and ds.zero_stage == 3
+
+
+def memory_backend(acc) -> dict:
+    """How the chosen backend holds the model, for memory.memory_estimate, before anything is prepared: the number of
+    processes; whether each holds 1/N of the weights (FSDP2, ZeRO-3: sharded) or only 1/N of the gradients and
+    AdamW state (ZeRO-2)."""
+    ds = getattr(acc.state, "deepspeed_plugin", None)
+    return {"world": acc.num_processes, "sharded": shards_weights(acc),
+            "zero2": ds is not None and ds.zero_stage == 2}
 
 
 def shards_weights(acc) -> bool:
@@ -256,11 +266,15 @@ def plain_twin(model):
     no collective, no per-step root set-up and nothing recorded for a backward that never comes."""
     from torch.distributed.fsdp import FSDPModule
 
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
     cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # fully_shard subclasses it
     with torch.device("meta"):
         twin = cls(model.config)
+    twin.generation_config = getattr(model, "generation_config", None)  # the checkpoint's (its stop tokens), not
+    twin.name_or_path = getattr(model, "name_or_path", "")                # the one built from the config
     for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        owner, _, leaf = name.rpartition(".")
+        # FSDP's activation checkpointing (accelerate config) wraps each layer: the twin's layers are plain
+        owner, _, leaf = name.replace("_checkpoint_wrapped_module.", "").rpartition(".")
         setattr(twin.get_submodule(owner), leaf, tensor)  # a tied weight is set under both names, to one tensor
     left = [n for n, t in [*twin.named_parameters(), *twin.named_buffers()] if t.is_meta]
     if left:
