@@ -168,10 +168,8 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
                           reference=reference, kv_bytes_per_token=kv_bytes_per_token(config, bf16),
                           max_context=max_context, episodes=episodes, parked=parked, unit=largest_unit(shapes),
                           inference=inference, lora=lora, zero2=zero2,
-                          prefill=prefill_bytes(config, bf16, min(prefill_tokens or max_context * episodes,
-                                                                  max_context * episodes), max_context))
-    backend = f"sharded over {world}" if sharded else (f"ZeRO-2 over {world}" if zero2 else "DDP" if world > 1
-                                                       else "one process")
+                          prefill=rollout_prefill(config, bf16, prefill_tokens, max_context, episodes))
+    backend = backend_name(world, sharded, zero2)
     backend += f", LoRA adapters of {lora:,} parameters" if lora else ""
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"[{program.removesuffix('.py')}] estimated memory per GPU ({backend}): "
@@ -179,6 +177,29 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
     device = torch.device(device)
     if not check or device.type != "cuda":
         return est
+    check_host(est, program, lora=bool(lora), parked=parked, max_context=max_context)
+    have = torch.cuda.get_device_properties(device).total_memory
+    if est["peak"] > have:
+        phase = max(("load", "rollout", "update"), key=lambda k: est.get(f"{k}_peak", 0))
+        raise SystemExit(
+            f"{program}: the estimated {phase} peak of {gib(est['peak'])} per GPU exceeds this GPU's {gib(have)} "
+            f"({backend}; the KV cache term, {gib(est['kv_cache'])}, assumes {episodes} decoding episodes per "
+            f"process at --max-context {max_context}). Set --rollout-batch (episodes decoding at once; the "
+            "others' caches wait in host memory), lower --max-context or --tasks-per-step, "
+            + ("lower --lora-rank or use a smaller model (LoRA runs on one GPU or DDP, each holding the whole base)"
+               if lora else "add GPUs, shard with FSDP2 (fsdp_version 2), train LoRA adapters on a frozen base "
+               "(--lora-rank, e.g. 64), or set --kl-coef 0 (no reference)") + "; --no-memory-check runs anyway.")
+    return est
+
+
+def backend_name(world: int, sharded: bool, zero2: bool = False) -> str:
+    return f"sharded over {world}" if sharded else (f"ZeRO-2 over {world}" if zero2 else "DDP" if world > 1
+                                                    else "one process")
+
+
+def check_host(est: dict, program: str, *, lora: bool = False, parked: int = 0, max_context: int = 0) -> None:
+    """SystemExit when this machine's host memory cannot hold what the estimate says it will: the checkpoint's
+    writer alone (host_save), or every process on the machine at once (loading, parked KV caches)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # processes on this machine, each with its own host memory
     host = host_memory_bytes()
     each = max(est["host_load"], est["host_kv_cache"])  # every process at once; host_save on one process only
@@ -201,18 +222,6 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
             f"{'the compute dtype' if lora else 'fp32'}, "
             f"before it is moved to the GPU or sharded), {total} for the {local} on this machine, more than its "
             f"{gib(host)}. Run fewer processes per machine or a smaller model; --no-memory-check runs anyway.")
-    have = torch.cuda.get_device_properties(device).total_memory
-    if est["peak"] > have:
-        phase = max(("load", "rollout", "update"), key=lambda k: est.get(f"{k}_peak", 0))
-        raise SystemExit(
-            f"{program}: the estimated {phase} peak of {gib(est['peak'])} per GPU exceeds this GPU's {gib(have)} "
-            f"({backend}; the KV cache term, {gib(est['kv_cache'])}, assumes {episodes} decoding episodes per "
-            f"process at --max-context {max_context}). Set --rollout-batch (episodes decoding at once; the "
-            "others' caches wait in host memory), lower --max-context or --tasks-per-step, "
-            + ("lower --lora-rank or use a smaller model (LoRA runs on one GPU or DDP, each holding the whole base)"
-               if lora else "add GPUs, shard with FSDP2 (fsdp_version 2), train LoRA adapters on a frozen base "
-               "(--lora-rank, e.g. 64), or set --kl-coef 0 (no reference)") + "; --no-memory-check runs anyway.")
-    return est
 
 
 def fitting_batch(config, *, live: int, device_bytes: int, bf16: bool, max_context: int, prefill_tokens: int = 0,
@@ -225,14 +234,25 @@ def fitting_batch(config, *, live: int, device_bytes: int, bf16: bool, max_conte
 
     def peak(episodes):
         return memory_estimate(n_params, world=world, bf16=bf16, reference=False, kv_bytes_per_token=kv,
-                               max_context=max_context, episodes=episodes, inference=True, prefill=prefill_bytes(
-                                   config, bf16, min(prefill_tokens or max_context * episodes,
-                                                     max_context * episodes), max_context))["peak"]
+                               max_context=max_context, episodes=episodes, inference=True, prefill=rollout_prefill(
+                                   config, bf16, prefill_tokens, max_context, episodes))["peak"]
     lo, hi = 1, max(1, live)
     while lo < hi:  # the peak grows with the episodes: the largest that fits
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if peak(mid) * ESTIMATE_MISSES <= device_bytes else (lo, mid - 1)
     return lo
+
+
+def lora_params(config, cfg, program: str) -> int:
+    """Parameters of the adapters --lora-rank asks for on the model `config` describes (0 without); a target that
+    matches nothing stops here, before the weights load."""
+    if not cfg.lora_rank:
+        return 0
+    import lora
+
+    shapes = meta_model(config)
+    lora.check_targets(shapes, cfg.lora_target_modules, program)
+    return lora.adapter_params(shapes, cfg.lora_rank, cfg.lora_target_modules)
 
 
 def check_training(start: str, cfg, *, world: int, sharded: bool, device, zero2: bool = False,
@@ -247,28 +267,15 @@ def check_training(start: str, cfg, *, world: int, sharded: bool, device, zero2:
     config = read_config(lora.base_chain(start)[-1])  # adapters: the model at the chain's root
     if config is None:
         return None
-    adapters = 0
-    if cfg.lora_rank:  # a target that matches nothing stops here, before the weights load
-        shapes = meta_model(config)
-        lora.check_targets(shapes, cfg.lora_target_modules, program)
-        adapters = lora.adapter_params(shapes, cfg.lora_rank, cfg.lora_target_modules)
+    adapters = lora_params(config, cfg, program)
     est = check_memory(config, world=world, sharded=sharded, bf16=cfg.bf16, reference=False, max_context=0,
                        episodes=0, device=device, check=False, program=program, lora=adapters, zero2=zero2)
     if not cfg.memory_check or torch.device(device).type != "cuda":
         return est
-    local, host = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), host_memory_bytes()
-    if host and est["host_load"] * local > host:
-        raise SystemExit(f"{program}: loading needs an estimated {gib(est['host_load'])} of host memory per process, "
-                         f"{gib(est['host_load'] * local)} for the {local} on this machine, more than its {gib(host)}. "
-                         "Run fewer processes per machine or a smaller model; --no-memory-check runs anyway.")
-    if host and est["host_save"] > host:
-        raise SystemExit(f"{program}: saving the model needs an estimated {gib(est['host_save'])} of host memory on "
-                         f"the process that writes it (gathered in fp32), more than this machine's {gib(host)}; "
-                         "--no-memory-check runs anyway.")
+    check_host(est, program, lora=bool(adapters))
     peak, have = max(est["load_peak"], est["update_peak"]), torch.cuda.get_device_properties(device).total_memory
     if peak > have:
-        backend = f"sharded over {world}" if sharded else (f"ZeRO-2 over {world}" if zero2 else "DDP" if world > 1
-                                                           else "one process")
+        backend = backend_name(world, sharded, zero2)
         fix = ("lower --lora-rank or use a smaller model (LoRA runs on one GPU or DDP, each holding the whole base)"
                if adapters else "add GPUs, shard with FSDP2 (fsdp_version 2) or train LoRA adapters on a frozen base "
                "(--lora-rank, e.g. 64)")
@@ -283,6 +290,13 @@ def kv_bytes_per_token(config, bf16: bool) -> int:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return 2 * cfg.num_hidden_layers * kv_heads * head_dim * (2 if bf16 else 4)
+
+
+def rollout_prefill(config, bf16: bool, prefill_tokens: int, max_context: int, episodes: int) -> int:
+    """prefill_bytes of the rollout's prefill forward: prefill_tokens a forward (0: every episode's context at once),
+    never more than the episodes' contexts."""
+    return prefill_bytes(config, bf16, min(prefill_tokens or max_context * episodes, max_context * episodes),
+                         max_context)
 
 
 def prefill_bytes(config, bf16: bool, tokens: int, context: int) -> int:

@@ -164,11 +164,7 @@ def load_policy(run) -> None:
         per_process = cfg.tasks_per_step // acc.num_processes * cfg.group_size
         live = max(per_process, -(-cfg.eval_tasks // acc.num_processes))
         decoding = min(live, cfg.rollout_batch or live)
-        adapters = 0
-        if cfg.lora_rank:  # a target that matches nothing stops here, before the weights load
-            shapes = memory.meta_model(config)
-            lora.check_targets(shapes, cfg.lora_target_modules, "grpo.py")
-            adapters = lora.adapter_params(shapes, cfg.lora_rank, cfg.lora_target_modules)
+        adapters = memory.lora_params(config, cfg, "grpo.py")
         memory.check_memory(config, **shard.memory_backend(acc), bf16=cfg.bf16,
                            reference=cfg.kl_coef > 0 and not cfg.lora_rank, max_context=cfg.max_context,
                            episodes=decoding, parked=live - decoding if acc.device.type != "cpu" else 0,
