@@ -262,3 +262,91 @@ def call_as_forward(model, inner, fn, **inputs):
             del inner.forward
         else:
             inner.forward = saved
+
+
+# ---- a group's shared opening, computed once ------------------------------------------------------------------------
+def _opening_layers():
+    """Cache layers for a group's opening (built here, so that this module imports transformers only when used)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class Recording(DynamicLayer):
+        """Keeps the opening's keys and values as its forward made them (with their autograd graph). Overwrites
+        rather than appends, so that a checkpointed layer's replay in the backward leaves it as it was."""
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            self.keys, self.values = key_states, value_states
+            self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+            return key_states, value_states
+
+    class Shared(DynamicLayer):
+        """The opening's keys and values ([1, kv_heads, P, head_dim]) in front of each row's own, expanded over the
+        rows (a view, not a copy); stores nothing, so a checkpointed layer replays the same."""
+
+        def __init__(self, keys, values):
+            super().__init__()
+            self.keys, self.values = keys, values
+            self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            rows = key_states.shape[0]
+            return (torch.cat([self.keys.expand(rows, -1, -1, -1), key_states], -2),
+                    torch.cat([self.values.expand(rows, -1, -1, -1), value_states], -2))
+
+    return Recording, Shared
+
+
+def _decoder_call(decoder, cache) -> dict:
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
+
+
+def shared_opening_logprobs(model, input_ids, attention_mask, opening: int, *, temperature=1.0,
+                            chunk_size=DEFAULT_CHUNK_SIZE, return_entropy=False):
+    """token_logprobs for rows that all begin with the same `opening` tokens (a GRPO group's system prompt, tool
+    schemas and first user message): the opening's first opening - 1 tokens go through the decoder once, as one row
+    whose keys and values every row's remainder attends to (expanded over the rows, not copied); the remainders, from
+    the opening's last token on, in one forward. Positions before `opening` hold 0 (an opening is never trained: its
+    loss mask is 0); the rest equal token_logprobs's, and the gradient flows back from every row's loss through the
+    opening's keys and values into every layer, once. Works under gradient checkpointing: the cache layers used here
+    store nothing a layer's replay would store twice."""
+    from transformers.cache_utils import Cache
+
+    inner = getattr(model, "module", model)
+    P = opening - 1
+    if not 1 <= P < input_ids.shape[1] - 1:
+        raise ValueError(f"opening {opening} must leave a token before it and one after it in {input_ids.shape[1]}")
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    Recording, Shared = _opening_layers()
+
+    def body_then_head(input_ids, attention_mask, position_ids):
+        decoder = inner.get_decoder()
+        layers = [m for m in decoder.modules() if hasattr(m, "_can_checkpoint_with_cache")]
+        saved = [m.__dict__.get("_can_checkpoint_with_cache") for m in layers]
+        for m in layers:  # the caches here never store twice: checkpointed layers may keep them
+            m._can_checkpoint_with_cache = True
+        try:
+            recorded = Cache(layers=[Recording() for _ in range(inner.config.get_text_config(decoder=True)
+                                                                  .num_hidden_layers)])
+            decoder(input_ids=input_ids[:1, :P], position_ids=position_ids[:1, :P], **_decoder_call(decoder, recorded))
+            shared = Cache(layers=[Shared(layer.keys, layer.values) for layer in recorded.layers])
+            out = decoder(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=position_ids[:, P:],
+                          **_decoder_call(decoder, shared))
+        finally:
+            for m, s in zip(layers, saved):
+                if s is None:
+                    del m._can_checkpoint_with_cache
+                else:
+                    m._can_checkpoint_with_cache = s
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [B, T - P, H]
+        head = inner.get_output_embeddings()
+        result = logprobs_from_hidden(hidden[:, :-1], head.weight, input_ids[:, P + 1:], temperature, chunk_size,
+                                      bias=getattr(head, "bias", None), return_entropy=return_entropy)
+
+        def pad(x):
+            return torch.cat([x.new_zeros(x.shape[0], P + 1), x], 1)
+        return (pad(result[0]), pad(result[1])) if return_entropy else pad(result)
+
+    return call_as_forward(model, inner, body_then_head, input_ids=input_ids, attention_mask=attention_mask,
+                           position_ids=position_ids)
