@@ -29,7 +29,7 @@ import pipeline
 import rundir
 import shard
 from cli import Range
-from logprobs import token_logprobs
+from logprobs import shared_opening_logprobs, token_logprobs
 from loss import ADVANTAGES, grpo_loss, normalizer_count, uniform_groups
 from muarl import collate
 from options import AttentionOptions, LoraOptions, RunOptions, SamplingOptions, StartOptions, UserOptions
@@ -74,6 +74,9 @@ class Algorithm:
     """divide GRPO's advantages by the group std (the paper); off: r - mean (Dr. GRPO)"""
     drop_uniform_groups: bool = False
     """leave the groups whose rewards are all equal out of the update (DAPO's dynamic sampling, no resampling)"""
+    share_opening: bool = True
+    """train on a group's common opening (system prompt, tools, first user message) once per micro-batch: the same
+    loss and gradient, less compute (--no-share-opening: every episode whole)"""
     updates_per_batch: Annotated[int, Range("[1, inf)")] = 1
     """policy updates per rollout batch (the paper: 1, so old logprobs are the current ones and cost nothing)"""
 
@@ -116,20 +119,50 @@ class MicroBatch(NamedTuple):
     sampler_logp: torch.Tensor     # [b, T] the sampler's log-probs of those tokens (0 elsewhere): logprob_gap's check
     advantages: torch.Tensor       # [b]
     n_tokens: int                  # sum of loss_mask, counted on the host (reading it off the GPU would wait for it)
+    opening: int                   # tokens every row begins with and none trains on (a group's opening); 0: none
+
+
+def shared_opening(seqs) -> int:
+    """How many tokens the rows (ids, loss_mask, ...) all begin with before any row trains on one: a GRPO group's
+    system prompt, tool schemas and first user message (its generation prompt included). 0 for a single row."""
+    if len(seqs) < 2:
+        return 0
+    first = min(m.index(1) if 1 in m else len(m) for _, m, *_ in seqs)
+    ids = seqs[0][0]
+    same = next((t for t in range(first) if any(len(s[0]) <= t or s[0][t] != ids[t] for s in seqs[1:])), first)
+    return same
 
 
 def micro_batches(episodes, rows: list[int], adv, cfg, acc, pad_id: int) -> list[MicroBatch]:
-    """The training episodes in micro-batches of --micro-batch-size, similar lengths together; as many on every
-    process (shard.lockstep: a process with fewer runs empty ones, one pad token under a zero mask)."""
-    order = sorted(rows, key=lambda i: len(episodes[i].input_ids))
-    groups = [order[i:i + cfg.micro_batch_size] for i in range(0, len(order), cfg.micro_batch_size)]
+    """The training episodes in micro-batches of --micro-batch-size, as many on every process (shard.lockstep: a
+    process with fewer runs empty ones, one pad token under a zero mask). With --share-opening, each micro-batch holds
+    episodes of one group (a group larger than a micro-batch is split), whose common opening is computed once;
+    without, similar lengths go together."""
+    order, n = sorted(rows, key=lambda i: len(episodes[i].input_ids)), cfg.micro_batch_size
+    if cfg.share_opening:  # one group's episodes per micro-batch (consecutive G episodes are one task's)
+        by_group = {}
+        for i in order:
+            by_group.setdefault(i // cfg.group_size, []).append(i)
+        groups = [g[k:k + n] for g in by_group.values() for k in range(0, len(g), n)]
+    else:
+        groups = [order[k:k + n] for k in range(0, len(order), n)]
     out = []
     for mb in shard.lockstep(acc, groups):
         seqs = [(episodes[i].input_ids, episodes[i].loss_mask, episodes[i].logprobs) for i in mb]
         seqs = seqs or [([pad_id], [0], [0])]
         out.append(MicroBatch(*collate(seqs, pad_id, acc.device), adv[mb].to(acc.device) if mb else
-                              torch.zeros(1, device=acc.device), sum(sum(m) for _, m, _ in seqs)))
+                              torch.zeros(1, device=acc.device), sum(sum(m) for _, m, _ in seqs),
+                              shared_opening(seqs) if cfg.share_opening else 0))
     return out
+
+
+def scores(model, b: MicroBatch, temperature: float, **kwargs):
+    """token_logprobs of a micro-batch, its rows' common opening computed once where it has one (more than one
+    row, and a token before and after it)."""
+    if b.opening > 1 and b.opening < b.input_ids.shape[1] - 1:
+        return shared_opening_logprobs(model, b.input_ids, b.attention_mask, b.opening, temperature=temperature,
+                                       **kwargs)
+    return token_logprobs(model, b.input_ids, b.attention_mask, temperature=temperature, **kwargs)
 
 
 def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, pad_id: int) -> dict:
@@ -147,19 +180,17 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
     old, ref = [None] * len(batches), [None] * len(batches)
     with torch.no_grad(), acc.autocast():
         if cfg.updates_per_batch > 1:  # the policy moves between updates: score the sampled tokens once first
-            old = [token_logprobs(model, b.input_ids, b.attention_mask, temperature=cfg.temperature) for b in batches]
+            old = [scores(model, b, cfg.temperature) for b in batches]
         if ref_model is not None and cfg.kl_coef > 0:  # with LoRA the reference is the policy, its adapters off
             with lora.adapters_off(ref_model, enabled=cfg.lora_rank > 0):
-                ref = [token_logprobs(ref_model, b.input_ids, b.attention_mask, temperature=cfg.temperature)
-                       for b in batches]
+                ref = [scores(ref_model, b, cfg.temperature) for b in batches]
             shard.free_gathered_weights(ref_model)  # sharded: no backward will reshard it
     norms = []
     for update in range(cfg.updates_per_batch):
         for k, b in enumerate(batches):
             with shard.micro_batch(acc, model, last=k == len(batches) - 1):
                 with acc.autocast():
-                    logp, ent = token_logprobs(model, b.input_ids, b.attention_mask, temperature=cfg.temperature,
-                                               return_entropy=True)
+                    logp, ent = scores(model, b, cfg.temperature, return_entropy=True)
                 if logp.dtype != torch.float32:  # e.g. an FSDP2 policy that casts outputs (cli.fsdp2_plugin)
                     raise RuntimeError(f"token_logprobs returned {logp.dtype}, not float32: the loss would be rounded")
                 # on-policy (one update per batch) the old policy is the current one: ratio 1, with its gradient
