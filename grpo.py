@@ -29,7 +29,7 @@ import pipeline
 import rundir
 import shard
 from cli import Range
-from logprobs import shared_opening_logprobs, token_logprobs
+from logprobs import Opening, shared_opening_logprobs, token_logprobs
 from loss import ADVANTAGES, grpo_loss, normalizer_count, uniform_groups
 from muarl import collate
 from options import AttentionOptions, LoraOptions, RunOptions, SamplingOptions, StartOptions, UserOptions
@@ -75,8 +75,8 @@ class Algorithm:
     drop_uniform_groups: bool = False
     """leave the groups whose rewards are all equal out of the update (DAPO's dynamic sampling, no resampling)"""
     share_opening: bool = True
-    """train on a group's common opening (system prompt, tools, first user message) once per micro-batch: the same
-    loss and gradient, less compute (--no-share-opening: every episode whole)"""
+    """compute a group's common opening (system prompt, tools, first user message) once in each training forward and
+    backward: the same loss and gradient, less compute (--no-share-opening: every episode whole)"""
     updates_per_batch: Annotated[int, Range("[1, inf)")] = 1
     """policy updates per rollout batch (the paper: 1, so old logprobs are the current ones and cost nothing)"""
 
@@ -119,50 +119,63 @@ class MicroBatch(NamedTuple):
     sampler_logp: torch.Tensor     # [b, T] the sampler's log-probs of those tokens (0 elsewhere): logprob_gap's check
     advantages: torch.Tensor       # [b]
     n_tokens: int                  # sum of loss_mask, counted on the host (reading it off the GPU would wait for it)
-    opening: int                   # tokens every row begins with and none trains on (a group's opening); 0: none
+    opening: int = 0               # tokens its group's episodes all begin with and none trains on; 0: scored whole
+    part: tuple[int, int] = (0, 1)  # (which, of how many): the micro-batches its group is split into
 
 
 def shared_opening(seqs) -> int:
-    """How many tokens the rows (ids, loss_mask, ...) all begin with before any row trains on one: a GRPO group's
-    system prompt, tool schemas and first user message (its generation prompt included). 0 for a single row."""
+    """How many tokens the rows (ids, loss_mask, ...) all begin with before any row trains on one, leaving each row
+    a token after it: a GRPO group's system prompt, tool schemas and first user message (its generation prompt
+    included). 0 for a single row, or where fewer than 2 tokens are shared (nothing to gain)."""
     if len(seqs) < 2:
         return 0
-    first = min(m.index(1) if 1 in m else len(m) for _, m, *_ in seqs)
+    first = min(min(m.index(1) if 1 in m else len(m), len(m) - 1) for _, m, *_ in seqs)
     ids = seqs[0][0]
-    same = next((t for t in range(first) if any(len(s[0]) <= t or s[0][t] != ids[t] for s in seqs[1:])), first)
-    return same
+    same = next((t for t in range(first) if any(s[0][t] != ids[t] for s in seqs[1:])), first)
+    return same if same >= 2 else 0
 
 
-def micro_batches(episodes, rows: list[int], adv, cfg, acc, pad_id: int) -> list[MicroBatch]:
+def micro_batches(episodes, rows: list[int], adv, cfg, acc, pad_id: int) -> tuple[list[MicroBatch], int]:
     """The training episodes in micro-batches of --micro-batch-size, as many on every process (shard.lockstep: a
-    process with fewer runs empty ones, one pad token under a zero mask). With --share-opening, each micro-batch holds
-    episodes of one group (a group larger than a micro-batch is split), whose common opening is computed once;
-    without, similar lengths go together."""
+    process with fewer runs empty ones, one pad token under a zero mask), and how many groups of several episodes
+    share no opening. With --share-opening, a micro-batch holds episodes of one group (a group larger than a
+    micro-batch is split into consecutive ones), and the group's common opening is computed once for all of them
+    (logprobs.Opening); without, similar lengths go together."""
     order, n = sorted(rows, key=lambda i: len(episodes[i].input_ids)), cfg.micro_batch_size
-    if cfg.share_opening:  # one group's episodes per micro-batch (consecutive G episodes are one task's)
-        by_group = {}
-        for i in order:
-            by_group.setdefault(i // cfg.group_size, []).append(i)
-        groups = [g[k:k + n] for g in by_group.values() for k in range(0, len(g), n)]
-    else:
-        groups = [order[k:k + n] for k in range(0, len(order), n)]
+    by_group = {}
+    for i in order:  # consecutive group_size episodes are one task's
+        by_group.setdefault(i // cfg.group_size if cfg.share_opening else 0, []).append(i)
+    parts, unshared = [], 0
+    for g in by_group.values():
+        opening = int(cfg.share_opening) and shared_opening([(episodes[i].input_ids, episodes[i].loss_mask) for i in g])
+        unshared += bool(cfg.share_opening and len(g) > 1 and not opening)
+        mbs = [g[k:k + n] for k in range(0, len(g), n)]
+        parts += [(mb, opening, (k, len(mbs))) for k, mb in enumerate(mbs)]
     out = []
-    for mb in shard.lockstep(acc, groups):
+    for mb, opening, part in (p or ([], 0, (0, 1)) for p in shard.lockstep(acc, parts)):
         seqs = [(episodes[i].input_ids, episodes[i].loss_mask, episodes[i].logprobs) for i in mb]
         seqs = seqs or [([pad_id], [0], [0])]
         out.append(MicroBatch(*collate(seqs, pad_id, acc.device), adv[mb].to(acc.device) if mb else
-                              torch.zeros(1, device=acc.device), sum(sum(m) for _, m, _ in seqs),
-                              shared_opening(seqs) if cfg.share_opening else 0))
-    return out
+                              torch.zeros(1, device=acc.device), sum(sum(m) for _, m, _ in seqs), opening, part))
+    return out, unshared
 
 
-def scores(model, b: MicroBatch, temperature: float, **kwargs):
-    """token_logprobs of a micro-batch, its rows' common opening computed once where it has one (more than one
-    row, and a token before and after it)."""
-    if b.opening > 1 and b.opening < b.input_ids.shape[1] - 1:
+def scores(model, b: MicroBatch, temperature: float, carry: Opening, **kwargs):
+    """token_logprobs of a micro-batch, through its group's opening computed once where it has one (`carry`: the
+    group's Opening, see openings)."""
+    if b.opening:
+        which, parts = b.part
         return shared_opening_logprobs(model, b.input_ids, b.attention_mask, b.opening, temperature=temperature,
-                                       **kwargs)
+                                       carry=carry if parts > 1 else None, last=which == parts - 1, **kwargs)
     return token_logprobs(model, b.input_ids, b.attention_mask, temperature=temperature, **kwargs)
+
+
+def openings(batches):
+    """Each micro-batch's logprobs.Opening: one object for the micro-batches of one group, in one pass over them."""
+    carry = None
+    for b in batches:
+        carry = Opening() if b.part[0] == 0 else carry
+        yield carry
 
 
 def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, pad_id: int) -> dict:
@@ -176,21 +189,22 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
     stats = metrics.Accumulator()
     if not normalizer:  # no process has a token to train on (every group dropped): no update this step
         return {**out, **stats.reduce(acc)}
-    batches = micro_batches(episodes, rows, adv, cfg, acc, pad_id)
+    batches, unshared = micro_batches(episodes, rows, adv, cfg, acc, pad_id)
+    out["unshared_groups"] = int(shard.total(acc, unshared)[0]) if cfg.share_opening else 0
     old, ref = [None] * len(batches), [None] * len(batches)
     with torch.no_grad(), acc.autocast():
         if cfg.updates_per_batch > 1:  # the policy moves between updates: score the sampled tokens once first
-            old = [scores(model, b, cfg.temperature) for b in batches]
+            old = [scores(model, b, cfg.temperature, c) for b, c in zip(batches, openings(batches))]
         if ref_model is not None and cfg.kl_coef > 0:  # with LoRA the reference is the policy, its adapters off
             with lora.adapters_off(ref_model, enabled=cfg.lora_rank > 0):
-                ref = [scores(ref_model, b, cfg.temperature) for b in batches]
+                ref = [scores(ref_model, b, cfg.temperature, c) for b, c in zip(batches, openings(batches))]
             shard.free_gathered_weights(ref_model)  # sharded: no backward will reshard it
     norms = []
     for update in range(cfg.updates_per_batch):
-        for k, b in enumerate(batches):
+        for k, (b, carry) in enumerate(zip(batches, openings(batches))):
             with shard.micro_batch(acc, model, last=k == len(batches) - 1):
                 with acc.autocast():
-                    logp, ent = scores(model, b, cfg.temperature, return_entropy=True)
+                    logp, ent = scores(model, b, cfg.temperature, carry, return_entropy=True)
                 if logp.dtype != torch.float32:  # e.g. an FSDP2 policy that casts outputs (cli.fsdp2_plugin)
                     raise RuntimeError(f"token_logprobs returned {logp.dtype}, not float32: the loss would be rounded")
                 # on-policy (one update per batch) the old policy is the current one: ratio 1, with its gradient

@@ -11,6 +11,8 @@ gathered at the next token. This module is machinery: the objective (loss.py) ta
 
 Shapes: B rows, T tokens, V vocabulary, H hidden size.
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -288,30 +290,43 @@ def _opening_layers():
             self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
 
         def update(self, key_states, value_states, *args, **kwargs):
-            rows = key_states.shape[0]
-            return (torch.cat([self.keys.expand(rows, -1, -1, -1), key_states], -2),
-                    torch.cat([self.values.expand(rows, -1, -1, -1), value_states], -2))
+            rows, dtype = key_states.shape[0], key_states.dtype  # float32 leaves (Opening) meet the compute dtype
+            return (torch.cat([self.keys.to(dtype).expand(rows, -1, -1, -1), key_states], -2),
+                    torch.cat([self.values.to(dtype).expand(rows, -1, -1, -1), value_states], -2))
 
     return Recording, Shared
 
 
-def _decoder_call(decoder, cache) -> dict:
-    import inspect
+class Opening:
+    """One group's opening over the micro-batches its episodes are split into (with --micro-batch-size 1, one each),
+    computed once for all of them. Without gradients (the reference, the old policy) its keys and values are kept
+    and read by every micro-batch. With gradients they are kept as float32 leaves: each micro-batch's backward
+    sums into them what its remainders send back, and the group's last micro-batch computes the opening again with
+    its graph and sends that sum back through it together with its own, in its one backward. So the opening's
+    forward runs twice a group and its backward once, against once per episode each whole."""
 
-    name = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
-    return {name: cache, "use_cache": True}
+    def __init__(self):
+        self.kv = None  # per layer (keys, values), [1, kv_heads, P, head_dim]
+
+
+def _add_to_gradient(extra, grad):
+    return grad + extra.to(grad.dtype)
 
 
 def shared_opening_logprobs(model, input_ids, attention_mask, opening: int, *, temperature=1.0,
-                            chunk_size=DEFAULT_CHUNK_SIZE, return_entropy=False):
+                            chunk_size=DEFAULT_CHUNK_SIZE, return_entropy=False, carry: Opening | None = None,
+                            last: bool = True):
     """token_logprobs for rows that all begin with the same `opening` tokens (a GRPO group's system prompt, tool
     schemas and first user message): the opening's first opening - 1 tokens go through the decoder once, as one row
     whose keys and values every row's remainder attends to (expanded over the rows, not copied); the remainders, from
     the opening's last token on, in one forward. Positions before `opening` hold 0 (an opening is never trained: its
     loss mask is 0); the rest equal token_logprobs's, and the gradient flows back from every row's loss through the
     opening's keys and values into every layer, once. Works under gradient checkpointing: the cache layers used here
-    store nothing a layer's replay would store twice."""
+    store nothing a layer's replay would store twice. `carry` (an Opening) shares the opening with the group's other
+    micro-batches, `last` says this one is the group's last (see Opening)."""
     from transformers.cache_utils import Cache
+
+    from engine import with_cache
 
     inner = getattr(model, "module", model)
     P = opening - 1
@@ -319,20 +334,49 @@ def shared_opening_logprobs(model, input_ids, attention_mask, opening: int, *, t
         raise ValueError(f"opening {opening} must leave a token before it and one after it in {input_ids.shape[1]}")
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     Recording, Shared = _opening_layers()
+    grad = torch.is_grad_enabled()
+
+    def the_opening(decoder):
+        recorded = Cache(layers=[Recording() for _ in range(inner.config.get_text_config(decoder=True)
+                                                              .num_hidden_layers)])
+        decoder(input_ids=input_ids[:1, :P], position_ids=position_ids[:1, :P], **with_cache(decoder, recorded))
+        kv = [(layer.keys, layer.values) for layer in recorded.layers]
+        for layer, pair in zip(getattr(decoder, "layers", ()), kv):  # FSDP2: gather the layer's weights for them
+            unit = next((m for m in (layer, decoder, inner) if hasattr(m, "_get_fsdp_state")), None)
+            for t in pair if unit is not None and torch.is_grad_enabled() else ():
+                if t.requires_grad:
+                    t.register_hook(unit._get_fsdp_state()._pre_backward)
+        return kv
+
+    def opening_kv(decoder):
+        if carry is None or (grad and last):  # with its graph: this micro-batch's backward goes through it
+            kv = the_opening(decoder)
+            for pair, leaves in zip(kv, carry.kv if carry is not None and carry.kv is not None else []):
+                for t, leaf in zip(pair, leaves):  # what the group's other micro-batches sent back, added
+                    if t.requires_grad and leaf.grad is not None:
+                        t.register_hook(functools.partial(_add_to_gradient, leaf.grad))
+            return kv
+        if carry.kv is None:  # the group's first micro-batch: the opening once, without a graph
+            with torch.no_grad():
+                kv = the_opening(decoder)
+            carry.kv = [tuple(t.detach().float().requires_grad_() for t in pair) if grad else pair for pair in kv]
+        return carry.kv
 
     def body_then_head(input_ids, attention_mask, position_ids):
         decoder = inner.get_decoder()
         layers = [m for m in decoder.modules() if hasattr(m, "_can_checkpoint_with_cache")]
         saved = [m.__dict__.get("_can_checkpoint_with_cache") for m in layers]
         for m in layers:  # the caches here never store twice: checkpointed layers may keep them
+            if grad and getattr(m, "gradient_checkpointing", False) and getattr(
+                    getattr(m, "_gradient_checkpointing_func", None), "keywords", {}).get("use_reentrant"):
+                raise ValueError("reentrant activation checkpointing (use_reentrant=True) runs each layer without a "
+                                 "graph, so the opening's keys and values would get no gradient: enable it without "
+                                 "(transformers' default) or train with --no-share-opening")
             m._can_checkpoint_with_cache = True
         try:
-            recorded = Cache(layers=[Recording() for _ in range(inner.config.get_text_config(decoder=True)
-                                                                  .num_hidden_layers)])
-            decoder(input_ids=input_ids[:1, :P], position_ids=position_ids[:1, :P], **_decoder_call(decoder, recorded))
-            shared = Cache(layers=[Shared(layer.keys, layer.values) for layer in recorded.layers])
+            shared = Cache(layers=[Shared(k, v) for k, v in opening_kv(decoder)])
             out = decoder(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=position_ids[:, P:],
-                          **_decoder_call(decoder, shared))
+                          **with_cache(decoder, shared))
         finally:
             for m, s in zip(layers, saved):
                 if s is None:

@@ -26,7 +26,7 @@ import shard  # noqa: E402
 from batched_rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
 from conftest import TEST_CORPUS, chatty  # noqa: E402
 from fake_env import FakeEnv  # noqa: E402
-from fsdp2_worker import (episode_steps, finish, grad_batch, one_process_backward, one_process_sgd_steps,  # noqa: E402
+from fsdp2_worker import (episode_steps, finish, sharing, grad_batch, one_process_backward, one_process_sgd_steps,  # noqa: E402
                           perturbed, tiny_model)
 from logprobs import token_logprobs  # noqa: E402
 from loss import grpo_loss  # noqa: E402
@@ -129,6 +129,7 @@ def rollout_then_train(acc, tok, stage):
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     engine.train()
+    shared = sharing(grpo)  # micro-batches scored through their group's opening computed once
     met = grpo.train_on_episodes(eps, engine, ref_engine, opt, sched, acc, cfg, tok.pad_token_id)
     want_loss, want_norm = one_process_sgd_steps(plain, plain_ref, eps, tok, cfg)
     state = shard.full_state_dict(acc, engine)  # whole on the main process (rank 0 writes the result), {} elsewhere
@@ -137,7 +138,8 @@ def rollout_then_train(acc, tok, stage):
     return {"steps": all_steps, "same_tokens": same, "episodes": len(eps), "logprob_diff": lp_diff,
             "grad_norm": [met["grad_norm"], want_norm], "loss": [met["loss"], want_loss], "state_held": held,
             "weight_diff": max(float((state[n] - p.detach()).abs().max()) for n, p in plain.named_parameters())
-            if state else None, "skipped": met["skipped_updates"]}
+            if state else None, "skipped": met["skipped_updates"], "shared": shared[0],
+            "unshared_groups": met["unshared_groups"]}
 
 
 def main():

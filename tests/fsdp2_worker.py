@@ -180,6 +180,7 @@ def rollout_then_train(acc, mesh, tok, updates=1, checkpointing=False):
     opt = torch.optim.SGD(policy.parameters(), lr=cfg.lr)  # SGD: the step is the clipped gradient itself
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     policy.train()
+    shared = sharing(grpo)  # micro-batches scored through their group's opening computed once
     met = grpo.train_on_episodes(eps, policy, ref, opt, sched, acc, cfg, tok.pad_token_id)
 
     want_loss, want_norm = one_process_sgd_steps(plain, plain_ref, eps, tok, cfg)
@@ -188,7 +189,19 @@ def rollout_then_train(acc, mesh, tok, updates=1, checkpointing=False):
             "episodes": len(eps), "logprob_diff": lp_diff,
             "grad_norm": [met["grad_norm"], want_norm], "loss": [met["loss"], want_loss],
             "weight_diff": max_diff(list(policy.parameters()), list(plain.parameters())),
-            "skipped": met["skipped_updates"]}
+            "skipped": met["skipped_updates"], "shared": shared[0],
+            "unshared_groups": met["unshared_groups"]}
+
+
+def sharing(grpo_module):
+    """Count the micro-batches grpo scores through their group's opening computed once (--share-opening)."""
+    count, real = [0], grpo_module.shared_opening_logprobs
+
+    def counted(*a, **k):
+        count[0] += 1
+        return real(*a, **k)
+    grpo_module.shared_opening_logprobs = counted
+    return count
 
 
 def one_process_sgd_steps(plain, plain_ref, eps, tok, cfg):

@@ -110,6 +110,8 @@ def check_rollout_then_train(r):
     assert r["grad_norm"][0] == pytest.approx(r["grad_norm"][1], rel=1e-5) and r["grad_norm"][1] > 0.5  # clipped
     assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-5, abs=1e-7)
     assert r["weight_diff"] < 1e-5
+    # each group's two episodes (one micro-batch each) scored through their opening computed once, none unshared
+    assert r["shared"] > 0 and r["unshared_groups"] == 0, r
 
 
 @pytest.mark.parametrize("kind, version, stage, named", [

@@ -46,37 +46,69 @@ def test_the_opening_once_gives_the_log_probs_and_gradients_of_every_row_whole(a
     assert first.abs().max() > 0  # the first layer's keys are trained, through the remainders' attention
 
 
-def test_a_grpo_step_sharing_each_groups_opening_equals_one_without(monkeypatch):
-    """grpo.train_on_episodes with --share-opening (micro-batches of one group, its opening computed once) and
-    without: the same weights after the step, the same loss, KL and metrics; a group whose episodes begin
-    differently falls back to whole rows."""
-    import muarl
-    from test_grpo import _one_step
+def test_reentrant_checkpointing_is_refused_by_name():
+    """Reentrant checkpointing runs each layer under no_grad: the opening's keys and values would get no gradient."""
+    torch.manual_seed(0)
+    cfg = models.tiny_config(300, arch="qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = __import__("transformers").AutoModelForCausalLM.from_config(cfg).train()
+    model.gradient_checkpointing_enable({"use_reentrant": True})
+    ids = torch.randint(0, 300, (2, 12))
+    with pytest.raises(ValueError, match="use_reentrant=True.*--no-share-opening"):
+        shared_opening_logprobs(model, ids, torch.ones_like(ids), 6)
+    with torch.no_grad():  # nothing to train: scored as well
+        assert shared_opening_logprobs(model, ids, torch.ones_like(ids), 6).shape == (2, 12)
 
-    g = torch.Generator().manual_seed(3)
+
+def _groups(g):
+    """Four GRPO groups of 4 episodes with 9-token openings: two alike, one where an episode differs at token 3 (3
+    shared), one where an episode differs at token 0 (nothing shared: it falls back)."""
+    import muarl
+
     eps = []
-    for task, rewards in enumerate(([1, 0, 1, 0], [0, 1, 1, 1], [1, 0, 0, 0])):
+    for task, rewards in enumerate(([1, 0, 1, 0], [0, 1, 1, 1], [1, 0, 0, 0], [0, 0, 1, 0])):
         opening = torch.randint(1, 500, (9,), generator=g).tolist()
         for k, r in enumerate(rewards):
             n = int(torch.randint(4, 12, (1,), generator=g))
             ids = opening + torch.randint(1, 500, (n,), generator=g).tolist()
-            if task == 2 and k == 1:
-                ids[3] += 1  # this group's openings differ: it falls back
+            if k == 1 and task in (2, 3):
+                ids[(3, 0)[task - 2]] += 1
             mask = [0] * 9 + [int(x) for x in (torch.rand(n, generator=g) < 0.8)]
             eps.append(muarl.Episode(task_id=f"t{task}", sample=k, input_ids=ids, loss_mask=mask,
                                      logprobs=[-1.0 * m for m in mask], reward=float(r)))
-    seen = []
-    import grpo
-    real = grpo.shared_opening_logprobs
-    monkeypatch.setattr(grpo, "shared_opening_logprobs", lambda *a, **k: seen.append(a[3]) or real(*a, **k))
-    whole, m2, start = _one_step(eps, share_opening=False, micro_batch_size=3, kl_coef=0.1)
-    for size, openings in ((4, {9, 3}), (3, {9})):  # a group in one micro-batch; split over two (3 + 1 episodes)
-        seen.clear()
-        shared, m1, _ = _one_step(eps, share_opening=True, micro_batch_size=size, kl_coef=0.1)
-        # 9 shared tokens; 3 in the group where one episode differs at token 3; a lone episode is scored whole
-        assert set(seen) == openings, (size, seen)
+    return eps
+
+
+def test_a_grpo_step_sharing_each_groups_opening_equals_one_without(monkeypatch):
+    """grpo.train_on_episodes with --share-opening and without: the same weights after the step, the same loss, KL
+    and metrics, whether a group is one micro-batch or split over two or four (its opening computed once for all of
+    them: the reference's and the old policy's once, the policy's twice an update); a group whose episodes begin
+    differently shares what they have in common; one that shares nothing falls back, and is counted."""
+    import logprobs
+    from test_grpo import _one_step
+
+    eps = _groups(torch.Generator().manual_seed(3))
+    made = []
+    Recording, Shared = logprobs._opening_layers()
+
+    class Counted(Recording):
+        def __init__(self):
+            super().__init__()
+            made.append(1)
+    monkeypatch.setattr(logprobs, "_opening_layers", lambda: (Counted, Shared))
+    options = dict(kl_coef=0.1, updates_per_batch=2, clip_low=0.1, clip_high=0.1)
+    whole, m2, start = _one_step(eps, share_opening=False, micro_batch_size=3, **options)
+    assert not made and m2["unshared_groups"] == 0
+    for size in (4, 3, 1):  # a group in one micro-batch; split in two (3 + 1 episodes); in four
+        made.clear()
+        shared, m1, _ = _one_step(eps, share_opening=True, micro_batch_size=size, **options)
+        per_update = 1 if size == 4 else 2
+        # three groups share an opening (9, 9 and 3 tokens): reference, old policy, two updates; 2 layers each
+        assert len(made) == 3 * (1 + 1 + 2 * per_update) * 2, (size, len(made))
+        assert m1.pop("unshared_groups") == 1
         for (name, a), b, s in zip(shared.named_parameters(), whole.parameters(), start.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
             assert not torch.equal(a, s), name
         for k in m2:
-            assert m1[k] == pytest.approx(m2[k], rel=1e-4, abs=1e-6), (size, k)
+            if k != "unshared_groups":
+                assert m1[k] == pytest.approx(m2[k], rel=1e-4, abs=1e-6), (size, k)
