@@ -290,9 +290,9 @@ def _opening_layers():
             self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
 
         def update(self, key_states, value_states, *args, **kwargs):
-            rows, dtype = key_states.shape[0], key_states.dtype  # float32 leaves (Opening) meet the compute dtype
-            return (torch.cat([self.keys.to(dtype).expand(rows, -1, -1, -1), key_states], -2),
-                    torch.cat([self.values.to(dtype).expand(rows, -1, -1, -1), value_states], -2))
+            rows = key_states.shape[0]
+            return (torch.cat([self.keys.expand(rows, -1, -1, -1), key_states], -2),
+                    torch.cat([self.values.expand(rows, -1, -1, -1), value_states], -2))
 
     return Recording, Shared
 
@@ -300,10 +300,12 @@ def _opening_layers():
 class Opening:
     """One group's opening over the micro-batches its episodes are split into (with --micro-batch-size 1, one each),
     computed once for all of them. Without gradients (the reference, the old policy) its keys and values are kept
-    and read by every micro-batch. With gradients they are kept as float32 leaves: each micro-batch's backward
-    sums into them what its remainders send back, and the group's last micro-batch computes the opening again with
-    its graph and sends that sum back through it together with its own, in its one backward. So the opening's
-    forward runs twice a group and its backward once, against once per episode each whole."""
+    and read by every micro-batch. With gradients they are kept as leaves (in the compute dtype): each micro-batch's
+    backward sums into their .grad what its remainders send back, and the group's last micro-batch computes the
+    opening again with its graph and sends that sum back through it together with its own, in its one backward. So
+    the opening's forward runs twice a group and its backward once, against once per episode each whole. Held
+    between the micro-batches: the opening's keys and values and their gradients, 2 x kv_bytes_per_token (memory.py)
+    x its tokens."""
 
     def __init__(self):
         self.kv = None  # per layer (keys, values), [1, kv_heads, P, head_dim]
@@ -359,7 +361,7 @@ def shared_opening_logprobs(model, input_ids, attention_mask, opening: int, *, t
         if carry.kv is None:  # the group's first micro-batch: the opening once, without a graph
             with torch.no_grad():
                 kv = the_opening(decoder)
-            carry.kv = [tuple(t.detach().float().requires_grad_() for t in pair) if grad else pair for pair in kv]
+            carry.kv = [tuple(t.detach().requires_grad_() for t in pair) if grad else pair for pair in kv]
         return carry.kv
 
     def body_then_head(input_ids, attention_mask, position_ids):

@@ -28,20 +28,24 @@ GROUPS, GROUP_SIZE = 4, 2
 
 
 def episodes(tok):
-    """GROUPS x GROUP_SIZE fixed episodes of different lengths, with mixed rewards in every group."""
+    """GROUPS x GROUP_SIZE fixed episodes of different lengths, with mixed rewards in every group; a group's episodes
+    begin with the same 8 untrained tokens (its opening)."""
     g = torch.Generator().manual_seed(0)
     out = []
     for i in range(GROUPS * GROUP_SIZE):
         n = 24 + 5 * i
         ids = torch.randint(0, len(tok), (n,), generator=g).tolist()
+        if i % GROUP_SIZE:
+            ids[:8] = out[-1].input_ids[:8]
         mask = [0] * 8 + [1] * (n - 8)
         out.append(muarl.Episode(task_id=f"t{i // GROUP_SIZE}", sample=i % GROUP_SIZE, input_ids=ids, loss_mask=mask,
                                  logprobs=[-1.0] * n, reward=float((i + i // GROUP_SIZE) % 2)))
     return out
 
 
-def one_step(acc) -> dict:
-    """This process's groups, one update; returns the adapters after it (name -> list) and before it."""
+def one_step(acc, **options) -> dict:
+    """This process's groups, one update (grpo.Config `options`); returns the adapters after it (name -> list) and
+    before it."""
     tok = models.tiny_tokenizer(TEST_CORPUS, vocab_size=512, split_digits=False)
     torch.manual_seed(0)
     cfg = models.tiny_config(len(tok), arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -60,14 +64,14 @@ def one_step(acc) -> dict:
     model, opt = acc.prepare(model, opt)
     eps = episodes(tok)
     mine = [e for i, e in enumerate(eps) if (i // GROUP_SIZE) % acc.num_processes == acc.process_index]
-    run_cfg = grpo.Config(group_size=GROUP_SIZE, micro_batch_size=2, kl_coef=0.1, grad_clip=1e9, temperature=1.0,
-                          lora_rank=4)
+    run_cfg = grpo.Config(**{**dict(group_size=GROUP_SIZE, micro_batch_size=2, kl_coef=0.1, grad_clip=1e9,
+                                     temperature=1.0, lora_rank=4), **options})
     ref = acc.unwrap_model(model)  # the reference: the policy with its adapters off
     m = grpo.train_on_episodes(mine, model, ref, opt, sched, acc, run_cfg, tok.pad_token_id)
     after = {n: p.detach() for n, p in acc.unwrap_model(model).named_parameters() if p.requires_grad}
     return {"after": {n: after[n].flatten().tolist() for n in after},
             "before": {n: before[n].flatten().tolist() for n in before},
-            "kl": m["kl"]}
+            "kl": m["kl"], "unshared_groups": m["unshared_groups"]}
 
 
 if __name__ == "__main__":

@@ -518,6 +518,7 @@ def test_lora_under_ddp_adapter_gradients_equal_one_process(tmp_path):
         moved += not torch.equal(a, start)
     assert moved == len(one["after"]) == 28  # A and B of 7 projections in 2 layers, every one with a gradient
     assert abs(one["kl"] - two["kl"]) < 1e-6 and one["kl"] > 0
+    assert one["unshared_groups"] == two["unshared_groups"] == 0  # each group's opening computed once
 
 
 @pytest.mark.versions

@@ -8,7 +8,7 @@ import torch
 
 import models
 from conftest import TEST_CORPUS
-from logprobs import shared_opening_logprobs, token_logprobs
+from logprobs import Opening, shared_opening_logprobs, token_logprobs
 
 
 @pytest.mark.versions
@@ -112,3 +112,65 @@ def test_a_grpo_step_sharing_each_groups_opening_equals_one_without(monkeypatch)
         for k in m2:
             if k != "unshared_groups":
                 assert m1[k] == pytest.approx(m2[k], rel=1e-4, abs=1e-6), (size, k)
+
+
+def test_lora_adapters_trained_through_a_shared_opening_equal_those_trained_whole():
+    """--lora-rank: the policy's adapters after one step, and the KL to the reference (the policy, adapters off,
+    through the same shared opening), with each group's opening computed once (one micro-batch a group; split in
+    two) equal those without."""
+    import cli
+    import lora_ddp_worker
+
+    acc = cli.make_accelerator()
+    whole = lora_ddp_worker.one_step(acc, share_opening=False)
+    for size in (2, 1):
+        shared = lora_ddp_worker.one_step(acc, micro_batch_size=size)
+        assert shared["unshared_groups"] == 0 and shared["kl"] == pytest.approx(whole["kl"], rel=1e-5)
+        for name, after in whole["after"].items():
+            a, b, start = (torch.tensor(x) for x in (after, shared["after"][name], whole["before"][name]))
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+            assert not torch.equal(a, start), name
+
+
+def test_under_bf16_autocast_sharing_is_as_close_to_float32_as_the_whole_rows_are():
+    """bf16 rounds differently along the two paths: measured against float32, the shared opening's log-probs and
+    gradients are as close as the whole rows' (within twice their error)."""
+    tok_n, rows, O, T = 400, 6, 13, 31
+    torch.manual_seed(0)
+    cfg = models.tiny_config(tok_n, arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    exact = __import__("transformers").AutoModelForCausalLM.from_config(cfg).train()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.cat([torch.randint(0, tok_n, (O,), generator=g).expand(rows, O),
+                     torch.randint(0, tok_n, (rows, T - O), generator=g)], 1)
+    attn = torch.ones_like(ids)
+    attn[::2, 25:] = 0  # right padding
+    mask = attn.clone()
+    mask[:, :O] = 0
+    weights = torch.randn(rows, T, generator=g)
+
+    def run(how, bf16):
+        model, carry, lps = copy.deepcopy(exact), Opening(), []
+        for k, rows_ in enumerate(((slice(0, rows),) if how != "split" else (slice(0, 2), slice(2, 3), slice(3, 6)))):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                if how == "whole":
+                    lp = token_logprobs(model, ids[rows_], attn[rows_], temperature=0.9)
+                else:
+                    lp = shared_opening_logprobs(model, ids[rows_], attn[rows_], O, temperature=0.9, carry=carry,
+                                                 last=how != "split" or k == 2)
+            (lp * mask[rows_] * weights[rows_]).sum().backward()
+            lps.append(lp.detach())
+        return torch.cat(lps) * mask, torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    lp32, g32 = run("whole", False)
+    lp_whole, g_whole = run("whole", True)
+    lp_split32, g_split32 = run("split", False)  # float32: the same as whole, the opening's gradient carried
+    torch.testing.assert_close(lp_split32, lp32, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g_split32, g32, rtol=1e-4, atol=1e-6)
+    for how in ("one", "split"):  # the group in one micro-batch; split in three (its opening's gradient carried)
+        lp_shared, g_shared = run(how, True)
+        assert lp_shared.dtype == torch.float32
+        err_whole, err_shared = (lp_whole - lp32).abs().max(), (lp_shared - lp32).abs().max()
+        assert 0 < err_whole < 0.1 and err_shared <= 2 * err_whole, (how, err_whole, err_shared)
+        gerr_whole, gerr_shared = ((g - g32).norm() / g32.norm() for g in (g_whole, g_shared))
+        assert 0 < gerr_whole < 0.1 and gerr_shared <= 2 * gerr_whole, (how, gerr_whole, gerr_shared)
