@@ -343,10 +343,14 @@ def shared_opening_logprobs(model, input_ids, attention_mask, opening: int, *, t
                                                               .num_hidden_layers)])
         decoder(input_ids=input_ids[:1, :P], position_ids=position_ids[:1, :P], **with_cache(decoder, recorded))
         kv = [(layer.keys, layer.values) for layer in recorded.layers]
-        for layer, pair in zip(getattr(decoder, "layers", ()), kv):  # FSDP2: gather the layer's weights for them
-            unit = next((m for m in (layer, decoder, inner) if hasattr(m, "_get_fsdp_state")), None)
-            for t in pair if unit is not None and torch.is_grad_enabled() else ():
-                if t.requires_grad:
+        for layer, pair in zip(getattr(decoder, "layers", ()) if torch.is_grad_enabled() else (), kv):
+            # FSDP2 gathers a unit's weights for its backward when a gradient reaches the unit's outputs. These leave
+            # the layer by the cache instead, and reach it after the remainders' backward through the same layer has
+            # freed its weights: gather them (each FSDP unit in the layer, else the one holding it) for these too.
+            units = [m for m in layer.modules() if hasattr(m, "_get_fsdp_state")]
+            units = units or [m for m in (decoder, inner) if hasattr(m, "_get_fsdp_state")][:1]
+            for t in pair:
+                for unit in units if t.requires_grad else ():
                     t.register_hook(unit._get_fsdp_state()._pre_backward)
         return kv
 
@@ -368,12 +372,12 @@ def shared_opening_logprobs(model, input_ids, attention_mask, opening: int, *, t
         decoder = inner.get_decoder()
         layers = [m for m in decoder.modules() if hasattr(m, "_can_checkpoint_with_cache")]
         saved = [m.__dict__.get("_can_checkpoint_with_cache") for m in layers]
+        if grad and any(getattr(m, "gradient_checkpointing", False) and getattr(
+                getattr(m, "_gradient_checkpointing_func", None), "keywords", {}).get("use_reentrant") for m in layers):
+            raise ValueError("reentrant activation checkpointing (use_reentrant=True) runs each layer without a "
+                             "graph, so the opening's keys and values would get no gradient: enable it without "
+                             "(transformers' default) or train with --no-share-opening")
         for m in layers:  # the caches here never store twice: checkpointed layers may keep them
-            if grad and getattr(m, "gradient_checkpointing", False) and getattr(
-                    getattr(m, "_gradient_checkpointing_func", None), "keywords", {}).get("use_reentrant"):
-                raise ValueError("reentrant activation checkpointing (use_reentrant=True) runs each layer without a "
-                                 "graph, so the opening's keys and values would get no gradient: enable it without "
-                                 "(transformers' default) or train with --no-share-opening")
             m._can_checkpoint_with_cache = True
         try:
             shared = Cache(layers=[Shared(k, v) for k, v in opening_kv(decoder)])

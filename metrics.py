@@ -40,6 +40,8 @@ METRICS = {
     "infra_failed": "episodes lost to the user simulator or evaluator failing, or to a non-finite reward",
     "episodes": "episodes in the step",
     "dropped_groups": "groups left out of the update by --drop-uniform-groups (all rewards equal)",
+    "unshared_groups": "groups of several episodes trained whole because they share no opening (--share-opening: "
+                       "a group's opening is otherwise computed once), over all processes",
     "trained_tokens": "agent-sampled tokens the update trained on, over all processes (the token-mean normalizer)",
     "loss": "the step's GRPO loss (surrogate + KL term), summed over micro-batches and processes, averaged over "
             "updates",

@@ -24,6 +24,9 @@ Checks, in order; each is PASS, FAIL or SKIP (with why) and its figures, in OUT/
   lora       the same GRPO steps with --lora-rank 16 (the base frozen in bf16 on a GPU, fp32 adapters, the reference
              the base with the adapters off): kl 0 at step 1, the base bit-identical after, adapter-only
              checkpoints, --resume; the peak memory reported beside the start-up estimate with its LoRA terms
+  share_opening  bench/train_step.py's tau2-shaped update with and without each group's opening computed once
+             (bf16, gradient checkpointing, micro-batches of 4 and 1): seconds, peak memory, decoder tokens; bf16
+             gradients of a group against float32, shared and whole (on the CPU: toy size, figures only)
   head_grad  the output layer's weight gradient at Qwen3-8B's vocabulary and width in bf16: accumulated into float32
              in one GEMM (CUDA) against cast-and-add, their errors, transient memory and time
   fsdp2      the same GRPO steps under `accelerate launch` with FSDP2, one process, then --resume (sharded
@@ -114,18 +117,18 @@ def sampled_turns_end(model, tok, env, tasks, mean_turn: float = 12.0) -> None:
     bench_rollout().end_turns_sooner(model, tok, [o[-200:] for o in openings(tok, env, tasks[:4])], mean_turn)
 
 
-def bench_rollout():
-    """bench/rollout.py as a module, loaded from its file (the name `rollout` is the project's module)."""
+def bench_rollout(name: str = "rollout"):
+    """bench/rollout.py (or bench/NAME.py) as a module, loaded from its file (`rollout` is the project's module)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_rollout", ROOT / "bench" / "rollout.py")
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-CHECKS = ("versions", "engine", "flash", "kv_peak", "decode", "head_grad", "train", "lora", "fsdp2", "zero3",
-          "fsdp2_x2")
+CHECKS = ("versions", "engine", "flash", "kv_peak", "decode", "head_grad", "share_opening", "train", "lora", "fsdp2",
+          "zero3", "fsdp2_x2")
 
 
 class Padded:
@@ -527,6 +530,58 @@ def launched(kind: str, work: Path, out: Path, device, processes: int = 1):
     return ("PASS" if all(checks.values()) else "FAIL"), figs
 
 
+def share_opening(tok, device, shape: str, opening: int, length: int):
+    """bench/train_step.py's tau2-shaped update (2 groups of 8, `opening` of tau2 retail's opening, episodes of up to
+    `length` tokens) on a Qwen3 shape, in bf16 with gradient checkpointing on a GPU: each group's opening computed once
+    against every episode whole, at micro-batches of 4 and 1: seconds (median of 3 after a warm-up), peak memory,
+    decoder tokens. Then 3 rows of a group, whole and shared, in bf16 against float32: the shared gradient's error at
+    most twice the whole one's. PASS on a GPU also needs the shared update faster and lower in peak memory."""
+    import copy
+
+    from logprobs import shared_opening_logprobs, token_logprobs
+
+    ts, bf16 = bench_rollout("train_step"), device.type == "cuda"
+    eps, cfg = ts.tau2_workload(length, opening)[2:]
+    model = build(tok, shape, device).train()
+    if bf16:
+        model.gradient_checkpointing_enable()
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    figs, faster = {}, True
+    for size in (4, 1):
+        c = ts.grpo.Config(**{**cfg.__dict__, "micro_batch_size": size})
+        runs = {True: [], False: []}
+        for r in range(4):  # round 0 warms up
+            for share in (True, False) if r % 2 else (False, True):
+                out = ts.update(model, ref, eps, c, share, bf16=bf16)
+                if r:
+                    runs[share].append(out)
+        (a, ma, ta), (b, mb, tb) = ([sorted(x)[1] for x in zip(*runs[s])] for s in (False, True))
+        figs[f"micro-batches of {size}"] = {"whole_s": round(a, 3), "shared_s": round(b, 3), "x": round(a / b, 2),
+                                            "tokens": [ta, tb],
+                                            "peak_mb": [round(ma / 2**20), round(mb / 2**20)] if bf16 else None}
+        faster &= a > b and mb < ma
+    del ref
+    model.gradient_checkpointing_disable()
+    rows = eps[:3]  # one group's first three episodes, cut to a length float32 backward fits at any shape
+    n = min(len(e.input_ids) for e in rows)
+    cut = min(n, opening + 512)
+    ids = torch.tensor([e.input_ids[:cut] for e in rows], device=device)
+    attn, mask = torch.ones_like(ids), torch.tensor([e.loss_mask[:cut] for e in rows], device=device)
+    P = ts.grpo.shared_opening([(e.input_ids[:cut], e.loss_mask[:cut]) for e in rows])
+    grads = {}
+    for name, fn, half in (("fp32", token_logprobs, False), ("whole", token_logprobs, True),
+                           ("shared", shared_opening_logprobs, True)):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=half):
+            lp = fn(model, ids, attn) if fn is token_logprobs else fn(model, ids, attn, P)
+        (lp * mask).sum().backward()
+        grads[name] = torch.cat([p.grad.flatten().float() for p in model.parameters()])
+    err = {k: float((grads[k] - grads["fp32"]).norm() / grads["fp32"].norm()) for k in ("whole", "shared")}
+    figs["bf16 gradient error vs float32"] = {k: round(v, 5) for k, v in err.items()}
+    exact = 0 < err["whole"] and err["shared"] <= 2 * err["whole"]
+    return ("PASS" if exact and (faster or not bf16) else "FAIL"), figs
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="the checks at toy size on the CPU (what the test suite runs)")
@@ -559,6 +614,7 @@ def main(argv=None):
               "kv_peak": (kv_peak, tok, env, tasks[:2], device, "qwen3-8b-attn-4l", (8192, 16384, 32768)),
               "decode": (decode, model, tok, env, tasks, device, 4 if args.cpu else 16, 16 if args.cpu else 128),
               "head_grad": (head_grad, device, 4096 if args.cpu else 151936, 64 if args.cpu else 4096),
+              "share_opening": (share_opening, tok, device, small, *((300, 700) if args.cpu else (4000, 9000))),
               "train": (train, model, tok, env, tasks, device, work, device.type == "cuda"),
               "lora": (lora_steps, model, tok, device, work, device.type == "cuda"),
               "fsdp2": (launched, "fsdp2", work, out, device),

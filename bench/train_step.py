@@ -4,20 +4,23 @@
     ./run python bench/train_step.py --rounds 5 --only default
 
 What is timed: grpo.train_on_episodes on the very same episodes (the reference's forward, the policy's forward and
-backward, the optimizer step), once with each group's opening computed once per micro-batch (share_opening) and once
-with every episode whole, interleaved round by round in one process after a warm-up round (this CPU pages idle memory
-out and is shared: the ratio within a round is what to read). Printed per workload: the median seconds of each, their
-ratio, and the tokens each pushes through the decoder (the opening counted once per micro-batch, or once per
-episode). Peak memory: on CUDA, torch's peak allocation of each variant's call; on the CPU, each variant's maximum
-resident size in a child process of its own (--memory).
+backward, the optimizer step), once with each group's opening computed once (share_opening: per pass over a group's
+micro-batches, the reference's once, the policy's twice and its backward once) and once with every episode whole,
+interleaved round by round in one process after a warm-up round (this CPU pages idle memory out and is shared: the
+ratio within a round is what to read), at each --micro-batch-sizes (4: grpo.py's default; 1: the paper's recipe).
+Printed per workload and size, medians over the rounds: the seconds of each and their ratio; the tokens through the
+decoders (policy and reference, padding included, counted by a hook); the peak memory above the call's start (on CUDA
+torch's peak allocation; on the CPU the resident size sampled every millisecond, in one call of each in a process of
+its own where glibc maps large blocks apart, so that freed memory leaves the resident size).
 
 Workloads:
-  default  the default run's cold start (grpo.py's own, made and cached if missing) and its first step's episodes:
-           4 shop tasks x 8 samples at temperature 0.7, 128 new tokens a turn, 1,536-token context; grpo.py's
-           defaults (micro-batches of 4, AdamW, the reference's KL)
+  default  the default run's cold start (grpo.py's own, made and cached if missing, or --agent) and its first step's
+           episodes: 4 shop tasks x 8 samples at temperature 0.7, 128 new tokens a turn, 1,536-token context;
+           grpo.py's defaults otherwise (AdamW, the reference's KL)
   tau2     tau2 retail's real opening (its policy, tool schemas and a task's first user message, through the tiny
-           tokenizer) with episodes of tau2's proportions (the opening about a third of each, --tau2-length tokens
-           in all) of random tokens, 2 groups of 8, through the tiny model's shape with a context that holds them
+           tokenizer: 7,617 tokens, cut to --tau2-opening) with random remainders, episodes of at most --tau2-length
+           tokens (tau2 with Qwen3's tokenizer: a 3-5k opening, 8-15k in all), 2 groups of 8, through the tiny
+           model's shape with a context that holds them
 """
 from __future__ import annotations
 
@@ -61,8 +64,9 @@ def default_workload(agent: str = ""):
     return model, tok, eps, cfg
 
 
-def tau2_workload(length: int):
-    """tau2 retail's opening through the tiny tokenizer, then random remainders: 2 groups of 8, `length` tokens each."""
+def tau2_workload(length: int, opening_tokens: int):
+    """tau2 retail's opening (cut to `opening_tokens`) through the tiny tokenizer, then random remainders: 2 groups
+    of 8 episodes of at most `length` tokens (down to three quarters of it)."""
     from envs import make_env
 
     shop = make_env("shop")
@@ -72,7 +76,7 @@ def tau2_workload(length: int):
     messages = [{"role": "system", "content": env.system_prompt(task)}, {"role": "user", "content": "Hi, I need help "
                 "with an order I placed last week: it has not arrived."}]
     opening = tok(muarl.render(tok, messages, env.tools(task), add_generation_prompt=True))["input_ids"]
-    opening = opening[:max(1, length // 3)]  # tau2: the opening is a third to a half of an episode
+    opening = opening[:opening_tokens]  # tau2 with Qwen3's tokenizer: 3-5k of an 8-15k-token episode
     g, eps = torch.Generator().manual_seed(0), []
     for group in range(2):
         for k in range(8):
@@ -88,88 +92,134 @@ def tau2_workload(length: int):
     return model, tok, eps, grpo.Config(max_context=length + 16)
 
 
-def forward_tokens(eps, cfg, share: bool) -> int:
-    """Tokens through the decoder in one forward of every micro-batch (the opening once per micro-batch if shared)."""
-    acc = cli.make_accelerator()
-    adv, rows, _ = grpo.decide(eps, cfg)
-    batches = grpo.micro_batches(eps, rows, adv, grpo.Config(**{**cfg.__dict__, "share_opening": share}), acc,
-                                 0)
-    total = 0
-    for b in batches:
-        n = int(b.attention_mask.sum())
-        if b.opening > 1 and b.opening < b.input_ids.shape[1] - 1:
-            n -= (b.input_ids.shape[0] - 1) * (b.opening - 1)
-        total += n
-    return total
+class Peak:
+    """Peak memory above the start of a block: torch's peak allocation on CUDA; on the CPU the resident size, sampled
+    every millisecond by a thread (it follows the tensors where glibc hands their blocks back: memory_in_a_child)."""
+
+    def __enter__(self):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.memory_allocated()
+            return self
+        import threading
+
+        self.start = self.peak = self._rss()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self):
+        while not self.done.wait(0.001):
+            self.peak = max(self.peak, self._rss())
+
+    def __exit__(self, *exc):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            self.bytes = torch.cuda.max_memory_allocated() - self.start
+        else:
+            self.done.set()
+            self.thread.join()
+            self.bytes = max(self.peak, self._rss()) - self.start
 
 
-def update(model, ref, eps, cfg, share: bool) -> float:
-    """One train_on_episodes call (an lr so small that the weights barely move: every call sees the same model)."""
+def count_tokens(*models_):
+    """Tokens (padding included) through the models' decoders, counted by a forward hook: [count], removers."""
+    count = [0]
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        count[0] += ids.numel() if ids is not None else 0
+    return count, [m.get_decoder().register_forward_pre_hook(hook, with_kwargs=True) for m in models_]
+
+
+def update(model, ref, eps, cfg, share: bool, bf16: bool = False) -> tuple[float, int, int]:
+    """One train_on_episodes call (an lr so small that the weights barely move: every call sees the same model):
+    (seconds, peak bytes above the start, tokens through the decoders); `bf16`: under bf16 autocast. On the CPU the
+    memory figure means something only in a process where glibc maps large blocks apart (memory_in_a_child)."""
     cfg = grpo.Config(**{**cfg.__dict__, "share_opening": share, "lr": 1e-12})
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     acc = cli.make_accelerator()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    grpo.train_on_episodes(eps, model, ref, opt, sched, acc, cfg, 0)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    count, hooks = count_tokens(model, ref)
+    with Peak() as peak:
+        t0 = time.perf_counter()
+        with torch.autocast(acc.device.type, dtype=torch.bfloat16, enabled=bf16):
+            grpo.train_on_episodes(eps, model, ref, opt, sched, acc, cfg, 0)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    for h in hooks:
+        h.remove()
+    return seconds, peak.bytes, count[0]
+
+
+def memory_in_a_child(name: str, size: int, share: bool, args) -> int:
+    """The CPU's peak memory of one update, in a process of its own started with glibc mapping every block of 64 KiB
+    or more apart (MALLOC_MMAP_THRESHOLD_, which also stops the threshold from rising): freed tensors then leave the
+    resident size, which follows them. In this process that would slow every allocation, and the timing with it."""
+    argv = [sys.executable, __file__, "--memory", f"{name}:{size}:{int(share)}", "--agent", args.agent,
+            "--tau2-length", str(args.tau2_length), "--tau2-opening", str(args.tau2_opening)]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True,
+                         env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    return int(out.stdout.split()[-1])
 
 
 def load(name: str, args):
-    return default_workload(args.agent) if name == "default" else tau2_workload(args.tau2_length)
+    return default_workload(args.agent) if name == "default" else tau2_workload(args.tau2_length, args.tau2_opening)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds (0: the peak memory only)")
     p.add_argument("--only", default="", help="default or tau2 (default: both)")
-    p.add_argument("--tau2-length", type=int, default=3000, help="tokens of a tau2-shaped episode")
+    p.add_argument("--micro-batch-sizes", default="4,1", help="comma-separated --micro-batch-size values to time")
+    p.add_argument("--tau2-length", type=int, default=9000, help="tokens of a tau2-shaped episode (at most)")
+    p.add_argument("--tau2-opening", type=int, default=4000, help="tokens of its opening (tau2 retail's, cut)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
     p.add_argument("--agent", default="", help="the default workload's model (default: grpo.py's cold start)")
-    p.add_argument("--memory", default="", help=argparse.SUPPRESS)  # child process: WORKLOAD:shared|whole
+    p.add_argument("--memory", default="", help=argparse.SUPPRESS)  # in a child: WORKLOAD:SIZE:SHARE
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.memory:  # one variant alone in this process: its maximum resident size
-        import resource
-
-        name, variant = args.memory.split(":")
-        model, tok, eps, cfg = load(name, args)
-        ref = copy.deepcopy(model).eval().requires_grad_(False)
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        update(model, ref, eps, cfg, variant == "shared")
-        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+    if args.memory:  # memory_in_a_child: one update, its peak bytes
+        name, size, share = args.memory.split(":")
+        model, tok, eps, base = load(name, args)
+        cfg = grpo.Config(**{**base.__dict__, "micro_batch_size": int(size)})
+        print(update(model.train(), copy.deepcopy(model).eval().requires_grad_(False), eps, cfg, share == "1")[1])
         return
     for name in [args.only] if args.only else ["default", "tau2"]:
-        model, tok, eps, cfg = load(name, args)
+        model, tok, eps, base = load(name, args)
         model.train()
         ref = copy.deepcopy(model).eval().requires_grad_(False)
         lengths = [len(e.input_ids) for e in eps]
-        times = {True: [], False: []}
-        for r in range(args.rounds + 1):  # round 0 warms up
-            for share in (True, False) if r % 2 else (False, True):
-                t = update(model, ref, eps, cfg, share)
-                if r:
-                    times[share].append(t)
-        a, b = statistics.median(times[False]), statistics.median(times[True])
-        tokens = {s: forward_tokens(eps, cfg, s) for s in (False, True)}
-        print(f"[train_step] {name}: {len(eps)} episodes of {min(lengths)}-{max(lengths)} tokens, micro-batches of "
-              f"{cfg.micro_batch_size}: whole {a:.2f} s, shared {b:.2f} s, {a / b:.2f}x; tokens through the decoder "
-              f"a forward pass: {tokens[False]:,} whole, {tokens[True]:,} shared "
-              f"({tokens[False] / tokens[True]:.2f}x); rounds {args.rounds}", flush=True)
-        if not torch.cuda.is_available():
-            rss = {}
-            for variant in ("whole", "shared"):
-                out = subprocess.run([sys.executable, __file__, "--memory", f"{name}:{variant}", "--tau2-length",
-                                      str(args.tau2_length), "--agent", args.agent], capture_output=True, text=True,
-                                     check=True)
-                rss[variant] = float(out.stdout.strip().splitlines()[-1])
-            print(f"[train_step] {name}: peak resident memory added by the update: whole {rss['whole']:.0f} MB, "
-                  f"shared {rss['shared']:.0f} MB", flush=True)
+        opening = grpo.shared_opening([(e.input_ids, e.loss_mask) for e in eps[:base.group_size]])
+        for size in map(int, args.micro_batch_sizes.split(",")):
+            cfg = grpo.Config(**{**base.__dict__, "micro_batch_size": size})
+            runs = {True: [], False: []}
+            for r in range(args.rounds + 1 if args.rounds else 0):  # round 0 warms up
+                for share in (True, False) if r % 2 else (False, True):
+                    out = update(model, ref, eps, cfg, share)
+                    if r:
+                        runs[share].append(out)
+            line = f"[train_step] {name}: {len(eps)} episodes of {min(lengths)}-{max(lengths)} tokens (a group's " \
+                   f"opening {opening}), groups of {cfg.group_size}, micro-batches of {size}: "
+            if args.rounds:
+                (a, ma, ta), (b, mb, tb) = ([statistics.median(x) for x in zip(*runs[s])] for s in (False, True))
+                line += f"whole {a:.2f} s, shared {b:.2f} s, {a / b:.2f}x faster; decoder tokens {ta:,.0f} whole, " \
+                        f"{tb:,.0f} shared ({ta / tb:.2f}x fewer); median of {args.rounds} rounds; "
+            if not torch.cuda.is_available():
+                ma, mb = (memory_in_a_child(name, size, share, args) for share in (False, True))
+            elif not args.rounds:
+                ma, mb = (update(model, ref, eps, cfg, share)[1] for share in (False, True))
+            print(line + f"peak memory above the start {ma / 2**20:,.0f} MB whole, {mb / 2**20:,.0f} MB shared",
+                  flush=True)
 
 
 if __name__ == "__main__":

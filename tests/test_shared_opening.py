@@ -54,8 +54,10 @@ def test_reentrant_checkpointing_is_refused_by_name():
     model = __import__("transformers").AutoModelForCausalLM.from_config(cfg).train()
     model.gradient_checkpointing_enable({"use_reentrant": True})
     ids = torch.randint(0, 300, (2, 12))
+    flags = [m.__dict__.get("_can_checkpoint_with_cache") for m in model.modules()]
     with pytest.raises(ValueError, match="use_reentrant=True.*--no-share-opening"):
         shared_opening_logprobs(model, ids, torch.ones_like(ids), 6)
+    assert [m.__dict__.get("_can_checkpoint_with_cache") for m in model.modules()] == flags  # left as they were
     with torch.no_grad():  # nothing to train: scored as well
         assert shared_opening_logprobs(model, ids, torch.ones_like(ids), 6).shape == (2, 12)
 
