@@ -176,3 +176,24 @@ def test_under_bf16_autocast_sharing_is_as_close_to_float32_as_the_whole_rows_ar
         assert 0 < err_whole < 0.1 and err_shared <= 2 * err_whole, (how, err_whole, err_shared)
         gerr_whole, gerr_shared = ((g - g32).norm() / g32.norm() for g in (g_whole, g_shared))
         assert 0 < gerr_whole < 0.1 and gerr_shared <= 2 * gerr_whole, (how, gerr_whole, gerr_shared)
+
+
+@pytest.mark.parametrize("options", [dict(drop_uniform_groups=True), dict(ratio_level="sequence",
+                                     agg="seq-mean-token-mean"), dict(agg="seq-mean-token-sum-norm"),
+                                     dict(policy_loss="cispo", updates_per_batch=2)])
+def test_what_the_step_supports_trains_alike_through_a_shared_opening(options):
+    """--drop-uniform-groups, GSPO's sequence ratio, each aggregation, CISPO: the same weights and metrics with each
+    group's opening computed once (split over two micro-batches) as without."""
+    from test_grpo import _one_step
+
+    eps = _groups(torch.Generator().manual_seed(5))
+    for e in eps[4:8]:  # a uniform group, for --drop-uniform-groups to drop
+        e.reward = 1.0
+    whole, m2, start = _one_step(eps, share_opening=False, micro_batch_size=3, kl_coef=0.1, **options)
+    shared, m1, _ = _one_step(eps, share_opening=True, micro_batch_size=3, kl_coef=0.1, **options)
+    for (name, a), b, s in zip(shared.named_parameters(), whole.parameters(), start.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+        assert not torch.equal(a, s), name
+    assert m1.pop("unshared_groups") == 1 and m2.pop("unshared_groups") == 0
+    assert set(m1) == set(m2) and all(m1[k] == pytest.approx(m2[k], rel=1e-4, abs=1e-6) for k in m2), (m1, m2)
+    assert m1["dropped_groups"] == (1 if options.get("drop_uniform_groups") else 0)
