@@ -9,11 +9,12 @@ then the machinery beside it, which a first reader skips:
     grpo.py            4. the step (decide, train_on_episodes) and main(), on the machinery below
 
     models.py          models and tokenizers loaded (tiny from its environment's text, checkpoints, hub ids)
-    logprobs.py        the chunked log-prob kernel the trainer scores tokens with
+    engine.py          batched decoding with each episode's KV cache kept across turns (torch, transformers only)
+    logprobs.py        the chunked log-prob kernel the trainer scores tokens with; a group's opening computed once
+                       (handed to the decoder as a cache, as the engine hands one)
     cli.py, options.py the entry points' plumbing, and their shared option groups
     shard.py, memory.py   the backends (DDP, FSDP2, DeepSpeed) and the memory estimate
     lora.py            LoRA adapters (peft)
-    engine.py          batched decoding with each episode's KV cache kept across turns (torch, transformers only)
     batched_rollout.py many episodes at once over the engine, users answering from their own thread
     deadlines.py       every tool call under a deadline (a forked copy tries it first)
     coldstart.py, sft.py, eval.py    cold-start data, SFT and the tiny base, evaluation
@@ -37,7 +38,7 @@ ALLOWED = {  # module -> the project modules it may import
     "lora": set(),
     "options": {"cli", "lora", "loss"},
     "models": {"muarl", "lora", "toolcall", "options"},
-    "logprobs": set(),
+    "logprobs": {"engine"},
     "shard": set(),
     "memory": {"cli", "lora"},
     "engine": set(),
