@@ -29,9 +29,10 @@ import pipeline
 import rundir
 import shard
 from cli import Range
-from logprobs import Opening, shared_opening_logprobs, token_logprobs
+from logprobs import token_logprobs
 from loss import ADVANTAGES, grpo_loss, normalizer_count, uniform_groups
 from muarl import collate
+from opening import Opening, shared_opening_logprobs
 from options import AttentionOptions, LoraOptions, RunOptions, SamplingOptions, StartOptions, UserOptions
 
 
@@ -140,7 +141,7 @@ def micro_batches(episodes, rows: list[int], adv, cfg, acc, pad_id: int) -> tupl
     process with fewer runs empty ones, one pad token under a zero mask), and how many groups of several episodes
     share no opening. With --share-opening, a micro-batch holds episodes of one group (a group larger than a
     micro-batch is split into consecutive ones), and the group's common opening is computed once for all of them
-    (logprobs.Opening); without, similar lengths go together."""
+    (opening.Opening); without, similar lengths go together."""
     order, n = sorted(rows, key=lambda i: len(episodes[i].input_ids)), cfg.micro_batch_size
     by_group = {}
     for i in order:  # consecutive group_size episodes are one task's
@@ -171,7 +172,7 @@ def scores(model, b: MicroBatch, temperature: float, carry: Opening, **kwargs):
 
 
 def openings(batches):
-    """Each micro-batch's logprobs.Opening: one object for the micro-batches of one group, in one pass over them."""
+    """Each micro-batch's opening.Opening: one object for the micro-batches of one group, in one pass over them."""
     carry = None
     for b in batches:
         carry = Opening() if b.part[0] == 0 else carry
@@ -185,7 +186,7 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
     masks = [episodes[i].loss_mask for i in rows]
     # One normalizer for the whole optimizer step, over all micro-batches and processes (docs/invariants.md, 3).
     normalizer, tokens, dropped = shard.total(acc, normalizer_count(masks, cfg.agg), sum(map(sum, masks)), dropped)
-    out = {"dropped_groups": int(dropped), "trained_tokens": int(tokens), "skipped_updates": 0}
+    out = {"dropped_groups": int(dropped), "trained_tokens": int(tokens), "skipped_updates": 0, "unshared_groups": 0}
     stats = metrics.Accumulator()
     if not normalizer:  # no process has a token to train on (every group dropped): no update this step
         return {**out, **stats.reduce(acc)}

@@ -11,8 +11,6 @@ gathered at the next token. This module is machinery: the objective (loss.py) ta
 
 Shapes: B rows, T tokens, V vocabulary, H hidden size.
 """
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -219,12 +217,7 @@ def token_logprobs(model, input_ids, attention_mask, *, temperature=1.0, chunk_s
     (call_as_forward), so the wrapper's hooks see every parameter they use.
     """
     inner = getattr(model, "module", model)  # DDP (and other wrappers) keep the model in .module
-    config = getattr(inner, "config", None)
-    for attr, plain in (("final_logit_softcapping", None), ("logits_scaling", 1.0), ("logit_scale", 1.0)):
-        value = getattr(config, attr, plain)
-        if value is not None and value != plain:
-            raise NotImplementedError(f"{type(model).__name__} post-processes its logits "
-                                      f"({attr}={value}); token_logprobs assumes logits = lm_head(hidden)")
+    check_plain_logits(model, inner)
     if position_ids is None:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
@@ -243,6 +236,16 @@ def token_logprobs(model, input_ids, attention_mask, *, temperature=1.0, chunk_s
 
     return call_as_forward(model, inner, body_then_head, input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=position_ids)
+
+
+def check_plain_logits(model, inner) -> None:
+    """Refuse a model whose logits are not lm_head(hidden) (softcapped or scaled): the head here would miss it."""
+    config = getattr(inner, "config", None)
+    for attr, plain in (("final_logit_softcapping", None), ("logits_scaling", 1.0), ("logit_scale", 1.0)):
+        value = getattr(config, attr, plain)
+        if value is not None and value != plain:
+            raise NotImplementedError(f"{type(model).__name__} post-processes its logits "
+                                      f"({attr}={value}); token_logprobs assumes logits = lm_head(hidden)")
 
 
 def call_as_forward(model, inner, fn, **inputs):
@@ -264,139 +267,3 @@ def call_as_forward(model, inner, fn, **inputs):
             del inner.forward
         else:
             inner.forward = saved
-
-
-# ---- a group's shared opening, computed once ------------------------------------------------------------------------
-def _opening_layers():
-    """Cache layers for a group's opening (built here, so that this module imports transformers only when used)."""
-    from transformers.cache_utils import DynamicLayer
-
-    class Recording(DynamicLayer):
-        """Keeps the opening's keys and values as its forward made them (with their autograd graph). Overwrites
-        rather than appends, so that a checkpointed layer's replay in the backward leaves it as it was."""
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            self.keys, self.values = key_states, value_states
-            self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
-            return key_states, value_states
-
-    class Shared(DynamicLayer):
-        """The opening's keys and values ([1, kv_heads, P, head_dim]) in front of each row's own, expanded over the
-        rows (a view, not a copy); stores nothing, so a checkpointed layer replays the same."""
-
-        def __init__(self, keys, values):
-            super().__init__()
-            self.keys, self.values = keys, values
-            self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            rows = key_states.shape[0]
-            return (torch.cat([self.keys.expand(rows, -1, -1, -1), key_states], -2),
-                    torch.cat([self.values.expand(rows, -1, -1, -1), value_states], -2))
-
-    return Recording, Shared
-
-
-class Opening:
-    """One group's opening over the micro-batches its episodes are split into (with --micro-batch-size 1, one each),
-    computed once for all of them. Without gradients (the reference, the old policy) its keys and values are kept
-    and read by every micro-batch. With gradients they are kept as leaves (in the compute dtype): each micro-batch's
-    backward sums into their .grad what its remainders send back, and the group's last micro-batch computes the
-    opening again with its graph and sends that sum back through it together with its own, in its one backward. So
-    the opening's forward runs twice a group and its backward once, against once per episode each whole. Held
-    between the micro-batches: the opening's keys and values and their gradients, 2 x kv_bytes_per_token (memory.py)
-    x its tokens."""
-
-    def __init__(self):
-        self.kv = None  # per layer (keys, values), [1, kv_heads, P, head_dim]
-
-
-def _add_to_gradient(extra, grad):
-    return grad + extra.to(grad.dtype)
-
-
-def shared_opening_logprobs(model, input_ids, attention_mask, opening: int, *, temperature=1.0,
-                            chunk_size=DEFAULT_CHUNK_SIZE, return_entropy=False, carry: Opening | None = None,
-                            last: bool = True):
-    """token_logprobs for rows that all begin with the same `opening` tokens (a GRPO group's system prompt, tool
-    schemas and first user message): the opening's first opening - 1 tokens go through the decoder once, as one row
-    whose keys and values every row's remainder attends to (expanded over the rows, not copied); the remainders, from
-    the opening's last token on, in one forward. Positions before `opening` hold 0 (an opening is never trained: its
-    loss mask is 0); the rest equal token_logprobs's, and the gradient flows back from every row's loss through the
-    opening's keys and values into every layer, once. Works under gradient checkpointing: the cache layers used here
-    store nothing a layer's replay would store twice. `carry` (an Opening) shares the opening with the group's other
-    micro-batches, `last` says this one is the group's last (see Opening)."""
-    from transformers.cache_utils import Cache
-
-    from engine import with_cache
-
-    inner = getattr(model, "module", model)
-    P = opening - 1
-    if not 1 <= P < input_ids.shape[1] - 1:
-        raise ValueError(f"opening {opening} must leave a token before it and one after it in {input_ids.shape[1]}")
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    Recording, Shared = _opening_layers()
-    grad = torch.is_grad_enabled()
-
-    def the_opening(decoder):
-        recorded = Cache(layers=[Recording() for _ in range(inner.config.get_text_config(decoder=True)
-                                                              .num_hidden_layers)])
-        decoder(input_ids=input_ids[:1, :P], position_ids=position_ids[:1, :P], **with_cache(decoder, recorded))
-        kv = [(layer.keys, layer.values) for layer in recorded.layers]
-        for layer, pair in zip(getattr(decoder, "layers", ()) if torch.is_grad_enabled() else (), kv):
-            # FSDP2 gathers a unit's weights for its backward when a gradient reaches the unit's outputs. These leave
-            # the layer by the cache instead, and reach it after the remainders' backward through the same layer has
-            # freed its weights: gather them (each FSDP unit in the layer, else the one holding it) for these too.
-            units = [m for m in layer.modules() if hasattr(m, "_get_fsdp_state")]
-            units = units or [m for m in (decoder, inner) if hasattr(m, "_get_fsdp_state")][:1]
-            for t in pair:
-                for unit in units if t.requires_grad else ():
-                    t.register_hook(unit._get_fsdp_state()._pre_backward)
-        return kv
-
-    def opening_kv(decoder):
-        if carry is None or (grad and last):  # with its graph: this micro-batch's backward goes through it
-            kv = the_opening(decoder)
-            for pair, leaves in zip(kv, carry.kv if carry is not None and carry.kv is not None else []):
-                for t, leaf in zip(pair, leaves):  # what the group's other micro-batches sent back, added
-                    if t.requires_grad and leaf.grad is not None:
-                        t.register_hook(functools.partial(_add_to_gradient, leaf.grad))
-            return kv
-        if carry.kv is None:  # the group's first micro-batch: the opening once, without a graph
-            with torch.no_grad():
-                kv = the_opening(decoder)
-            carry.kv = [tuple(t.detach().requires_grad_() for t in pair) if grad else pair for pair in kv]
-        return carry.kv
-
-    def body_then_head(input_ids, attention_mask, position_ids):
-        decoder = inner.get_decoder()
-        layers = [m for m in decoder.modules() if hasattr(m, "_can_checkpoint_with_cache")]
-        saved = [m.__dict__.get("_can_checkpoint_with_cache") for m in layers]
-        if grad and any(getattr(m, "gradient_checkpointing", False) and getattr(
-                getattr(m, "_gradient_checkpointing_func", None), "keywords", {}).get("use_reentrant") for m in layers):
-            raise ValueError("reentrant activation checkpointing (use_reentrant=True) runs each layer without a "
-                             "graph, so the opening's keys and values would get no gradient: enable it without "
-                             "(transformers' default) or train with --no-share-opening")
-        for m in layers:  # the caches here never store twice: checkpointed layers may keep them
-            m._can_checkpoint_with_cache = True
-        try:
-            shared = Cache(layers=[Shared(k, v) for k, v in opening_kv(decoder)])
-            out = decoder(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=position_ids[:, P:],
-                          **with_cache(decoder, shared))
-        finally:
-            for m, s in zip(layers, saved):
-                if s is None:
-                    del m._can_checkpoint_with_cache
-                else:
-                    m._can_checkpoint_with_cache = s
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [B, T - P, H]
-        head = inner.get_output_embeddings()
-        result = logprobs_from_hidden(hidden[:, :-1], head.weight, input_ids[:, P + 1:], temperature, chunk_size,
-                                      bias=getattr(head, "bias", None), return_entropy=return_entropy)
-
-        def pad(x):
-            return torch.cat([x.new_zeros(x.shape[0], P + 1), x], 1)
-        return (pad(result[0]), pad(result[1])) if return_entropy else pad(result)
-
-    return call_as_forward(model, inner, body_then_head, input_ids=input_ids, attention_mask=attention_mask,
-                           position_ids=position_ids)

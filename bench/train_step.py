@@ -5,11 +5,13 @@
 
 What is timed: grpo.train_on_episodes on the very same episodes (the reference's forward, the policy's forward and
 backward, the optimizer step), once with each group's opening computed once (share_opening: per pass over a group's
-micro-batches, the reference's once, the policy's twice and its backward once) and once with every episode whole,
+micro-batches, the reference's once, the policy's once, or twice where the group is split, and its backward once) and
+once with every episode whole,
 interleaved round by round in one process after a warm-up round (this CPU pages idle memory out and is shared: the
 ratio within a round is what to read), at each --micro-batch-sizes (4: grpo.py's default; 1: the paper's recipe).
 Printed per workload and size, medians over the rounds: the seconds of each and their ratio; the tokens through the
-decoders (policy and reference, padding included, counted by a hook); the peak memory above the call's start (on CUDA
+decoders (policy and reference, padding included, a split group's opening counted each time it is computed; counted by
+a hook); the peak memory above the call's start, the optimizer's state made in a call before (on CUDA
 torch's peak allocation; on the CPU the resident size sampled every millisecond, in one call of each in a process of
 its own where glibc maps large blocks apart, so that freed memory leaves the resident size).
 
@@ -148,7 +150,9 @@ def update(model, ref, eps, cfg, share: bool, bf16: bool = False) -> tuple[float
     (seconds, peak bytes above the start, tokens through the decoders); `bf16`: under bf16 autocast. On the CPU the
     memory figure means something only in a process where glibc maps large blocks apart (memory_in_a_child)."""
     cfg = grpo.Config(**{**cfg.__dict__, "share_opening": share, "lr": 1e-12})
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    if not hasattr(model, "_bench_optimizer"):  # one optimizer a model: its state is made once, outside the figures
+        model._bench_optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    opt = model._bench_optimizer
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     acc = cli.make_accelerator()
     count, hooks = count_tokens(model, ref)
@@ -184,11 +188,14 @@ BALANCED = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=2, nu
 
 
 def load(name: str, args):
+    """(model on the device micro-batches go to, tokenizer, episodes, grpo.Config) of a workload."""
     if name == "default":
-        return default_workload(args.agent)
-    if name == "tau2":
-        return tau2_workload(args.tau2_length, args.tau2_opening)
-    return tau2_workload(args.tau2_length * 512 // 4096, args.tau2_opening * 512 // 4096, BALANCED)
+        model, tok, eps, cfg = default_workload(args.agent)
+    elif name == "tau2":
+        model, tok, eps, cfg = tau2_workload(args.tau2_length, args.tau2_opening)
+    else:
+        model, tok, eps, cfg = tau2_workload(args.tau2_length * 512 // 4096, args.tau2_opening * 512 // 4096, BALANCED)
+    return model.to(cli.make_accelerator().device), tok, eps, cfg
 
 
 def main(argv=None):
@@ -198,17 +205,16 @@ def main(argv=None):
     p.add_argument("--micro-batch-sizes", default="4,1", help="comma-separated --micro-batch-size values to time")
     p.add_argument("--tau2-length", type=int, default=9000, help="tokens of a tau2-shaped episode (at most)")
     p.add_argument("--tau2-opening", type=int, default=4000, help="tokens of its opening (tau2 retail's, cut)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
     p.add_argument("--agent", default="", help="the default workload's model (default: grpo.py's cold start)")
     p.add_argument("--memory", default="", help=argparse.SUPPRESS)  # in a child: WORKLOAD:SIZE:SHARE
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.memory:  # memory_in_a_child: one update, its peak bytes
         name, size, share = args.memory.split(":")
         model, tok, eps, base = load(name, args)
         cfg = grpo.Config(**{**base.__dict__, "micro_batch_size": int(size)})
-        print(update(model.train(), copy.deepcopy(model).eval().requires_grad_(False), eps, cfg, share == "1")[1])
+        ref = copy.deepcopy(model).eval().requires_grad_(False)
+        update(model.train(), ref, eps, cfg, share == "1")  # the optimizer's state made, as in the timed rounds
+        print(update(model, ref, eps, cfg, share == "1")[1])
         return
     for name in [args.only] if args.only else ["default", "tau2", "tau2-balanced"]:
         model, tok, eps, base = load(name, args)

@@ -9,9 +9,9 @@ then the machinery beside it, which a first reader skips:
     grpo.py            4. the step (decide, train_on_episodes) and main(), on the machinery below
 
     models.py          models and tokenizers loaded (tiny from its environment's text, checkpoints, hub ids)
+    logprobs.py        the chunked log-prob kernel the trainer scores tokens with
     engine.py          batched decoding with each episode's KV cache kept across turns (torch, transformers only)
-    logprobs.py        the chunked log-prob kernel the trainer scores tokens with; a group's opening computed once
-                       (handed to the decoder as a cache, as the engine hands one)
+    opening.py         a group's opening computed once in the update (through logprobs, with engine's cache plumbing)
     cli.py, options.py the entry points' plumbing, and their shared option groups
     shard.py, memory.py   the backends (DDP, FSDP2, DeepSpeed) and the memory estimate
     lora.py            LoRA adapters (peft)
@@ -33,12 +33,14 @@ ALLOWED = {  # module -> the project modules it may import
     "muarl": {"toolcall"},
     "rollout": {"envs", "muarl", "toolcall"},
     "loss": {"logprobs"},
-    "grpo": {"cli", "logprobs", "lora", "loss", "metrics", "muarl", "options", "pipeline", "rundir", "shard"},
+    "grpo": {"cli", "logprobs", "lora", "loss", "metrics", "muarl", "opening", "options", "pipeline", "rundir",
+             "shard"},
     "cli": set(),
     "lora": set(),
     "options": {"cli", "lora", "loss"},
     "models": {"muarl", "lora", "toolcall", "options"},
-    "logprobs": {"engine"},
+    "logprobs": set(),
+    "opening": {"logprobs", "engine"},
     "shard": set(),
     "memory": {"cli", "lora"},
     "engine": set(),
@@ -57,7 +59,7 @@ ALLOWED = {  # module -> the project modules it may import
                  "memory", "checkpoints", "metrics", "lora", "rundir"},
 }
 BELOW_ENVS = ("toolcall", "muarl", "loss", "cli", "lora", "options", "models", "logprobs", "shard", "memory", "engine", "metrics",
-              "stats")
+              "stats", "opening")
 
 
 def imports(path: str) -> set[str]:

@@ -1,4 +1,4 @@
-"""logprobs.shared_opening_logprobs: a GRPO group's opening computed once, its keys and values shared by every row's
+"""opening.shared_opening_logprobs: a GRPO group's opening computed once, its keys and values shared by every row's
 remainder, against token_logprobs on the whole rows: the same log-probs and the same gradients, the opening's layers
 trained through its keys and values alone."""
 import copy
@@ -8,7 +8,8 @@ import torch
 
 import models
 from conftest import TEST_CORPUS
-from logprobs import Opening, shared_opening_logprobs, token_logprobs
+from logprobs import token_logprobs
+from opening import Opening, shared_opening_logprobs
 
 
 @pytest.mark.versions
@@ -46,8 +47,9 @@ def test_the_opening_once_gives_the_log_probs_and_gradients_of_every_row_whole(a
     assert first.abs().max() > 0  # the first layer's keys are trained, through the remainders' attention
 
 
-def test_reentrant_checkpointing_is_refused_by_name():
-    """Reentrant checkpointing runs each layer under no_grad: the opening's keys and values would get no gradient."""
+def test_what_sharing_cannot_do_is_refused_by_name():
+    """Reentrant checkpointing runs each layer under no_grad (the opening's keys and values would get no gradient);
+    dropout draws other masks in the split group's recomputed opening; softcapped logits are not lm_head(hidden)."""
     torch.manual_seed(0)
     cfg = models.tiny_config(300, arch="qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -60,6 +62,15 @@ def test_reentrant_checkpointing_is_refused_by_name():
     assert [m.__dict__.get("_can_checkpoint_with_cache") for m in model.modules()] == flags  # left as they were
     with torch.no_grad():  # nothing to train: scored as well
         assert shared_opening_logprobs(model, ids, torch.ones_like(ids), 6).shape == (2, 12)
+
+    model.gradient_checkpointing_disable()
+    model.config.attention_dropout = 0.1  # a split group's recomputed opening would draw other dropout masks
+    with pytest.raises(ValueError, match="dropout.*--no-share-opening"):
+        shared_opening_logprobs(model, ids, torch.ones_like(ids), 6)
+    model.config.attention_dropout = 0.0
+    model.config.final_logit_softcapping = 30.0  # logits that are not lm_head(hidden), as token_logprobs refuses
+    with pytest.raises(NotImplementedError, match="final_logit_softcapping=30.0"):
+        shared_opening_logprobs(model, ids, torch.ones_like(ids), 6)
 
 
 def _groups(g):
@@ -86,18 +97,18 @@ def test_a_grpo_step_sharing_each_groups_opening_equals_one_without(monkeypatch)
     and metrics, whether a group is one micro-batch or split over two or four (its opening computed once for all of
     them: the reference's and the old policy's once, the policy's twice an update); a group whose episodes begin
     differently shares what they have in common; one that shares nothing falls back, and is counted."""
-    import logprobs
+    import opening
     from test_grpo import _one_step
 
     eps = _groups(torch.Generator().manual_seed(3))
     made = []
-    Recording, Shared = logprobs._opening_layers()
+    Recording, Shared = opening._opening_layers()
 
     class Counted(Recording):
         def __init__(self):
             super().__init__()
             made.append(1)
-    monkeypatch.setattr(logprobs, "_opening_layers", lambda: (Counted, Shared))
+    monkeypatch.setattr(opening, "_opening_layers", lambda: (Counted, Shared))
     options = dict(kl_coef=0.1, updates_per_batch=2, clip_low=0.1, clip_high=0.1)
     whole, m2, start = _one_step(eps, share_opening=False, micro_batch_size=3, **options)
     assert not made and m2["unshared_groups"] == 0

@@ -1,0 +1,171 @@
+"""A GRPO group's opening computed once in the update.
+
+The G episodes of a group begin alike: the system prompt with the policy, the tool schemas, the user's first message.
+Scored whole, each episode sends that opening through the policy again (and through the reference, and the old
+policy). Here the opening goes through the decoder once, as one row; its keys and values enter every remainder's
+attention through a cache (expanded over the rows, not copied), and the gradient the remainders send back flows into
+the opening's layers once. The log-probs and the gradient are those of the whole rows (docs/invariants.md, 5).
+"""
+import torch
+
+from engine import with_cache
+from logprobs import DEFAULT_CHUNK_SIZE, check_plain_logits, call_as_forward, logprobs_from_hidden
+
+
+def _opening_layers():
+    """The two cache layers of a group's opening (classes made here, on transformers' DynamicLayer)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class Recording(DynamicLayer):
+        """Keeps the opening's keys and values as its forward made them (with their autograd graph). Overwrites
+        rather than appends, so that a checkpointed layer's replay in the backward leaves it as it was."""
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            self.keys, self.values = key_states, value_states
+            self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+            return key_states, value_states
+
+    class Shared(DynamicLayer):
+        """The opening's keys and values ([1, kv_heads, P, head_dim]) in front of each row's own, expanded over the
+        rows (a view, not a copy); stores nothing, so a checkpointed layer replays the same."""
+
+        def __init__(self, keys, values):
+            super().__init__()
+            self.keys, self.values = keys, values
+            self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            rows = key_states.shape[0]
+            return (torch.cat([self.keys.expand(rows, -1, -1, -1), key_states], -2),
+                    torch.cat([self.values.expand(rows, -1, -1, -1), value_states], -2))
+
+    return Recording, Shared
+
+
+class Opening:
+    """One group's opening over the micro-batches its episodes are split into (with --micro-batch-size 1, one each),
+    computed once for all of them. Without gradients (the reference, the old policy) its keys and values are kept
+    and read by every micro-batch. With gradients they are kept as leaves (in the compute dtype): each micro-batch's
+    backward sums what its remainders send back (in float32, _leaf), and the group's last micro-batch computes the
+    opening again with its graph and sends that sum back through it together with its own, in its one backward. So
+    the opening's forward runs twice a group and its backward once, against once per episode each whole. Held
+    between the micro-batches: the cached tokens' keys and values (kv_bytes_per_token, memory.py, a token) and their
+    gradients' float32 sums (twice that in bf16)."""
+
+    def __init__(self):
+        self.kv = None  # per layer (keys, values), [1, kv_heads, P, head_dim]
+
+
+def _adding(extra: torch.Tensor):
+    """A tensor hook adding `extra` to the gradient once, then letting go of it (a hook lives as long as its graph)."""
+    box = [extra]
+
+    def hook(grad):
+        return grad + box.pop().to(grad.dtype)
+    return hook
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    """t as a leaf whose gradient is summed in float32 in `.total` (a compute-dtype .grad is moved there after each
+    backward): a group split into many micro-batches adds its gradients without bf16 rounding at every step."""
+    leaf = t.detach().requires_grad_()
+    leaf.total = None
+
+    def move(leaf):
+        leaf.total = leaf.grad.float() if leaf.total is None else leaf.total.add_(leaf.grad)
+        leaf.grad = None
+    leaf.register_post_accumulate_grad_hook(move)
+    return leaf
+
+
+def shared_opening_logprobs(model, input_ids, attention_mask, opening: int, *, temperature=1.0,
+                            chunk_size=DEFAULT_CHUNK_SIZE, return_entropy=False, carry: Opening | None = None,
+                            last: bool = True):
+    """token_logprobs for rows that all begin with the same `opening` tokens (a GRPO group's system prompt, tool
+    schemas and first user message): the opening's first opening - 1 tokens go through the decoder once, as one row
+    whose keys and values every row's remainder attends to (expanded over the rows, not copied); the remainders, from
+    the opening's last token on, in one forward. Positions before `opening` hold 0 (an opening is never trained: its
+    loss mask is 0); the rest equal token_logprobs's, and the gradient flows back from every row's loss through the
+    opening's keys and values into every layer, once. Works under gradient checkpointing: the cache layers used here
+    store nothing a layer's replay would store twice. `carry` (an Opening) shares the opening with the group's other
+    micro-batches, `last` says this one is the group's last (see Opening)."""
+    from transformers.cache_utils import Cache
+
+    inner = getattr(model, "module", model)
+    check_plain_logits(model, inner)
+    P = opening - 1  # the opening's tokens cached; its last token starts the remainders' forward
+    if not 1 <= P < input_ids.shape[1] - 1:
+        raise ValueError(f"opening {opening} must leave a token before it and one after it in {input_ids.shape[1]}")
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    Recording, Shared = _opening_layers()
+    grad = torch.is_grad_enabled()
+
+    def the_opening(decoder):
+        recorded = Cache(layers=[Recording() for _ in range(inner.config.get_text_config(decoder=True)
+                                                              .num_hidden_layers)])
+        decoder(input_ids=input_ids[:1, :P], position_ids=position_ids[:1, :P], **with_cache(decoder, recorded))
+        kv = [(layer.keys, layer.values) for layer in recorded.layers]
+        for layer, pair in zip(getattr(decoder, "layers", ()) if torch.is_grad_enabled() else (), kv):
+            # FSDP2 gathers a unit's weights for its backward when a gradient reaches the unit's outputs. These leave
+            # the layer by the cache instead, and reach it after the remainders' backward through the same layer has
+            # freed its weights: gather them (each FSDP unit in the layer, else the one holding it) for these too.
+            units = [m for m in layer.modules() if hasattr(m, "_get_fsdp_state")]
+            units = units or [m for m in (decoder, inner) if hasattr(m, "_get_fsdp_state")][:1]
+            for t in pair:
+                for unit in units if t.requires_grad else ():
+                    t.register_hook(unit._get_fsdp_state()._pre_backward)
+        return kv
+
+    def opening_kv(decoder):
+        if carry is None or (grad and last):  # with its graph: this micro-batch's backward goes through it
+            kv = the_opening(decoder)
+            for pair, leaves in zip(kv, carry.kv if carry is not None and carry.kv is not None else []):
+                for t, leaf in zip(pair, leaves):  # what the group's other micro-batches sent back, added
+                    if t.requires_grad and leaf.total is not None:
+                        t.register_hook(_adding(leaf.total))
+            if carry is not None:
+                carry.kv = None  # the leaves are done with: their sums live in the hooks until the backward
+            return kv
+        if carry.kv is None:  # the group's first micro-batch: the opening once, without a graph
+            with torch.no_grad():
+                kv = the_opening(decoder)
+            carry.kv = [tuple(_leaf(t) for t in pair) if grad else pair for pair in kv]
+        return carry.kv
+
+    def body_then_head(input_ids, attention_mask, position_ids):
+        decoder = inner.get_decoder()
+        layers = [m for m in decoder.modules() if hasattr(m, "_can_checkpoint_with_cache")]
+        saved = [m.__dict__.get("_can_checkpoint_with_cache") for m in layers]
+        if grad and inner.training and (getattr(inner.config, "attention_dropout", 0) or any(
+                isinstance(m, torch.nn.Dropout) and m.p > 0 for m in decoder.modules())):
+            raise ValueError("dropout in training: the opening computed again for a split group's last micro-batch "
+                             "would draw other masks than the one its other micro-batches attended to; train with "
+                             "--no-share-opening")
+        if grad and any(getattr(m, "gradient_checkpointing", False) and getattr(
+                getattr(m, "_gradient_checkpointing_func", None), "keywords", {}).get("use_reentrant") for m in layers):
+            raise ValueError("reentrant activation checkpointing (use_reentrant=True) runs each layer without a "
+                             "graph, so the opening's keys and values would get no gradient: enable it without "
+                             "(transformers' default) or train with --no-share-opening")
+        for m in layers:  # the caches here never store twice: checkpointed layers may keep them
+            m._can_checkpoint_with_cache = True
+        try:
+            shared = Cache(layers=[Shared(k, v) for k, v in opening_kv(decoder)])
+            out = decoder(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=position_ids[:, P:],
+                          **with_cache(decoder, shared))
+        finally:
+            for m, s in zip(layers, saved):
+                if s is None:
+                    del m._can_checkpoint_with_cache
+                else:
+                    m._can_checkpoint_with_cache = s
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [B, T - P, H]
+        head = inner.get_output_embeddings()
+        result = logprobs_from_hidden(hidden[:, :-1], head.weight, input_ids[:, P + 1:], temperature, chunk_size,
+                                      bias=getattr(head, "bias", None), return_entropy=return_entropy)
+
+        def pad(x):
+            return torch.cat([x.new_zeros(x.shape[0], P + 1), x], 1)
+        return (pad(result[0]), pad(result[1])) if return_entropy else pad(result)
+
+    return call_as_forward(model, inner, body_then_head, input_ids=input_ids, attention_mask=attention_mask,
+                           position_ids=position_ids)
