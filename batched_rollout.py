@@ -77,6 +77,10 @@ class RolloutConfig(Sampling):
     """a decoding batch stops when fewer than this fraction of its rows are still in their turn, parks those
     mid-turn, and lets the rows that ended their turn rejoin after their tools / user reply (continuous batching;
     0: turns are synchronous, 1: re-stack whenever a row ends its turn); greedy tokens never depend on it"""
+    decode_attention: str = "grouped"
+    """the decoding steps' attention: 'grouped' reads each row's cache once whatever the query heads per key-value
+    head (engine.grouped_decode_attention); 'model' the model's own implementation with a padding mask, which
+    copies the cache to every query head first (transformers' repeat_kv)"""
     prefill_tokens: int = 8192
     """at most this many tokens (rows x columns) in one prefill forward: a long prefill runs in column chunks that
     append to the cache, so its activations stay those of one chunk (bench/README.md, kv_peak); 0: one forward"""
@@ -85,9 +89,11 @@ class RolloutConfig(Sampling):
     def from_options(cls, opts, on_gpu: bool) -> RolloutConfig:
         """The rollout an entry point's options.SamplingOptions ask for; temperature 0 is greedy. With rollout_batch
         on a GPU, the caches of the episodes that wait park in host memory."""
+        if opts.decode_attention not in ("grouped", "model"):
+            raise SystemExit(f"--decode-attention: {opts.decode_attention!r} is not 'grouped' or 'model'")
         return cls(temperature=opts.temperature or 1e-5, top_p=opts.top_p, greedy=opts.temperature == 0,
                    max_new_tokens=opts.max_new_tokens, max_context=opts.max_context, max_turns=opts.max_turns,
-                   tool_timeout=opts.tool_timeout,
+                   tool_timeout=opts.tool_timeout, decode_attention=opts.decode_attention,
                    reuse_cache=opts.reuse_cache, max_batch=opts.rollout_batch,
                    park_device="cpu" if opts.rollout_batch and on_gpu else "")
 
@@ -160,7 +166,7 @@ def rollout(model, tokenizer, env, tasks: list, group_size: int, user_sim, cfg: 
 
     Pass the unwrapped model (under Accelerate each process rolls out its own share of tasks; a sharded model
     only inside shard.full_weights, since processes decode different numbers of steps). Each episode samples from
-    its own generator, seeded by episode_seed(seed, task, sample index); `seed` None draws it from `generator`
+    its own noise, seeded by episode_seed(seed, task, sample index); `seed` None draws it from `generator`
     (None: torch's global RNG, which seed_everything seeds), so a run's rollouts are reproducible and an episode's
     tokens do not depend on the batches it shared (up to the numerics of batched matmuls)."""
     cfg = cfg or RolloutConfig()
@@ -194,7 +200,6 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
     # the agent's samples, which is what the group-relative advantage compares. A task that continues an earlier
     # conversation (tau2's message history) starts from it, as prompt; the opening is None when the agent is next.
     openings = run(_gather(*(user_sim.opening(env, t) for t in tasks)))
-    device = model.get_input_embeddings().weight.device
     rows, groups = [], []
     for i, (task, opening) in enumerate(zip(tasks, openings)):
         if isinstance(opening, BaseException) and not isinstance(opening, UserSimError):
@@ -212,8 +217,7 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
             # fresh state per episode (docs/invariants.md, 4); its tool calls under a deadline
             session = guard(env.start(task), cfg.tool_timeout, remote=getattr(env, "slow_tools", False))
             # by the task's place in `tasks` too: a task drawn twice in a step gets two different groups
-            gen = None if cfg.greedy else torch.Generator(device).manual_seed(episode_seed(seed, f"{i}:{task.id}", g))
-            row = _Row(ep, session, None, gen=gen)
+            row = _Row(ep, session, None, seed=episode_seed(seed, f"{i}:{task.id}", g))
             rows.append(row)
             if failed:
                 ep.reward_info = {"error": str(opening)}

@@ -36,6 +36,9 @@ class SamplingOptions:
     back as an error the agent reads (deadlines.py)"""
     reuse_cache: bool = True
     """keep each episode's KV cache across turns (off: re-encode the conversation every turn; same tokens, slower)"""
+    decode_attention: str = "grouped"
+    """the decoding steps' attention: 'grouped' reads each episode's KV cache once a step, whatever the number of query
+    heads per key-value head (engine.py); 'model' the model's own (--attn) with a padding mask (same tokens)"""
     rollout_batch: Annotated[int, Range("[0, inf)")] = 0
     """at most this many episodes decode together on one process (0: all; in eval.py on a GPU, as many as it holds
     by the memory estimate); bounds GPU memory: on a GPU the other episodes' KV caches wait in host memory"""

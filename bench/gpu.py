@@ -18,6 +18,11 @@ Checks, in order; each is PASS, FAIL or SKIP (with why) and its figures, in OUT/
   flash      bf16: sdpa against flash-attn, greedy: where the tokens first differ, the sampler log-prob difference
   kv_peak    peak GPU memory of a rollout at long contexts against memory.memory_estimate (weights + KV cache)
   decode     the engine's decode tokens/s against a bare greedy loop over the same model and batch (a ratio)
+  roofline   the engine's decoding step (bench/rollout.py's step_cost: decode_logits and the sampler) against its
+             memory roofline, the weights and the live KV cache read once over the measured copy bandwidth, with the
+             model's attention and the grouped one, bf16, at Qwen3's 0.6B and 8B shapes (151,936 tokens), batches
+             16 and 64, contexts 1k to 32k (those that fit); PASS when the grouped step at 8B, batch 16, 8k is within
+             1.5x of its roofline (the target; on the CPU, toy size: figures only)
   train      2 SFT steps, then 2 GRPO steps (bf16 and gradient checkpointing on a GPU): kl 0 at step 1, a finite
              gradient norm, no skipped update, logprob_gap ~0, the peak memory against the start-up estimate; then
              --resume for one more step
@@ -127,8 +132,8 @@ def bench_rollout(name: str = "rollout"):
     return module
 
 
-CHECKS = ("versions", "engine", "flash", "kv_peak", "decode", "head_grad", "share_opening", "train", "lora", "fsdp2",
-          "zero3", "fsdp2_x2")
+CHECKS = ("versions", "engine", "flash", "kv_peak", "decode", "roofline", "head_grad", "share_opening", "train",
+          "lora", "fsdp2", "zero3", "fsdp2_x2")
 
 
 class Padded:
@@ -327,6 +332,73 @@ def decode(model, tok, env, tasks, device, batch, new_tokens):
         syncs = sum("synchroniz" in str(w.message) for w in caught)
         figs["engine_host_syncs_per_step"] = round(syncs / max(1, n_engine // len(prompt)), 2)
     return "PASS", figs
+
+
+def copy_bandwidth(device, nbytes: int) -> float:
+    """Bytes a second that a device-to-device copy of `nbytes` reads and writes (the roofline's bandwidth)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for i in range(6):
+        if i == 2:
+            sync(device)
+            t = time.perf_counter()
+        b.copy_(a)
+    sync(device)
+    return 2 * nbytes * 4 / (time.perf_counter() - t)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def roofline(device, cpu: bool):
+    """The decoding step's seconds against the time to read its weights and live KV cache once at the copy
+    bandwidth, with the model's attention (sdpa and a padding mask) and the grouped one, in bf16 (CPU: fp32 toy)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    step_cost = bench_rollout().step_cost
+    dtype = torch.float32 if cpu else torch.bfloat16
+    shapes = {"toy": dict(SHAPES["toy"], vocab_size=4096)} if cpu else {
+        "qwen3-0.6b": dict(SHAPES["qwen3-0.6b"], vocab_size=151936, tie_word_embeddings=True),
+        "qwen3-8b": dict(SHAPES["qwen3-8b-attn-4l"], num_hidden_layers=36, vocab_size=151936)}
+    grid = [(b, c) for b in ((4, 16) if cpu else (16, 64)) for c in ((128, 512) if cpu else (1024, 4096, 8192, 32768))]
+    bandwidth = copy_bandwidth(device, (64 if cpu else 2048) << 20)
+    figs, target = {"copy_GB_per_s": round(bandwidth / 1e9, 1)}, None
+    for name, shape in shapes.items():
+        torch.manual_seed(0)
+        cfg = Qwen3Config(**shape, max_position_embeddings=40960)
+        cfg._attn_implementation = "sdpa"
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # made in bf16 on the device: 8B in float32 first would need 32 GB more
+        try:
+            with torch.device(device):
+                model = Qwen3ForCausalLM(cfg).eval()
+        finally:
+            torch.set_default_dtype(before)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+        for batch, context in grid:
+            cache = batch * (context + 64) * per_token
+            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 1 << 40
+            if 1.3 * cache + (1 << 30) > free:  # the buffers, the model attention's copies of one layer, logits
+                figs[f"{name} b{batch} ctx{context}"] = f"skipped: its {cache / 2**30:.0f} GiB cache does not fit"
+                continue
+            ms = {how: min(step_cost(model, batch, context, steps=10, attention=how) for _ in range(2)) * 1e3
+                  for how in ("model", "grouped")}
+            bound = (weights + batch * context * per_token) / bandwidth * 1e3
+            figs[f"{name} b{batch} ctx{context}"] = (
+                f"model {ms['model']:.2f} ms, grouped {ms['grouped']:.2f} ms, roofline {bound:.2f} ms: "
+                f"grouped {ms['grouped'] / bound:.2f}x the roofline, {batch / ms['grouped'] * 1e3:.0f} tokens/s")
+            if (name, batch, context) == ("qwen3-8b", 16, 8192):
+                target = ms["grouped"] / bound
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if cpu:
+        return "PASS", figs
+    figs["target"] = "grouped step within 1.5x of the roofline at qwen3-8b, batch 16, context 8192"
+    return ("PASS" if target is not None and target <= 1.5 else "FAIL"), figs
 
 
 def save_start(model, tok, env, tasks, work: Path) -> Path:
@@ -614,6 +686,7 @@ def main(argv=None):
               "flash": (flash, tok, env, tasks, device, small),
               "kv_peak": (kv_peak, tok, env, tasks[:2], device, "qwen3-8b-attn-4l", (8192, 16384, 32768)),
               "decode": (decode, model, tok, env, tasks, device, 4 if args.cpu else 16, 16 if args.cpu else 128),
+              "roofline": (roofline, device, args.cpu),
               "head_grad": (head_grad, device, 4096 if args.cpu else 151936, 64 if args.cpu else 4096),
               "share_opening": (share_opening, tok, device, small, *((300, 700) if args.cpu else (4000, 9000))),
               "train": (train, model, tok, env, tasks, device, work, device.type == "cuda"),

@@ -9,6 +9,8 @@ memory out and is shared, so absolute speeds drift; ratios within a round are wh
   reencode  RolloutConfig(reuse_cache=False)                 all episodes in one batch, whole context each turn
   single    RolloutConfig(reuse_cache=True, max_batch=1)     one episode at a time (same cache reuse)
   sync      RolloutConfig(refill_below=0)                    (not by default) as cache, with synchronous turns
+  model     RolloutConfig(decode_attention="model")          (not by default) as cache, the decoding steps through
+            the model's own attention (sdpa with a padding mask) instead of engine.grouped_decode_attention
   lora      as cache, on the model with LoRA adapters of rank 16 on every projection, unmerged, as grpo.py
             --lora-rank decodes (not by default); B = 0, so it plays the very same tokens: the ratio is the cost of
             the adapters' extra matmuls
@@ -97,25 +99,30 @@ class KeepTalking:
 
 
 @torch.no_grad()
-def step_cost(model, batch: int, context: int, steps: int = 30) -> float:
-    """Seconds per decoding step of `batch` rows over `context` cached tokens: how much batching can buy on this
-    device at all (on a small CPU a step's cost grows with the batch; on a GPU it stays nearly flat)."""
+def step_cost(model, batch: int, context: int, steps: int = 30, attention: str = "grouped") -> float:
+    """Seconds per decoding step (engine.decode_logits and the sampler) of `batch` rows over `context` cached
+    tokens: how much batching can buy on this device at all (on a small CPU a step's cost grows with the batch; on a
+    GPU it stays nearly flat). `attention`: RolloutConfig.decode_attention."""
     from transformers.cache_utils import Cache
 
-    from engine import _BufferLayer, with_cache
+    from engine import _BufferLayer, _sample, decode_attention, decode_logits
 
-    c = model.config
-    kv = lambda: torch.randn(batch, c.num_key_value_heads, context + steps + 8, c.head_dim, device=model.device)
+    c, dev, dtype = model.config, model.device, model.get_input_embeddings().weight.dtype
+    kv = lambda: torch.randn(batch, c.num_key_value_heads, context + steps + 8, c.head_dim, device=dev, dtype=dtype)
     cache = Cache(layers=[_BufferLayer(kv(), kv(), context) for _ in range(c.num_hidden_layers)])
-    mask = torch.ones(batch, context, dtype=torch.long, device=model.device)
-    tok = torch.zeros(batch, 1, dtype=torch.long, device=model.device)
-    for i in range(steps + 3):
-        if i == 3:
-            t = time.perf_counter()
-        mask = torch.cat([mask, mask.new_ones(batch, 1)], 1)
-        h = model.get_decoder()(input_ids=tok, attention_mask=mask, position_ids=torch.full_like(tok, context + i),
-                                **with_cache(model.get_decoder(), cache)).last_hidden_state
-        torch.multinomial(torch.softmax(model.get_output_embeddings()(h[:, -1]).float(), -1), 1)
+    mask = torch.ones(batch, context, dtype=torch.long, device=dev)
+    tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+    seeds, cfg = torch.arange(batch, device=dev), RolloutConfig()
+    with decode_attention(model, attention):
+        for i in range(steps + 3):
+            if i == 3:
+                t = time.perf_counter()
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], 1)
+            pos = torch.full_like(tok, context + i)
+            tok = _sample(decode_logits(model, cache, tok, mask, pos, attention == "grouped"), cfg, seeds, pos[:, 0])[0]
+            tok = tok[:, None]
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
     return (time.perf_counter() - t) / steps
 
 
@@ -233,7 +240,8 @@ def main():
     end_turns_sooner(model, tok, prompts, args.turn)
     base = dict(max_new_tokens=512, max_turns=args.turns)
     variants = {"cache": RolloutConfig(**base), "reencode": RolloutConfig(**base, reuse_cache=False),
-                "single": RolloutConfig(**base, max_batch=1), "sync": RolloutConfig(**base, refill_below=0)}
+                "single": RolloutConfig(**base, max_batch=1), "sync": RolloutConfig(**base, refill_below=0),
+                "model": RolloutConfig(**base, decode_attention="model")}
     variants = {k: variants[k] for k in args.variants.split(",") if k != "lora"}
     nets = {k: model for k in variants}
     if "lora" in args.variants.split(","):
@@ -276,6 +284,11 @@ def main():
         print(f"decode step at context {ctx}: " + ", ".join(
             f"batch {b} {t * 1e3:.1f} ms ({t / b * 1e3:.2f} ms/token)" for b, t in costs.items())
               + f" -> {max(costs)} rows decoding together give at most {costs[1] * max(costs) / costs[max(costs)]:.1f}x")
+    for ctx in (256, 1300):  # the decoding step's attention, interleaved: grouped (the engine's) against the model's
+        pairs = [(step_cost(model, b, ctx, attention="model"), step_cost(model, b, ctx)) for b in (1, 16) for _ in "ab"]
+        print(f"decode step at context {ctx}, model's attention -> grouped: " + ", ".join(
+            f"batch {b} {sum(m for m, _ in pairs[2 * k:2 * k + 2]) / 2 * 1e3:.2f} -> "
+            f"{sum(g for _, g in pairs[2 * k:2 * k + 2]) / 2 * 1e3:.2f} ms" for k, b in enumerate((1, 16))))
     # warm-up: a small run of each variant (allocator, kernels, paged-out memory)
     for name, cfg in variants.items():
         gen = torch.Generator(device=model.device).manual_seed(0)

@@ -13,10 +13,11 @@ def test_gpu_checks_pass_at_toy_size_on_the_cpu(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     rows = {row["check"]: row for row in json.loads((tmp_path / "report.json").read_text())}
     assert r.returncode == 0, (rows, r.stderr[-3000:])
-    assert [c for c in rows] == ["versions", "engine", "flash", "kv_peak", "decode", "head_grad", "share_opening",
-                                 "train", "lora", "fsdp2", "zero3", "fsdp2_x2"]
+    assert [c for c in rows] == ["versions", "engine", "flash", "kv_peak", "decode", "roofline", "head_grad",
+                                 "share_opening", "train", "lora", "fsdp2", "zero3", "fsdp2_x2"]
     passed = {c for c, row in rows.items() if row["status"] == "PASS"}
-    assert passed == {"versions", "engine", "decode", "share_opening", "train", "lora"}
+    assert passed == {"versions", "engine", "decode", "roofline", "share_opening", "train", "lora"}
+    assert all("grouped" in rows["roofline"][f"toy b{b} ctx{c}"] for b in (4, 16) for c in (128, 512))
     errors = rows["share_opening"]["bf16 gradient error vs float32"]
     assert 0 < errors["whole"] < 0.1 and errors["shared"] <= 2 * errors["whole"]
     assert all(rows[c]["why"] == "needs CUDA" for c in ("flash", "kv_peak", "fsdp2", "zero3", "fsdp2_x2"))

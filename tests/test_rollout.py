@@ -406,7 +406,7 @@ def test_sampled_episodes_do_not_depend_on_batching(lm, tiny_tok):
 def test_the_sampler_draws_from_the_truncated_distribution():
     """engine._sample (Gumbel-max over log p, the tokens outside top_p masked): the drawn frequencies are the
     top_p-truncated, renormalized distribution, no token outside it is ever drawn, the recorded logprob is the full
-    tempered one; per-row generators give each row its own draws."""
+    tempered one; each row's own seed and counter give it its own draws."""
     from engine import _sample
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0]).repeat(40000, 1)
@@ -419,10 +419,12 @@ def test_the_sampler_draws_from_the_truncated_distribution():
     got = torch.bincount(tok, minlength=5).double() / len(tok)
     assert torch.allclose(got, want.double(), atol=0.01) and (got[~keep] == 0).all()
     assert torch.allclose(lp, torch.log(p)[tok], atol=1e-6)
-    gens = [torch.Generator().manual_seed(s) for s in (1, 2, 1)]
-    a, _ = _sample(logits[:3], RolloutConfig(), gens)
-    b, _ = _sample(logits[:1], RolloutConfig(), [torch.Generator().manual_seed(1)])
-    assert a[0] == a[2] == b[0]  # a row's draw depends on its generator alone
+    tok2, _ = _sample(logits, cfg, torch.arange(len(logits)), torch.zeros(len(logits), dtype=torch.long))
+    got = torch.bincount(tok2, minlength=5).double() / len(tok2)  # the same with each row's counter-based noise
+    assert torch.allclose(got, want.double(), atol=0.01) and (got[~keep] == 0).all()
+    a, _ = _sample(logits[:3], RolloutConfig(), torch.tensor([1, 2, 1]), torch.tensor([5, 5, 5]))
+    b, _ = _sample(logits[:1], RolloutConfig(), torch.tensor([1]), torch.tensor([5]))
+    assert a[0] == a[2] == b[0]  # a row's draw depends on its seed and counter alone
 
 
 def test_a_failing_user_thread_leaves_nothing_behind(lm, tiny_tok):

@@ -1,0 +1,161 @@
+"""engine.py's decoding step: grouped-query decode attention (each row's cache read once, no repeat_kv) and the
+batch sampler's counter-based noise and sort-free nucleus."""
+import pytest
+import torch
+
+import engine
+from batched_rollout import RolloutConfig, make_user_sim, rollout
+from test_rollout import FakeEnv
+
+
+def _sdpa_with_repeat(q, k, v, mask):
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (6, 1)])
+def test_grouped_decode_attention_is_attention(heads, kv_heads):
+    """One query token a row over a left-padded cache, against torch's SDPA on keys and values copied to every
+    query head (what transformers does with a padding mask): equal in float32, within bf16's noise in bf16."""
+    torch.manual_seed(0)
+    B, L, D = 5, 37, 16
+    q, k, v = torch.randn(B, heads, 1, D), torch.randn(B, kv_heads, L, D), torch.randn(B, kv_heads, L, D)
+    mask = torch.ones(B, 1, 1, L, dtype=torch.bool)
+    for i in range(B):
+        mask[i, ..., :3 * i] = False  # row i: 3i leading padding columns
+    module = torch.nn.Module()
+    out, weights = engine.grouped_decode_attention(module, q, k, v, mask, scaling=D ** -0.5)
+    want = _sdpa_with_repeat(q, k, v, mask)
+    assert weights is None and out.shape == (B, 1, heads, D)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    half, _ = engine.grouped_decode_attention(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, None)
+    assert half.dtype == torch.bfloat16 and (half.float() - want).abs().max() < 0.05
+    # padding columns are not read: garbage keys (NaN) and values (huge) there change nothing
+    k2, v2, pad = k.clone(), v.clone(), ~mask[:, 0, 0, None, :, None].expand_as(k)
+    k2[pad], v2[pad] = float("nan"), 1e6
+    garbage, _ = engine.grouped_decode_attention(module, q, k2, v2, mask, scaling=D ** -0.5)
+    torch.testing.assert_close(garbage, out)
+
+
+def test_grouped_decode_attention_refuses_what_it_does_not_compute():
+    q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 3, 8)
+    mask = torch.ones(1, 1, 1, 3, dtype=torch.bool)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        engine.grouped_decode_attention(torch.nn.Module(), q, k, k, mask, None, softcap=30.0)
+    with pytest.raises(NotImplementedError, match="sliding_window"):
+        engine.grouped_decode_attention(torch.nn.Module(), q, k, k, mask, None, sliding_window=4)
+    with pytest.raises(ValueError, match="one query token"):
+        engine.grouped_decode_attention(torch.nn.Module(), torch.randn(1, 4, 2, 8), k, k, mask, None)
+
+
+@pytest.mark.versions
+def test_decode_attention_is_put_back(lm):
+    """The decoder's attention implementation is switched for the decoding steps only, and put back when they raise."""
+    before = lm.get_decoder().config._attn_implementation
+    with pytest.raises(RuntimeError, match="boom"):
+        with engine.decode_attention(lm, "grouped"):
+            assert lm.get_decoder().config._attn_implementation == engine.GROUPED
+            raise RuntimeError("boom")
+    assert lm.get_decoder().config._attn_implementation == before
+    with pytest.raises(ValueError, match="unknown decode_attention 'fast'"):
+        with engine.decode_attention(lm, "fast"):
+            pass
+
+
+def _count_repeat_kv(monkeypatch, model):
+    """Calls of transformers' repeat_kv made inside a decoding step (one new token a row), and outside."""
+    import importlib
+
+    calls = {"decode": 0, "other": 0}
+    state = {"decoding": False}
+    for name in ("transformers.integrations.sdpa_attention", type(model).__module__):
+        mod = importlib.import_module(name)
+        if hasattr(mod, "repeat_kv"):
+            real = mod.repeat_kv
+
+            def counted(*a, real=real, **k):
+                calls["decode" if state["decoding"] else "other"] += 1
+                return real(*a, **k)
+
+            monkeypatch.setattr(mod, "repeat_kv", counted)
+    dec = model.get_decoder()
+    handles = [dec.register_forward_pre_hook(
+                   lambda m, a, kw: state.__setitem__("decoding", kw["input_ids"].shape[1] == 1), with_kwargs=True),
+               dec.register_forward_hook(lambda m, a, out: state.__setitem__("decoding", False))]
+    return calls, handles
+
+
+@pytest.mark.versions
+def test_repeat_kv_is_never_called_while_decoding(lm, tiny_tok, monkeypatch):
+    """With decode_attention 'grouped' (the default) no decoding step copies the cache to the query heads (prefill,
+    which keeps sdpa with its padding mask, does). The model's own eager attention ('model') does at every step:
+    the counter counts (transformers >= 5.2x's sdpa packs the heads of one query token itself; 5.17's, on the GPU
+    machines, copies). Both play the same greedy tokens."""
+    calls, handles = _count_repeat_kv(monkeypatch, lm)
+    env, before = FakeEnv(n_tasks=3), lm.config._attn_implementation
+    try:
+        played = {}
+        for how, implementation in (("grouped", "sdpa"), ("model", "eager")):
+            calls.update(decode=0, other=0)
+            lm.config._attn_implementation = implementation
+            cfg = RolloutConfig(greedy=True, max_new_tokens=24, max_turns=3, decode_attention=how)
+            played[how] = [e.input_ids for e in rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"),
+                                                        cfg)]
+            played[how + " calls"] = dict(calls)
+    finally:
+        lm.config._attn_implementation = before
+        for h in handles:
+            h.remove()
+    assert played["grouped"] == played["model"]
+    assert played["grouped calls"]["decode"] == 0 and played["grouped calls"]["other"] > 0  # prefill keeps sdpa
+    assert played["model calls"]["decode"] > 0
+
+
+def test_the_noise_is_a_function_of_seed_counter_and_column():
+    """uniform_noise: the same (seed, counter) gives the same row whatever else is in the batch; another seed or
+    counter gives another row; the values are uniform on (0, 1) (moments and a 20-bin histogram over 2M draws) and
+    neighbouring columns and counters are uncorrelated."""
+    seeds, counters = torch.tensor([7, 8, 7, 7]), torch.tensor([100, 100, 100, 101])
+    u = engine.uniform_noise(seeds, counters, 1000)
+    assert u.dtype == torch.float64 and u.shape == (4, 1000)
+    assert torch.equal(u[0], u[2]) and not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[3])
+    assert torch.equal(engine.uniform_noise(seeds[2:3], counters[2:3], 1000), u[:1])
+    big = engine.uniform_noise(torch.arange(2000) * 977, torch.arange(2000) % 13, 1000)
+    assert 0 < big.min() and big.max() < 1
+    assert abs(big.mean() - 0.5) < 1e-3 and abs(big.var() - 1 / 12) < 1e-3
+    hist = torch.histc(big.float(), bins=20, min=0, max=1)
+    chi2 = ((hist - big.numel() / 20) ** 2 / (big.numel() / 20)).sum()
+    assert chi2 < 43.8  # the 99.9th percentile of chi-square with 19 degrees of freedom
+    c = big - 0.5
+    assert abs((c[:, 1:] * c[:, :-1]).mean() / c.var()) < 0.01
+    assert abs((c[1:] * c[:-1]).mean() / c.var()) < 0.01
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_it():
+    """top_p_keep (bisection, no sort) keeps exactly what sorting does: the most probable tokens up to and including
+    the first whose cumulative mass reaches top_p."""
+    torch.manual_seed(0)
+    for top_p in (0.1, 0.5, 0.9, 0.99):
+        p = torch.softmax(torch.randn(64, 3000) * 3, -1)
+        sorted_p, order = p.sort(-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p
+        want = ~torch.zeros_like(drop).scatter(-1, order, drop)
+        assert torch.equal(engine.top_p_keep(p, top_p), want)
+    assert engine.top_p_keep(torch.tensor([[1.0, 0.0]]), 0.5).tolist() == [[True, False]]
+
+
+def test_sampled_episodes_do_not_depend_on_the_batch(lm, tiny_tok):
+    """Sampling at temperature 0.9 with top_p 0.9: the same episodes whether all rows decode together or one at a
+    time (each row's noise is its own seed and the position drawn); another seed plays other episodes."""
+    env = FakeEnv(n_tasks=3)
+
+    def run(seed, **kw):
+        cfg = RolloutConfig(temperature=0.9, top_p=0.9, max_new_tokens=20, max_turns=3, **kw)
+        return [e.input_ids for e in rollout(lm, tiny_tok, env, env.tasks(), 3, make_user_sim("scripted"), cfg,
+                                             seed=seed)]
+
+    base = run(3)
+    assert len({tuple(x) for x in base}) > 3
+    assert run(3, max_batch=1) == base and run(3, decode_attention="model") == base
+    assert run(4) != base
