@@ -67,8 +67,10 @@ class FakeEnv:
 
 
 class HalfUniformEnv(FakeEnv):
-    """Two tasks; every episode of train-0 scores 1 (a uniform group: --drop-uniform-groups leaves it out), those of
-    train-1 score 1 and 0 in turn (a mixed group). With two processes, one has nothing to train on in every step."""
+    """Two tasks; every episode of train-0 scores 0 (a uniform group whatever its episodes' endings, since one that
+    runs past --max-new-tokens scores 0 too: --drop-uniform-groups leaves it out), those of train-1 score 1 and 0 in
+    turn (a mixed group, unless every one of them is cut short). With two processes, one has nothing to train on in
+    every step."""
 
     def __init__(self, **kw):
         super().__init__(n_tasks=2, **kw)
@@ -77,7 +79,7 @@ class HalfUniformEnv(FakeEnv):
     def start(self, task):
         session = super().start(task)
         self.started += 1
-        reward = 1.0 if task.id == "train-0" else float(self.started % 2)
+        reward = 0.0 if task.id == "train-0" else float(self.started % 2)
         session.reward = lambda messages: (reward, {"chars": 0})
         return session
 
