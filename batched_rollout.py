@@ -79,8 +79,12 @@ class RolloutConfig(Sampling):
     0: turns are synchronous, 1: re-stack whenever a row ends its turn); greedy tokens never depend on it"""
     decode_attention: str = "grouped"
     """the decoding steps' attention: 'grouped' reads each row's cache once whatever the query heads per key-value
-    head (engine.grouped_decode_attention); 'model' the model's own implementation with a padding mask, which
+    head (decode.grouped_decode_attention); 'model' the model's own implementation with a padding mask, which
     copies the cache to every query head first (transformers' repeat_kv)"""
+    compile_decode: str = "auto"
+    """'on': the decoding step (the decoder's forward for one token a row, and the draw) through torch.compile
+    (decode.decode_step); 'off': eager; 'auto': on a GPU only (on this project's CPU the compile time, a minute or
+    more, outweighs what it saves in short rollouts)"""
     prefill_tokens: int = 8192
     """at most this many tokens (rows x columns) in one prefill forward: a long prefill runs in column chunks that
     append to the cache, so its activations stay those of one chunk (bench/README.md, kv_peak); 0: one forward"""
@@ -91,9 +95,12 @@ class RolloutConfig(Sampling):
         on a GPU, the caches of the episodes that wait park in host memory."""
         if opts.decode_attention not in ("grouped", "model"):
             raise SystemExit(f"--decode-attention: {opts.decode_attention!r} is not 'grouped' or 'model'")
+        if opts.compile_decode not in ("auto", "on", "off"):
+            raise SystemExit(f"--compile-decode: {opts.compile_decode!r} is not 'auto', 'on' or 'off'")
         return cls(temperature=opts.temperature or 1e-5, top_p=opts.top_p, greedy=opts.temperature == 0,
                    max_new_tokens=opts.max_new_tokens, max_context=opts.max_context, max_turns=opts.max_turns,
                    tool_timeout=opts.tool_timeout, decode_attention=opts.decode_attention,
+                   compile_decode=opts.compile_decode,
                    reuse_cache=opts.reuse_cache, max_batch=opts.rollout_batch,
                    park_device="cpu" if opts.rollout_batch and on_gpu else "")
 

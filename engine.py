@@ -4,22 +4,20 @@ the rows decode together, and a row that ends its turn leaves the batch with its
 `generate_turn` decodes the current agent turn of a batch of rows: it prefills what each row has not seen (in
 column chunks of `prefill_tokens`), stacks the rows' parked caches into preallocated buffers (`_stack_cache`,
 `_BufferLayer`), decodes one column a step, and parks a row's cache (`_park`, without padding holes) when it stops
-or when the call returns. `_prefill_openings` prefills a task's opening once for its group. `_sample` draws each
-row's token from noise of its own (its seed and the position drawn: `uniform_noise`), the whole batch at once;
-`grouped_decode_attention` reads each row's cache once a decoding step. The episode loop that drives it (tools,
-users, rewards) is batched_rollout.py; the settings are batched_rollout.RolloutConfig (read here by attribute).
+or when the call returns. `_prefill_openings` prefills a task's opening once for its group. Each decoding step
+(the decoder's forward for one token a row, its attention, the draw) is decode.py's. The episode loop that drives
+it (tools, users, rewards) is batched_rollout.py; the settings are batched_rollout.RolloutConfig (read here by
+attribute).
 """
 from __future__ import annotations
 
-import contextlib
-import functools
-import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
+
+from decode import decode_attention, decode_step, with_cache
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -138,57 +136,6 @@ def _stack_cache(model, rows: list[_Row], pending: list[list[int]], room: int, e
     return Cache(layers=layers), ids.to(device), mask.to(device), pos.to(device)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Decode attention: each row's cache read once, whatever the number of query heads per key-value head
-# ---------------------------------------------------------------------------------------------------------
-GROUPED = "muarl_grouped_decode"
-
-
-def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention of each row's one new token over its cache, for the decoding steps (RolloutConfig.decode_attention
-    "grouped"). With a padding mask, transformers' sdpa and eager paths copy every key-value head to each of its
-    query heads (repeat_kv) before attending: the cache is read n_rep + 2 times a step, 5-9x for Qwen3. Here the
-    n_rep query heads that share a key-value head are the rows of one matmul over that head's keys, so each row's
-    cache is read once. query [B, H, 1, D] (head h reads key-value head h // n_rep, as repeat_kv orders them);
-    key, value [B, KVH, L, D]; attention_mask [B, 1, 1, L], True where the row attends. The scores are softmaxed in
-    float32, as eager attention does. Returns [B, 1, H, D], as the other attention functions do."""
-    for name in ("softcap", "sliding_window", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"decode_attention 'grouped' does not support {name} ({type(module).__name__}):"
-                                      " use --decode-attention model")
-    (B, H, q, D), kvh = query.shape, key.shape[1]
-    if q != 1 or H % kvh:
-        raise ValueError(f"grouped decode attention takes one query token a row and whole groups of heads, got "
-                         f"query {tuple(query.shape)} over key {tuple(key.shape)}")
-    scores = torch.matmul(query.reshape(B, kvh, H // kvh, D), key.transpose(-1, -2))
-    scores = scores * (D ** -0.5 if scaling is None else scaling)
-    scores = scores.masked_fill(~attention_mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-    return torch.matmul(probs, value).reshape(B, 1, H, D), None
-
-
-AttentionInterface.register(GROUPED, grouped_decode_attention)
-
-
-@contextlib.contextmanager
-def decode_attention(model, name: str):
-    """The decoder's attention implementation set to `name` for the decoding steps ("model": left as it is), and
-    put back after, also when decoding raises. Prefill keeps the model's own (sdpa, flash-attn), which is compute-
-    bound and reads its keys once per chunk."""
-    cfg = model.get_decoder().config
-    if name == "model":
-        yield
-        return
-    if name != "grouped":
-        raise ValueError(f"unknown decode_attention {name!r}: use 'grouped' or 'model'")
-    before = cfg._attn_implementation
-    cfg._attn_implementation = GROUPED
-    try:
-        yield
-    finally:
-        cfg._attn_implementation = before
-
-
 def _compute_dtype_device(model) -> tuple[torch.dtype, torch.device]:
     """The dtype attention's keys and values are used in, and the device: autocast's dtype when it is on (a --bf16
     run keeps fp32 master weights and computes in bf16, so a parameter's dtype would make its cache fp32, twice the
@@ -206,100 +153,6 @@ def _park(row: _Row, cache: Cache, mask: torch.Tensor, j: int, device: str = "")
     move = (lambda t: t.to(device)) if device else (lambda t: t)
     row.kv = [(move(lay.keys[j].index_select(1, real)), move(lay.values[j].index_select(1, real)))
               for lay in cache.layers]
-
-
-def _signed(x: int) -> int:
-    """A 64-bit constant as the int64 torch computes with (two's complement: its products wrap as uint64's do)."""
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-_GOLDEN, _MIX1, _MIX2 = map(_signed, (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
-
-
-def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic: it copies the sign bit)."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
-
-
-def _mix(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finalizer: a bijection of 64-bit words whose every output bit depends on every input bit."""
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    return z ^ _shr(z, 31)
-
-
-def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, n: int) -> torch.Tensor:
-    """[B, n] float64 uniforms in (0, 1), a pure function of each row's (seed, counter) and the column: counter-based
-    noise, as Philox is, made of integer ops over the whole batch at once. A row's draws do not depend on the other
-    rows, nor on how many draws came before: the rollout passes the episode's seed and the position of the token
-    being drawn, so an episode samples the same tokens however it was batched. 53 random bits each."""
-    key = _mix(seeds.long() + counters.long() * _GOLDEN)
-    z = _mix(key[:, None] + torch.arange(1, n + 1, device=seeds.device) * _GOLDEN)
-    return (_shr(z, 11).double() + 0.5) * 2.0 ** -53
-
-
-def top_p_keep(p: torch.Tensor, top_p: float, iters: int = 40) -> torch.Tensor:
-    """Which tokens nucleus sampling keeps, [B, V] boolean, without sorting the vocabulary: every token at least as
-    probable as the largest threshold t whose tokens p >= t still hold top_p of the mass (the smallest set by
-    probability that reaches top_p). t is found by bisection on each row at once; after `iters` halvings of
-    [0, max p] it is exact up to max p x 2^-iters, so only tokens within that of the cut can be kept too."""
-    p = p.double()
-    lo, hi = torch.zeros_like(p[:, :1]), p.max(-1, keepdim=True).values * (1 + 1e-12)
-    for _ in range(iters):
-        mid = (lo + hi) / 2
-        ok = torch.where(p >= mid, p, 0).sum(-1, keepdim=True) >= top_p
-        lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
-    return p >= lo
-
-
-def _sample(logits: torch.Tensor, cfg, seeds: torch.Tensor | None = None,
-            counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits: [B, V] float32 -> (token ids [B], recorded logprobs [B]), on the logits' device, for the whole batch
-    in a few kernels (no host sync, no per-row launch).
-
-    The recorded logprob is log_softmax(logits / temperature) of the drawn token: the distribution a trainer
-    recomputes with one forward pass. top_p truncation changes what is drawn, not what is recorded, so that
-    old and new policy logprobs in the GRPO ratio mean the same thing. A token is drawn by the Gumbel-max rule,
-    argmax(log p + Gumbel noise), with row i's noise from uniform_noise(seeds[i], counters[i]) (the episode's seed
-    and the position drawn; None: torch's global generator). Float64 noise: float32's would never draw a token
-    ~20 nats below the top one."""
-    logp = torch.log_softmax(logits / cfg.temperature, dim=-1)
-    if cfg.greedy:
-        tok = logits.argmax(dim=-1)
-    else:
-        scores = logp.double()
-        if cfg.top_p < 1.0:
-            scores = scores.masked_fill(~top_p_keep(logp.exp(), cfg.top_p), float("-inf"))
-        if seeds is None:
-            u = torch.rand(logits.shape, device=logits.device, dtype=torch.float64)
-        else:
-            u = uniform_noise(seeds, counters, logits.shape[-1])
-        tok = (scores - torch.log(-torch.log(u))).argmax(dim=-1)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(1)
-
-
-def with_cache(decoder, cache: Cache) -> dict:
-    """The keyword arguments that hand `cache` to `decoder`'s forward: `cache=` where its forward takes that name
-    (newer transformers, which warns on the old name and drops it in 5.40), else `past_key_values=` (5.17, whose
-    forward would pass an unknown `cache=` on into **kwargs and ignore it: each turn would decode without its past)."""
-    return {_cache_keyword(type(decoder)): cache, "use_cache": True}
-
-
-@functools.lru_cache(maxsize=None)
-def _cache_keyword(decoder_class) -> str:  # (asked once per class: inspect.signature costs as much as a small op)
-    return "cache" if "cache" in inspect.signature(decoder_class.forward).parameters else "past_key_values"
-
-
-def decode_logits(model, cache: Cache, tok: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
-                  grouped: bool) -> torch.Tensor:
-    """One decoding step of the batch: tok [B, 1] in, each row's next-token logits [B, V] (float32) out, its keys
-    and values appended to `cache`. mask [B, L] marks the cache columns each row attends to (its own, not padding);
-    grouped: the decoder runs under decode_attention(model, "grouped"), which takes the mask as [B, 1, 1, L]
-    booleans (transformers hands a 4-D mask to the attention function as it is)."""
-    dec = model.get_decoder()
-    h = dec(input_ids=tok, position_ids=pos, attention_mask=mask[:, None, None, :].bool() if grouped else mask,
-            **with_cache(dec, cache)).last_hidden_state
-    return model.get_output_embeddings()(h[:, -1]).float()
 
 
 def _prefill(model, rows: list[_Row], pending: list[list[int]], cfg, eot: int,
@@ -348,7 +201,6 @@ def generate_turn(model, rows: list[_Row], cfg, stops: list[int], ready=None) ->
     generation-config eos ids). `ready` (a callable: how many other rows are ready to join) also ends the call
     when at least max(1, refill_below x the rows still decoding) could join it (the caller re-stacks them in)."""
     eot, stops = stops[0], set(stops)
-    grouped = cfg.decode_attention == "grouped"
     for r in rows:  # a row whose previous turn ended (stop set) starts a new one
         if r.stop:
             r.new_ids, r.new_logprobs, r.stop = [], [], ""
@@ -365,7 +217,7 @@ def generate_turn(model, rows: list[_Row], cfg, stops: list[int], ready=None) ->
     seeds = torch.tensor([r.seed for r in rows], device=tok.device)  # each row's noise: its seed, the position drawn
     with decode_attention(model, cfg.decode_attention):  # the decoding steps' attention (prefill keeps its own)
         while True:
-            tok, lp = _sample(decode_logits(model, cache, tok, mask, pos, grouped), cfg, seeds, pos[:, -1] + 1)
+            tok, lp = decode_step(model, cache, tok, mask, pos, seeds, cfg)
             done = []
             # one device-to-host copy a step (token ids are exact in float32): the loop's only per-step host sync
             drawn, logps = torch.stack([tok.float(), lp]).tolist()

@@ -8,7 +8,7 @@ the opening's layers once. The log-probs and the gradient are those of the whole
 """
 import torch
 
-from engine import with_cache
+from decode import with_cache
 from logprobs import DEFAULT_CHUNK_SIZE, check_plain_logits, call_as_forward, logprobs_from_hidden
 
 

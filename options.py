@@ -39,6 +39,9 @@ class SamplingOptions:
     decode_attention: str = "grouped"
     """the decoding steps' attention: 'grouped' reads each episode's KV cache once a step, whatever the number of query
     heads per key-value head (engine.py); 'model' the model's own (--attn) with a padding mask (same tokens)"""
+    compile_decode: str = "auto"
+    """the decoding step through torch.compile: 'on', 'off', or 'auto' (on a GPU only); where compiling fails it warns
+    once and decodes eagerly (same tokens either way up to float rounding)"""
     rollout_batch: Annotated[int, Range("[0, inf)")] = 0
     """at most this many episodes decode together on one process (0: all; in eval.py on a GPU, as many as it holds
     by the memory estimate); bounds GPU memory: on a GPU the other episodes' KV caches wait in host memory"""

@@ -9,8 +9,10 @@ memory out and is shared, so absolute speeds drift; ratios within a round are wh
   reencode  RolloutConfig(reuse_cache=False)                 all episodes in one batch, whole context each turn
   single    RolloutConfig(reuse_cache=True, max_batch=1)     one episode at a time (same cache reuse)
   sync      RolloutConfig(refill_below=0)                    (not by default) as cache, with synchronous turns
-  model     RolloutConfig(decode_attention="model")          (not by default) as cache, the decoding steps through
-            the model's own attention (sdpa with a padding mask) instead of engine.grouped_decode_attention
+  old       RolloutConfig(decode_attention="model")          (not by default) as cache, the decoding steps through
+            the model's own attention (sdpa with a padding mask) instead of decode.grouped_decode_attention
+  compiled  RolloutConfig(compile_decode="on")               (not by default) as cache, the decoder's step through
+            torch.compile (on by default on a GPU only; its compile time is spent in the warm-up)
   lora      as cache, on the model with LoRA adapters of rank 16 on every projection, unmerged, as grpo.py
             --lora-rank decodes (not by default); B = 0, so it plays the very same tokens: the ratio is the cost of
             the adapters' extra matmuls
@@ -99,28 +101,28 @@ class KeepTalking:
 
 
 @torch.no_grad()
-def step_cost(model, batch: int, context: int, steps: int = 30, attention: str = "grouped") -> float:
-    """Seconds per decoding step (engine.decode_logits and the sampler) of `batch` rows over `context` cached
-    tokens: how much batching can buy on this device at all (on a small CPU a step's cost grows with the batch; on a
-    GPU it stays nearly flat). `attention`: RolloutConfig.decode_attention."""
+def step_cost(model, batch: int, context: int, steps: int = 30, cfg: RolloutConfig | None = None) -> float:
+    """Seconds per decoding step (decode.decode_step: the decoder's forward for one token a row, and the draw) of
+    `batch` rows over `context` cached tokens: how much batching can buy on this device at all (on a small CPU a
+    step's cost grows with the batch; on a GPU it stays nearly flat). `cfg`: its decode_attention, compile_decode."""
     from transformers.cache_utils import Cache
 
-    from engine import _BufferLayer, _sample, decode_attention, decode_logits
+    from decode import decode_attention, decode_step
+    from engine import _BufferLayer
 
+    cfg = cfg or RolloutConfig(compile_decode="off")
     c, dev, dtype = model.config, model.device, model.get_input_embeddings().weight.dtype
     kv = lambda: torch.randn(batch, c.num_key_value_heads, context + steps + 8, c.head_dim, device=dev, dtype=dtype)
     cache = Cache(layers=[_BufferLayer(kv(), kv(), context) for _ in range(c.num_hidden_layers)])
     mask = torch.ones(batch, context, dtype=torch.long, device=dev)
     tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
-    seeds, cfg = torch.arange(batch, device=dev), RolloutConfig()
-    with decode_attention(model, attention):
+    seeds = torch.arange(batch, device=dev)
+    with decode_attention(model, cfg.decode_attention):
         for i in range(steps + 3):
             if i == 3:
                 t = time.perf_counter()
             mask = torch.cat([mask, mask.new_ones(batch, 1)], 1)
-            pos = torch.full_like(tok, context + i)
-            tok = _sample(decode_logits(model, cache, tok, mask, pos, attention == "grouped"), cfg, seeds, pos[:, 0])[0]
-            tok = tok[:, None]
+            tok = decode_step(model, cache, tok, mask, torch.full_like(tok, context + i), seeds, cfg)[0][:, None]
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     return (time.perf_counter() - t) / steps
@@ -241,7 +243,8 @@ def main():
     base = dict(max_new_tokens=512, max_turns=args.turns)
     variants = {"cache": RolloutConfig(**base), "reencode": RolloutConfig(**base, reuse_cache=False),
                 "single": RolloutConfig(**base, max_batch=1), "sync": RolloutConfig(**base, refill_below=0),
-                "model": RolloutConfig(**base, decode_attention="model")}
+                "old": RolloutConfig(**base, decode_attention="model", compile_decode="off"),
+                "compiled": RolloutConfig(**base, compile_decode="on")}
     variants = {k: variants[k] for k in args.variants.split(",") if k != "lora"}
     nets = {k: model for k in variants}
     if "lora" in args.variants.split(","):
@@ -284,11 +287,18 @@ def main():
         print(f"decode step at context {ctx}: " + ", ".join(
             f"batch {b} {t * 1e3:.1f} ms ({t / b * 1e3:.2f} ms/token)" for b, t in costs.items())
               + f" -> {max(costs)} rows decoding together give at most {costs[1] * max(costs) / costs[max(costs)]:.1f}x")
-    for ctx in (256, 1300):  # the decoding step's attention, interleaved: grouped (the engine's) against the model's
-        pairs = [(step_cost(model, b, ctx, attention="model"), step_cost(model, b, ctx)) for b in (1, 16) for _ in "ab"]
-        print(f"decode step at context {ctx}, model's attention -> grouped: " + ", ".join(
-            f"batch {b} {sum(m for m, _ in pairs[2 * k:2 * k + 2]) / 2 * 1e3:.2f} -> "
-            f"{sum(g for _, g in pairs[2 * k:2 * k + 2]) / 2 * 1e3:.2f} ms" for k, b in enumerate((1, 16))))
+    steps = {"old": RolloutConfig(decode_attention="model", compile_decode="off"),  # the engine before the grouped
+             "grouped": RolloutConfig(compile_decode="off"), "compiled": RolloutConfig(compile_decode="on")}
+    step_cost(model, 2, 64, steps=2, cfg=steps["compiled"])  # compiles (printing how long) before any timing
+    for ctx in (256, 1300):  # the decoding step three ways, interleaved, twice each
+        for b in (1, 16):
+            ms = {k: [] for k in steps}
+            for _ in "ab":
+                for k, cfg in steps.items():
+                    ms[k].append(step_cost(model, b, ctx, cfg=cfg) * 1e3)
+            ms = {k: sum(v) / len(v) for k, v in ms.items()}
+            print(f"decode step, batch {b}, context {ctx}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
+                  + f" -> compiled {ms['old'] / ms['compiled']:.2f}x the old step", flush=True)
     # warm-up: a small run of each variant (allocator, kernels, paged-out memory)
     for name, cfg in variants.items():
         gen = torch.Generator(device=model.device).manual_seed(0)

@@ -1,9 +1,9 @@
-"""engine.py's decoding step: grouped-query decode attention (each row's cache read once, no repeat_kv) and the
+"""decode.py's decoding step: grouped-query decode attention (each row's cache read once, no repeat_kv) and the
 batch sampler's counter-based noise and sort-free nucleus."""
 import pytest
 import torch
 
-import engine
+import decode
 from batched_rollout import RolloutConfig, make_user_sim, rollout
 from test_rollout import FakeEnv
 
@@ -25,16 +25,16 @@ def test_grouped_decode_attention_is_attention(heads, kv_heads):
     for i in range(B):
         mask[i, ..., :3 * i] = False  # row i: 3i leading padding columns
     module = torch.nn.Module()
-    out, weights = engine.grouped_decode_attention(module, q, k, v, mask, scaling=D ** -0.5)
+    out, weights = decode.grouped_decode_attention(module, q, k, v, mask, scaling=D ** -0.5)
     want = _sdpa_with_repeat(q, k, v, mask)
     assert weights is None and out.shape == (B, 1, heads, D)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    half, _ = engine.grouped_decode_attention(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, None)
+    half, _ = decode.grouped_decode_attention(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, None)
     assert half.dtype == torch.bfloat16 and (half.float() - want).abs().max() < 0.05
     # padding columns are not read: garbage keys (NaN) and values (huge) there change nothing
     k2, v2, pad = k.clone(), v.clone(), ~mask[:, 0, 0, None, :, None].expand_as(k)
     k2[pad], v2[pad] = float("nan"), 1e6
-    garbage, _ = engine.grouped_decode_attention(module, q, k2, v2, mask, scaling=D ** -0.5)
+    garbage, _ = decode.grouped_decode_attention(module, q, k2, v2, mask, scaling=D ** -0.5)
     torch.testing.assert_close(garbage, out)
 
 
@@ -42,11 +42,11 @@ def test_grouped_decode_attention_refuses_what_it_does_not_compute():
     q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 3, 8)
     mask = torch.ones(1, 1, 1, 3, dtype=torch.bool)
     with pytest.raises(NotImplementedError, match="softcap"):
-        engine.grouped_decode_attention(torch.nn.Module(), q, k, k, mask, None, softcap=30.0)
+        decode.grouped_decode_attention(torch.nn.Module(), q, k, k, mask, None, softcap=30.0)
     with pytest.raises(NotImplementedError, match="sliding_window"):
-        engine.grouped_decode_attention(torch.nn.Module(), q, k, k, mask, None, sliding_window=4)
+        decode.grouped_decode_attention(torch.nn.Module(), q, k, k, mask, None, sliding_window=4)
     with pytest.raises(ValueError, match="one query token"):
-        engine.grouped_decode_attention(torch.nn.Module(), torch.randn(1, 4, 2, 8), k, k, mask, None)
+        decode.grouped_decode_attention(torch.nn.Module(), torch.randn(1, 4, 2, 8), k, k, mask, None)
 
 
 @pytest.mark.versions
@@ -54,12 +54,12 @@ def test_decode_attention_is_put_back(lm):
     """The decoder's attention implementation is switched for the decoding steps only, and put back when they raise."""
     before = lm.get_decoder().config._attn_implementation
     with pytest.raises(RuntimeError, match="boom"):
-        with engine.decode_attention(lm, "grouped"):
-            assert lm.get_decoder().config._attn_implementation == engine.GROUPED
+        with decode.decode_attention(lm, "grouped"):
+            assert lm.get_decoder().config._attn_implementation == decode.GROUPED
             raise RuntimeError("boom")
     assert lm.get_decoder().config._attn_implementation == before
     with pytest.raises(ValueError, match="unknown decode_attention 'fast'"):
-        with engine.decode_attention(lm, "fast"):
+        with decode.decode_attention(lm, "fast"):
             pass
 
 
@@ -117,11 +117,11 @@ def test_the_noise_is_a_function_of_seed_counter_and_column():
     counter gives another row; the values are uniform on (0, 1) (moments and a 20-bin histogram over 2M draws) and
     neighbouring columns and counters are uncorrelated."""
     seeds, counters = torch.tensor([7, 8, 7, 7]), torch.tensor([100, 100, 100, 101])
-    u = engine.uniform_noise(seeds, counters, 1000)
+    u = decode.uniform_noise(seeds, counters, 1000)
     assert u.dtype == torch.float64 and u.shape == (4, 1000)
     assert torch.equal(u[0], u[2]) and not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[3])
-    assert torch.equal(engine.uniform_noise(seeds[2:3], counters[2:3], 1000), u[:1])
-    big = engine.uniform_noise(torch.arange(2000) * 977, torch.arange(2000) % 13, 1000)
+    assert torch.equal(decode.uniform_noise(seeds[2:3], counters[2:3], 1000), u[:1])
+    big = decode.uniform_noise(torch.arange(2000) * 977, torch.arange(2000) % 13, 1000)
     assert 0 < big.min() and big.max() < 1
     assert abs(big.mean() - 0.5) < 1e-3 and abs(big.var() - 1 / 12) < 1e-3
     hist = torch.histc(big.float(), bins=20, min=0, max=1)
@@ -141,8 +141,22 @@ def test_top_p_keeps_the_smallest_set_that_reaches_it():
         sorted_p, order = p.sort(-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p >= top_p
         want = ~torch.zeros_like(drop).scatter(-1, order, drop)
-        assert torch.equal(engine.top_p_keep(p, top_p), want)
-    assert engine.top_p_keep(torch.tensor([[1.0, 0.0]]), 0.5).tolist() == [[True, False]]
+        assert torch.equal(decode.top_p_keep(p, top_p), want)
+    assert decode.top_p_keep(torch.tensor([[1.0, 0.0]]), 0.5).tolist() == [[True, False]]
+
+
+def test_the_draw_lands_on_a_kept_token_at_either_end_of_the_interval(monkeypatch):
+    """A uniform at the very top of (0, 1) draws the last token nucleus sampling keeps (rounding must not carry it
+    into the dropped tail), one at the very bottom the first kept token (token 0, e^-53 below, is dropped too)."""
+    logits = torch.tensor([[-50.0, 3.0, 2.0, 1.0, -1.0, -2.0]]).repeat(2, 1)
+    cfg = RolloutConfig(temperature=1.0, top_p=0.9)
+    keep = decode.top_p_keep(torch.softmax(logits[:1].double(), -1), 0.9)[0]
+    for u, want in ((1 - 2.0 ** -53, 3), (2.0 ** -54, 1)):
+        monkeypatch.setattr(decode, "uniform_noise",
+                            lambda s, c, n, u=u: torch.full((len(s), n), u, dtype=torch.float64))
+        tok, _ = decode._sample(logits, cfg, torch.tensor([1, 2]), torch.tensor([0, 0]))
+        assert tok.tolist() == [want, want]
+    assert keep.tolist() == [False, True, True, True, False, False]
 
 
 def test_sampled_episodes_do_not_depend_on_the_batch(lm, tiny_tok):
@@ -159,3 +173,43 @@ def test_sampled_episodes_do_not_depend_on_the_batch(lm, tiny_tok):
     assert len({tuple(x) for x in base}) > 3
     assert run(3, max_batch=1) == base and run(3, decode_attention="model") == base
     assert run(4) != base
+
+
+def test_the_compiled_step_plays_the_eager_tokens(lm, tiny_tok, monkeypatch):
+    """compile_decode 'on' (torch.compile of the decoder's step, dynamic shapes): the greedy and the
+    sampled episodes of eager decoding, rows leaving and joining mid-turn; the compile time is printed once."""
+    monkeypatch.setattr(decode, "_COMPILED", {})
+    env = FakeEnv(n_tasks=3)
+
+    def run(how, **kw):
+        cfg = RolloutConfig(max_new_tokens=24, max_turns=3, compile_decode=how, **kw)
+        return [e.input_ids for e in rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), cfg,
+                                             seed=5)]
+
+    for kw in (dict(greedy=True), dict(temperature=0.9)):
+        assert run("on", **kw) == run("off", **kw)
+    assert "failed" not in decode._COMPILED and decode._COMPILED["timed"] > 0
+
+
+def test_a_step_that_will_not_compile_warns_once_and_decodes_eagerly(lm, tiny_tok, monkeypatch):
+    """Where torch.compile fails (here: its compiled function raises after the cache layers moved on), the rollout
+    warns once, naming the error and the option, puts the cache back and decodes eagerly: the same episodes."""
+    monkeypatch.setattr(decode, "_COMPILED", {})
+
+    def broken(fn, **kw):
+        def call(model, cache, *a):  # noqa: ARG001
+            for lay in cache.layers:  # as if the failed call had written a column already
+                lay.n += 1
+                lay._view()
+            raise RuntimeError("no C++ compiler found")
+        return call
+
+    monkeypatch.setattr(decode.torch, "compile", broken)
+    env = FakeEnv(n_tasks=2)
+    cfg = RolloutConfig(greedy=True, max_new_tokens=24, max_turns=3)
+    want = [e.input_ids for e in rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), cfg)]
+    with pytest.warns(UserWarning, match="no C\\+\\+ compiler found.*--compile-decode off") as caught:
+        got = [e.input_ids for e in rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"),
+                                            RolloutConfig(**{**cfg.__dict__, "compile_decode": "on"}))]
+    assert got == want
+    assert sum("compiling the decoding step failed" in str(w.message) for w in caught) == 1

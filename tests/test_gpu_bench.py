@@ -17,7 +17,7 @@ def test_gpu_checks_pass_at_toy_size_on_the_cpu(tmp_path):
                                  "share_opening", "train", "lora", "fsdp2", "zero3", "fsdp2_x2"]
     passed = {c for c, row in rows.items() if row["status"] == "PASS"}
     assert passed == {"versions", "engine", "decode", "roofline", "share_opening", "train", "lora"}
-    assert all("grouped" in rows["roofline"][f"toy b{b} ctx{c}"] for b in (4, 16) for c in (128, 512))
+    assert all("compiled" in rows["roofline"][f"toy b{b} ctx{c}"] for b in (4, 16) for c in (128, 512))
     errors = rows["share_opening"]["bf16 gradient error vs float32"]
     assert 0 < errors["whole"] < 0.1 and errors["shared"] <= 2 * errors["whole"]
     assert all(rows[c]["why"] == "needs CUDA" for c in ("flash", "kv_peak", "fsdp2", "zero3", "fsdp2_x2"))

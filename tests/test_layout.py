@@ -10,8 +10,9 @@ then the machinery beside it, which a first reader skips:
 
     models.py          models and tokenizers loaded (tiny from its environment's text, checkpoints, hub ids)
     logprobs.py        the chunked log-prob kernel the trainer scores tokens with
+    decode.py          one decoding step: grouped-query attention on the cache, the draw, torch.compile
     engine.py          batched decoding with each episode's KV cache kept across turns (torch, transformers only)
-    opening.py         a group's opening computed once in the update (through logprobs, with engine's cache plumbing)
+    opening.py         a group's opening computed once in the update (through logprobs, with decode's cache plumbing)
     cli.py, options.py the entry points' plumbing, and their shared option groups
     shard.py, memory.py   the backends (DDP, FSDP2, DeepSpeed) and the memory estimate
     lora.py            LoRA adapters (peft)
@@ -40,10 +41,11 @@ ALLOWED = {  # module -> the project modules it may import
     "options": {"cli", "lora", "loss"},
     "models": {"muarl", "lora", "toolcall", "options"},
     "logprobs": set(),
-    "opening": {"logprobs", "engine"},
+    "opening": {"logprobs", "decode"},
     "shard": set(),
     "memory": {"cli", "lora"},
-    "engine": set(),
+    "decode": set(),
+    "engine": {"decode"},
     "metrics": set(),
     "checkpoints": {"cli", "shard", "lora", "memory"},
     "rundir": {"cli", "checkpoints"},
@@ -58,8 +60,8 @@ ALLOWED = {  # module -> the project modules it may import
     "pipeline": {"envs", "cli", "muarl", "models", "logprobs", "options", "batched_rollout", "sft", "eval", "shard",
                  "memory", "checkpoints", "metrics", "lora", "rundir"},
 }
-BELOW_ENVS = ("toolcall", "muarl", "loss", "cli", "lora", "options", "models", "logprobs", "shard", "memory", "engine", "metrics",
-              "stats", "opening")
+BELOW_ENVS = ("toolcall", "muarl", "loss", "cli", "lora", "options", "models", "logprobs", "shard", "memory", "engine",
+              "metrics", "stats", "opening", "decode")
 
 
 def imports(path: str) -> set[str]:

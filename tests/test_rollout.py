@@ -152,7 +152,7 @@ def test_the_cache_goes_by_the_name_the_decoder_takes(lm, tiny_tok):
     decoding each turn without its past. The engine asks the decoder's signature; decoding here warns of neither."""
     import warnings
 
-    from engine import with_cache
+    from decode import with_cache
 
     class Old(torch.nn.Module):  # 5.17's signature
         def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):
@@ -404,10 +404,11 @@ def test_sampled_episodes_do_not_depend_on_batching(lm, tiny_tok):
 
 
 def test_the_sampler_draws_from_the_truncated_distribution():
-    """engine._sample (Gumbel-max over log p, the tokens outside top_p masked): the drawn frequencies are the
+    """decode._sample (the cumulative distribution inverted at a uniform, the tokens outside top_p dropped): the
+    drawn frequencies are the
     top_p-truncated, renormalized distribution, no token outside it is ever drawn, the recorded logprob is the full
     tempered one; each row's own seed and counter give it its own draws."""
-    from engine import _sample
+    from decode import _sample
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0]).repeat(40000, 1)
     cfg = RolloutConfig(temperature=0.8, top_p=0.8)

@@ -1,0 +1,209 @@
+"""decode.py: one decoding step of the batch, the rows' next tokens from their caches (engine.py drives it).
+
+`decode_step` runs the decoder's forward for one new token a row (`decode_logits`) and draws each row's token
+(`_sample`). Its attention is `grouped_decode_attention`, registered with transformers and switched on for the
+decoding steps only (`decode_attention`): the query heads that share a key-value head read its cache once, where
+transformers' padded sdpa and eager paths first copy the cache to every query head. The draw inverts each row's
+cumulative distribution at a uniform that is a function of the episode's seed and the position drawn
+(`uniform_noise`, counter-based), so a batch draws in a few kernels and an episode samples the same tokens however
+it was batched; nucleus sampling finds its cut by bisection (`top_p_keep`), without sorting the vocabulary. With
+`compile_decode` the forward goes through torch.compile (on a GPU by default).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+import time
+import warnings
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention: each row's cache read once, whatever the number of query heads per key-value head
+# ---------------------------------------------------------------------------------------------------------
+GROUPED = "muarl_grouped_decode"
+
+
+def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention of each row's one new token over its cache, for the decoding steps (RolloutConfig.decode_attention
+    "grouped"). With a padding mask, transformers' sdpa and eager paths copy every key-value head to each of its
+    query heads (repeat_kv) before attending: the cache is read n_rep + 2 times a step, 5-9x for Qwen3. Here the
+    n_rep query heads that share a key-value head are the rows of one matmul over that head's keys, so each row's
+    cache is read once. query [B, H, 1, D] (head h reads key-value head h // n_rep, as repeat_kv orders them);
+    key, value [B, KVH, L, D]; attention_mask [B, 1, 1, L], True where the row attends. The scores are softmaxed in
+    float32, as eager attention does. Returns [B, 1, H, D], as the other attention functions do."""
+    for name in ("softcap", "sliding_window", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"decode_attention 'grouped' does not support {name} ({type(module).__name__}):"
+                                      " use --decode-attention model")
+    (B, H, q, D), kvh = query.shape, key.shape[1]
+    if q != 1 or H % kvh:
+        raise ValueError(f"grouped decode attention takes one query token a row and whole groups of heads, got "
+                         f"query {tuple(query.shape)} over key {tuple(key.shape)}")
+    scores = torch.matmul(query.reshape(B, kvh, H // kvh, D), key.transpose(-1, -2))
+    scores = scores * (D ** -0.5 if scaling is None else scaling)
+    scores = scores.masked_fill(~attention_mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    return torch.matmul(probs, value).reshape(B, 1, H, D), None
+
+
+AttentionInterface.register(GROUPED, grouped_decode_attention)
+
+
+@contextlib.contextmanager
+def decode_attention(model, name: str):
+    """The decoder's attention implementation set to `name` for the decoding steps ("model": left as it is), and
+    put back after, also when decoding raises. Prefill keeps the model's own (sdpa, flash-attn), which is compute-
+    bound and reads its keys once per chunk."""
+    cfg = model.get_decoder().config
+    if name == "model":
+        yield
+        return
+    if name != "grouped":
+        raise ValueError(f"unknown decode_attention {name!r}: use 'grouped' or 'model'")
+    before = cfg._attn_implementation
+    cfg._attn_implementation = GROUPED
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = before
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The draw and the step
+# ---------------------------------------------------------------------------------------------------------
+def _signed(x: int) -> int:
+    """A 64-bit constant as the int64 torch computes with (two's complement: its products wrap as uint64's do)."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = map(_signed, (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic: it copies the sign bit)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer: a bijection of 64-bit words whose every output bit depends on every input bit."""
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, n] float64 uniforms in (0, 1), a pure function of each row's (seed, counter) and the column: counter-based
+    noise, as Philox is, made of integer ops over the whole batch at once. A row's draws do not depend on the other
+    rows, nor on how many draws came before: the rollout passes the episode's seed and the position of the token
+    being drawn, so an episode samples the same tokens however it was batched. 53 random bits each."""
+    key = _mix(seeds.long() + counters.long() * _GOLDEN)
+    z = _mix(key[:, None] + torch.arange(1, n + 1, device=seeds.device) * _GOLDEN)
+    return (_shr(z, 11).double() + 0.5) * 2.0 ** -53
+
+
+def top_p_keep(p: torch.Tensor, top_p: float, iters: int = 40) -> torch.Tensor:
+    """Which tokens nucleus sampling keeps, [B, V] boolean, without sorting the vocabulary: every token at least as
+    probable as the largest threshold t whose tokens p >= t still hold top_p of the mass (the smallest set by
+    probability that reaches top_p). t is found by bisection on each row at once; after `iters` halvings of
+    [0, max p] it is exact up to max p x 2^-iters, so only tokens within that of the cut can be kept too."""
+    p = p.double()
+    lo, hi = torch.zeros_like(p[:, :1]), p.max(-1, keepdim=True).values * (1 + 1e-12)
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        ok = torch.where(p >= mid, p, 0).sum(-1, keepdim=True) >= top_p
+        lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
+    return p >= lo
+
+
+def _sample(logits: torch.Tensor, cfg, seeds: torch.Tensor | None = None,
+            counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [B, V] float32 -> (token ids [B], recorded logprobs [B]), on the logits' device, for the whole batch
+    in a few kernels (no host sync, no per-row launch).
+
+    The recorded logprob is log_softmax(logits / temperature) of the drawn token: the distribution a trainer
+    recomputes with one forward pass. top_p truncation changes what is drawn, not what is recorded, so that
+    old and new policy logprobs in the GRPO ratio mean the same thing. A token is drawn by inverting the
+    cumulative distribution (in vocabulary order, float64: a token ~20 nats below the top one keeps its 2e-9 of
+    the interval) at one uniform a row, uniform_noise(seeds[i], counters[i]) (the episode's seed and the position
+    drawn; None: torch's global generator): one random number a row, and ~5 passes over the vocabulary."""
+    logp = torch.log_softmax(logits / cfg.temperature, dim=-1)
+    if cfg.greedy:
+        tok = logits.argmax(dim=-1)
+    else:
+        p = logp.double().exp()
+        if cfg.top_p < 1.0:
+            p = torch.where(top_p_keep(p, cfg.top_p), p, 0.0)
+        cdf = p.cumsum(-1)
+        if seeds is None:
+            u = torch.rand(len(p), 1, device=p.device, dtype=torch.float64)
+        else:
+            u = uniform_noise(seeds, counters, 1)
+        tok = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)  # the first token whose cdf passes u
+        last = torch.where(p > 0, torch.arange(p.shape[-1], device=p.device), 0).amax(-1)
+        tok = torch.minimum(tok, last)  # u x mass rounded up to the whole mass: the last token that can be drawn
+    return tok, logp.gather(-1, tok[:, None]).squeeze(1)
+
+
+def with_cache(decoder, cache: Cache) -> dict:
+    """The keyword arguments that hand `cache` to `decoder`'s forward: `cache=` where its forward takes that name
+    (newer transformers, which warns on the old name and drops it in 5.40), else `past_key_values=` (5.17, whose
+    forward would pass an unknown `cache=` on into **kwargs and ignore it: each turn would decode without its past)."""
+    cls = type(decoder)
+    if cls not in _CACHE_KEYWORD:  # asked once per class: inspect.signature costs as much as a small op
+        _CACHE_KEYWORD[cls] = "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+    return {_CACHE_KEYWORD[cls]: cache, "use_cache": True}
+
+
+_CACHE_KEYWORD: dict[type, str] = {}
+
+
+def decode_logits(model, cache: Cache, tok: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
+                  grouped: bool) -> torch.Tensor:
+    """One decoding step of the batch: tok [B, 1] in, each row's next-token logits [B, V] (float32) out, its keys
+    and values appended to `cache`. mask [B, L] marks the cache columns each row attends to (its own, not padding);
+    grouped: the decoder runs under decode_attention(model, "grouped"), which takes the mask as [B, 1, 1, L]
+    booleans (transformers hands a 4-D mask to the attention function as it is)."""
+    dec = model.get_decoder()
+    h = dec(input_ids=tok, position_ids=pos, attention_mask=mask[:, None, None, :].bool() if grouped else mask,
+            **with_cache(dec, cache)).last_hidden_state
+    return model.get_output_embeddings()(h[:, -1]).float()
+
+
+_COMPILED: dict = {}  # "logits": decode_logits under torch.compile; "failed": why compiling it failed; "timed": its s
+
+
+def decode_step(model, cache: Cache, tok, mask, pos, seeds, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoding step of the batch and its draw: each row's next token [B] and its recorded logprob [B], on the
+    device. The decoder's forward goes through torch.compile where cfg.compile_decode asks for it ('auto': on a GPU):
+    inductor fuses its ~60 small kernels a layer. Shapes are dynamic (batch, cache length), so a rollout compiles a
+    few times at most, the first time printing how long it took (inductor also caches on disk for the next process).
+    The draw stays eager: inductor's CPU kernel for an earlier draw (an argmax over float64 rows whose length is not
+    a multiple of its vector width) stopped the process on an index past the row (torch 2.13). Where compiling fails
+    (no compiler, an unsupported model) it warns once and decodes eagerly from then on; the cache layers are put
+    back as they were before the failed call."""
+    grouped = cfg.decode_attention == "grouped"
+    on = cfg.compile_decode == "on" or cfg.compile_decode == "auto" and tok.device.type == "cuda"
+    if not on or "failed" in _COMPILED:
+        return _sample(decode_logits(model, cache, tok, mask, pos, grouped), cfg, seeds, pos[:, -1] + 1)
+    if "logits" not in _COMPILED:
+        _COMPILED["logits"] = torch.compile(decode_logits, dynamic=True)
+    before, t = [(lay.start, lay.n) for lay in cache.layers], time.perf_counter()
+    try:
+        logits = _COMPILED["logits"](model, cache, tok, mask, pos, grouped)
+    except Exception as e:
+        _COMPILED["failed"] = f"{type(e).__name__}: {e}"
+        for lay, (start, n) in zip(cache.layers, before):
+            lay.start, lay.n = start, n
+            lay._view()
+        warnings.warn(f"compiling the decoding step failed ({_COMPILED['failed'][:300]}); decoding eagerly from now "
+                      "on (--compile-decode off skips the attempt)")
+        logits = decode_logits(model, cache, tok, mask, pos, grouped)
+    if "timed" not in _COMPILED and "failed" not in _COMPILED:
+        _COMPILED["timed"] = time.perf_counter() - t
+        print(f"[rollout] decoding step compiled in {_COMPILED['timed']:.1f} s (torch.compile)", file=sys.stderr)
+    return _sample(logits, cfg, seeds, pos[:, -1] + 1)
