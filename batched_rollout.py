@@ -79,12 +79,12 @@ class RolloutConfig(Sampling):
     0: turns are synchronous, 1: re-stack whenever a row ends its turn); greedy tokens never depend on it"""
     decode_attention: str = "grouped"
     """the decoding steps' attention: 'grouped' reads each row's cache once whatever the query heads per key-value
-    head (decode.grouped_decode_attention); 'model' the model's own implementation with a padding mask, which
-    copies the cache to every query head first (transformers' repeat_kv)"""
-    compile_decode: str = "auto"
-    """'on': the decoding step (the decoder's forward for one token a row, and the draw) through torch.compile
-    (decode.decode_step); 'off': eager; 'auto': on a GPU only (on this project's CPU the compile time, a minute or
-    more, outweighs what it saves in short rollouts)"""
+    head (decode.grouped_decode_attention); 'model' the model's own implementation with a padding mask, which in
+    transformers 5.17 (and eager attention) copies the cache to every query head first (repeat_kv)"""
+    compile_decode: str = "off"
+    """'on': the decoder's forward for one token a row through torch.compile (decode.decode_step; the draw stays
+    eager); 'auto': on a GPU only; 'off' (the default until it is timed on a GPU: on this project's CPU it gains
+    ~1.1x a rollout after a compile of 10-45 s, bench/README.md)"""
     prefill_tokens: int = 8192
     """at most this many tokens (rows x columns) in one prefill forward: a long prefill runs in column chunks that
     append to the cache, so its activations stay those of one chunk (bench/README.md, kv_peak); 0: one forward"""

@@ -30,25 +30,33 @@ GROUPED = "muarl_grouped_decode"
 
 def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention of each row's one new token over its cache, for the decoding steps (RolloutConfig.decode_attention
-    "grouped"). With a padding mask, transformers' sdpa and eager paths copy every key-value head to each of its
-    query heads (repeat_kv) before attending: the cache is read n_rep + 2 times a step, 5-9x for Qwen3. Here the
-    n_rep query heads that share a key-value head are the rows of one matmul over that head's keys, so each row's
-    cache is read once. query [B, H, 1, D] (head h reads key-value head h // n_rep, as repeat_kv orders them);
-    key, value [B, KVH, L, D]; attention_mask [B, 1, 1, L], True where the row attends. The scores are softmaxed in
-    float32, as eager attention does. Returns [B, 1, H, D], as the other attention functions do."""
-    for name in ("softcap", "sliding_window", "s_aux"):
+    "grouped"). With a padding mask, transformers 5.17's sdpa path (the GPU machines'; 5.24 packs one query token's
+    heads itself) and every version's eager path copy each key-value head to its n_rep query heads (repeat_kv)
+    before attending: the cache is read and written n_rep + 2 times a step (4-10x for Qwen3's 2-8 query heads per
+    key-value head). Here the n_rep query heads that share a key-value head are the query rows of one SDPA call over
+    that head's keys, so each row's cache is read once, by torch's fused kernels, which accumulate in float32 as
+    the trainer's attention does. query [B, H, 1, D] (head h reads key-value head h // n_rep, as repeat_kv orders
+    them); key, value [B, KVH, L, D]; attention_mask [B, 1, 1, L], True where the row attends. A sliding window
+    (Mistral's configs) keeps the last `window` columns: a row's cache is contiguous and ends at the new token.
+    Returns [B, 1, H, D], as the other attention functions do."""
+    for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"decode_attention 'grouped' does not support {name} ({type(module).__name__}):"
                                       " use --decode-attention model")
-    (B, H, q, D), kvh = query.shape, key.shape[1]
-    if q != 1 or H % kvh:
-        raise ValueError(f"grouped decode attention takes one query token a row and whole groups of heads, got "
-                         f"query {tuple(query.shape)} over key {tuple(key.shape)}")
-    scores = torch.matmul(query.reshape(B, kvh, H // kvh, D), key.transpose(-1, -2))
-    scores = scores * (D ** -0.5 if scaling is None else scaling)
-    scores = scores.masked_fill(~attention_mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-    return torch.matmul(probs, value).reshape(B, 1, H, D), None
+    (B, H, q, D), (kvh, L) = query.shape, key.shape[1:3]
+    if q != 1 or H % kvh or attention_mask is None or attention_mask.dtype != torch.bool:
+        raise ValueError(f"grouped decode attention takes one query token a row, whole groups of heads and a boolean "
+                         f"mask, got query {tuple(query.shape)} over key {tuple(key.shape)}, mask "
+                         f"{None if attention_mask is None else attention_mask.dtype}")
+    if dropout and module.training:
+        raise ValueError("grouped decode attention is for decoding: the model is in training mode with dropout")
+    window = kwargs.get("sliding_window")
+    if window is not None and L > window:
+        attention_mask = attention_mask.clone()
+        attention_mask[..., :L - window] = False
+    out = torch.nn.functional.scaled_dot_product_attention(query.reshape(B, kvh, H // kvh, D), key, value,
+                                                           attn_mask=attention_mask, scale=scaling)
+    return out.reshape(B, 1, H, D), None
 
 
 AttentionInterface.register(GROUPED, grouped_decode_attention)
@@ -65,12 +73,15 @@ def decode_attention(model, name: str):
         return
     if name != "grouped":
         raise ValueError(f"unknown decode_attention {name!r}: use 'grouped' or 'model'")
-    before = cfg._attn_implementation
-    cfg._attn_implementation = GROUPED
+    if getattr(cfg, "attn_logit_softcapping", None):
+        raise NotImplementedError(f"decode_attention 'grouped' does not softcap attention logits ({cfg.model_type}): "
+                                  "use --decode-attention model")
+    before = cfg._attn_implementation_internal  # (set and put back on this config alone: the modules read it)
+    cfg._attn_implementation_internal = GROUPED
     try:
         yield
     finally:
-        cfg._attn_implementation = before
+        cfg._attn_implementation_internal = before
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -110,7 +121,9 @@ def top_p_keep(p: torch.Tensor, top_p: float, iters: int = 40) -> torch.Tensor:
     """Which tokens nucleus sampling keeps, [B, V] boolean, without sorting the vocabulary: every token at least as
     probable as the largest threshold t whose tokens p >= t still hold top_p of the mass (the smallest set by
     probability that reaches top_p). t is found by bisection on each row at once; after `iters` halvings of
-    [0, max p] it is exact up to max p x 2^-iters, so only tokens within that of the cut can be kept too."""
+    [0, max p] it is exact up to max p x 2^-iters, so only tokens within that of the cut can be kept too. Tokens
+    tied at the cut are all kept (a sort keeps those first in its order). Cost: 2 passes over [B, V] a halving,
+    ~80 in all, against a sort of the vocabulary per row."""
     p = p.double()
     lo, hi = torch.zeros_like(p[:, :1]), p.max(-1, keepdim=True).values * (1 + 1e-12)
     for _ in range(iters):
@@ -130,7 +143,8 @@ def _sample(logits: torch.Tensor, cfg, seeds: torch.Tensor | None = None,
     old and new policy logprobs in the GRPO ratio mean the same thing. A token is drawn by inverting the
     cumulative distribution (in vocabulary order, float64: a token ~20 nats below the top one keeps its 2e-9 of
     the interval) at one uniform a row, uniform_noise(seeds[i], counters[i]) (the episode's seed and the position
-    drawn; None: torch's global generator): one random number a row, and ~5 passes over the vocabulary."""
+    drawn; None: torch's global generator): one random number a row, and ~5 passes over the vocabulary (plus
+    top_p_keep's when top_p < 1)."""
     logp = torch.log_softmax(logits / cfg.temperature, dim=-1)
     if cfg.greedy:
         tok = logits.argmax(dim=-1)
@@ -179,13 +193,15 @@ _COMPILED: dict = {}  # "logits": decode_logits under torch.compile; "failed": w
 
 def decode_step(model, cache: Cache, tok, mask, pos, seeds, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoding step of the batch and its draw: each row's next token [B] and its recorded logprob [B], on the
-    device. The decoder's forward goes through torch.compile where cfg.compile_decode asks for it ('auto': on a GPU):
-    inductor fuses its ~60 small kernels a layer. Shapes are dynamic (batch, cache length), so a rollout compiles a
-    few times at most, the first time printing how long it took (inductor also caches on disk for the next process).
-    The draw stays eager: inductor's CPU kernel for an earlier draw (an argmax over float64 rows whose length is not
-    a multiple of its vector width) stopped the process on an index past the row (torch 2.13). Where compiling fails
-    (no compiler, an unsupported model) it warns once and decodes eagerly from then on; the cache layers are put
-    back as they were before the failed call."""
+    device. The decoder's forward goes through torch.compile where cfg.compile_decode asks for it ('on'; 'auto': on
+    a GPU; off by default until bench/gpu.py's roofline check has timed it on one): inductor fuses its ~60 small
+    kernels a layer. Shapes are dynamic (batch, cache length), so a rollout compiles a few times at most, the first
+    time printing how long it took (inductor also caches on disk for the next process); past dynamo's recompile
+    limit it runs the step eagerly, with its own warning. The draw stays eager: inductor's CPU kernel for an earlier
+    draw (an argmax over float64 rows whose length is not a multiple of its vector width) stopped the process on an
+    index past the row (torch 2.13). Where compiling fails (dynamo or inductor raising: no compiler, an unsupported
+    model) it warns once and decodes eagerly from then on, the cache layers put back as they were before the call;
+    any other error is raised."""
     grouped = cfg.decode_attention == "grouped"
     on = cfg.compile_decode == "on" or cfg.compile_decode == "auto" and tok.device.type == "cuda"
     if not on or "failed" in _COMPILED:
@@ -195,7 +211,7 @@ def decode_step(model, cache: Cache, tok, mask, pos, seeds, cfg) -> tuple[torch.
     before, t = [(lay.start, lay.n) for lay in cache.layers], time.perf_counter()
     try:
         logits = _COMPILED["logits"](model, cache, tok, mask, pos, grouped)
-    except Exception as e:
+    except torch._dynamo.exc.TorchDynamoException as e:  # (dynamo's and inductor's; anything else is not compile's)
         _COMPILED["failed"] = f"{type(e).__name__}: {e}"
         for lay, (start, n) in zip(cache.layers, before):
             lay.start, lay.n = start, n

@@ -38,10 +38,10 @@ class SamplingOptions:
     """keep each episode's KV cache across turns (off: re-encode the conversation every turn; same tokens, slower)"""
     decode_attention: str = "grouped"
     """the decoding steps' attention: 'grouped' reads each episode's KV cache once a step, whatever the number of query
-    heads per key-value head (engine.py); 'model' the model's own (--attn) with a padding mask (same tokens)"""
-    compile_decode: str = "auto"
-    """the decoding step through torch.compile: 'on', 'off', or 'auto' (on a GPU only); where compiling fails it warns
-    once and decodes eagerly (same tokens either way up to float rounding)"""
+    heads per key-value head (decode.py); 'model' the model's own (--attn) with a padding mask"""
+    compile_decode: str = "off"
+    """the decoder's step through torch.compile: 'on', 'off', or 'auto' (on a GPU only); where compiling fails it
+    warns once and decodes eagerly. Off by default: not yet timed on a GPU (bench/gpu.py's roofline check)"""
     rollout_batch: Annotated[int, Range("[0, inf)")] = 0
     """at most this many episodes decode together on one process (0: all; in eval.py on a GPU, as many as it holds
     by the memory estimate); bounds GPU memory: on a GPU the other episodes' KV caches wait in host memory"""

@@ -31,11 +31,27 @@ def test_grouped_decode_attention_is_attention(heads, kv_heads):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     half, _ = decode.grouped_decode_attention(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, None)
     assert half.dtype == torch.bfloat16 and (half.float() - want).abs().max() < 0.05
-    # padding columns are not read: garbage keys (NaN) and values (huge) there change nothing
+    # padding columns weigh nothing: large keys and values there change nothing (finite ones: as in any SDPA, a NaN
+    # there would poison the row, which is why the engine's buffers hold zeros where no row has a cache)
     k2, v2, pad = k.clone(), v.clone(), ~mask[:, 0, 0, None, :, None].expand_as(k)
-    k2[pad], v2[pad] = float("nan"), 1e6
+    k2[pad], v2[pad] = 1e4, 1e6
     garbage, _ = decode.grouped_decode_attention(module, q, k2, v2, mask, scaling=D ** -0.5)
     torch.testing.assert_close(garbage, out)
+
+
+def test_a_sliding_window_keeps_the_last_columns():
+    """Mistral's configs carry a sliding window: the new token attends to the keys of the last `window` positions,
+    its own included (transformers: q - k < window), which are a row's last columns."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 20, 8), torch.randn(3, 2, 20, 8)
+    mask = torch.ones(3, 1, 1, 20, dtype=torch.bool)
+    mask[1, ..., :12] = False  # a row shorter than the window: unaffected
+    window = torch.ones_like(mask)
+    window[..., :20 - 6] = False
+    out, _ = decode.grouped_decode_attention(torch.nn.Module(), q, k, v, mask, None, sliding_window=6)
+    torch.testing.assert_close(out, _sdpa_with_repeat(q, k, v, mask & window))
+    wide, _ = decode.grouped_decode_attention(torch.nn.Module(), q, k, v, mask, None, sliding_window=64)
+    torch.testing.assert_close(wide, _sdpa_with_repeat(q, k, v, mask))
 
 
 def test_grouped_decode_attention_refuses_what_it_does_not_compute():
@@ -43,8 +59,8 @@ def test_grouped_decode_attention_refuses_what_it_does_not_compute():
     mask = torch.ones(1, 1, 1, 3, dtype=torch.bool)
     with pytest.raises(NotImplementedError, match="softcap"):
         decode.grouped_decode_attention(torch.nn.Module(), q, k, k, mask, None, softcap=30.0)
-    with pytest.raises(NotImplementedError, match="sliding_window"):
-        decode.grouped_decode_attention(torch.nn.Module(), q, k, k, mask, None, sliding_window=4)
+    with pytest.raises(ValueError, match="boolean"):
+        decode.grouped_decode_attention(torch.nn.Module(), q, k, k, mask.float(), None)
     with pytest.raises(ValueError, match="one query token"):
         decode.grouped_decode_attention(torch.nn.Module(), torch.randn(1, 4, 2, 8), k, k, mask, None)
 
@@ -112,6 +128,23 @@ def test_repeat_kv_is_never_called_while_decoding(lm, tiny_tok, monkeypatch):
     assert played["model calls"]["decode"] > 0
 
 
+def test_the_noise_is_splitmix64():
+    """Known answers: uniform_noise's int64 torch ops give splitmix64's outputs, computed here in Python's unbounded
+    integers modulo 2^64 (so a device or a compiler that did not wrap its products would be caught)."""
+    M = (1 << 64) - 1
+
+    def mix(z):
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M
+        return z ^ (z >> 31)
+
+    for seed, counter in ((0, 0), (7, 100), ((1 << 63) - 1, 123456), (987654321, 1 << 40)):
+        key = mix((seed + counter * 0x9E3779B97F4A7C15) & M)
+        want = [((mix((key + (v + 1) * 0x9E3779B97F4A7C15) & M) >> 11) + 0.5) * 2.0 ** -53 for v in range(5)]
+        got = decode.uniform_noise(torch.tensor([seed]), torch.tensor([counter]), 5)[0].tolist()
+        assert got == want
+
+
 def test_the_noise_is_a_function_of_seed_counter_and_column():
     """uniform_noise: the same (seed, counter) gives the same row whatever else is in the batch; another seed or
     counter gives another row; the values are uniform on (0, 1) (moments and a 20-bin histogram over 2M draws) and
@@ -175,10 +208,15 @@ def test_sampled_episodes_do_not_depend_on_the_batch(lm, tiny_tok):
     assert run(4) != base
 
 
+@pytest.mark.versions
 def test_the_compiled_step_plays_the_eager_tokens(lm, tiny_tok, monkeypatch):
     """compile_decode 'on' (torch.compile of the decoder's step, dynamic shapes): the greedy and the
-    sampled episodes of eager decoding, rows leaving and joining mid-turn; the compile time is printed once."""
+    sampled episodes of eager decoding, rows leaving and joining mid-turn; the compile time is printed once, and
+    dynamo did compile graphs (not a silent eager fallback)."""
+    from torch._dynamo.utils import counters
+
     monkeypatch.setattr(decode, "_COMPILED", {})
+    graphs = counters["stats"]["unique_graphs"]
     env = FakeEnv(n_tasks=3)
 
     def run(how, **kw):
@@ -189,6 +227,7 @@ def test_the_compiled_step_plays_the_eager_tokens(lm, tiny_tok, monkeypatch):
     for kw in (dict(greedy=True), dict(temperature=0.9)):
         assert run("on", **kw) == run("off", **kw)
     assert "failed" not in decode._COMPILED and decode._COMPILED["timed"] > 0
+    assert counters["stats"]["unique_graphs"] > graphs
 
 
 def test_a_step_that_will_not_compile_warns_once_and_decodes_eagerly(lm, tiny_tok, monkeypatch):
@@ -201,7 +240,7 @@ def test_a_step_that_will_not_compile_warns_once_and_decodes_eagerly(lm, tiny_to
             for lay in cache.layers:  # as if the failed call had written a column already
                 lay.n += 1
                 lay._view()
-            raise RuntimeError("no C++ compiler found")
+            raise torch._dynamo.exc.TorchDynamoException("no C++ compiler found")
         return call
 
     monkeypatch.setattr(decode.torch, "compile", broken)

@@ -171,6 +171,7 @@ def test_the_cache_goes_by_the_name_the_decoder_takes(lm, tiny_tok):
     assert not [w for w in caught if "past_key_values" in str(w.message)]
 
 
+@pytest.mark.versions
 def test_engine_plays_the_reference_episodes(lm, tiny_tok):
     """The oracle: under greedy decoding the engine (cross-turn KV cache, continuous batching, padded batches) gives
     exactly the token ids, loss masks, messages, endings and rewards of reference_rollout (HF generate, one episode
