@@ -34,9 +34,10 @@ def start(tmp_path_factory, tiny_tok, tiny_lm):
 
 
 # The same run with LoRA adapters of rank 8 on every projection, the base frozen (--lora-rank). Measured here over 30
-# steps: lr 3e-3 and 5e-3 climb to ~0.7 (the rest: turns that run past --max-new-tokens, which the frozen output layer
-# cannot sharpen away as the full run does), 1e-2 collapses at step 13 (81% truncated turns).
-LORA = ["--lora-rank", "8", "--lr", "5e-3"]
+# steps: lr 3e-3 climbs to 0.71-0.76 at seeds 0-2 (the rest: turns that run past --max-new-tokens, which the frozen
+# output layer cannot sharpen away as the full run does); 5e-3 climbed to ~0.7 with the former sampler but at seed 0
+# of the batch sampler broke the format at step 22 (0.75, then 0 to the end); 1e-2 collapses at step 13.
+LORA = ["--lora-rank", "8", "--lr", "3e-3"]
 
 
 def run(start, out, monkeypatch=None, flip=False, extra=()):
