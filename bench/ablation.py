@@ -13,7 +13,9 @@ the committed `tiny` base that has seen only shop's sibling stores (sft.pretrain
 
   base       the base itself
   cold       cold start: SFT on the imperfect teacher's shop conversations (it writes without a yes in 60% of them,
-             never asks where the refund goes in 50%; kept when the database is right): the default run's cold start
+             never asks where the refund goes in 50%; kept when the database is right), as the default run's, but
+             with the users of --cold-users (dynamic and static: half the tasks each), so that every arm starts
+             from a model that can talk to its user
   sft        cold + more SFT of the same teacher on new conversations, for as many CPU seconds as arm `dynamic` took
   rl         GRPO from the base with the dynamic user, no cold start
   dynamic    cold + GRPO with the dynamic user (the paper's method)
@@ -92,8 +94,20 @@ def evaluate(path, env_name: str, n_tasks: int, trials: int, temperature: float,
     return res
 
 
-def teacher_conversations(n: int, seed: int) -> list[dict]:
-    return coldstart.make_cold_start(sft.SFTConfig(env="shop", num_tasks=n, seed=seed, **TEACHER))
+USER_ENV = {"dynamic": "shop", "static": "shop:static", "replay": "shop:replay"}
+
+
+def teacher_conversations(n: int, seed: int, users: list[str]) -> list[dict]:
+    """The imperfect teacher on the first `n` tasks of the seed's shuffle, each task played with one of `users`
+    (round robin by task number), kept as make_cold_start keeps them. The cold start is every GRPO arm's start, so it
+    must be able to talk to each arm's user: one that saw only the dynamic user's vague opening won 0 of 16 static
+    episodes (it skipped the authentication the static opening makes easy), so the static arm's GRPO had a mixed
+    group in 1-6 of 120 and hardly trained, and the negative control came out dynamic > static by 0.06."""
+    convs = []
+    for i, user in enumerate(users):
+        cfg = sft.SFTConfig(env=USER_ENV[user], num_tasks=n, seed=seed, **TEACHER)
+        convs += [c for c in coldstart.make_cold_start(cfg) if int(c["task_id"].rsplit("-", 1)[1]) % len(users) == i]
+    return convs
 
 
 def grpo_arm(start: list[str], env: str, out: Path, args, seed: int) -> tuple[float, float, list[tuple[int, Path]]]:
@@ -120,7 +134,7 @@ def run_arm(arm: str, seed: int, done: dict, base: str, args, out: Path, log) ->
         return {"final": ev(base), "seconds": 0.0, "curve": []}
     if arm == "cold":
         t0 = time.time()
-        convs = teacher_conversations(args.cold_tasks, seed)
+        convs = teacher_conversations(args.cold_tasks, seed, args.cold_users.split(","))
         t1, c1 = time.time(), time.process_time()
         path = sft.train(sft.SFTConfig(model=base, out=str(d / "cold"), seed=seed), convs)
         t2, c2 = time.time(), time.process_time()  # SFT's cost a step, on its training alone (evaluation after)
@@ -132,7 +146,8 @@ def run_arm(arm: str, seed: int, done: dict, base: str, args, out: Path, log) ->
     if arm == "sft":  # the same teacher on tasks the cold start did not see, for the compute GRPO took
         t0, c0 = time.time(), time.process_time()
         seen = set(done["cold"]["tasks"])  # the same shuffle, twice as far: the cold start's tasks, then new ones
-        more = [c for c in teacher_conversations(2 * args.cold_tasks, seed) if c["task_id"] not in seen]
+        more = [c for c in teacher_conversations(2 * args.cold_tasks, seed, args.cold_users.split(","))
+                if c["task_id"] not in seen]
         # CPU seconds, not wall seconds: a run paused (kill -STOP) or sharing the machine keeps the same budget
         budget = done["dynamic"]["cpu_s"] - (time.process_time() - c0)
         steps = max(1, int(budget / done["cold"]["sft_step_cpu_s"]))
@@ -187,6 +202,8 @@ def main(argv=None):
     p.add_argument("--temperature", type=float, default=0.7, help="of the sampled evaluation (GRPO's default, at "
                    "which the GRPO arms train)")
     p.add_argument("--cold-tasks", type=int, default=1200, help="tasks the cold start's teacher plays, per seed")
+    p.add_argument("--cold-users", default="dynamic,static", help="the users the cold start's teacher talks to, "
+                   f"each on its share of the tasks (comma-separated, of {', '.join(USER_ENV)})")
     p.add_argument("--arms", default=",".join(ORDER), help="which arms (comma-separated); they run in the order of "
                    "the default")
     p.add_argument("--base", default="", help="the model every arm starts from (default: the tiny base)")
@@ -206,6 +223,9 @@ def main(argv=None):
         if getattr(args, name) < least:
             raise SystemExit(f"bench/ablation.py: --{name.replace('_', '-')} {getattr(args, name)}: must be at least "
                              f"{least}")
+    wrong = [u for u in args.cold_users.split(",") if u not in USER_ENV]
+    if wrong:
+        raise SystemExit(f"bench/ablation.py: --cold-users: {', '.join(wrong)} not among {', '.join(USER_ENV)}")
     arms = args.arms.split(",")
     unknown = [a for a in arms if a not in ARMS]
     if unknown:

@@ -76,5 +76,21 @@ def test_bad_options_are_refused_by_name(tmp_path):
             ablation.main(["--quick", opt, "0", "--base", str(tmp_path), "--out", str(tmp_path / "x")])
     with pytest.raises(SystemExit, match="--arms: nope"):
         ablation.main(["--quick", "--arms", "cold,nope", "--base", str(tmp_path), "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="--cold-users: chatty"):
+        ablation.main(["--quick", "--cold-users", "dynamic,chatty", "--base", str(tmp_path), "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="arm sft needs dynamic"):
         ablation.main(["--quick", "--arms", "cold,sft", "--base", str(tmp_path), "--out", str(tmp_path / "y")])
+
+
+def test_the_cold_start_talks_to_each_user_on_its_share_of_the_tasks():
+    convs = ablation.teacher_conversations(60, 0, ["dynamic", "static"])
+    ids = [c["task_id"] for c in convs]
+    assert len(ids) == len(set(ids)) and len(ids) >= 40  # each task once; the teacher keeps most
+    static = [c for c in convs if int(c["task_id"].rsplit("-", 1)[1]) % 2]
+    assert static and len(static) < len(convs)
+    # The static user says who it is and what it wants at once; the dynamic user opens vaguely.
+    assert all("@" in c["messages"][1]["content"] or "zip code" in c["messages"][1]["content"] for c in static)
+    assert not any("zip code" in c["messages"][1]["content"] or "@" in c["messages"][1]["content"]
+                   for c in convs if c not in static)
+    only = ablation.teacher_conversations(60, 0, ["dynamic"])  # the even tasks: the same conversations
+    assert [c for c in only if int(c["task_id"].rsplit("-", 1)[1]) % 2 == 0] == [c for c in convs if c not in static]
