@@ -49,7 +49,7 @@ import cli
 import models
 import deadlines
 from deadlines import guard
-from engine import _prefill_openings, _Row, generate_turn
+from engine import SlotPool, _prefill_openings, _Row, generate_turn
 from envs import next_turn, opening_messages
 from envs.llm_users import HFUserSim, OpenAIUserSim
 from envs.users import (DataUserSim, ScriptedUserSim, UserSim, UserSimError, close_user_sim, opening_retries,
@@ -110,7 +110,7 @@ class RolloutConfig(Sampling):
 # ---------------------------------------------------------------------------------------------------------
 def _finish(row: _Row, termination: str) -> None:
     end_episode(row.ep, row.session, termination)
-    row.kv = None  # free its cache now
+    row.free_cache()  # its slot is free now
 
 
 def episode_seed(base: int, task_id, sample: int) -> int:
@@ -238,8 +238,10 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
             else:
                 group.append(row)
         groups.append(group)
-    _prefill_openings(model, [g for g in groups if g], cfg, stops[0])
     live = [r for r in rows if not r.ep.termination]
+    # every live episode's cache in a slot of max_context positions, or max_batch slots and the others spilled
+    pool = SlotPool(model, min(cfg.max_batch or len(live), len(live)) or 1, cfg.max_context, cfg.park_device)
+    _prefill_openings(model, pool, [g for g in groups if g], cfg, stops[0])
     waiting: dict[concurrent.futures.Future, _Row] = {}  # rows whose tools or user reply are on their way
 
     def rejoin(r: _Row, status: str) -> None:  # append what was said and line the row up, or end the episode
@@ -270,7 +272,7 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
             batch, rest = live[:n], live[n:]
             # (rows in line for a place, `rest`, are not counted: re-stacking for them would move the caches of the
             # rows still decoding through host memory under park_device, at every turn's end)
-            generate_turn(model, batch, cfg, stops, ready=(lambda: sum(f.done() for f in waiting))
+            generate_turn(model, pool, batch, cfg, stops, ready=(lambda: sum(f.done() for f in waiting))
                           if users is not None else None)
             live = [r for r in batch if not r.stop] + rest  # those parked mid-turn first, then those in line
             to_user = []
@@ -281,7 +283,7 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
                 else:
                     status = agent_turn(r.ep, r.session, tok, r.new_ids, r.new_logprobs, r.stop, cfg.max_turns)
                 if not cfg.reuse_cache:
-                    r.kv = None  # the next turn re-encodes the whole conversation
+                    r.free_cache()  # the next turn re-encodes the whole conversation
                 if status == "user":
                     to_user.append(r)
                 elif status != "tools":

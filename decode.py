@@ -29,34 +29,36 @@ GROUPED = "muarl_grouped_decode"
 
 
 def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention of each row's one new token over its cache, for the decoding steps (RolloutConfig.decode_attention
-    "grouped"). With a padding mask, transformers 5.17's sdpa path (the GPU machines'; 5.24 packs one query token's
-    heads itself) and every version's eager path copy each key-value head to its n_rep query heads (repeat_kv)
-    before attending: the cache is read and written n_rep + 2 times a step (4-10x for Qwen3's 2-8 query heads per
-    key-value head). Here the n_rep query heads that share a key-value head are the query rows of one SDPA call over
-    that head's keys, so each row's cache is read once, by torch's fused kernels, which accumulate in float32 as
-    the trainer's attention does. query [B, H, 1, D] (head h reads key-value head h // n_rep, as repeat_kv orders
-    them); key, value [B, KVH, L, D]; attention_mask [B, 1, 1, L], True where the row attends. A sliding window
-    (Mistral's configs) keeps the last `window` columns: a row's cache is contiguous and ends at the new token.
-    Returns [B, 1, H, D], as the other attention functions do."""
+    """Attention of each row's W new tokens over its slot of the cache (engine.py), for prefill and the decoding
+    steps (RolloutConfig.decode_attention "grouped"). With a padding mask, transformers 5.17's sdpa path (the GPU
+    machines'; 5.24 packs one query token's heads itself) and every version's eager path copy each key-value head to
+    its n_rep query heads (repeat_kv) before attending: the cache is read and written n_rep + 2 times a step (4-10x
+    for Qwen3's 2-8 query heads per key-value head). Here the n_rep query heads that share a key-value head are the
+    query rows of one SDPA call over that head's keys, so each row's cache is read once, by torch's fused kernels,
+    which accumulate in float32 as the trainer's attention does. query [B, H, W, D] (head h reads key-value head
+    h // n_rep, as repeat_kv orders them); key, value [B, KVH, L, D]; attention_mask [B, 1, W, L] booleans, True
+    where the query sees the column (each row's own length: engine._mask). Returns [B, W, H, D], as the other
+    attention functions do. A sliding window is refused past its width (the slots have no per-row window)."""
     for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"decode_attention 'grouped' does not support {name} ({type(module).__name__}):"
                                       " use --decode-attention model")
-    (B, H, q, D), (kvh, L) = query.shape, key.shape[1:3]
-    if q != 1 or H % kvh or attention_mask is None or attention_mask.dtype != torch.bool:
-        raise ValueError(f"grouped decode attention takes one query token a row, whole groups of heads and a boolean "
-                         f"mask, got query {tuple(query.shape)} over key {tuple(key.shape)}, mask "
-                         f"{None if attention_mask is None else attention_mask.dtype}")
+    (B, H, W, D), (kvh, L) = query.shape, key.shape[1:3]
+    if H % kvh or attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
+        raise ValueError(f"grouped attention takes whole groups of heads and a [B, 1, W, L] boolean mask, got query "
+                         f"{tuple(query.shape)} over key {tuple(key.shape)}, mask "
+                         f"{None if attention_mask is None else (attention_mask.dtype, tuple(attention_mask.shape))}")
     if dropout and module.training:
         raise ValueError("grouped decode attention is for decoding: the model is in training mode with dropout")
     window = kwargs.get("sliding_window")
     if window is not None and L > window:
-        attention_mask = attention_mask.clone()
-        attention_mask[..., :L - window] = False
-    out = torch.nn.functional.scaled_dot_product_attention(query.reshape(B, kvh, H // kvh, D), key, value,
-                                                           attn_mask=attention_mask, scale=scaling)
-    return out.reshape(B, 1, H, D), None
+        raise NotImplementedError(f"sliding-window attention ({window} positions) over a cache of {L}: the rollout's "
+                                  "cache slots have no per-row window; use --max-context of at most the window")
+    n_rep = H // kvh
+    q = query.reshape(B, kvh, n_rep * W, D)  # row r * W + w of head group g: query head g * n_rep + r, token w
+    mask = attention_mask.repeat(1, 1, n_rep, 1) if W > 1 else attention_mask
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(B, H, W, D).transpose(1, 2), None
 
 
 AttentionInterface.register(GROUPED, grouped_decode_attention)
@@ -64,9 +66,9 @@ AttentionInterface.register(GROUPED, grouped_decode_attention)
 
 @contextlib.contextmanager
 def decode_attention(model, name: str):
-    """The decoder's attention implementation set to `name` for the decoding steps ("model": left as it is), and
-    put back after, also when decoding raises. Prefill keeps the model's own (sdpa, flash-attn), which is compute-
-    bound and reads its keys once per chunk."""
+    """The decoder's attention implementation set to `name` for the rollout engine's forwards, prefill and decoding
+    ("model": left as it is, sdpa or eager, which take the engine's 4-D mask as an additive float mask), and put
+    back after, also when decoding raises."""
     cfg = model.get_decoder().config
     if name == "model":
         yield
@@ -176,15 +178,12 @@ def with_cache(decoder, cache: Cache) -> dict:
 _CACHE_KEYWORD: dict[type, str] = {}
 
 
-def decode_logits(model, cache: Cache, tok: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
-                  grouped: bool) -> torch.Tensor:
+def decode_logits(model, cache: Cache, tok: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """One decoding step of the batch: tok [B, 1] in, each row's next-token logits [B, V] (float32) out, its keys
-    and values appended to `cache`. mask [B, L] marks the cache columns each row attends to (its own, not padding);
-    grouped: the decoder runs under decode_attention(model, "grouped"), which takes the mask as [B, 1, 1, L]
-    booleans (transformers hands a 4-D mask to the attention function as it is)."""
+    and values written to `cache` (engine._SlotLayer). mask [B, 1, 1, L] booleans: the columns each row attends to
+    (transformers hands a 4-D mask to the attention function as it is); pos [B, 1]: each row's position."""
     dec = model.get_decoder()
-    h = dec(input_ids=tok, position_ids=pos, attention_mask=mask[:, None, None, :].bool() if grouped else mask,
-            **with_cache(dec, cache)).last_hidden_state
+    h = dec(input_ids=tok, position_ids=pos, attention_mask=mask, **with_cache(dec, cache)).last_hidden_state
     return model.get_output_embeddings()(h[:, -1]).float()
 
 
@@ -200,25 +199,21 @@ def decode_step(model, cache: Cache, tok, mask, pos, seeds, cfg) -> tuple[torch.
     limit it runs the step eagerly, with its own warning. The draw stays eager: inductor's CPU kernel for an earlier
     draw (an argmax over float64 rows whose length is not a multiple of its vector width) stopped the process on an
     index past the row (torch 2.13). Where compiling fails (dynamo or inductor raising: no compiler, an unsupported
-    model) it warns once and decodes eagerly from then on, the cache layers put back as they were before the call;
-    any other error is raised."""
-    grouped = cfg.decode_attention == "grouped"
+    model) it warns once and decodes eagerly from then on (the eager call rewrites the step's keys and values in the
+    same columns); any other error is raised."""
     on = cfg.compile_decode == "on" or cfg.compile_decode == "auto" and tok.device.type == "cuda"
     if not on or "failed" in _COMPILED:
-        return _sample(decode_logits(model, cache, tok, mask, pos, grouped), cfg, seeds, pos[:, -1] + 1)
+        return _sample(decode_logits(model, cache, tok, mask, pos), cfg, seeds, pos[:, -1] + 1)
     if "logits" not in _COMPILED:
         _COMPILED["logits"] = torch.compile(decode_logits, dynamic=True)
-    before, t = [(lay.start, lay.n) for lay in cache.layers], time.perf_counter()
+    t = time.perf_counter()
     try:
-        logits = _COMPILED["logits"](model, cache, tok, mask, pos, grouped)
+        logits = _COMPILED["logits"](model, cache, tok, mask, pos)
     except torch._dynamo.exc.TorchDynamoException as e:  # (dynamo's and inductor's; anything else is not compile's)
-        _COMPILED["failed"] = f"{type(e).__name__}: {e}"
-        for lay, (start, n) in zip(cache.layers, before):
-            lay.start, lay.n = start, n
-            lay._view()
+        _COMPILED["failed"] = f"{type(e).__name__}: {e}"  # (the cache's writes are redone by the eager call)
         warnings.warn(f"compiling the decoding step failed ({_COMPILED['failed'][:300]}); decoding eagerly from now "
                       "on (--compile-decode off skips the attempt)")
-        logits = decode_logits(model, cache, tok, mask, pos, grouped)
+        logits = decode_logits(model, cache, tok, mask, pos)
     if "timed" not in _COMPILED and "failed" not in _COMPILED:
         _COMPILED["timed"] = time.perf_counter() - t
         print(f"[rollout] decoding step compiled in {_COMPILED['timed']:.1f} s (torch.compile)", file=sys.stderr)

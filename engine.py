@@ -1,13 +1,19 @@
-"""The batched decoding engine under batched_rollout.rollout: each live episode (a row) keeps its KV cache across turns,
-the rows decode together, and a row that ends its turn leaves the batch with its cache.
+"""The batched decoding engine under batched_rollout.rollout: each live episode (a row) keeps its KV cache in a slot
+of one preallocated pool across turns, and the rows decode together.
 
-`generate_turn` decodes the current agent turn of a batch of rows: it prefills what each row has not seen (in
-column chunks of `prefill_tokens`), stacks the rows' parked caches into preallocated buffers (`_stack_cache`,
-`_BufferLayer`), decodes one column a step, and parks a row's cache (`_park`, without padding holes) when it stops
-or when the call returns. `_prefill_openings` prefills a task's opening once for its group. Each decoding step
-(the decoder's forward for one token a row, its attention, the draw) is decode.py's. The episode loop that drives
-it (tools, users, rewards) is batched_rollout.py; the settings are batched_rollout.RolloutConfig (read here by
-attribute).
+`SlotPool` holds, per layer, one buffer [slots, kv_heads, max_context + 1, head_dim]; a row's cache lies at the
+left of its slot, with its own length, so a row joins or leaves a batch without the others' caches being stacked,
+parked or copied, and the cache exists once (the memory estimate's kv_cache term, memory.py, is the pool). A batch
+is slots 0..B-1: `place` moves only the rows that are not there yet (a row waiting on its user keeps its slot until
+another row needs it; with fewer slots than rows, a displaced row's cache spills to `spill_device`, pinned host
+memory on a GPU, with asynchronous copies). Each row writes its new keys and values at its own length
+(`_SlotLayer`), and attends through a boolean mask [B, 1, W, L] built from the lengths, with decode.py's attention.
+
+`generate_turn` decodes the current agent turn of a batch: it prefills what each row has not seen (all rows at once,
+each from its own length, in column chunks of `prefill_tokens`), then decodes one token a row a step; a row that
+stops leaves the batch by trading slots with the batch's last row. `_prefill_openings` prefills a task's opening
+once for its group. Each decoding step (the decoder's forward, the draw) is decode.py's. The episode loop that
+drives it (tools, users, rewards) is batched_rollout.py; the settings are batched_rollout.RolloutConfig.
 """
 from __future__ import annotations
 
@@ -21,119 +27,167 @@ from decode import decode_attention, decode_step, with_cache
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Batched decoding with a per-episode KV cache
+# The pool of per-episode cache slots
 # ---------------------------------------------------------------------------------------------------------
-@dataclass
+@dataclass(eq=False)
 class _Row:
-    """A live episode: its record, environment session, user-simulator state and parked KV cache."""
+    """A live episode: its record, environment session, user-simulator state and where its KV cache is."""
 
     ep: Any  # muarl.Episode
     session: Any
     user: Any
-    kv: list | None = None  # per layer (keys, values), each [kv_heads, kv_len, head_dim], no padding holes
+    pool: Any = None  # the SlotPool its cache lives in, once it has one
+    slot: int = -1  # its slot in the pool (-1: none: its cache is spilled or empty)
+    kv_len: int = 0  # positions of the conversation in its cache
+    spilled: list | None = None  # per layer (keys, values) [kv_heads, kv_len, head_dim], while it has no slot
     new_ids: list[int] = field(default_factory=list)  # this turn's sampled tokens
     new_logprobs: list[float] = field(default_factory=list)
     stop: str = ""  # why this turn's decoding stopped: eot (any stop token) | max_new_tokens | context
     seed: int = 0  # this episode's sampling seed (batched_rollout.episode_seed): its noise is uniform_noise(seed, pos)
     retries_seen: int = 0  # the user state's retry count already added to ep.user_retries
 
-    @property
-    def kv_len(self) -> int:
-        return 0 if self.kv is None else self.kv[0][0].shape[-2]
+    def free_cache(self) -> None:
+        """Forget the cache (the episode ended, or its next turn re-encodes the conversation): the slot is free."""
+        if self.slot >= 0:
+            self.pool.owner[self.slot] = None
+        self.slot, self.kv_len, self.spilled = -1, 0, None
 
 
-class _BufferLayer(DynamicLayer):
-    """A cache layer that writes into a preallocated [batch, kv_heads, capacity, head_dim] buffer. transformers'
-    DynamicLayer concatenates at every step, i.e. reallocates and copies the whole batch's cache per sampled token,
-    which made batched decoding memory-bound here; the buffer is sized for the whole turn when it is stacked.
-    The layer's keys and values are the view kbuf[:, :, start:n]: `start` moves right (drop_left) when the rows
-    still decoding no longer need the leading padding columns, so attention stops paying for them."""
+class SlotPool:
+    """Every decoding row's KV cache, in `slots` slots of `capacity` positions (max_context) per layer, plus one
+    scratch column that the padding of a prefill writes to when it would run past the slot. Rows without a slot keep
+    their cache in host memory (`spill_device`: pinned when the pool is on a GPU, copied asynchronously in the
+    stream's order) until `place` gives them one back."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+    def __init__(self, model, slots: int, capacity: int, spill_device: str = ""):
+        cfg = model.config.get_text_config(decoder=True)
+        if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
+            raise NotImplementedError("rollout's KV cache slots support full-attention models only")
+        self.dtype, self.device = _compute_dtype_device(model)
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = (slots, kv_heads, capacity + 1, head_dim)
+        # zeros, not garbage: a masked column is still multiplied (0 x NaN would poison attention)
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        self.capacity, self.owner = capacity, [None] * slots
+        self.spill_device = torch.device(spill_device) if spill_device else self.device
+        self.pin = self.spill_device.type == "cpu" and self.device.type == "cuda"
+
+    def take(self, row: _Row, slot: int) -> None:
+        """Give `row` the free `slot`, bringing its cache there (from its old slot, or back from host memory)."""
+        assert self.owner[slot] is None, "take: the slot is not free"
+        n = row.kv_len
+        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+            if row.slot >= 0 and n:
+                k[slot, :, :n], v[slot, :, :n] = k[row.slot, :, :n], v[row.slot, :, :n]
+            elif row.spilled is not None and n:
+                k[slot, :, :n].copy_(row.spilled[layer][0], non_blocking=True)
+                v[slot, :, :n].copy_(row.spilled[layer][1], non_blocking=True)
+        if row.slot >= 0:
+            self.owner[row.slot] = None
+        row.pool, row.slot, row.spilled, self.owner[slot] = self, slot, None, row
+
+    def spill(self, row: _Row) -> None:
+        """Move `row`'s cache out of its slot to spill_device; the slot is free."""
+        row.spilled = [(self._out(k[row.slot, :, :row.kv_len]), self._out(v[row.slot, :, :row.kv_len]))
+                       for k, v in zip(self.k, self.v)]
+        self.owner[row.slot], row.slot = None, -1
+
+    def _out(self, t: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(t.shape, dtype=t.dtype, device=self.spill_device, pin_memory=self.pin)
+        return host.copy_(t, non_blocking=self.pin)
+
+    def swap(self, a: int, b: int) -> None:
+        """Trade the contents and owners of slots a and b (one row's cache of one layer held twice, at most)."""
+        ra, rb = self.owner[a], self.owner[b]
+        na, nb = (ra.kv_len if ra else 0), (rb.kv_len if rb else 0)
+        for buf in self.k + self.v:
+            tmp = torch.empty_like(buf[a, :, :na]).copy_(buf[a, :, :na])
+            buf[a, :, :nb] = buf[b, :, :nb]
+            buf[b, :, :na] = tmp
+        self.owner[a], self.owner[b] = rb, ra
+        for r, s in ((ra, b), (rb, a)):
+            if r is not None:
+                r.slot = s
+
+    def place(self, rows: list[_Row]) -> list[_Row]:
+        """Put `rows` in slots 0..len(rows)-1, moving as few caches as it can: a row already there stays, the other
+        rows there go to a free slot beyond (else spill), and each row of `rows` outside takes a freed slot. Returns
+        `rows` in slot order."""
+        n, inside = len(rows), {id(r) for r in rows}
+        if n > len(self.owner):
+            raise ValueError(f"a batch of {n} rows in a pool of {len(self.owner)} slots")
+        for s in range(n):  # a row in the way trades places with a row of the batch beyond, else moves or spills
+            other = self.owner[s]
+            if other is None or id(other) in inside:
+                continue
+            beyond = next((r.slot for r in rows if r.slot >= n), None)
+            free = next((t for t in range(n, len(self.owner)) if self.owner[t] is None), None)
+            if beyond is not None:
+                self.swap(s, beyond)
+            elif free is not None:
+                self.take(other, free)
+            else:
+                self.spill(other)
+        free = [s for s in range(n) if self.owner[s] is None]
+        for r in rows:
+            if not 0 <= r.slot < n:
+                self.take(r, free.pop())
+        return sorted(rows, key=lambda r: r.slot)
+
+    def acquire(self, row: _Row) -> bool:
+        """A free slot for `row` (which has none), if there is one."""
+        free = next((s for s, o in enumerate(self.owner) if o is None), None)
+        if free is not None:
+            self.take(row, free)
+        return free is not None
+
+
+class _View:
+    """Where a forward over slots lo..lo+B-1 writes and what it reads: rows [B, 1] (slot indices), cols [B, W]
+    (each row's columns for its W new positions, the padding's past capacity sent to the scratch column) and the
+    L leading columns the attention sees."""
+
+    def __init__(self, pool: SlotPool, lo: int, lens: torch.Tensor, width: int, seen: int):
+        self.rows = torch.arange(lo, lo + len(lens), device=lens.device)[:, None]
+        self.cols = (lens[:, None] + torch.arange(width, device=lens.device)).clamp(max=pool.capacity)
+        self.lo, self.hi, self.seen = lo, lo + len(lens), min(seen, pool.capacity + 1)
+
+
+class _SlotLayer(DynamicLayer):
+    """One layer of the pool as transformers' cache layer: update() writes each row's new keys and values at its own
+    columns and returns the batch's slots, L columns wide (the mask says which columns each query sees)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, view: _View):
         super().__init__()
-        self.kbuf, self.vbuf, self.start, self.n = keys, values, 0, length
+        self.kbuf, self.vbuf, self.view = keys, values, view
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
-        self._view()
-
-    def _view(self):
-        self.keys, self.values = self.kbuf[:, :, self.start:self.n], self.vbuf[:, :, self.start:self.n]
 
     def update(self, key_states, value_states, *args, **kwargs):
-        q = key_states.shape[-2]
-        if self.n + q > self.kbuf.shape[-2]:  # not expected (the turn's budget is known); grow by doubling
-            pad = torch.zeros_like(self.kbuf[:, :, :max(q, self.kbuf.shape[-2])])
-            self.kbuf, self.vbuf = torch.cat([self.kbuf, pad], 2), torch.cat([self.vbuf, pad], 2)
-        self.kbuf[:, :, self.n:self.n + q] = key_states
-        self.vbuf[:, :, self.n:self.n + q] = value_states
-        self.n += q
-        self._view()
+        v = self.view
+        self.kbuf[v.rows, :, v.cols] = key_states.transpose(1, 2).to(self.dtype)  # [B, W, kv_heads, head_dim]
+        self.vbuf[v.rows, :, v.cols] = value_states.transpose(1, 2).to(self.dtype)
+        self.keys, self.values = self.kbuf[v.lo:v.hi, :, :v.seen], self.vbuf[v.lo:v.hi, :, :v.seen]
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return self.n - self.start
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep the rows `indices`, in that order, in the first len(indices) rows of the buffer (a view). Only rows
-        that change place are copied (transformers' default copies the whole cache each time a row leaves, which
-        cost here about a third of what attention did); _fill_holes gives an order that moves few."""
-        moved = [p for p, i in enumerate(indices.tolist()) if p != i]
-        if moved:
-            src, used = indices[moved], slice(self.start, self.n)
-            self.kbuf[moved, :, used] = self.kbuf[src, :, used]
-            self.vbuf[moved, :, used] = self.vbuf[src, :, used]
-        self.kbuf, self.vbuf = self.kbuf[:len(indices)], self.vbuf[:len(indices)]
-        self._view()
-
-    def drop_left(self, columns: int) -> None:
-        """Forget the first `columns` cache positions (padding that no remaining row attends to)."""
-        self.start += columns
-        self._view()
+        return self.view.seen
 
 
-def _fill_holes(n: int, done: list[int]) -> list[int]:
-    """Which of n batch rows to keep, in what order, when the rows `done` leave: kept rows stay in their place and
-    the last kept rows move into the holes that leaving rows open in front of them (one row copied per leaver)."""
-    keep = [j for j in range(n) if j not in done]
-    order = list(range(len(keep)))
-    holes = [j for j in done if j < len(keep)]
-    for hole, j in zip(holes, [j for j in keep if j >= len(keep)]):
-        order[hole] = j
-    return order
+def _cache(pool: SlotPool, view: _View) -> Cache:
+    return Cache(layers=[_SlotLayer(k, v, view) for k, v in zip(pool.k, pool.v)])
 
 
-def _stack_cache(model, rows: list[_Row], pending: list[list[int]], room: int, eot: int):
-    """One cache for a batch of rows, and the inputs that feed it each row's pending tokens. Returns the cache, the
-    input ids [B, W], the attention mask [B, L + W] and the positions [B, W]. Batch layout, row i, along the cache
-    axis (positions are explicit, per row, so padding costs no position):
-        [0 .. 0 | parked cache (kv_len_i) | pending (P_i) | pad .. pad | `room` columns for sampled tokens]
-    Zeros rather than garbage left of a parked cache (masked out, but 0 * NaN would poison attention). The pending
-    tokens are right-padded so that a pad slot always sees real tokens of its row (else a NaN query). Each row's
-    parked copy of a layer is released as soon as it is in the buffer, so that the parked copies and the buffers
-    are not both held whole: the peak is the buffers plus one layer of copies (the rows' kv is consumed)."""
-    cfg = model.config.get_text_config(decoder=True)
-    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
-        raise NotImplementedError("rollout's padded KV cache supports full-attention models only")
-    lens, (dtype, device) = [r.kv_len for r in rows], _compute_dtype_device(model)
-    L, W, B = max(lens), max(len(p) for p in pending), len(rows)
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    layers = []
-    for layer in range(cfg.num_hidden_layers):
-        keys = torch.zeros(B, kv_heads, L + W + room, head_dim, dtype=dtype, device=device)
-        values = torch.zeros_like(keys)
-        for i, r in enumerate(rows):
-            if lens[i]:
-                keys[i, :, L - lens[i]:L] = r.kv[layer][0]
-                values[i, :, L - lens[i]:L] = r.kv[layer][1]
-                r.kv[layer] = None  # in the buffer now: free the copy before the next layer's buffer is made
-        layers.append(_BufferLayer(keys, values, L))
-    ids = torch.full((B, W), eot, dtype=torch.long)
-    mask = torch.zeros(B, L + W, dtype=torch.long)
-    for i, p in enumerate(pending):
-        ids[i, :len(p)] = torch.tensor(p)
-        mask[i, L - lens[i]:L + len(p)] = 1
-    pos = torch.tensor(lens)[:, None] + torch.arange(W)[None, :]
-    return Cache(layers=layers), ids.to(device), mask.to(device), pos.to(device)
+def _mask(lens: torch.Tensor, width: int, seen: int, pool: SlotPool, cfg) -> torch.Tensor:
+    """[B, 1, W, L] booleans: query w of row i (position lens[i] + w) sees columns up to its own position; for the
+    model's own attention (decode_attention "model": sdpa, eager) as an additive mask in the cache's dtype."""
+    q = lens[:, None, None] + torch.arange(width, device=lens.device)[None, :, None]
+    mask = (torch.arange(seen, device=lens.device)[None, None, :] <= q)[:, None]
+    if cfg.decode_attention == "model":
+        return torch.zeros(mask.shape, dtype=pool.dtype, device=mask.device).masked_fill(~mask, torch.finfo(
+            pool.dtype).min)
+    return mask
 
 
 def _compute_dtype_device(model) -> tuple[torch.dtype, torch.device]:
@@ -146,111 +200,119 @@ def _compute_dtype_device(model) -> tuple[torch.dtype, torch.device]:
     return weight.dtype, weight.device
 
 
-def _park(row: _Row, cache: Cache, mask: torch.Tensor, j: int, device: str = "") -> None:
-    """Copy batch row j's cache out to the row, without its holes (onto `device` when given:
-    RolloutConfig.park_device)."""
-    real = mask[j].nonzero().squeeze(1)  # one host sync a row (a boolean index would sync once per tensor)
-    move = (lambda t: t.to(device)) if device else (lambda t: t)
-    row.kv = [(move(lay.keys[j].index_select(1, real)), move(lay.values[j].index_select(1, real)))
-              for lay in cache.layers]
-
-
-def _prefill(model, rows: list[_Row], pending: list[list[int]], cfg, eot: int,
-             park_device: str = "") -> None:
-    """Feed each row its pending tokens (none sampled: the cache only), in one batch, in column chunks of at most
-    cfg.prefill_tokens tokens a forward, and park each row's cache on it."""
-    dec = model.get_decoder()
-    cache, ids, mask, pos = _stack_cache(model, rows, pending, 0, eot)
-    L, W = mask.shape[1] - ids.shape[1], ids.shape[1]
+# ---------------------------------------------------------------------------------------------------------
+# Prefill and decoding
+# ---------------------------------------------------------------------------------------------------------
+def _prefill(model, pool: SlotPool, rows: list[_Row], pending: list[list[int]], cfg, eot: int) -> None:
+    """Feed rows (in slots lo..lo+B-1, slot order) their pending tokens (none sampled: the cache only), all rows at
+    once, each from its own length, right-padded with eot (the padding writes past the row's length, where the row's
+    next tokens overwrite it), in column chunks of at most cfg.prefill_tokens tokens a forward."""
+    dec, lo, device = model.get_decoder(), rows[0].slot, pool.device
+    W = max(len(p) for p in pending)
+    ids = torch.full((len(rows), W), eot, dtype=torch.long)
+    for i, p in enumerate(pending):
+        ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+    ids, host = ids.to(device), [r.kv_len for r in rows]
     step = max(1, cfg.prefill_tokens // len(rows)) if cfg.prefill_tokens else W
     for c in range(0, W, step):  # each chunk attends to the cache so far and to itself (causally)
-        dec(input_ids=ids[:, c:c + step], attention_mask=mask[:, :L + c + step], position_ids=pos[:, c:c + step],
-            **with_cache(dec, cache))
-    for j, r in enumerate(rows):
-        _park(r, cache, mask, j, park_device)
+        w = min(step, W - c)
+        lens = torch.tensor([n + c for n in host], device=device)
+        view = _View(pool, lo, lens, w, max(host) + c + w)
+        dec(input_ids=ids[:, c:c + w], position_ids=lens[:, None] + torch.arange(w, device=device),
+            attention_mask=_mask(lens, w, view.seen, pool, cfg), **with_cache(dec, _cache(pool, view)))
+    for r, p in zip(rows, pending):
+        r.kv_len += len(p)
 
 
 @torch.no_grad()
-def _prefill_openings(model, groups: list[list[_Row]], cfg, eot: int) -> None:
+def _prefill_openings(model, pool: SlotPool, groups: list[list[_Row]], cfg, eot: int) -> None:
     """Each task's opening (system prompt with tools, first user message: ~4.7k tokens for tau2 retail with Qwen3)
-    is prefilled once for its group: the first episode's cache is computed, its siblings get the same tensors
-    (read-only: stacking copies them into the decoding buffers), and every episode starts by decoding."""
+    is prefilled once for its group, in batches of the leaders (the first episode of each group), and copied into
+    each sibling's slot (or, when the pool has no slot left, spilled once and shared read-only by the siblings)."""
     leaders = [g[0] for g in groups if len(g[0].ep.input_ids) > 1]
-    n = cfg.max_batch or max(1, len(leaders))
+    n = max(1, min(cfg.max_batch or len(leaders), len(pool.owner)))
     for i in range(0, len(leaders), n):
-        part = leaders[i:i + n]
-        _prefill(model, part, [r.ep.input_ids[:-1] for r in part], cfg, eot, cfg.park_device)
-    for g in groups:
-        if g[0].kv is not None:
+        part = pool.place(leaders[i:i + n])
+        with decode_attention(model, cfg.decode_attention):
+            _prefill(model, pool, part, [r.ep.input_ids[:-1] for r in part], cfg, eot)
+        for g in (g for g in groups if g[0] in part):
+            copy = None
             for r in g[1:]:
-                r.kv = list(g[0].kv)
+                r.kv_len = g[0].kv_len
+                r.spilled = [(k[g[0].slot, :, :r.kv_len], v[g[0].slot, :, :r.kv_len]) for k, v in zip(pool.k, pool.v)]
+                if not pool.acquire(r):  # no slot left: one host copy for the group's siblings
+                    copy = copy or [(pool._out(k), pool._out(v)) for k, v in r.spilled]
+                    r.spilled = copy
 
 
 @torch.no_grad()
-def generate_turn(model, rows: list[_Row], cfg, stops: list[int], ready=None) -> None:
+def generate_turn(model, pool: SlotPool, rows: list[_Row], cfg, stops: list[int], ready=None) -> None:
     """Decode the current agent turn of every row, together, until fewer than cfg.refill_below of the rows are
     still decoding. A row whose turn ends gets row.stop; a row still mid-turn keeps stop == "" and its partial
     new_ids / new_logprobs, and the next call continues it (its last sampled token is its pending input). Either
-    way the row's cache (everything but its last sampled token) is parked in row.kv.
+    way the row's cache (everything but its last sampled token) stays in its slot.
 
-    The rows with more than one pending token (a new turn: the last sampled token and the tool results or user
-    reply) are prefilled first, all but that last token, in a batch of their own, so that the rows continuing
-    mid-turn (one pending token) pay no padding for them. Then all rows decode together, one column per step;
-    a row that stops leaves the batch (Cache.batch_select_indices). A turn ends on any token of `stops`
-    (muarl.stop_token_ids: the end-of-turn token first, which also fills padding slots, then the model's
-    generation-config eos ids). `ready` (a callable: how many other rows are ready to join) also ends the call
-    when at least max(1, refill_below x the rows still decoding) could join it (the caller re-stacks them in)."""
+    The rows are placed in slots 0..B-1; those with more than one pending token (a new turn: the last sampled token
+    and the tool results or user reply) are prefilled first, all but that last token (from the first such slot to
+    the last: the rows continuing mid-turn, placed first by the caller, pay no padding for them). Then all rows
+    decode together, one token a row a step; a row that stops trades slots with the batch's last row and leaves. A
+    turn ends on any token of `stops` (muarl.stop_token_ids: the end-of-turn token first, which also pads, then the
+    model's generation-config eos ids). `ready` (a callable: how many other rows are ready to join) also ends the
+    call when at least max(1, refill_below x the rows still decoding) could join it."""
     eot, stops = stops[0], set(stops)
     for r in rows:  # a row whose previous turn ended (stop set) starts a new one
         if r.stop:
             r.new_ids, r.new_logprobs, r.stop = [], [], ""
+    rows = pool.place(rows)
     pending = [(r.ep.input_ids + r.new_ids)[r.kv_len:] for r in rows]
-    new = [(r, p[:-1]) for r, p in zip(rows, pending) if len(p) > 1]
-    if new:  # (its buffers are freed before the decoding batch's are allocated)
-        _prefill(model, [r for r, _ in new], [p for _, p in new], cfg, eot)
+    assert all(pending), "a row with nothing to decode from"
     budget = [min(cfg.max_new_tokens, cfg.max_context - len(r.ep.input_ids)) for r in rows]
-    room = max(b - len(r.new_ids) for b, r in zip(budget, rows))
-    cache, tok, mask, pos = _stack_cache(model, rows, [p[-1:] for p in pending], room, eot)
-    for r in rows:  # the batch's buffers hold the caches now; each row is parked again when it leaves the batch
-        r.kv = None
-    active, B = list(range(len(rows))), len(rows)  # batch position -> index into rows
-    seeds = torch.tensor([r.seed for r in rows], device=tok.device)  # each row's noise: its seed, the position drawn
-    with decode_attention(model, cfg.decode_attention):  # the decoding steps' attention (prefill keeps its own)
+    device, B = pool.device, len(rows)
+    with decode_attention(model, cfg.decode_attention):
+        first = next((i for i, p in enumerate(pending) if len(p) > 1), B)
+        if first < B:
+            _prefill(model, pool, rows[first:], [p[:-1] for p in pending[first:]], cfg, eot)
+        tok = torch.tensor([p[-1] for p in pending], device=device)[:, None]
+        lens = torch.tensor([r.kv_len for r in rows], device=device)
+        seeds = torch.tensor([r.seed for r in rows], device=device)  # each row's noise: its seed, the position drawn
+        longest = max(r.kv_len for r in rows)
         while True:
-            tok, lp = decode_step(model, cache, tok, mask, pos, seeds, cfg)
-            done = []
+            view = _View(pool, 0, lens, 1, longest + 1)
+            tok, lp = decode_step(model, _cache(pool, view), tok, _mask(lens, 1, view.seen, pool, cfg), lens[:, None],
+                                  seeds, cfg)
+            lens, longest, done = lens + 1, longest + 1, []
             # one device-to-host copy a step (token ids are exact in float32): the loop's only per-step host sync
             drawn, logps = torch.stack([tok.float(), lp]).tolist()
             for j, (t, l) in enumerate(zip(map(int, drawn), logps)):
-                r = rows[active[j]]
+                r = rows[j]
+                r.kv_len += 1
                 r.new_ids.append(t)
                 r.new_logprobs.append(l)
                 if t in stops:
                     r.stop = "eot"
-                elif len(r.new_ids) >= budget[active[j]]:
+                elif len(r.new_ids) >= budget[j]:
                     full = len(r.ep.input_ids) + len(r.new_ids) >= cfg.max_context
                     r.stop = "context" if full else "max_new_tokens"
                 if r.stop:
                     done.append(j)
-            still = len(active) - len(done)
-            refill = not still or still < cfg.refill_below * B  # return, parking the rest mid-turn
+            still = len(rows) - len(done)
+            refill = not still or still < cfg.refill_below * B  # return; the rows mid-turn keep their slots
             if not refill and ready is not None and cfg.refill_below > 0:  # or when enough rows wait to join
                 joinable = min(ready(), (cfg.max_batch or 1 << 30) - still)
                 refill = joinable >= max(1.0, cfg.refill_below * still)
-            for j in range(len(active)) if refill else done:
-                _park(rows[active[j]], cache, mask, j, cfg.park_device)
             if refill:
                 return
-            if done:
-                keep = _fill_holes(len(active), done)
-                keep_t = torch.tensor(keep, device=tok.device)
-                cache.batch_select_indices(keep_t)
-                mask, tok, pos, seeds = mask[keep_t], tok[keep_t], pos[keep_t], seeds[keep_t]
-                active = [active[j] for j in keep]
-                first = int(mask.any(0).nonzero()[0])  # leading columns that are padding in every remaining row
-                if first:
-                    mask = mask[:, first:]
-                    for lay in cache.layers:
-                        lay.drop_left(first)
-            pos = pos[:, -1:] + 1  # every row still here took one token: computed on the device, no host copy
-            mask, tok = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1), tok[:, None]
+            if done:  # each leaver trades slots with the last row still decoding; the batch shrinks by one
+                order = list(range(len(rows)))
+                for j in sorted(done, reverse=True):
+                    last = len(order) - 1
+                    if j != last:
+                        pool.swap(j, last)
+                        order[j] = order[last]
+                    order.pop()
+                keep = torch.tensor(order, device=device)
+                rows = [rows[j] for j in order]
+                budget = [budget[j] for j in order]
+                tok, lens, seeds = tok[keep], lens[keep], seeds[keep]
+                longest = max(r.kv_len for r in rows)
+            tok = tok[:, None]

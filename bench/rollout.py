@@ -105,24 +105,25 @@ def step_cost(model, batch: int, context: int, steps: int = 30, cfg: RolloutConf
     """Seconds per decoding step (decode.decode_step: the decoder's forward for one token a row, and the draw) of
     `batch` rows over `context` cached tokens: how much batching can buy on this device at all (on a small CPU a
     step's cost grows with the batch; on a GPU it stays nearly flat). `cfg`: its decode_attention, compile_decode."""
-    from transformers.cache_utils import Cache
-
     from decode import decode_attention, decode_step
-    from engine import _BufferLayer
+    from engine import SlotPool, _cache, _mask, _View
 
     cfg = cfg or RolloutConfig(compile_decode="off")
-    c, dev, dtype = model.config, model.device, model.get_input_embeddings().weight.dtype
-    kv = lambda: torch.randn(batch, c.num_key_value_heads, context + steps + 8, c.head_dim, device=dev, dtype=dtype)
-    cache = Cache(layers=[_BufferLayer(kv(), kv(), context) for _ in range(c.num_hidden_layers)])
-    mask = torch.ones(batch, context, dtype=torch.long, device=dev)
+    dev = model.device
+    pool = SlotPool(model, batch, context + steps + 8)
+    for buf in pool.k + pool.v:
+        buf.normal_()
+    lens = torch.full((batch,), context, device=dev)
     tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
     seeds = torch.arange(batch, device=dev)
     with decode_attention(model, cfg.decode_attention):
         for i in range(steps + 3):
             if i == 3:
                 t = time.perf_counter()
-            mask = torch.cat([mask, mask.new_ones(batch, 1)], 1)
-            tok = decode_step(model, cache, tok, mask, torch.full_like(tok, context + i), seeds, cfg)[0][:, None]
+            view = _View(pool, 0, lens, 1, context + i + 1)
+            tok = decode_step(model, _cache(pool, view), tok, _mask(lens, 1, view.seen, pool, cfg), lens[:, None],
+                              seeds, cfg)[0][:, None]
+            lens = lens + 1
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     return (time.perf_counter() - t) / steps

@@ -14,44 +14,41 @@ def _sdpa_with_repeat(q, k, v, mask):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (6, 1)])
-def test_grouped_decode_attention_is_attention(heads, kv_heads):
-    """One query token a row over a left-padded cache, against torch's SDPA on keys and values copied to every
-    query head (what transformers does with a padding mask): equal in float32, within bf16's noise in bf16."""
+@pytest.mark.parametrize("heads,kv_heads,width", [(8, 2, 1), (4, 4, 1), (6, 1, 1), (8, 2, 5), (6, 3, 3)])
+def test_grouped_decode_attention_is_attention(heads, kv_heads, width):
+    """W query tokens a row (1: a decoding step; more: prefill) over each row's slot, seeing columns up to its own
+    position (rows of different lengths), against torch's SDPA on keys and values copied to every query head (what
+    transformers does with a padding mask): equal in float32, within bf16's noise in bf16."""
     torch.manual_seed(0)
     B, L, D = 5, 37, 16
-    q, k, v = torch.randn(B, heads, 1, D), torch.randn(B, kv_heads, L, D), torch.randn(B, kv_heads, L, D)
-    mask = torch.ones(B, 1, 1, L, dtype=torch.bool)
-    for i in range(B):
-        mask[i, ..., :3 * i] = False  # row i: 3i leading padding columns
+    q, k, v = torch.randn(B, heads, width, D), torch.randn(B, kv_heads, L, D), torch.randn(B, kv_heads, L, D)
+    pos = torch.tensor([30, 12, 25, 31, 8])[:, None] + torch.arange(width)  # row i's queries: its own positions
+    mask = (torch.arange(L)[None, None, :] <= pos[:, :, None])[:, None]
     module = torch.nn.Module()
     out, weights = decode.grouped_decode_attention(module, q, k, v, mask, scaling=D ** -0.5)
     want = _sdpa_with_repeat(q, k, v, mask)
-    assert weights is None and out.shape == (B, 1, heads, D)
+    assert weights is None and out.shape == (B, width, heads, D)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     half, _ = decode.grouped_decode_attention(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, None)
     assert half.dtype == torch.bfloat16 and (half.float() - want).abs().max() < 0.05
-    # padding columns weigh nothing: large keys and values there change nothing (finite ones: as in any SDPA, a NaN
-    # there would poison the row, which is why the engine's buffers hold zeros where no row has a cache)
-    k2, v2, pad = k.clone(), v.clone(), ~mask[:, 0, 0, None, :, None].expand_as(k)
-    k2[pad], v2[pad] = 1e4, 1e6
+    # columns a query does not see weigh nothing: large keys and values there change nothing (finite ones: as in any
+    # SDPA, a NaN there would poison the row, which is why the engine's slots start as zeros)
+    k2, v2 = k.clone(), v.clone()
+    for i in range(B):
+        k2[i, :, int(pos[i, -1]) + 1:], v2[i, :, int(pos[i, -1]) + 1:] = 1e4, 1e6
     garbage, _ = decode.grouped_decode_attention(module, q, k2, v2, mask, scaling=D ** -0.5)
     torch.testing.assert_close(garbage, out)
 
 
-def test_a_sliding_window_keeps_the_last_columns():
-    """Mistral's configs carry a sliding window: the new token attends to the keys of the last `window` positions,
-    its own included (transformers: q - k < window), which are a row's last columns."""
-    torch.manual_seed(0)
-    q, k, v = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 20, 8), torch.randn(3, 2, 20, 8)
-    mask = torch.ones(3, 1, 1, 20, dtype=torch.bool)
-    mask[1, ..., :12] = False  # a row shorter than the window: unaffected
-    window = torch.ones_like(mask)
-    window[..., :20 - 6] = False
-    out, _ = decode.grouped_decode_attention(torch.nn.Module(), q, k, v, mask, None, sliding_window=6)
-    torch.testing.assert_close(out, _sdpa_with_repeat(q, k, v, mask & window))
-    wide, _ = decode.grouped_decode_attention(torch.nn.Module(), q, k, v, mask, None, sliding_window=64)
-    torch.testing.assert_close(wide, _sdpa_with_repeat(q, k, v, mask))
+def test_a_sliding_window_is_refused_past_its_width():
+    """Mistral's configs carry a sliding window: within it nothing changes; past it the slots (no per-row window)
+    refuse, naming the option that avoids it, rather than attend to what the model would not."""
+    q, k = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 20, 8)
+    mask = torch.ones(2, 1, 1, 20, dtype=torch.bool)
+    out, _ = decode.grouped_decode_attention(torch.nn.Module(), q, k, k, mask, None, sliding_window=64)
+    torch.testing.assert_close(out, _sdpa_with_repeat(q, k, k, mask))
+    with pytest.raises(NotImplementedError, match="--max-context"):
+        decode.grouped_decode_attention(torch.nn.Module(), q, k, k, mask, None, sliding_window=6)
 
 
 def test_grouped_decode_attention_refuses_what_it_does_not_compute():
@@ -61,8 +58,10 @@ def test_grouped_decode_attention_refuses_what_it_does_not_compute():
         decode.grouped_decode_attention(torch.nn.Module(), q, k, k, mask, None, softcap=30.0)
     with pytest.raises(ValueError, match="boolean"):
         decode.grouped_decode_attention(torch.nn.Module(), q, k, k, mask.float(), None)
-    with pytest.raises(ValueError, match="one query token"):
-        decode.grouped_decode_attention(torch.nn.Module(), torch.randn(1, 4, 2, 8), k, k, mask, None)
+    with pytest.raises(ValueError, match="boolean"):
+        decode.grouped_decode_attention(torch.nn.Module(), q, k, k, mask[:, 0, 0], None)
+    with pytest.raises(ValueError, match="whole groups"):
+        decode.grouped_decode_attention(torch.nn.Module(), torch.randn(1, 3, 1, 8), k, k, mask, None)
 
 
 @pytest.mark.versions
@@ -104,8 +103,8 @@ def _count_repeat_kv(monkeypatch, model):
 
 @pytest.mark.versions
 def test_repeat_kv_is_never_called_while_decoding(lm, tiny_tok, monkeypatch):
-    """With decode_attention 'grouped' (the default) no decoding step copies the cache to the query heads (prefill,
-    which keeps sdpa with its padding mask, does). The model's own eager attention ('model') does at every step:
+    """With decode_attention 'grouped' (the default) the rollout never copies the cache to the query heads, in
+    prefill or in a decoding step. The model's own eager attention ('model') does at every step:
     the counter counts (transformers >= 5.2x's sdpa packs the heads of one query token itself; 5.17's, on the GPU
     machines, copies). Both play the same greedy tokens."""
     calls, handles = _count_repeat_kv(monkeypatch, lm)
@@ -124,8 +123,8 @@ def test_repeat_kv_is_never_called_while_decoding(lm, tiny_tok, monkeypatch):
         for h in handles:
             h.remove()
     assert played["grouped"] == played["model"]
-    assert played["grouped calls"]["decode"] == 0 and played["grouped calls"]["other"] > 0  # prefill keeps sdpa
-    assert played["model calls"]["decode"] > 0
+    assert played["grouped calls"] == {"decode": 0, "other": 0}
+    assert played["model calls"]["other"] > 0 and played["model calls"]["decode"] > 0  # prefill and every step
 
 
 def test_the_noise_is_splitmix64():
@@ -231,15 +230,15 @@ def test_the_compiled_step_plays_the_eager_tokens(lm, tiny_tok, monkeypatch):
 
 
 def test_a_step_that_will_not_compile_warns_once_and_decodes_eagerly(lm, tiny_tok, monkeypatch):
-    """Where torch.compile fails (here: its compiled function raises after the cache layers moved on), the rollout
-    warns once, naming the error and the option, puts the cache back and decodes eagerly: the same episodes."""
+    """Where torch.compile fails (here: its compiled function raises after writing garbage where the step's keys go),
+    the rollout warns once, naming the error and the option, and decodes eagerly, which writes those columns again:
+    the same episodes."""
     monkeypatch.setattr(decode, "_COMPILED", {})
 
     def broken(fn, **kw):
         def call(model, cache, *a):  # noqa: ARG001
-            for lay in cache.layers:  # as if the failed call had written a column already
-                lay.n += 1
-                lay._view()
+            for lay in cache.layers:  # as if the failed call had written the step's columns already
+                lay.kbuf[lay.view.rows, :, lay.view.cols] = 1e4
             raise torch._dynamo.exc.TorchDynamoException("no C++ compiler found")
         return call
 

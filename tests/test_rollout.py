@@ -245,9 +245,9 @@ def test_mid_turn_parking_changes_nothing(lm, tiny_tok, monkeypatch, max_batch):
 
     mid_turn, calls = [], []
 
-    def counting(model, rows, *args, **kwargs):
+    def counting(model, pool, rows, *args, **kwargs):
         calls.append(len(rows))
-        R_generate(model, rows, *args, **kwargs)
+        R_generate(model, pool, rows, *args, **kwargs)
         mid_turn.append(sum(not r.stop for r in rows))
 
     R_generate = R.generate_turn
@@ -480,8 +480,8 @@ def test_a_groups_opening_is_prefilled_once(lm, tiny_tok, monkeypatch):
 
     calls = []
     real = engine._prefill
-    monkeypatch.setattr(engine, "_prefill", lambda model, rows, pending, *a, **k: (
-        calls.append([len(p) for p in pending]), real(model, rows, pending, *a, **k))[1])
+    monkeypatch.setattr(engine, "_prefill", lambda model, pool, rows, pending, *a, **k: (
+        calls.append([len(p) for p in pending]), real(model, pool, rows, pending, *a, **k))[1])
     env = FakeEnv(n_tasks=3)
     eps = rollout(lm, tiny_tok, env, env.tasks(), 4, make_user_sim("scripted"), GREEDY)
     openings = [len(muarl.prompt_ids(tiny_tok, [{"role": "system", "content": env.system_prompt(t)},
@@ -733,45 +733,73 @@ def test_openai_user_sim_as_text_level_user_for_play():
     assert messages[1]["content"] == "user message 0"
 
 
-def test_buffer_cache_keeps_rows_and_drops_padding():
-    """The decode cache's row removal (rows fill holes in place) and left trim equal plain indexing and slicing."""
-    from engine import _BufferLayer, _fill_holes
-
-    keys, values = torch.randn(6, 2, 10, 4), torch.randn(6, 2, 10, 4)
-    for done in ([1], [0, 5], [2, 3, 4], [5], [0, 1, 2, 3, 4]):
-        order = _fill_holes(6, done)
-        assert sorted(order) == [j for j in range(6) if j not in done]
-        assert sum(p != j for p, j in enumerate(order)) <= len(done)  # at most one row moves per leaver
-        layer = _BufferLayer(keys.clone(), values.clone(), 7)
-        layer.drop_left(2)
-        layer.batch_select_indices(torch.tensor(order))
-        assert torch.equal(layer.keys, keys[order][:, :, 2:7]) and torch.equal(layer.values, values[order][:, :, 2:7])
-        assert layer.get_seq_length() == 5
-    layer = _BufferLayer(keys.clone(), values.clone(), 7)
-    layer.batch_select_indices(torch.tensor([4, 0, 2]))  # any order, not only _fill_holes'
-    assert torch.equal(layer.keys, keys[[4, 0, 2]][:, :, :7])
-
-
-def test_stacking_releases_each_parked_layer_as_it_goes(tiny_lm, monkeypatch):
-    """The decode batch's buffers and the rows' parked copies are never both held whole (the first GPU review: a
-    peak of about twice the KV term of the estimate): each row's copy of a layer is freed once it is in the buffer,
-    so when the last layer's buffer is allocated only that layer's copies are still alive."""
+def test_the_slot_pool_moves_caches_intact(tiny_lm):
+    """SlotPool.place puts a batch in slots 0..B-1 (rows already there stay; rows in the way trade places, move to a
+    free slot or spill to the host), swap trades two slots: every row's cache is still its own afterwards."""
     import engine
 
-    cfg = tiny_lm.config
-    layers, heads, dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-    rows = [engine._Row(None, None, None, kv=[(torch.randn(heads, n, dim), torch.randn(heads, n, dim))
-                                               for _ in range(layers)]) for n in (5, 9, 7)]
-    layer_bytes = sum(2 * heads * n * dim * 4 for n in (5, 9, 7))
-    alive, real_zeros = [], torch.zeros
+    pool = engine.SlotPool(tiny_lm, 4, 16)
+    rows = [engine._Row(None, None, None) for _ in range(6)]
+    want = {}
+    for i, r in enumerate(rows[:4]):
+        pool.take(r, i)
+        r.kv_len = 3 + i
+        for buf in pool.k + pool.v:
+            buf[i, :, :r.kv_len] = torch.randn(buf.shape[1], r.kv_len, buf.shape[3])
+        want[i] = [buf[i, :, :r.kv_len].clone() for buf in pool.k + pool.v]
 
-    def zeros(*args, **kwargs):  # each layer's buffer: record the parked copies still held at that moment
-        if len(args) == 4:
-            alive.append(sum(k.numel() * 4 + v.numel() * 4 for r in rows for lay in r.kv if lay is not None
-                             for k, v in [lay]))
-        return real_zeros(*args, **kwargs)
+    def check():
+        for i, r in enumerate(rows[:4]):
+            if r.slot >= 0:
+                got = [buf[r.slot, :, :r.kv_len] for buf in pool.k + pool.v]
+            else:  # spilled: per layer (keys, values); the pool's order is every layer's keys, then their values
+                got = [k for k, _ in r.spilled] + [v for _, v in r.spilled]
+            assert all(torch.equal(g, w) for g, w in zip(got, want[i]))
+        assert all(pool.owner[r.slot] is r for r in rows if r.slot >= 0)
 
-    monkeypatch.setattr(engine.torch, "zeros", zeros)
-    engine._stack_cache(tiny_lm, rows, [[1], [2], [3]], 4, 0)
-    assert alive == [layer_bytes * (layers - i) for i in range(layers)]  # one layer fewer at each
-    assert all(lay is None for r in rows for lay in r.kv)
+    assert pool.place([rows[2], rows[0]]) == [rows[0], rows[2]] and rows[1].slot >= 2  # 1 traded places with 2
+    check()
+    pool.swap(0, 3)
+    check()
+    placed = pool.place([rows[4], rows[5], rows[3], rows[1]])  # two new rows: two of the others spill
+    assert {r.slot for r in placed} == {0, 1, 2, 3} and rows[0].slot == rows[2].slot == -1
+    check()
+    assert pool.place(rows[:2]) == sorted(rows[:2], key=lambda r: r.slot) and {rows[0].slot, rows[1].slot} == {0, 1}
+    assert rows[2].slot == -1  # still on the host; row 0 came back from it
+    check()
+    rows[0].free_cache()
+    assert rows[0].slot == -1 and None in pool.owner
+
+
+def test_the_cache_is_never_held_twice(lm, tiny_tok, monkeypatch):
+    """Byte accounting over whole rollouts (rows joining and leaving mid-turn, refills, a group's shared opening): the
+    engine allocates its pool once, and besides it at most one row's cache of one layer at a time (a swap's
+    temporary), never a batch's; with fewer slots than episodes, what spills is one row's cache of one layer a copy.
+    Counted at the allocation calls the engine makes (torch.zeros, torch.empty, torch.empty_like)."""
+    import sys
+
+    import engine
+
+    made = []
+    for name in ("zeros", "empty", "empty_like"):
+        real = getattr(torch, name)
+
+        def counting(*a, real=real, **k):
+            t = real(*a, **k)
+            if sys._getframe(1).f_globals.get("__name__") == "engine":
+                made.append(t.numel() * t.element_size())
+            return t
+
+        monkeypatch.setattr(torch, name, counting)
+    cfg = lm.config
+    row_layer = cfg.num_key_value_heads * 800 * cfg.head_dim * 4  # one row of one layer, at max_context 800
+    env = FakeEnv(n_tasks=3)
+    for max_batch in (0, 2):
+        made.clear()
+        c = RolloutConfig(greedy=True, max_new_tokens=24, max_turns=4, max_context=800, max_batch=max_batch)
+        eps = rollout(lm, tiny_tok, env, env.tasks(), 3, make_user_sim("scripted"), c)
+        slots = max_batch or 9
+        pool = 2 * cfg.num_hidden_layers * slots * cfg.num_key_value_heads * 801 * cfg.head_dim * 4
+        big = [b for b in made if b > row_layer]
+        assert sum(big) == pool and len(big) == 2 * cfg.num_hidden_layers  # the pool, once
+        assert len(made) > len(big) and sum(e.turns for e in eps) >= 9  # swaps (and spills) happened, each small

@@ -316,15 +316,12 @@ def test_kv_bytes_per_token_from_config(tiny_lm):
 
 def test_kv_cache_in_the_compute_dtype(tiny_lm):
     """Under bf16 autocast the rollout's cache is bf16 (half the memory), though the weights are fp32 masters."""
-    from engine import _Row, _stack_cache
-    from muarl import Episode
+    from engine import SlotPool
 
-    rows = [_Row(Episode(task_id="t"), None, None)]
-    cache, *_ = _stack_cache(tiny_lm, rows, [[1, 2, 3]], 4, 0)
-    assert cache.layers[0].kbuf.dtype == torch.float32
+    assert SlotPool(tiny_lm, 2, 8).k[0].dtype == torch.float32
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        cache, *_ = _stack_cache(tiny_lm, rows, [[1, 2, 3]], 4, 0)
-    assert cache.layers[0].kbuf.dtype == torch.bfloat16 and next(tiny_lm.parameters()).dtype == torch.float32
+        pool = SlotPool(tiny_lm, 2, 8)
+    assert pool.k[0].dtype == torch.bfloat16 and next(tiny_lm.parameters()).dtype == torch.float32
 
 
 def test_token_logprobs_puts_back_the_forward(tiny_lm):
