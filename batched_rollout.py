@@ -6,22 +6,23 @@ decoding (tests/test_rollout.py). Machinery: skip it on a first read.
     episodes = rollout(model, tokenizer, env, tasks, group_size=8, user_sim=make_user_sim("scripted"),
                        cfg=RolloutConfig())          # len(episodes) == 8 * len(tasks), a task's 8 consecutive
 
-All live episodes decode together; a row that ends its turn leaves the batch at once (its cache rows are copied out,
-minus padding holes, and parked on the episode), so a long turn never makes short ones pay. The cache is kept across
-turns: at the next turn only the tokens not yet in it (the agent's last sampled token and the delta of tool results
-or user reply) are prefilled. `reuse_cache=False` re-encodes the whole conversation every turn instead; with greedy
-decoding both give the same tokens (docs/invariants.md, 5, tested). Only full-attention models are supported (a
-sliding window would count padding slots).
+All live episodes decode together; a row that ends its turn leaves the batch at once (it trades its cache slot with
+the batch's last row: engine.SlotPool), so a long turn never makes short ones pay. The cache is kept across turns,
+in the episode's slot: at the next turn only the tokens not yet in it (the agent's last sampled token and the delta
+of tool results or user reply) are prefilled. `reuse_cache=False` re-encodes the whole conversation every turn
+instead; with greedy decoding both give the same tokens (docs/invariants.md, 5, tested). Only full-attention models
+are supported (a sliding window is refused past its width).
 
 Turns are asynchronous per episode (continuous batching): a batch decodes until fewer than half its rows
-(`refill_below`) are still in their turn; the rest are parked mid-turn (cache, partial turn, last sampled token as
-pending input), the rows that ended their turn run their tools, and the next batch stacks them back together with
-the parked rows. So the batch stays at least half full instead of draining to the longest turn.
+(`refill_below`) are still in their turn; the rest stop mid-turn (cache, partial turn, last sampled token as
+pending input, all kept in place), the rows that ended their turn run their tools, and the next batch takes them
+back together with the rows mid-turn. So the batch stays at least half full instead of draining to the longest
+turn.
 
 A user behind an endpoint never stalls decoding: a row whose turn ends with a message to the user leaves the batch,
 its reply is requested at once from a thread of the user simulator's own (an event loop: the endpoint's
 concurrency limit applies there), and the row rejoins the next batch once the reply is in; a batch also returns
-early when enough replies have arrived to be worth re-stacking for. The model runs only in the caller's thread.
+early when enough replies have arrived to be worth taking in. The model runs only in the caller's thread.
 Tool calls run between batches, in the decoding thread (local database calls), unless the environment says they
 are slow (`slow_tools = True`: a remote service); then they run from the user thread too while others decode. Not
 overlapped: a user that is local (`UserSim.local`: the scripted user, which answers at once, and an hf user, which
@@ -70,17 +71,17 @@ class RolloutConfig(Sampling):
     max_batch: int = 0
     """at most this many episodes decode in one batch (0: all); bounds GPU memory; 1 = one episode at a time"""
     park_device: str = ""
-    """where an episode's KV cache waits between its decoding batches (tools, the user's reply, its place in line):
-    '' on the model's device; 'cpu' in host memory, so that with max_batch only the decoding batch's caches are
-    on the GPU (each episode's cache crosses the bus at least twice a turn, more when it is parked mid-turn)"""
+    """where an episode's KV cache goes when its slot is needed by another (with max_batch, the pool has max_batch
+    slots): '' the model's device; 'cpu' pinned host memory, so that with max_batch only the decoding batch's caches
+    are on the GPU (an episode crosses the bus only when it loses its slot and when it gets one back)"""
     refill_below: float = 0.5
-    """a decoding batch stops when fewer than this fraction of its rows are still in their turn, parks those
+    """a decoding batch stops when fewer than this fraction of its rows are still in their turn, stops those
     mid-turn, and lets the rows that ended their turn rejoin after their tools / user reply (continuous batching;
-    0: turns are synchronous, 1: re-stack whenever a row ends its turn); greedy tokens never depend on it"""
+    0: turns are synchronous, 1: refill whenever a row ends its turn); greedy tokens never depend on it"""
     decode_attention: str = "grouped"
-    """the decoding steps' attention: 'grouped' reads each row's cache once whatever the query heads per key-value
-    head (decode.grouped_decode_attention); 'model' the model's own implementation with a padding mask, which in
-    transformers 5.17 (and eager attention) copies the cache to every query head first (repeat_kv)"""
+    """the engine's attention (prefill and decoding steps): 'grouped' reads each row's cache once whatever the query
+    heads per key-value head (decode.grouped_decode_attention); 'model' the model's own sdpa or eager attention with
+    an additive mask, which copies the cache to every query head first (repeat_kv)"""
     compile_decode: str = "off"
     """'on': the decoder's forward for one token a row through torch.compile (decode.decode_step; the draw stays
     eager); 'auto': on a GPU only; 'off' (the default until it is timed on a GPU: on this project's CPU it gains
@@ -92,7 +93,7 @@ class RolloutConfig(Sampling):
     @classmethod
     def from_options(cls, opts, on_gpu: bool) -> RolloutConfig:
         """The rollout an entry point's options.SamplingOptions ask for; temperature 0 is greedy. With rollout_batch
-        on a GPU, the caches of the episodes that wait park in host memory."""
+        on a GPU, the caches of the episodes that lose their slot wait in pinned host memory."""
         if opts.decode_attention not in ("grouped", "model"):
             raise SystemExit(f"--decode-attention: {opts.decode_attention!r} is not 'grouped' or 'model'")
         if opts.compile_decode not in ("auto", "on", "off"):
@@ -265,16 +266,16 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
             users.wait(list(waiting), first=cfg.refill_below > 0)
         else:
             # Continuous batching: the batch decodes until half its rows have ended their turn (refill_below), or
-            # until enough replies have arrived to be worth re-stacking for; the rows that ended run their tools
+            # until enough replies have arrived to be worth taking in; the rows that ended run their tools
             # here (in the user thread when the environment says its tools are slow) and rejoin, or wait for their
             # user's reply, which is on its way while the next batches decode.
             n = cfg.max_batch or len(live)
             batch, rest = live[:n], live[n:]
-            # (rows in line for a place, `rest`, are not counted: re-stacking for them would move the caches of the
-            # rows still decoding through host memory under park_device, at every turn's end)
+            # (rows in line for a place, `rest`, are not counted: refilling for them would spill the caches of the
+            # rows still decoding to host memory under park_device, at every turn's end)
             generate_turn(model, pool, batch, cfg, stops, ready=(lambda: sum(f.done() for f in waiting))
                           if users is not None else None)
-            live = [r for r in batch if not r.stop] + rest  # those parked mid-turn first, then those in line
+            live = [r for r in batch if not r.stop] + rest  # those stopped mid-turn first, then those in line
             to_user = []
             for r in (r for r in batch if r.stop):
                 if slow_tools and r.stop == "eot":

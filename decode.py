@@ -1,9 +1,10 @@
 """decode.py: one decoding step of the batch, the rows' next tokens from their caches (engine.py drives it).
 
 `decode_step` runs the decoder's forward for one new token a row (`decode_logits`) and draws each row's token
-(`_sample`). Its attention is `grouped_decode_attention`, registered with transformers and switched on for the
-decoding steps only (`decode_attention`): the query heads that share a key-value head read its cache once, where
-transformers' padded sdpa and eager paths first copy the cache to every query head. The draw inverts each row's
+(`_sample`). The engine's attention is `grouped_decode_attention`, registered with transformers and switched on for
+the engine's forwards only (`decode_attention`): each row attends to its own slot of the cache (engine.SlotPool)
+through a boolean mask, and the query heads that share a key-value head read its cache once, where transformers'
+padded sdpa and eager paths first copy the cache to every query head. The draw inverts each row's
 cumulative distribution at a uniform that is a function of the episode's seed and the position drawn
 (`uniform_noise`, counter-based), so a batch draws in a few kernels and an episode samples the same tokens however
 it was batched; nucleus sampling finds its cut by bisection (`top_p_keep`), without sorting the vocabulary. With

@@ -145,14 +145,18 @@ class SlotPool:
 
 
 class _View:
-    """Where a forward over slots lo..lo+B-1 writes and what it reads: rows [B, 1] (slot indices), cols [B, W]
-    (each row's columns for its W new positions, the padding's past capacity sent to the scratch column) and the
-    L leading columns the attention sees."""
+    """Where a forward over slots lo..lo+B-1 writes and what it reads (`set` before each forward): rows [B, 1] (slot
+    indices), cols [B, W] (each row's columns for its W new positions, the padding's past capacity sent to the
+    scratch column) and the L leading columns the attention sees."""
 
-    def __init__(self, pool: SlotPool, lo: int, lens: torch.Tensor, width: int, seen: int):
-        self.rows = torch.arange(lo, lo + len(lens), device=lens.device)[:, None]
-        self.cols = (lens[:, None] + torch.arange(width, device=lens.device)).clamp(max=pool.capacity)
-        self.lo, self.hi, self.seen = lo, lo + len(lens), min(seen, pool.capacity + 1)
+    def __init__(self, pool: SlotPool, lo: int):
+        self.pool, self.lo = pool, lo
+
+    def set(self, lens: torch.Tensor, width: int, seen: int) -> _View:
+        self.rows = torch.arange(self.lo, self.lo + len(lens), device=lens.device)[:, None]
+        self.cols = (lens[:, None] + torch.arange(width, device=lens.device)).clamp(max=self.pool.capacity)
+        self.hi, self.seen = self.lo + len(lens), min(seen, self.pool.capacity + 1)
+        return self
 
 
 class _SlotLayer(DynamicLayer):
@@ -213,13 +217,15 @@ def _prefill(model, pool: SlotPool, rows: list[_Row], pending: list[list[int]], 
     for i, p in enumerate(pending):
         ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
     ids, host = ids.to(device), [r.kv_len for r in rows]
+    view = _View(pool, lo)
+    cache = _cache(pool, view)
     step = max(1, cfg.prefill_tokens // len(rows)) if cfg.prefill_tokens else W
     for c in range(0, W, step):  # each chunk attends to the cache so far and to itself (causally)
         w = min(step, W - c)
         lens = torch.tensor([n + c for n in host], device=device)
-        view = _View(pool, lo, lens, w, max(host) + c + w)
+        view.set(lens, w, max(host) + c + w)
         dec(input_ids=ids[:, c:c + w], position_ids=lens[:, None] + torch.arange(w, device=device),
-            attention_mask=_mask(lens, w, view.seen, pool, cfg), **with_cache(dec, _cache(pool, view)))
+            attention_mask=_mask(lens, w, view.seen, pool, cfg), **with_cache(dec, cache))
     for r, p in zip(rows, pending):
         r.kv_len += len(p)
 
@@ -276,9 +282,11 @@ def generate_turn(model, pool: SlotPool, rows: list[_Row], cfg, stops: list[int]
         lens = torch.tensor([r.kv_len for r in rows], device=device)
         seeds = torch.tensor([r.seed for r in rows], device=device)  # each row's noise: its seed, the position drawn
         longest = max(r.kv_len for r in rows)
+        view = _View(pool, 0)
+        cache = _cache(pool, view)
         while True:
-            view = _View(pool, 0, lens, 1, longest + 1)
-            tok, lp = decode_step(model, _cache(pool, view), tok, _mask(lens, 1, view.seen, pool, cfg), lens[:, None],
+            view.set(lens, 1, longest + 1)
+            tok, lp = decode_step(model, cache, tok, _mask(lens, 1, view.seen, pool, cfg), lens[:, None],
                                   seeds, cfg)
             lens, longest, done = lens + 1, longest + 1, []
             # one device-to-host copy a step (token ids are exact in float32): the loop's only per-step host sync

@@ -116,12 +116,14 @@ def step_cost(model, batch: int, context: int, steps: int = 30, cfg: RolloutConf
     lens = torch.full((batch,), context, device=dev)
     tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
     seeds = torch.arange(batch, device=dev)
+    view = _View(pool, 0)
+    cache = _cache(pool, view)
     with decode_attention(model, cfg.decode_attention):
         for i in range(steps + 3):
             if i == 3:
                 t = time.perf_counter()
-            view = _View(pool, 0, lens, 1, context + i + 1)
-            tok = decode_step(model, _cache(pool, view), tok, _mask(lens, 1, view.seen, pool, cfg), lens[:, None],
+            view.set(lens, 1, context + i + 1)
+            tok = decode_step(model, cache, tok, _mask(lens, 1, view.seen, pool, cfg), lens[:, None],
                               seeds, cfg)[0][:, None]
             lens = lens + 1
     if dev.type == "cuda":
