@@ -72,6 +72,12 @@ def decode_attention(model, name: str):
     back after, also when decoding raises."""
     cfg = model.get_decoder().config
     if name == "model":
+        if cfg._attn_implementation not in ("sdpa", "eager"):
+            raise NotImplementedError(f"--decode-attention model takes the engine's 4-D mask, which "
+                                      f"{cfg._attn_implementation} does not: use --decode-attention grouped")
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+            raise NotImplementedError("--decode-attention model: the engine's 4-D mask would skip the model's "
+                                      f"sliding window ({cfg.sliding_window}): use --decode-attention grouped")
         yield
         return
     if name != "grouped":

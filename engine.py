@@ -1,7 +1,7 @@
 """The batched decoding engine under batched_rollout.rollout: each live episode (a row) keeps its KV cache in a slot
 of one preallocated pool across turns, and the rows decode together.
 
-`SlotPool` holds, per layer, one buffer [slots, kv_heads, max_context + 1, head_dim]; a row's cache lies at the
+`SlotPool` holds, per layer, one buffer [slots, kv_heads, max_context, head_dim]; a row's cache lies at the
 left of its slot, with its own length, so a row joins or leaves a batch without the others' caches being stacked,
 parked or copied, and the cache exists once (the memory estimate's kv_cache term, memory.py, is the pool). A batch
 is slots 0..B-1: `place` moves only the rows that are not there yet (a row waiting on its user keeps its slot until
@@ -54,8 +54,9 @@ class _Row:
 
 
 class SlotPool:
-    """Every decoding row's KV cache, in `slots` slots of `capacity` positions (max_context) per layer, plus one
-    scratch column that the padding of a prefill writes to when it would run past the slot. Rows without a slot keep
+    """Every decoding row's KV cache, in `slots` slots of `capacity` positions (max_context) per layer. A real token
+    is written at most at position max_context - 2 (the last sampled token is never fed), so the last column is
+    scratch, where the padding of a prefill goes when it would run past the slot. Rows without a slot keep
     their cache in host memory (`spill_device`: pinned when the pool is on a GPU, copied asynchronously in the
     stream's order) until `place` gives them one back."""
 
@@ -66,7 +67,7 @@ class SlotPool:
         self.dtype, self.device = _compute_dtype_device(model)
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = (slots, kv_heads, capacity + 1, head_dim)
+        shape = (slots, kv_heads, capacity, head_dim)
         # zeros, not garbage: a masked column is still multiplied (0 x NaN would poison attention)
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
@@ -154,8 +155,8 @@ class _View:
 
     def set(self, lens: torch.Tensor, width: int, seen: int) -> _View:
         self.rows = torch.arange(self.lo, self.lo + len(lens), device=lens.device)[:, None]
-        self.cols = (lens[:, None] + torch.arange(width, device=lens.device)).clamp(max=self.pool.capacity)
-        self.hi, self.seen = self.lo + len(lens), min(seen, self.pool.capacity + 1)
+        self.cols = (lens[:, None] + torch.arange(width, device=lens.device)).clamp(max=self.pool.capacity - 1)
+        self.hi, self.seen = self.lo + len(lens), min(seen, self.pool.capacity)
         return self
 
 
@@ -217,6 +218,8 @@ def _prefill(model, pool: SlotPool, rows: list[_Row], pending: list[list[int]], 
     for i, p in enumerate(pending):
         ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
     ids, host = ids.to(device), [r.kv_len for r in rows]
+    if max(n + len(p) for n, p in zip(host, pending)) > pool.capacity - 1:  # would reach the scratch column
+        raise RuntimeError(f"prefill past the cache slots' {pool.capacity} positions (max_context)")
     view = _View(pool, lo)
     cache = _cache(pool, view)
     step = max(1, cfg.prefill_tokens // len(rows)) if cfg.prefill_tokens else W
@@ -258,9 +261,9 @@ def generate_turn(model, pool: SlotPool, rows: list[_Row], cfg, stops: list[int]
     new_ids / new_logprobs, and the next call continues it (its last sampled token is its pending input). Either
     way the row's cache (everything but its last sampled token) stays in its slot.
 
-    The rows are placed in slots 0..B-1; those with more than one pending token (a new turn: the last sampled token
-    and the tool results or user reply) are prefilled first, all but that last token (from the first such slot to
-    the last: the rows continuing mid-turn, placed first by the caller, pay no padding for them). Then all rows
+    The rows are placed in slots 0..B-1 (and taken in slot order); those with more than one pending token (a new
+    turn: the last sampled token and the tool results or user reply) are prefilled first, all but that last token,
+    from the first such slot to the last (a row continuing mid-turn in between is fed padding there). Then all rows
     decode together, one token a row a step; a row that stops trades slots with the batch's last row and leaves. A
     turn ends on any token of `stops` (muarl.stop_token_ids: the end-of-turn token first, which also pads, then the
     model's generation-config eos ids). `ready` (a callable: how many other rows are ready to join) also ends the
@@ -285,6 +288,8 @@ def generate_turn(model, pool: SlotPool, rows: list[_Row], cfg, stops: list[int]
         view = _View(pool, 0)
         cache = _cache(pool, view)
         while True:
+            if longest >= pool.capacity - 1:  # (not expected: budget stops a row first)
+                raise RuntimeError(f"decoding past the cache slots' {pool.capacity} positions (max_context)")
             view.set(lens, 1, longest + 1)
             tok, lp = decode_step(model, cache, tok, _mask(lens, 1, view.seen, pool, cfg), lens[:, None],
                                   seeds, cfg)

@@ -302,12 +302,14 @@ def rollout_prefill(config, bf16: bool, prefill_tokens: int, max_context: int, e
 def prefill_bytes(config, bf16: bool, tokens: int, context: int) -> int:
     """Activations of one prefill forward of `tokens` tokens (rollout's prefill_tokens, rows x columns) whose keys
     reach `context` positions: per token the MLP's three intermediates and ~4 hidden-size tensors in the compute
-    dtype, and the attention mask over the keys (a boolean and its additive form). An approximation from the model's
-    shape, held to a real peak by bench/gpu.py's kv_peak check (bench/README.md)."""
+    dtype, and the attention mask over the keys: the engine's boolean, repeated for the n_rep query heads of a
+    key-value head (decode.grouped_decode_attention), and SDPA's additive form of that. An approximation from the
+    model's shape, held to a real peak by bench/gpu.py's kv_peak check (bench/README.md)."""
     cfg = config.get_text_config(decoder=True)
     compute = 2 if bf16 else 4
     inter = getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
-    return tokens * (4 * cfg.hidden_size + 3 * inter) * compute + tokens * context * (1 + compute)
+    n_rep = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    return tokens * (4 * cfg.hidden_size + 3 * inter) * compute + tokens * context * (1 + n_rep * (1 + compute))
 
 
 def gib(n: int) -> str:

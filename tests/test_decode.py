@@ -76,6 +76,14 @@ def test_decode_attention_is_put_back(lm):
     with pytest.raises(ValueError, match="unknown decode_attention 'fast'"):
         with decode.decode_attention(lm, "fast"):
             pass
+    cfg = lm.get_decoder().config  # the model's own attention must take the engine's 4-D mask: flash-attn does not
+    cfg._attn_implementation_internal = "flash_attention_2"
+    try:
+        with pytest.raises(NotImplementedError, match="--decode-attention grouped"):
+            with decode.decode_attention(lm, "model"):
+                pass
+    finally:
+        cfg._attn_implementation_internal = before
 
 
 def _count_repeat_kv(monkeypatch, model):

@@ -233,8 +233,9 @@ def test_prefill_activations_are_in_the_rollout_peak(tiny_lm):
     """One prefill chunk's activations (memory.prefill_bytes: the MLP's intermediates, ~4 hidden-size tensors, the
     attention mask over the keys) are held beside the KV cache: the rollout peak counts them, training or not."""
     cfg = tiny_lm.config
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    assert memory.prefill_bytes(cfg, bf16=True, tokens=100, context=1000) == 100 * (4 * h + 3 * i) * 2 + 100 * 1000 * 3
+    h, i, n_rep = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads // cfg.num_key_value_heads
+    assert memory.prefill_bytes(cfg, bf16=True, tokens=100, context=1000) == (100 * (4 * h + 3 * i) * 2
+                                                                             + 100 * 1000 * (1 + n_rep * 3))
     for inference in (False, True):
         a = memory.memory_estimate(10**6, kv_bytes_per_token=64, max_context=1000, episodes=2, inference=inference)
         b = memory.memory_estimate(10**6, kv_bytes_per_token=64, max_context=1000, episodes=2, inference=inference,
@@ -257,7 +258,8 @@ def test_an_evaluation_on_a_gpu_decodes_as_many_episodes_as_fit():
                                       max_context=32768, episodes=episodes, inference=True,
                                       prefill=memory.prefill_bytes(cfg, True, 8192, 32768))["peak"]
     assert 1 < n < 160 and peak(n) * memory.ESTIMATE_MISSES <= gpu < peak(n + 1) * memory.ESTIMATE_MISSES, n
-    assert memory.fitting_batch(cfg, live=3, device_bytes=gpu, bf16=True, max_context=32768) == 3  # all fit
+    assert memory.fitting_batch(cfg, live=3, device_bytes=gpu, bf16=True, max_context=32768,
+                                prefill_tokens=8192) == 3  # all fit
     assert memory.fitting_batch(cfg, live=9, device_bytes=2**30, bf16=True, max_context=32768) == 1  # none: 1
 
 
