@@ -31,7 +31,8 @@ and the share of refund episodes that asked where the refund goes before writing
 seeds and tasks together (stats.bootstrap_ci_seeds); differences paired by seed and task.
 
 Each arm's result is written to --out/results.json as soon as it is measured, so a run that stops keeps what finished
-and, started again with the same --out, continues with the next arm (an arm cut short is run again from its start).
+and, started again with the same --out, continues with the next arm (an arm cut short is run again from its start;
+a cold start whose checkpoint is gone is rebuilt from its seed, and whether its weights came out the same is recorded).
 Writes results.md (the tables), ablation.png (final scores with intervals; greedy pass^1 against seconds of
 training) and dynamics.png (per GRPO step: reward, asked-refund share, unasked writes, groups, turns).
 """
@@ -141,8 +142,16 @@ def run_arm(arm: str, seed: int, done: dict, base: str, args, out: Path, log) ->
         steps = max(1, len(convs) // sft.SFTConfig.batch_size)
         return {"final": ev(path), "seconds": 0.0, "curve": [], "cold_start_s": t2 - t0,
                 "sft_step_s": (t2 - t1) / steps, "sft_step_cpu_s": (c2 - c1) / steps,
-                "tasks": sorted(c["task_id"] for c in convs)}
+                "tasks": sorted(c["task_id"] for c in convs), "weights": weights_hash(path)}
     cold = d / "cold"
+    if arm != "rl" and not (cold / "model.safetensors").exists():
+        # results.json outlives the checkpoints (a run continued on another machine has only the results file):
+        # the cold start is rebuilt from its seed, and whether it came out bit for bit the same is recorded
+        convs = teacher_conversations(args.cold_tasks, seed, args.cold_users.split(","))
+        cold = Path(sft.train(sft.SFTConfig(model=base, out=str(d / "cold"), seed=seed), convs))
+        same = weights_hash(cold) == done["cold"].get("weights")
+        log(f"seed {seed}: cold start rebuilt for {arm}; {'the same weights' if same else 'OTHER WEIGHTS than measured'}")
+        done["cold"]["rebuilt_same"] = done["cold"].get("rebuilt_same", True) and same
     if arm == "sft":  # the same teacher on tasks the cold start did not see, for the compute GRPO took
         t0, c0 = time.time(), time.process_time()
         seen = set(done["cold"]["tasks"])  # the same shuffle, twice as far: the cold start's tasks, then new ones
@@ -179,6 +188,10 @@ def code_commit() -> str:
     git = lambda *a: subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True)  # noqa: E731
     head = git("rev-parse", "--short", "HEAD").stdout.strip() or "unknown"
     return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no").stdout.strip() else "")
+
+
+def weights_hash(model_dir) -> str:
+    return hashlib.sha256((Path(model_dir) / "model.safetensors").read_bytes()).hexdigest()[:16]
 
 
 def mean(d: dict) -> float:

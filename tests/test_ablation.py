@@ -1,8 +1,10 @@
 """bench/ablation.py --quick: the arms run end to end on a randomly initialized 'tiny' model and write the tables and
 both pictures. A smoke test of the pipeline (which arm wins is measured by the full run, bench/README.md), with its
 bookkeeping checked: the table holds what was measured, arm `sft` got its budget from arm `dynamic`'s seconds, every
-GRPO arm logged its dynamics and was evaluated at its checkpoints, and a stopped run continues where it stopped."""
+GRPO arm logged its dynamics and was evaluated at its checkpoints, and a stopped run continues where it stopped,
+rebuilding the cold start when only the results file is left."""
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -31,6 +33,7 @@ def test_quick_ablation_runs_its_arms_continues_where_it_stopped_and_writes_its_
     ablation.main(["--quick", "--base", base, "--out", str(out), "--arms", ",".join(first)])
     saved = json.loads((out / "results.json").read_text())
     assert sorted(saved["results"]["0"]) == sorted(first)
+    shutil.rmtree(out / "seed0" / "cold")  # continued elsewhere: the results file without the checkpoints
     # started again with more arms: the measured ones are kept as they are, the new ones run
     results = ablation.main(["--quick", "--base", base, "--out", str(out), "--arms", "base,cold,dynamic,sft,replay,"
                              "ctl_static"])
@@ -44,6 +47,7 @@ def test_quick_ablation_runs_its_arms_continues_where_it_stopped_and_writes_its_
     for name in ("dynamic", "replay", "ctl_static"):  # start, the step-1 checkpoint, the end; two logged steps
         assert len(arms[name]["curve"]) == 3 and [row["step"] for row in arms[name]["dynamics"]] == [1, 2]
         assert arms[name]["curve"][-1][1] == ablation.mean(arms[name]["final"]["greedy"])
+    assert arms["cold"]["rebuilt_same"] is True  # rebuilt from its seed for replay, bit for bit
     assert arms["sft"]["sft_steps"] >= 1 and arms["dynamic"]["cpu_s"] > 0
     head = ablation.code_commit().split("+")[0]  # which code measured each arm
     assert all(r["commit"].split("+")[0] == head for r in arms.values())
