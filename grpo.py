@@ -93,6 +93,10 @@ class Config(AttentionOptions, RunOptions, LoraOptions, UserOptions, SamplingOpt
     """new tokens per agent turn (the paper: 1024)"""
     max_context: int = 1536
     """tokens per episode (the paper: 32k)"""
+    lora_decode: str = "merged"
+    """how the rollout decodes with adapters: 'merged' folds them into the frozen base for the rollout and restores
+    the base bit for bit after it from a host copy (the base's kernels alone at each step; the merged weights rounded
+    once to the compute dtype), 'unmerged' runs peft's adapter layers at every step"""
 
 
 # ---------------------------------------------------------------------------------------------------------

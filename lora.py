@@ -12,6 +12,9 @@ switched off: no second copy of the weights, and kl is exactly 0 until the adapt
                     with PeftModel.from_pretrained) on its base, itself any start: a model directory, a hub id, or
                     another adapter checkpoint (merged)
     merge           the adapters folded into the base weights: a plain model for serving (eval.py --merge-lora)
+    merged_for_decoding
+                    the adapters folded into the base for the span of a rollout (--lora-decode merged), the base
+                    restored bit for bit after it from a host copy
     adapter_params  the parameters adapters add to a model of a given config (memory.memory_estimate)
     check_backend   one process and DDP run LoRA; FSDP2 and DeepSpeed are refused at start, by name
     checkpoint_hooks
@@ -181,6 +184,60 @@ def merge(model):
     """A plain transformers model with the adapters folded into its weights (W + scale x B A), every weight
     trainable again as a loaded model's are (peft froze the base)."""
     return model.merge_and_unload().requires_grad_(True) if is_adapted(model) else model
+
+
+def lora_layers(model) -> list:
+    """peft's LoRA layers of `model` (each wraps its frozen `base_layer` and holds lora_A / lora_B)."""
+    return [m for m in model.modules() if hasattr(m, "base_layer") and hasattr(m, "get_delta_weight")
+            and hasattr(m, "lora_A")]
+
+
+def mergeable(layers) -> bool:
+    """Whether every adapted layer is linear, its adapters in lora_A / lora_B (what merged_for_decoding folds)."""
+    return bool(layers) and all(isinstance(m.base_layer, torch.nn.Linear) and
+                                any(a in m.lora_A for a in m.active_adapters) for m in layers)
+
+
+@contextlib.contextmanager
+def merged_for_decoding(model, enabled: bool = True):
+    """Context: `model` decoding as one plain network, its adapters folded into the frozen base's weights (W <- W +
+    scale x B A, rounded once to the base's dtype) and each adapted layer calling its base linear directly, so
+    that each step runs the base's kernels only (at 8B with adapters on every projection, peft's unmerged layers
+    add ~1.3k kernels a step). On leaving, every adapted weight is copied back from a copy of the base made at
+    the first call (in pinned host memory on a GPU, asynchronous copies in stream order): bit for bit the base
+    it was, never W + BA - BA, which would drift in bf16 by a rounding a rollout. What decoding gains costs the
+    merged weights' one rounding: in bf16 the sampler's log-probs then differ from the trainer's (which runs the
+    adapters unmerged) by about that (logprob_gap shows it). `model` as it is without adapters or when `enabled`
+    is False."""
+    layers = lora_layers(model) if enabled and is_adapted(model) else []
+    if not mergeable(layers):  # nothing to fold, or adapters of a kind this does not fold: decoded unmerged
+        yield model
+        return
+    with torch.no_grad():
+        for m in layers:
+            w = m.base_layer.weight
+            if getattr(m, "muarl_base_copy", None) is None:  # the base is frozen: one copy for the whole run
+                pin = w.device.type == "cuda"
+                m.muarl_base_copy = torch.empty(w.shape, dtype=w.dtype, device="cpu", pin_memory=pin)
+                m.muarl_base_copy.copy_(w)
+        try:
+            for m in layers:
+                w = m.base_layer.weight
+                delta = sum(m.get_delta_weight(a) for a in m.active_adapters if a in m.lora_A)
+                w.copy_(w.to(delta.dtype) + delta)
+                m.forward = m.base_layer.forward  # the merged linear itself, skipping peft's wrapper (its Python
+            yield model                           # around each projection costs ~10% of a small model's step)
+        finally:
+            for m in layers:
+                vars(m).pop("forward", None)  # peft's forward again
+                m.base_layer.weight.copy_(m.muarl_base_copy, non_blocking=True)
+
+
+def adapted_base_params(model, targets: str = DEFAULT_TARGETS) -> int:
+    """Parameters of the base's linear layers that adapters on `targets` wrap (what merged_for_decoding copies)."""
+    wanted = {t.strip() for t in targets.split(",") if t.strip()}
+    return sum(m.weight.numel() for n, m in model.named_modules()  # (peft's base_layer: the same weight)
+               if isinstance(m, torch.nn.Linear) and n.removesuffix(".base_layer").rsplit(".", 1)[-1] in wanted)
 
 
 def adapter_params(model, rank: int, targets: str = DEFAULT_TARGETS) -> int:

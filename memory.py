@@ -19,7 +19,7 @@ ESTIMATE_MISSES = 1.55
 def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf16: bool = False,
                     reference: bool = True, kv_bytes_per_token: int = 0, max_context: int = 0,
                     episodes: int = 0, parked: int = 0, unit: int = 0, inference: bool = False,
-                    prefill: int = 0, lora: int = 0, zero2: bool = False) -> dict:
+                    prefill: int = 0, lora: int = 0, zero2: bool = False, lora_base: int = 0) -> dict:
     """Bytes per GPU, by what holds them, for a policy of n_params parameters trained with AdamW (or, with
     `inference`, only evaluated, as eval.py does: its weights in the compute dtype and the KV cache, nothing else).
 
@@ -53,7 +53,10 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
                       model gathered there when sharded (shard.full_state_dict), and one weights file serialized
                       (safetensors builds a file in memory; files of at most MODEL_FILE_BYTES). The other processes
                       write only their shards (a sharded save_state).
-      host_peak       the largest of host_load, host_kv_cache and host_save (they are not held at the same time)
+      host_base       with LoRA and --lora-decode merged: the adapted base weights' copy in the compute dtype that
+                      restores them after each rollout (lora.merged_for_decoding), held from the first rollout on
+      host_peak       the largest of host_load, host_kv_cache and host_save (they are not held at the same time),
+                      host_base added to the last two
     The rollout holds weights + master_weights + optimizer + reference + kv_cache + prefill; the update holds
     master_weights + gradients + optimizer + reference (+ weights under DDP); loading holds, under DDP, the whole
     fp32 policy (and its reduction buckets) and then the reference; under FSDP2 (shard.load_device: loaded in host
@@ -81,7 +84,8 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
         est["load_peak"] = n_params * compute + lora * 4 * grads
         est["host_load"] = n_params * compute
         est["host_save"] = lora * 4  # the adapters only, in fp32
-        est["host_peak"] = max(est["host_load"], host_kv, est["host_save"])
+        est["host_base"] = lora_base * compute  # --lora-decode merged: the adapted base weights' copy, held all run
+        est["host_peak"] = max(est["host_load"], est["host_base"] + max(host_kv, est["host_save"]))
         est["peak"] = max(est["rollout_peak"], est["update_peak"], est["load_peak"])
         return est
     est = {
@@ -159,7 +163,8 @@ def host_memory_bytes() -> int:
 
 def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bool, max_context: int,
                  episodes: int, device, check: bool = True, program: str = "grpo.py", parked: int = 0,
-                 inference: bool = False, prefill_tokens: int = 0, lora: int = 0, zero2: bool = False) -> dict:
+                 inference: bool = False, prefill_tokens: int = 0, lora: int = 0, zero2: bool = False,
+                 lora_base: int = 0) -> dict:
     """Print memory_estimate for this run; on a CUDA device, SystemExit when its peak exceeds the device's memory,
     or when what all processes on this machine hold in host memory at once exceeds it (unless check is False),
     naming the options that change it."""
@@ -167,7 +172,7 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
     est = memory_estimate(sum(p.numel() for p in shapes.parameters()), world=world, sharded=sharded, bf16=bf16,
                           reference=reference, kv_bytes_per_token=kv_bytes_per_token(config, bf16),
                           max_context=max_context, episodes=episodes, parked=parked, unit=largest_unit(shapes),
-                          inference=inference, lora=lora, zero2=zero2,
+                          inference=inference, lora=lora, zero2=zero2, lora_base=lora_base,
                           prefill=rollout_prefill(config, bf16, prefill_tokens, max_context, episodes))
     backend = backend_name(world, sharded, zero2)
     backend += f", LoRA adapters of {lora:,} parameters" if lora else ""
@@ -202,7 +207,8 @@ def check_host(est: dict, program: str, *, lora: bool = False, parked: int = 0, 
     writer alone (host_save), or every process on the machine at once (loading, parked KV caches)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # processes on this machine, each with its own host memory
     host = host_memory_bytes()
-    each = max(est["host_load"], est["host_kv_cache"])  # every process at once; host_save on one process only
+    held = est.get("host_base", 0) + est["host_kv_cache"]  # the rollout's: merged LoRA's base copy, parked caches
+    each = max(est["host_load"], held)  # every process at once; host_save on one process only
     if host and est["host_save"] > host and est["host_save"] >= each * local:
         raise SystemExit(
             f"{program}: saving a checkpoint needs an estimated {gib(est['host_save'])} of host memory on the process "
@@ -211,6 +217,13 @@ def check_host(est: dict, program: str, *, lora: bool = False, parked: int = 0, 
             "memory, or train LoRA adapters (--lora-rank: only they are saved); --no-memory-check runs anyway.")
     if host and each * local > host:
         need, total = gib(each), gib(each * local)
+        if est.get("host_base", 0) and held >= est["host_load"]:
+            raise SystemExit(
+                f"{program}: the rollout needs an estimated {need} of host memory per process ({total} for the "
+                f"{local} on this machine, more than its {gib(host)}): a copy of the adapted base weights "
+                f"({gib(est['host_base'])}, --lora-decode merged) and the parked episodes' KV caches "
+                f"({gib(est['host_kv_cache'])}). Set --lora-decode unmerged (no copy), raise --rollout-batch or lower "
+                "--max-context; --no-memory-check runs anyway.")
         if est["host_kv_cache"] >= est["host_load"]:
             raise SystemExit(
                 f"{program}: the parked episodes' KV caches need an estimated {need} of host memory per process, "
@@ -253,6 +266,15 @@ def lora_params(config, cfg, program: str) -> int:
     shapes = meta_model(config)
     lora.check_targets(shapes, cfg.lora_target_modules, program)
     return lora.adapter_params(shapes, cfg.lora_rank, cfg.lora_target_modules)
+
+
+def lora_base_params(config, cfg) -> int:
+    """Parameters of the base weights --lora-decode merged copies to host memory (0 without LoRA or unmerged)."""
+    if not cfg.lora_rank or getattr(cfg, "lora_decode", "unmerged") != "merged":
+        return 0
+    import lora
+
+    return lora.adapted_base_params(meta_model(config), cfg.lora_target_modules)
 
 
 def check_training(start: str, cfg, *, world: int, sharded: bool, device, zero2: bool = False,

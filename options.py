@@ -216,6 +216,10 @@ def validate(cfg, world: int) -> None:
         bad("env", f"{cfg.env!r} with the 'tiny' model needs a cold-start checkpoint (--init-from): the embedded cold "
                    "start and the tiny base are made on 'shop' only")
     lora.check_options(cfg, "grpo.py")
+    if cfg.lora_decode not in ("merged", "unmerged"):
+        bad("lora_decode", f"{cfg.lora_decode!r} is not 'merged' or 'unmerged'")
+    if cfg.lora_decode != "merged" and not cfg.lora_rank:
+        bad("lora_decode", "has no effect without --lora-rank (0: no adapters)")
     if cfg.lora_rank and cfg.freeze:
         bad("freeze", "with --lora-rank only the adapters train already; drop --freeze")
     if cfg.attn not in ATTENTION:

@@ -169,7 +169,7 @@ def load_policy(run) -> None:
                            reference=cfg.kl_coef > 0 and not cfg.lora_rank, max_context=cfg.max_context,
                            episodes=decoding, parked=live - decoding if acc.device.type != "cpu" else 0,
                            device=acc.device, check=cfg.memory_check, prefill_tokens=RolloutConfig.prefill_tokens,
-                           lora=adapters)
+                           lora=adapters, lora_base=memory.lora_base_params(config, cfg))
     # Before loading, when the start names a config (a directory, a hub id, adapters on one of those)
     config = memory.read_config(lora.base_chain(start)[-1])
     if config is not None:
@@ -250,9 +250,9 @@ def play(run, tasks: list, group_size: int, sampling, generator=None) -> list:
     """This process's episodes of `tasks` with the current policy (its full weights gathered once when sharded)."""
     from batched_rollout import rollout
 
-    with shard.full_weights(run.model, run.acc.device) as decoder, run.acc.autocast():
-        return rollout(run.acc.unwrap_model(decoder), run.tok, run.env, tasks, group_size, run.user_sim, sampling,
-                       generator)
+    with shard.full_weights(run.model, run.acc.device) as decoder, run.acc.autocast(), \
+            lora.merged_for_decoding(run.acc.unwrap_model(decoder), run.cfg.lora_decode == "merged") as policy:
+        return rollout(policy, run.tok, run.env, tasks, group_size, run.user_sim, sampling, generator)
 
 
 def evaluate(run, tag: str) -> dict:

@@ -13,9 +13,11 @@ memory out and is shared, so absolute speeds drift; ratios within a round are wh
             the model's own attention (sdpa with a padding mask) instead of decode.grouped_decode_attention
   compiled  RolloutConfig(compile_decode="on")               (not by default) as cache, the decoder's step through
             torch.compile (on by default on a GPU only; its compile time is spent in the warm-up)
-  lora      as cache, on the model with LoRA adapters of rank 16 on every projection, unmerged, as grpo.py
-            --lora-rank decodes (not by default); B = 0, so it plays the very same tokens: the ratio is the cost of
-            the adapters' extra matmuls
+  lora      as cache, on the model with LoRA adapters of rank 16 on every projection, unmerged (grpo.py
+            --lora-decode unmerged), not by default; B = 0, so it plays the very same tokens: the ratio is the cost
+            of the adapters' extra matmuls
+  lora-merged  the same adapters folded into the base for the rollout (grpo.py's default, --lora-decode merged;
+            lora.merged_for_decoding), the fold and the base's restore inside the timing
 
 The model is `models.load_model("tiny")` (random weights) on the shop domain with its scripted user, which keeps
 talking to an agent that makes no sense, so every episode runs to max_turns. A random model almost never samples
@@ -54,6 +56,7 @@ import torch  # noqa: E402
 import models  # noqa: E402
 import muarl  # noqa: E402
 from batched_rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
+from lora import merged_for_decoding  # noqa: E402
 
 
 def end_turns_sooner(model, tokenizer, contexts: list[list[int]], mean_turn: float) -> None:
@@ -248,16 +251,18 @@ def main():
                 "single": RolloutConfig(**base, max_batch=1), "sync": RolloutConfig(**base, refill_below=0),
                 "old": RolloutConfig(**base, decode_attention="model", compile_decode="off"),
                 "compiled": RolloutConfig(**base, compile_decode="on")}
-    variants = {k: variants[k] for k in args.variants.split(",") if k != "lora"}
+    adapted = [k for k in ("lora", "lora-merged") if k in args.variants.split(",")]
+    variants = {k: variants[k] for k in args.variants.split(",") if k not in adapted}
     nets = {k: model for k in variants}
-    if "lora" in args.variants.split(","):
+    if adapted:
         import copy
 
         import lora
 
-        variants["lora"] = RolloutConfig(**base)
-        nets["lora"] = lora.add_adapters(copy.deepcopy(model), rank=16, alpha=0, dropout=0.0,
-                                           targets=lora.DEFAULT_TARGETS, base="tiny").eval()
+        peft_model = lora.add_adapters(copy.deepcopy(model), rank=16, alpha=0, dropout=0.0,
+                                       targets=lora.DEFAULT_TARGETS, base="tiny").eval()
+        for k in adapted:
+            variants[k], nets[k] = RolloutConfig(**base), peft_model
     print(f"device {model.device}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
           f"torch threads {torch.get_num_threads()}, {len(tasks)} tasks x {args.group} samples, max_turns {args.turns}")
 
@@ -276,7 +281,8 @@ def main():
         gen = torch.Generator(device=model.device).manual_seed(seed)
         decode.update(steps=0, rows=0, context=0)
         t = time.perf_counter()
-        eps = rollout(nets[name], tok, env, tasks, args.group, make_user_sim("scripted"), cfg, generator=gen)
+        with merged_for_decoding(nets[name], enabled=name == "lora-merged") as net:
+            eps = rollout(net, tok, env, tasks, args.group, make_user_sim("scripted"), cfg, generator=gen)
         dt = time.perf_counter() - t
         toks = sum(e.gen_tokens for e in eps)
         ctx = sorted(len(e.input_ids) for e in eps)

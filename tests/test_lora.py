@@ -208,6 +208,8 @@ def test_sft_with_lora_trains_the_adapters_only(tmp_path, ckpt, start_lm):
     (["--freeze", "embed"], "--freeze", "only the adapters train"),
     (["--lora-rank", "0", "--lora-alpha", "32"], "--lora-alpha", "no effect without --lora-rank"),
     (["--lora-target-modules", "q_proj,lm_head"], "--lora-target-modules", "lm_head is the output layer"),
+    (["--lora-decode", "fused"], "--lora-decode", "is not 'merged' or 'unmerged'"),
+    (["--lora-rank", "0", "--lora-decode", "unmerged"], "--lora-decode", "no effect without --lora-rank"),
 ])
 def test_bad_lora_options_fail_at_start_naming_them(tmp_path, ckpt, argv, option, shown):
     with pytest.raises(SystemExit) as e:
@@ -252,6 +254,11 @@ def test_lora_memory_estimate_for_qwen3_8b_rank_64_on_one_80gb_gpu():
     assert with_lora["reference"] == 0 and with_lora["weights"] == 2 * n
     assert with_lora["optimizer"] == 8 * adapters and with_lora["gradients"] == 4 * adapters
     assert with_lora["peak"] < 75 * 2**30 < full["peak"]
+    # --lora-decode merged (the default) keeps a host copy of the adapted base weights: 6.9B parameters in bf16
+    adapted = lora.adapted_base_params(meta)
+    merged = memory.memory_estimate(n, lora=adapters, reference=True, lora_base=adapted, **common)
+    assert merged["host_base"] == 2 * adapted and 6.8e9 < adapted < 7.0e9 and merged["peak"] == with_lora["peak"]
+    assert merged["host_peak"] == max(merged["host_load"], merged["host_base"] + max(merged["host_kv_cache"], merged["host_save"]))
 
 
 def test_adapters_saved_by_peft_itself_load_on_their_base(tmp_path, ckpt, start_lm):
@@ -393,3 +400,54 @@ def test_eval_of_chained_adapters_estimates_memory_from_the_root_model(lora_run,
                      "tests.fake_env:FakeEnv", "--num-tasks", "1", "--max-new-tokens", "8", "--out-dir",
                      str(tmp_path / "ev")])
     assert "[eval] estimated memory per GPU" in capsys.readouterr().out
+
+
+def test_merged_decoding_plays_the_adapted_policy_without_its_adapters_and_restores_the_base_bit_for_bit(lm, tiny_tok):
+    """--lora-decode merged (lora.merged_for_decoding, grpo.py's default with adapters): the rollout runs the base's
+    layers only, with the adapters folded in, and plays the same greedy episodes with the same log-probs as peft's
+    unmerged layers (fp32); afterwards every base weight is the one it was, bit for bit, also in bf16, where taking
+    the adapters back out (W + BA - BA) would not give it."""
+    import copy
+
+    from test_rollout import FakeEnv
+
+    model = lora.add_adapters(copy.deepcopy(lm), rank=4, alpha=8, dropout=0.0, targets=lora.DEFAULT_TARGETS,
+                              base="tiny").eval()
+    with torch.no_grad():  # adapters that move the policy (peft starts B at 0)
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
+    calls = []
+    for m in lora.lora_layers(model):
+        m.lora_A["default"].register_forward_hook(lambda *a: calls.append(1))
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    env, cfg = FakeEnv(n_tasks=3), RolloutConfig(greedy=True, max_new_tokens=24, max_turns=4, max_context=800)
+    unmerged = rollout(model, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), cfg)
+    assert calls, "the unmerged rollout runs the adapters"
+    calls.clear()
+    with lora.merged_for_decoding(model) as policy:
+        merged = rollout(policy, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), cfg)
+    assert not calls, "the merged rollout ran an adapter layer"
+    with lora.merged_for_decoding(lm) as plain:  # the adapters change the episodes: the test can tell
+        assert plain is lm
+        none = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), cfg)
+    assert [e.input_ids for e in none] != [e.input_ids for e in unmerged]
+    assert [e.input_ids for e in merged] == [e.input_ids for e in unmerged]
+    for a, b in zip(merged, unmerged):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if not p.requires_grad)
+    held = sum(m.base_layer.weight.numel() for m in lora.lora_layers(model))  # what the host copy holds
+    assert held == lora.adapted_base_params(model) == lora.adapted_base_params(lm) > 0
+
+    model.get_base_model().to(torch.bfloat16)  # a bf16 base (the GPU recipe), adapters kept in fp32
+    for m in lora.lora_layers(model):
+        m.muarl_base_copy = None
+        m.lora_A.float(), m.lora_B.float()
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    layer = lora.lora_layers(model)[0]
+    w, delta = layer.base_layer.weight, layer.get_delta_weight("default")
+    assert not torch.equal(((w.float() + delta).bfloat16().float() - delta).bfloat16(), w)  # subtracting drifts
+    for _ in range(2):
+        with lora.merged_for_decoding(model), torch.no_grad():
+            assert not torch.equal(layer.base_layer.weight, before[next(n for n in before if "q_proj" in n)])
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if not p.requires_grad)
