@@ -30,7 +30,8 @@ Checks, in order; each is PASS, FAIL or SKIP (with why) and its figures, in OUT/
              --resume for one more step
   lora       the same GRPO steps with --lora-rank 16 (the base frozen in bf16 on a GPU, fp32 adapters, the reference
              the base with the adapters off): kl 0 at step 1, the base bit-identical after, adapter-only
-             checkpoints, --resume; the peak memory reported beside the start-up estimate with its LoRA terms
+             checkpoints, --resume; the peak memory reported beside the start-up estimate with its LoRA terms; and
+             greedy decoding with rank-64 adapters, unmerged against folded into the base (--lora-decode): tokens/s
   share_opening  bench/train_step.py's tau2-shaped update with and without each group's opening computed once
              (bf16, gradient checkpointing, micro-batches of 4 and 1): seconds, peak memory, decoder tokens; bf16
              gradients of a group against float32, shared and whole (on the CPU: toy size, figures only)
@@ -479,10 +480,12 @@ def train(model, tok, env, tasks, device, work: Path, bf16: bool):
                 logprob_gap=[r.get("logprob_gap") for r in rows])
     if peak:
         figs["peak"] = f"{memory.gib(peak)} vs estimate {memory.gib(est['peak'])} (activations not in the estimate)"
+    cuda = device.type == "cuda"
+    figs.update(lora_decode(model, tok, env, tasks, device, bf16, rank=64 if cuda else 4, new_tokens=128 if cuda else 16))
     return ("PASS" if all(checks.values()) else "FAIL"), figs
 
 
-def lora_steps(model, tok, device, work: Path, bf16: bool):
+def lora_steps(model, tok, env, tasks, device, work: Path, bf16: bool):
     """The train check's GRPO steps with LoRA adapters of rank 16 on every projection, then --resume for a third."""
     import grpo
     import lora
@@ -529,6 +532,44 @@ def lora_steps(model, tok, device, work: Path, bf16: bool):
     if peak:
         figs["peak"] = f"{memory.gib(peak)} vs estimate {memory.gib(est['peak'])} (activations not in the estimate)"
     return ("PASS" if all(checks.values()) else "FAIL"), figs
+
+
+def lora_decode(model, tok, env, tasks, device, bf16: bool, rank: int = 64, new_tokens: int = 128):
+    """Greedy decoding of the same 16 prompts with adapters of `rank` on every projection (B random, so they change
+    the policy), peft's unmerged layers at every step against lora.merged_for_decoding (grpo.py's default),
+    interleaved twice after a warm-up: tokens/s each, and the share of episodes whose tokens agree (bf16 rounds the
+    merged weights once, so a near-tie can go the other way)."""
+    import copy
+
+    import lora
+    from batched_rollout import RolloutConfig, make_user_sim, rollout
+
+    net = copy.deepcopy(model).to(torch.bfloat16 if bf16 else torch.float32)
+    greedy_turns_end(net, tok, env, tasks, rate=0.0)
+    net = lora.add_adapters(net, rank=rank, alpha=0, dropout=0.0, targets=lora.DEFAULT_TARGETS, base="bench",
+                            autocast=bf16).eval()
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.02, generator=torch.Generator(device=p.device).manual_seed(len(name)))
+    picked, cfg = (tasks * 16)[:16], RolloutConfig(greedy=True, max_new_tokens=new_tokens, max_turns=1,
+                                                  max_context=4096)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    tps, tokens = {"unmerged": [], "merged": []}, {}
+    for rnd in range(3):  # the first a warm-up
+        for kind in tps:
+            sync(device)
+            t0 = time.time()
+            with amp, lora.merged_for_decoding(net, enabled=kind == "merged") as policy:
+                eps = rollout(policy, tok, env, picked, 1, make_user_sim("scripted"), cfg)
+            sync(device)
+            if rnd:
+                tps[kind].append(sum(e.gen_tokens for e in eps) / (time.time() - t0))
+            tokens[kind] = [e.input_ids for e in eps]
+    same = sum(a == b for a, b in zip(tokens["merged"], tokens["unmerged"])) / len(picked)
+    return {"lora_decode_tokens_per_s": {k: [round(x, 1) for x in v] for k, v in tps.items()},
+            "lora_merged_over_unmerged": round(sum(tps["merged"]) / sum(tps["unmerged"]), 3),
+            "lora_decode_same_episodes": same, "lora_decode_rank": rank}
 
 
 def head_grad(device, vocab: int, hidden: int, tokens: int = 256):
@@ -715,7 +756,7 @@ def main(argv=None):
               "head_grad": (head_grad, device, 4096 if args.cpu else 151936, 64 if args.cpu else 4096),
               "share_opening": (share_opening, tok, device, small, *((300, 700) if args.cpu else (4000, 9000))),
               "train": (train, model, tok, env, tasks, device, work, device.type == "cuda"),
-              "lora": (lora_steps, model, tok, device, work, device.type == "cuda"),
+              "lora": (lora_steps, model, tok, env, tasks, device, work, device.type == "cuda"),
               "fsdp2": (launched, "fsdp2", work, out, device),
               "zero3": (launched, "zero3", work, out, device),
               "fsdp2_x2": (launched, "fsdp2", work, out, device, 2)}

@@ -29,4 +29,5 @@ def test_gpu_checks_pass_at_toy_size_on_the_cpu(tmp_path):
     assert rows["engine"]["prefill chunks"] == rows["engine"]["slow user"] == "4/4 equal"
     assert rows["train"]["kl"][0] == 0.0 and all(g > 0 for g in rows["train"]["grad_norm"])
     assert rows["lora"]["kl"][0] == 0.0 and rows["lora"]["base bit-identical"] is True
+    assert rows["lora"]["lora_decode_same_episodes"] == 1.0  # fp32: folded adapters play the same greedy tokens
     assert (tmp_path / "report.md").read_text().startswith("# bench/gpu.py report")
