@@ -480,8 +480,6 @@ def train(model, tok, env, tasks, device, work: Path, bf16: bool):
                 logprob_gap=[r.get("logprob_gap") for r in rows])
     if peak:
         figs["peak"] = f"{memory.gib(peak)} vs estimate {memory.gib(est['peak'])} (activations not in the estimate)"
-    cuda = device.type == "cuda"
-    figs.update(lora_decode(model, tok, env, tasks, device, bf16, rank=64 if cuda else 4, new_tokens=128 if cuda else 16))
     return ("PASS" if all(checks.values()) else "FAIL"), figs
 
 
@@ -531,6 +529,9 @@ def lora_steps(model, tok, env, tasks, device, work: Path, bf16: bool):
                 checkpoint_mb=round(sum(f.stat().st_size for f in ckpt.iterdir()) / 2**20, 1))
     if peak:
         figs["peak"] = f"{memory.gib(peak)} vs estimate {memory.gib(est['peak'])} (activations not in the estimate)"
+    cuda = device.type == "cuda"
+    figs.update(lora_decode(model, tok, env, tasks, device, bf16, rank=64 if cuda else 4,
+                            new_tokens=128 if cuda else 16))
     return ("PASS" if all(checks.values()) else "FAIL"), figs
 
 
