@@ -6,10 +6,58 @@ policy). Here the opening goes through the decoder once, as one row; its keys an
 attention through a cache (expanded over the rows, not copied), and the gradient the remainders send back flows into
 the opening's layers once. The log-probs and the gradient are those of the whole rows (docs/invariants.md, 5).
 """
+import contextlib
+
 import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from decode import with_cache
 from logprobs import DEFAULT_CHUNK_SIZE, check_plain_logits, call_as_forward, logprobs_from_hidden
+
+REMAINDER = "muarl_opening_remainder"
+
+
+def remainder_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """SDPA for the remainders' forward, where each row's keys are [the opening's P; its own R] and its R queries sit
+    at positions P..P+R-1: causal, aligned to the bottom right. SDPA's fused causal mode aligns to the top left, so
+    the queries are preceded by P rows of zeros whose outputs are dropped: one fused causal call over P + R keys with
+    no mask, through transformers' own sdpa function (its grouped-query and dtype handling). The mask transformers
+    builds makes SDPA compute every pair, R x (P + R) against (P + R)^2 / 2 here (fewer when P < R, when it is
+    used), and is made a float tensor in every layer and kept for the backward. Exact for right-padded rows, which is
+    all it is used for: a real token's keys all come before any padding's. The mask it is handed is ignored."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    B, H, R, D = query.shape
+    P = key.shape[2] - R
+    q = torch.cat([query.new_zeros(B, H, P, D), query], 2)
+    out, _ = sdpa_attention_forward(module, q, key, value, None, dropout=dropout, scaling=scaling, is_causal=True)
+    return out[:, P:], None
+
+
+AttentionInterface.register(REMAINDER, remainder_attention)
+AttentionMaskInterface.register(REMAINDER, sdpa_mask)  # (the decoder builds sdpa's mask; the function ignores it)
+
+
+@contextlib.contextmanager
+def _remainder_attention(decoder, opening: int, width: int, attention_mask):
+    """The remainders' forward through remainder_attention where the decoder attends with sdpa, the opening is
+    shorter than the remainders (else the padded queries would cost more than the mask), the rows are right-padded,
+    and no layer will be replayed in the backward (activation checkpointing: the replay runs after this, with the
+    decoder's own sdpa, and must save what the forward saved); else as it is (flash-attn aligns causal attention
+    to the bottom right itself)."""
+    cfg = decoder.config
+    replayed = torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False)
+                                               or hasattr(m, "_checkpoint_wrapped_module") for m in decoder.modules())
+    use = (cfg._attn_implementation == "sdpa" and opening < width and not replayed
+           and bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all()))
+    before = cfg._attn_implementation_internal
+    if use:
+        cfg._attn_implementation_internal = REMAINDER
+    try:
+        yield
+    finally:
+        cfg._attn_implementation_internal = before
 
 
 def _opening_layers():
@@ -150,8 +198,9 @@ def shared_opening_logprobs(model, input_ids, attention_mask, opening: int, *, t
             m._can_checkpoint_with_cache = True
         try:
             shared = Cache(layers=[Shared(k, v) for k, v in opening_kv(decoder)])
-            out = decoder(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=position_ids[:, P:],
-                          **with_cache(decoder, shared))
+            with _remainder_attention(decoder, P, input_ids.shape[1] - P, attention_mask):
+                out = decoder(input_ids=input_ids[:, P:], attention_mask=attention_mask,
+                              position_ids=position_ids[:, P:], **with_cache(decoder, shared))
         finally:
             for m, s in zip(layers, saved):
                 if s is None:

@@ -13,9 +13,21 @@ from opening import Opening, shared_opening_logprobs
 
 
 @pytest.mark.versions
-@pytest.mark.parametrize("arch, checkpointing, rows", [("llama", False, 3), ("qwen3", False, 8), ("llama", True, 3),
-                                                       ("qwen3", True, 1)])
-def test_the_opening_once_gives_the_log_probs_and_gradients_of_every_row_whole(arch, checkpointing, rows):
+@pytest.mark.parametrize("arch, checkpointing, rows, O", [("llama", False, 3, 11), ("qwen3", False, 8, 11),
+                                                          ("llama", True, 3, 11), ("qwen3", True, 1, 11),
+                                                          ("qwen3", False, 3, 18)])
+def test_the_opening_once_gives_the_log_probs_and_gradients_of_every_row_whole(arch, checkpointing, rows, O,
+                                                                                monkeypatch):
+    """An opening shorter than the remainders (11 of 25) goes through opening.remainder_attention (one causal SDPA
+    call, queries padded in front), a longer one (18) through the mask transformers builds, as do layers replayed
+    under activation checkpointing."""
+    from transformers import AttentionInterface
+
+    from opening import REMAINDER, remainder_attention
+
+    calls = []
+    monkeypatch.setitem(AttentionInterface._global_mapping, REMAINDER,
+                        lambda *a, **k: calls.append(1) or remainder_attention(*a, **k))
     tok = models.tiny_tokenizer(TEST_CORPUS, vocab_size=512, split_digits=False)
     torch.manual_seed(0)
     cfg = models.tiny_config(len(tok), arch=arch, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -25,11 +37,11 @@ def test_the_opening_once_gives_the_log_probs_and_gradients_of_every_row_whole(a
         whole.gradient_checkpointing_enable()
     shared = copy.deepcopy(whole)
     g = torch.Generator().manual_seed(1)
-    O, T = 11, 25
+    T = 25
     opening = torch.randint(0, len(tok), (O,), generator=g)
     ids = torch.cat([opening.expand(rows, O), torch.randint(0, len(tok), (rows, T - O), generator=g)], 1)
     attn = torch.ones(rows, T, dtype=torch.long)
-    attn[1:, 15 + torch.arange(rows - 1) % 9] = 0  # right padding of several lengths
+    attn[1:, O + 4 + torch.arange(rows - 1) % (T - O - 4)] = 0  # right padding of several lengths
     attn = attn.cummin(1).values
     mask = attn.clone()
     mask[:, :O] = 0  # the opening is never trained
@@ -45,6 +57,8 @@ def test_the_opening_once_gives_the_log_probs_and_gradients_of_every_row_whole(a
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
     first = whole.model.layers[0].self_attn.k_proj.weight.grad
     assert first.abs().max() > 0  # the first layer's keys are trained, through the remainders' attention
+    # (not under checkpointing: a layer's replay in the backward runs the model's own sdpa, and must save alike)
+    assert len(calls) == (cfg.num_hidden_layers if O - 1 < T - O + 1 and not checkpointing else 0)
 
 
 def test_what_sharing_cannot_do_is_refused_by_name():
