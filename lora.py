@@ -193,9 +193,12 @@ def lora_layers(model) -> list:
 
 
 def mergeable(layers) -> bool:
-    """Whether every adapted layer is linear, its adapters in lora_A / lora_B (what merged_for_decoding folds)."""
-    return bool(layers) and all(isinstance(m.base_layer, torch.nn.Linear) and
-                                any(a in m.lora_A for a in m.active_adapters) for m in layers)
+    """Whether every adapted layer is what merged_for_decoding folds exactly: a linear layer, not merged already,
+    its adapters on and plain LoRA (in lora_A / lora_B; no DoRA or other variant, no adapter bias)."""
+    def plain(m, a):
+        return a in m.lora_A and not getattr(m, "lora_variant", {}).get(a) and not getattr(m, "lora_bias", {}).get(a)
+    return bool(layers) and all(isinstance(m.base_layer, torch.nn.Linear) and not m.merged and not m.disable_adapters
+                                and all(plain(m, a) for a in m.active_adapters) for m in layers)
 
 
 @contextlib.contextmanager
@@ -204,33 +207,40 @@ def merged_for_decoding(model, enabled: bool = True):
     scale x B A, rounded once to the base's dtype) and each adapted layer calling its base linear directly, so
     that each step runs the base's kernels only (at 8B with adapters on every projection, peft's unmerged layers
     add ~1.3k kernels a step). On leaving, every adapted weight is copied back from a copy of the base made at
-    the first call (in pinned host memory on a GPU, asynchronous copies in stream order): bit for bit the base
-    it was, never W + BA - BA, which would drift in bf16 by a rounding a rollout. What decoding gains costs the
-    merged weights' one rounding: in bf16 the sampler's log-probs then differ from the trainer's (which runs the
-    adapters unmerged) by about that (logprob_gap shows it). `model` as it is without adapters or when `enabled`
-    is False."""
+    the first call (in host memory): bit for bit the base it was, never W + BA - BA, which would drift in bf16
+    by a rounding a rollout. What decoding gains costs the merged weights' one rounding: in bf16 the sampler's
+    log-probs then differ from the trainer's (which runs the adapters unmerged) by about that (logprob_gap shows
+    it). `model` as it is without adapters or when `enabled` is False."""
     layers = lora_layers(model) if enabled and is_adapted(model) else []
     if not mergeable(layers):  # nothing to fold, or adapters of a kind this does not fold: decoded unmerged
         yield model
         return
-    with torch.no_grad():
-        for m in layers:
-            w = m.base_layer.weight
-            if getattr(m, "muarl_base_copy", None) is None:  # the base is frozen: one copy for the whole run
-                pin = w.device.type == "cuda"
-                m.muarl_base_copy = torch.empty(w.shape, dtype=w.dtype, device="cpu", pin_memory=pin)
-                m.muarl_base_copy.copy_(w)
-        try:
+    own, folded = [vars(m).get("forward") for m in layers], []  # (an instance forward someone set: put back)
+    # Outside autocast (the rollout runs under it): B A, its scale and the sum in the adapters' float32, one rounding
+    exact = torch.autocast(layers[0].base_layer.weight.device.type, enabled=False)
+    try:
+        with torch.no_grad(), exact:
+            for m in layers:
+                w, copy = m.base_layer.weight, getattr(m, "muarl_base_copy", None)
+                if copy is None or copy.shape != w.shape or copy.dtype != w.dtype:  # the base is frozen: one a run
+                    # pageable host memory, its exact size (pinned memory comes from a caching allocator that
+                    # rounds each block up to a power of two: +26% at Qwen3-8B's MLP shapes)
+                    m.muarl_base_copy = w.detach().to("cpu", copy=True)
             for m in layers:
                 w = m.base_layer.weight
-                delta = sum(m.get_delta_weight(a) for a in m.active_adapters if a in m.lora_A)
+                delta = sum(m.get_delta_weight(a) for a in m.active_adapters)
+                folded.append(m)
                 w.copy_(w.to(delta.dtype) + delta)
                 m.forward = m.base_layer.forward  # the merged linear itself, skipping peft's wrapper (its Python
-            yield model                           # around each projection costs ~10% of a small model's step)
-        finally:
-            for m in layers:
+        yield model                               # around each projection costs ~10% of a small model's step)
+    finally:
+        with torch.no_grad(), exact:
+            for m, f in zip(layers, own):
                 vars(m).pop("forward", None)  # peft's forward again
-                m.base_layer.weight.copy_(m.muarl_base_copy, non_blocking=True)
+                if f is not None:
+                    m.forward = f
+            for m in folded:
+                m.base_layer.weight.copy_(m.muarl_base_copy)
 
 
 def adapted_base_params(model, targets: str = DEFAULT_TARGETS) -> int:

@@ -24,7 +24,9 @@ import cli
 # resumes.jsonl). Anything else continues with the run's saved settings; giving another value is refused.
 RESUMABLE = ("steps", "user_base_url", "user_model", "user_concurrency", "user_timeout", "user_retries", "tool_timeout",
              "report_to", "log_episodes", "save_every", "keep_checkpoints", "memory_check", "dist_timeout",
-             "eval_every")
+             "eval_every", "lora_decode")
+# Options added after runs were saved, as those runs ran: a run resumes as it started unless told otherwise.
+BEFORE_THEY_EXISTED = {"lora_decode": "unmerged"}
 
 
 def options(Config, argv, recipes: dict) -> tuple:
@@ -239,7 +241,7 @@ def resume_settings(path: Path, cfg, given: set, resumable: tuple) -> tuple[dict
     """The settings a resumed run continues with: the checkpoint's (or the unsaved run's, `path` its directory),
     with the options given on the command line that may change (`resumable`; an option equal to the saved value is
     no change). Returns (settings, changes: name -> [saved, new]); any other change is refused, naming it."""
-    saved = saved_settings(path)
+    saved = {**BEFORE_THEY_EXISTED, **saved_settings(path)}
     changes = {k: [saved.get(k), getattr(cfg, k)] for k in sorted(given - {"resume"})
                if k == "recipe" or saved.get(k) != getattr(cfg, k)}
     fixed = [k for k in changes if k not in resumable]
