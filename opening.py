@@ -10,7 +10,6 @@ import contextlib
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from decode import with_cache
 from logprobs import DEFAULT_CHUNK_SIZE, check_plain_logits, call_as_forward, logprobs_from_hidden
@@ -30,26 +29,32 @@ def remainder_attention(module, query, key, value, attention_mask, scaling=None,
 
     B, H, R, D = query.shape
     P = key.shape[2] - R
+    if kwargs.get("sliding_window") is not None:  # (_remainder_attention keeps such models on the mask)
+        raise RuntimeError("remainder_attention has no sliding window: the layer's mask would be ignored")
     q = torch.cat([query.new_zeros(B, H, P, D), query], 2)
-    out, _ = sdpa_attention_forward(module, q, key, value, None, dropout=dropout, scaling=scaling, is_causal=True)
+    out, _ = sdpa_attention_forward(module, q, key, value, None, dropout=dropout, scaling=scaling, is_causal=True,
+                                    **kwargs)
     return out[:, P:], None
 
 
-AttentionInterface.register(REMAINDER, remainder_attention)
-AttentionMaskInterface.register(REMAINDER, sdpa_mask)  # (the decoder builds sdpa's mask; the function ignores it)
+AttentionInterface.register(REMAINDER, remainder_attention)  # (a name with no mask function: none is built)
 
 
 @contextlib.contextmanager
 def _remainder_attention(decoder, opening: int, width: int, attention_mask):
-    """The remainders' forward through remainder_attention where the decoder attends with sdpa, the opening is
-    shorter than the remainders (else the padded queries would cost more than the mask), the rows are right-padded,
-    and no layer will be replayed in the backward (activation checkpointing: the replay runs after this, with the
-    decoder's own sdpa, and must save what the forward saved); else as it is (flash-attn aligns causal attention
-    to the bottom right itself)."""
+    """The remainders' forward through remainder_attention where the decoder attends with sdpa and plain causal
+    attention (no sliding window, chunks or bidirectional parts, which live in the mask it does without), the
+    opening is shorter than the remainders (else the padded queries would cost more than the mask), the rows are
+    right-padded, and no layer will be replayed in the backward (activation checkpointing: the replay runs after
+    this, with the decoder's own sdpa, and must save what the forward saved); else as it is (flash-attn aligns
+    causal attention to the bottom right itself)."""
     cfg = decoder.config
     replayed = torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False)
                                                or hasattr(m, "_checkpoint_wrapped_module") for m in decoder.modules())
-    use = (cfg._attn_implementation == "sdpa" and opening < width and not replayed
+    plain = (getattr(cfg, "is_causal", True) and not getattr(cfg, "attention_chunk_size", None)  # nothing on top of
+             and not (getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True))  # causal
+             and not {"sliding_attention", "chunked_attention"} & set(getattr(cfg, "layer_types", None) or ()))
+    use = (cfg._attn_implementation == "sdpa" and plain and opening < width and not replayed
            and bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all()))
     before = cfg._attn_implementation_internal
     if use:

@@ -2,11 +2,12 @@
 
 A tiny model is fine-tuned (sft.py) to pick the left door 30% of the time in ChoiceEnv (tests/fake_env.py), then
 trained by grpo.main itself (real rollout, real loss, real optimizer, one process) with reward 1 for `left`.
-The reward must rise above 0.8 within a few dozen steps (above 0.6 with LoRA adapters in place of full training);
+The reward must rise above 0.75 within a few dozen steps (above 0.6 with LoRA adapters in place of full training);
 with the sign of the advantages flipped, the same run must not rise (it falls towards 0), with adapters too.
 
 lr 5e-4 with 5 warm-up steps, measured here over seeds 0-3 of the run (the rollout's noise): the last 5 steps' reward
-0.82-0.87 with 5e-4; with 1e-3 and 7e-4 one seed in four breaks the tool-call format in one update and never recovers
+0.82-0.87 with 5e-4 on one CPU, 0.80 / 0.82 / 0.86 / 0.82 on another with the same torch (its kernels round otherwise,
+so the same seed samples another run: seed 0, the test's, gave exactly 0.80 there, hence 0.75, not 0.8); with 1e-3 and 7e-4 one seed in four breaks the tool-call format in one update and never recovers
 (reward 0 from then on: Adam moves each weight of the 0.1M-parameter policy by up to a few lr, whatever the size of its
 gradient); 2e-3 without warm-up collapses within a few steps and 1e-4 does not move it in 30. A sign error, advantages
 given to the wrong episodes, or a loss mask on the wrong tokens each fail one of the two."""
@@ -57,7 +58,7 @@ def test_grpo_reward_climbs(start, tmp_path, extra):
     print("reward per step:", " ".join(f"{r:.2f}" for r in rewards))
     first, last = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
     assert 0.1 <= first <= 0.6, f"the starting policy should pick left 20-50% of the time, got {first:.2f}"
-    assert last > (0.6 if extra else 0.8), f"GRPO did not learn the choice: reward {first:.2f} -> {last:.2f}"
+    assert last > (0.6 if extra else 0.75), f"GRPO did not learn the choice: reward {first:.2f} -> {last:.2f}"
 
 
 @pytest.mark.parametrize("extra", [(), LORA], ids=["full", "lora"])

@@ -61,6 +61,23 @@ def test_the_opening_once_gives_the_log_probs_and_gradients_of_every_row_whole(a
     assert len(calls) == (cfg.num_hidden_layers if O - 1 < T - O + 1 and not checkpointing else 0)
 
 
+def test_a_sliding_window_keeps_the_remainders_on_the_models_own_mask():
+    """A model whose layers attend through a sliding window (here 6 positions) is shared through transformers' mask,
+    which carries the window: its log-probs equal the whole rows' (the fused causal call would see past it)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, sliding_window=6,
+                                             attn_implementation="sdpa")).eval()
+    ids = torch.cat([torch.randint(0, 64, (1, 8)).expand(2, 8), torch.randint(0, 64, (2, 22))], 1)
+    attn = torch.ones(2, 30, dtype=torch.long)
+    attn[1, 25:] = 0
+    with torch.no_grad():
+        whole, shared = token_logprobs(model, ids, attn), shared_opening_logprobs(model, ids, attn, 8)
+    assert ((whole - shared)[:, 8:] * attn[:, 8:]).abs().max() < 1e-5
+
+
 def test_what_sharing_cannot_do_is_refused_by_name():
     """Reentrant checkpointing runs each layer under no_grad (the opening's keys and values would get no gradient);
     dropout draws other masks in the split group's recomputed opening; softcapped logits are not lm_head(hidden)."""
