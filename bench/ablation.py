@@ -2,6 +2,7 @@
 
     ./run python bench/ablation.py --out bench/ablation-run     # every arm x 5 seeds (hours on 2 CPU cores)
     ./run python bench/ablation.py --out bench/ablation-run     # again: continues where it stopped
+    ./run python bench/ablation.py --out R --threads 1 & ./run python bench/ablation.py --out R --threads 1  # 2 cores
     ./run python bench/ablation.py --replot bench/ablation-run  # the table and pictures from results.json
     ./run python bench/ablation.py --quick --out /tmp/q         # a smoke test: measures nothing
 
@@ -33,12 +34,18 @@ seeds and tasks together (stats.bootstrap_ci_seeds); differences paired by seed 
 Each arm's result is written to --out/results.json as soon as it is measured, so a run that stops keeps what finished
 and, started again with the same --out, continues with the next arm (an arm cut short is run again from its start;
 a cold start whose checkpoint is gone is rebuilt from its seed, and whether its weights came out the same is recorded).
+Two runs of the same command may share --out: each takes the next seed the other does not hold (a lock per seed) and
+merges its arms into results.json under a lock. The tiny model keeps one core busy, not two: on 2 cores, two runs
+with --threads 1 measured 1.68x one run's evaluations an hour. A seed's arms run in one process, so arm `sft`'s
+CPU-second budget and arm `dynamic`'s are counted at the same thread count (recorded with each arm).
 Writes results.md (the tables), ablation.png (final scores with intervals; greedy pass^1 against seconds of
 training) and dynamics.png (per GRPO step: reward, asked-refund share, unasked writes, groups, turns).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -180,6 +187,34 @@ def run_arm(arm: str, seed: int, done: dict, base: str, args, out: Path, log) ->
             "curve": curve + [(seconds, mean(final["greedy"]))]}
 
 
+@contextlib.contextmanager
+def seed_held(out: Path, seed: int):
+    """Yields whether this process holds `seed` (an exclusive lock on out/seed<N>.lock, let go on leaving or when
+    the process dies): two runs of the same command share a run directory seed by seed."""
+    with open(out / f"seed{seed}.lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+
+
+def merged(path: Path, seed: int, arms: dict | None, head: dict | None = None) -> dict[int, dict]:
+    """The results file as it is now, with `seed`'s arms replaced by `arms` and written back when `arms` is given:
+    read and written under a lock, so a run sharing the directory keeps the seeds the other wrote meanwhile."""
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        saved = json.loads(path.read_text()) if path.exists() else {}
+        results = {int(s): a for s, a in saved.get("results", {}).items()}
+        if arms is not None:
+            results[seed] = arms
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({**saved, **(head or {}), "results": results}))
+            os.replace(tmp, path)
+        return results
+
+
 def code_commit() -> str:
     """The commit the arms ran from (recorded with each arm: a run resumed across sessions shows if the code moved),
     with "+changes" when the working tree differs from it."""
@@ -225,6 +260,8 @@ def main(argv=None):
     p.add_argument("--replot", default="", help="only rewrite the table and pictures of this run directory")
     p.add_argument("--quick", action="store_true", help="1 seed, 2 GRPO steps of 2 tasks x 4, 8 test tasks x 2, "
                    "48 teacher tasks: checks that the pipeline runs, measures nothing")
+    p.add_argument("--threads", type=int, default=0, help="torch's CPU threads (default: torch's choice); on a small "
+                   "machine two runs of this command with --threads 1 share the seeds and finish sooner than one")
     args = p.parse_args(argv)
     if args.replot:
         return report.write(Path(args.replot))
@@ -232,13 +269,15 @@ def main(argv=None):
         p.set_defaults(seeds=1, steps=2, tasks_per_step=2, group_size=4, points=2, eval_tasks=8, trials=2,
                        cold_tasks=48)
         args = p.parse_args(argv)
-    for name, least in (("trials", 1), ("seeds", 1), ("eval_tasks", 1), ("points", 1), ("steps", 1)):
+    for name, least in (("trials", 1), ("seeds", 1), ("eval_tasks", 1), ("points", 1), ("steps", 1), ("threads", 0)):
         if getattr(args, name) < least:
             raise SystemExit(f"bench/ablation.py: --{name.replace('_', '-')} {getattr(args, name)}: must be at least "
                              f"{least}")
     wrong = [u for u in args.cold_users.split(",") if u not in USER_ENV]
     if wrong:
         raise SystemExit(f"bench/ablation.py: --cold-users: {', '.join(wrong)} not among {', '.join(USER_ENV)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     arms = args.arms.split(",")
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
@@ -251,7 +290,7 @@ def main(argv=None):
     saved = json.loads(path.read_text()) if path.exists() else {}
     base = args.base or str(sft.pretrain_tiny(sft.SFTConfig()))
     weights = Path(base) / "model.safetensors"  # a base rebuilt in place is another base
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "replot", "seeds", "arms")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "replot", "seeds", "arms", "threads")}
     settings["base_weights"] = hashlib.sha256(weights.read_bytes()).hexdigest()[:16] if weights.exists() else None
     if saved and saved["settings"] != settings:
         raise SystemExit(f"bench/ablation.py: {out} was started with other settings ({saved['settings']}); "
@@ -270,22 +309,29 @@ def main(argv=None):
         logf.flush()
 
     commit = code_commit()
-    log(f"code {commit}; base {base}; seeds 0-{args.seeds - 1}; arms {', '.join(arms)}; writing to {out}")
+    log(f"code {commit}; base {base}; seeds 0-{args.seeds - 1}; arms {', '.join(arms)}; {torch.get_num_threads()} "
+        f"threads; writing to {out}")
     for seed in range(args.seeds):
-        done = results.setdefault(seed, {})
-        for arm in [a for a in ORDER if a in arms]:
-            if arm in done:
+        with seed_held(out, seed) as held:  # a seed another run of this command holds is left to it
+            if not held:
+                log(f"seed {seed}: another run holds it")
                 continue
-            t0 = time.time()
-            done[arm] = run_arm(arm, seed, done, base, args, out, log)
-            done[arm]["commit"] = commit
-            f = done[arm]["final"]
-            log(f"seed {seed} {arm} ({ARMS[arm]}): greedy {mean(f['greedy']):.3f}, sampled "
-                f"{mean(f.get('sampled', {})):.3f}, asked {mean(f.get('sampled_asked', {})):.2f} "
-                f"({time.time() - t0:.0f}s)")
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"settings": settings, "base": base, "results": results}))
-            os.replace(tmp, path)
+            done = results[seed] = merged(path, seed, None).get(seed, {})
+            for arm in [a for a in ORDER if a in arms]:
+                if arm in done:
+                    continue
+                t0 = time.time()
+                done[arm] = run_arm(arm, seed, done, base, args, out, log)
+                done[arm].update(commit=commit, threads=torch.get_num_threads())
+                f = done[arm]["final"]
+                log(f"seed {seed} {arm} ({ARMS[arm]}): greedy {mean(f['greedy']):.3f}, sampled "
+                    f"{mean(f.get('sampled', {})):.3f}, asked {mean(f.get('sampled_asked', {})):.2f} "
+                    f"({time.time() - t0:.0f}s)")
+                results = merged(path, seed, done, {"settings": settings, "base": base})
+    results = merged(path, 0, None)  # with the seeds another run wrote
+    if not results:
+        log("no seed measured yet: another run holds each")
+        return results
     md = report.write(out)
     print(md)
     log(f"done: {out}/results.md, ablation.png, dynamics.png")

@@ -98,3 +98,29 @@ def test_the_cold_start_talks_to_each_user_on_its_share_of_the_tasks():
                    for c in convs if c not in static)
     only = ablation.teacher_conversations(60, 0, ["dynamic"])  # the even tasks: the same conversations
     assert [c for c in only if int(c["task_id"].rsplit("-", 1)[1]) % 2 == 0] == [c for c in convs if c not in static]
+
+
+def test_two_runs_share_a_directory_seed_by_seed(tmp_path, base, monkeypatch):
+    """A seed another run holds is skipped, and a run's writes keep the seeds the other wrote meanwhile."""
+    out = tmp_path / "run"
+    out.mkdir()
+    real = ablation.run_arm
+
+    def the_other_run_writes_seed_2(arm, seed, *a):
+        r = real(arm, seed, *a)
+        ablation.merged(out / "results.json", 2, {"base": dict(r, threads=1, commit="theirs")})
+        return r
+
+    monkeypatch.setattr(ablation, "run_arm", the_other_run_writes_seed_2)
+    with ablation.seed_held(out, 0) as held:  # the other run is on seed 0
+        assert held
+        with ablation.seed_held(out, 0) as again:
+            assert not again
+        results = ablation.main(["--quick", "--seeds", "2", "--arms", "base", "--threads", "1", "--base", base,
+                                 "--out", str(out)])
+    assert sorted(results) == [1, 2] and results[1]["base"]["threads"] == 1
+    saved = json.loads((out / "results.json").read_text())
+    assert sorted(saved["results"]) == ["1", "2"] and saved["settings"]["eval_tasks"] == 8
+    assert "seed 0: another run holds it" in (out / "log.txt").read_text()
+    with pytest.raises(SystemExit, match="--threads"):
+        ablation.main(["--quick", "--threads", "-1", "--base", base, "--out", str(out)])
