@@ -17,6 +17,7 @@ drives it (tools, users, rewards) is batched_rollout.py; the settings are batche
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +40,7 @@ class _Row:
     pool: Any = None  # the SlotPool its cache lives in, once it has one
     slot: int = -1  # its slot in the pool (-1: none: its cache is spilled or empty)
     kv_len: int = 0  # positions of the conversation in its cache
-    spilled: list | None = None  # per layer (keys, values) [kv_heads, kv_len, head_dim], while it has no slot
+    spilled: _Spilled | None = None  # its cache while it has no slot
     new_ids: list[int] = field(default_factory=list)  # this turn's sampled tokens
     new_logprobs: list[float] = field(default_factory=list)
     stop: str = ""  # why this turn's decoding stopped: eot (any stop token) | max_new_tokens | context
@@ -50,7 +51,52 @@ class _Row:
         """Forget the cache (the episode ended, or its next turn re-encodes the conversation): the slot is free."""
         if self.slot >= 0:
             self.pool.owner[self.slot] = None
+        if self.spilled is not None:
+            self.spilled.drop()
         self.slot, self.kv_len, self.spilled = -1, 0, None
+
+
+# Host memory for the caches of rows without a slot: blocks of one size, one a row (every layer's keys and values at
+# the pool's capacity), taken back when the row gets a slot again and kept for the next rollout. Pinned blocks are
+# page-locked in place: torch's pinned allocator rounds every block up to a power of two (up to twice the bytes) and
+# keeps freed blocks by size, so caches spilled at many lengths would hold more than the estimate's host_kv_cache.
+_HOST_BLOCKS: dict[tuple, list[torch.Tensor]] = {}  # free blocks by (shape, dtype, pinned)
+
+
+def _host_block(shape: tuple, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    free = _HOST_BLOCKS.setdefault((shape, dtype, pin), [])
+    if free:
+        return free.pop()
+    nbytes = -(-torch.Size(shape).numel() * dtype.itemsize // 4096) * 4096  # whole pages, from a page boundary
+    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+    start = -raw.data_ptr() % 4096
+    block = raw[start:start + nbytes].view(dtype)[:torch.Size(shape).numel()].view(shape)
+    if pin:  # never unregistered: a block is reused, and kept until the process ends, as torch keeps pinned blocks
+        register = getattr(torch.cuda.cudart(), "cudaHostRegister", None)
+        if register is None or int(register(block.data_ptr(), nbytes, 1)) != 0:  # 1: cudaHostRegisterPortable
+            warnings.warn("cudaHostRegister failed or is missing: a spilled KV cache goes to torch's pinned "
+                          "allocator, which may hold up to twice its bytes")
+            block = torch.empty(shape, dtype=dtype, pin_memory=True)
+    return block
+
+
+class _Spilled:
+    """One cache out of its slot, in a block (host memory, or spill_device's), read by `users` rows (a group's
+    opening is spilled once for the siblings that found no slot); the block is free again when each has let go."""
+
+    def __init__(self, block: torch.Tensor, n: int, users: int, free: list | None):
+        self.kv = [(block[i, 0, :, :n], block[i, 1, :, :n]) for i in range(block.shape[0])]  # per layer (keys, values)
+        self.block, self.users, self.free = block, users, free
+
+    def drop(self) -> None:
+        self.users -= 1
+        if self.users == 0 and self.free is not None:
+            self.free.append(self.block)
+
+    def __del__(self):  # a rollout that raised drops its rows unfreed: the block is still the next spill's
+        if self.users > 0 and self.free is not None:
+            self.users = 0
+            self.free.append(self.block)
 
 
 class SlotPool:
@@ -79,25 +125,38 @@ class SlotPool:
         """Give `row` the free `slot`, bringing its cache there (from its old slot, or back from host memory)."""
         assert self.owner[slot] is None, "take: the slot is not free"
         n = row.kv_len
-        for layer, (k, v) in enumerate(zip(self.k, self.v)):
-            if row.slot >= 0 and n:
-                k[slot, :, :n], v[slot, :, :n] = k[row.slot, :, :n], v[row.slot, :, :n]
-            elif row.spilled is not None and n:
-                k[slot, :, :n].copy_(row.spilled[layer][0], non_blocking=True)
-                v[slot, :, :n].copy_(row.spilled[layer][1], non_blocking=True)
+        if row.slot >= 0:
+            self.copy_slot(row.slot, slot, n)
+        elif row.spilled is not None:
+            for (k, v), (hk, hv) in zip(zip(self.k, self.v), row.spilled.kv):
+                k[slot, :, :n].copy_(hk, non_blocking=True)
+                v[slot, :, :n].copy_(hv, non_blocking=True)
         if row.slot >= 0:
             self.owner[row.slot] = None
+        if row.spilled is not None:  # its block is the next spill's (in the stream's order: read before rewritten)
+            row.spilled.drop()
         row.pool, row.slot, row.spilled, self.owner[slot] = self, slot, None, row
+
+    def copy_slot(self, src: int, dst: int, n: int) -> None:
+        for k, v in zip(self.k, self.v):
+            k[dst, :, :n], v[dst, :, :n] = k[src, :, :n], v[src, :, :n]
 
     def spill(self, row: _Row) -> None:
         """Move `row`'s cache out of its slot to spill_device; the slot is free."""
-        row.spilled = [(self._out(k[row.slot, :, :row.kv_len]), self._out(v[row.slot, :, :row.kv_len]))
-                       for k, v in zip(self.k, self.v)]
+        row.spilled = self.copy_out(row.slot, row.kv_len, 1)
         self.owner[row.slot], row.slot = None, -1
 
-    def _out(self, t: torch.Tensor) -> torch.Tensor:
-        host = torch.empty(t.shape, dtype=t.dtype, device=self.spill_device, pin_memory=self.pin)
-        return host.copy_(t, non_blocking=self.pin)
+    def copy_out(self, slot: int, n: int, users: int) -> _Spilled:
+        """The first n positions of `slot`, every layer, copied to a block of spill_device for `users` rows."""
+        shape = (len(self.k), 2, *self.k[0].shape[1:])
+        if self.spill_device.type == "cpu":
+            block, free = _host_block(shape, self.dtype, self.pin), _HOST_BLOCKS[(shape, self.dtype, self.pin)]
+        else:  # on a device: from its caching allocator, freed with the spill (held only while the row waits)
+            block, free = torch.empty(shape[:3] + (n,) + shape[4:], dtype=self.dtype, device=self.spill_device), None
+        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+            block[layer, 0, :, :n].copy_(k[slot, :, :n], non_blocking=self.pin)
+            block[layer, 1, :, :n].copy_(v[slot, :, :n], non_blocking=self.pin)
+        return _Spilled(block, n, users, free)
 
     def swap(self, a: int, b: int) -> None:
         """Trade the contents and owners of slots a and b (one row's cache of one layer held twice, at most)."""
@@ -245,13 +304,17 @@ def _prefill_openings(model, pool: SlotPool, groups: list[list[_Row]], cfg, eot:
         with decode_attention(model, cfg.decode_attention):
             _prefill(model, pool, part, [r.ep.input_ids[:-1] for r in part], cfg, eot)
         for g in (g for g in groups if g[0] in part):
-            copy = None
+            left = []
             for r in g[1:]:
                 r.kv_len = g[0].kv_len
-                r.spilled = [(k[g[0].slot, :, :r.kv_len], v[g[0].slot, :, :r.kv_len]) for k, v in zip(pool.k, pool.v)]
-                if not pool.acquire(r):  # no slot left: one host copy for the group's siblings
-                    copy = copy or [(pool._out(k), pool._out(v)) for k, v in r.spilled]
-                    r.spilled = copy
+                if pool.acquire(r):  # its slot gets a copy of the leader's
+                    pool.copy_slot(g[0].slot, r.slot, r.kv_len)
+                else:
+                    left.append(r)
+            if left:  # no slot left: one copy for the group's siblings without one
+                shared = pool.copy_out(g[0].slot, g[0].kv_len, len(left))
+                for r in left:
+                    r.spilled = shared
 
 
 @torch.no_grad()

@@ -14,7 +14,8 @@ Checks, in order; each is PASS, FAIL or SKIP (with why) and its figures, in OUT/
   versions   torch, transformers, accelerate, the device, flash-attn, deepspeed
   engine     the engine's greedy episodes equal reference_rollout's (ids and loss masks), fp32 sdpa, with max_batch
              0 and 2, with parking in host memory on and off, with the prefill in chunks, and with a user whose
-             replies take 10-90 ms, fetched while the other episodes decode (invariant 5, on this device)
+             replies take 10-90 ms, fetched while the other episodes decode (invariant 5, on this device); the
+             parked caches' host blocks page-locked (engine._host_block)
   flash      bf16: the trainer's log-probs of the same episodes with flash-attn against sdpa (the rollout's own
              attention is decode.py's either way)
   kv_peak    peak GPU memory of a rollout at long contexts against memory.memory_estimate (weights + KV cache), on
@@ -217,6 +218,12 @@ def engine(model, tok, env, tasks, device):
         same = sum(a.input_ids == b.input_ids and a.loss_mask == b.loss_mask for a, b in zip(eps, ref))
         figs[name] = f"{same}/{len(ref)} equal"
         ok &= same == len(ref)
+    import engine as engine_module  # the parked caches' host blocks: page-locked in place (cudaHostRegister)
+
+    blocks = [b for free in engine_module._HOST_BLOCKS.values() for b in free]
+    pinned = sum(b.is_pinned() for b in blocks)
+    figs["parked host blocks"] = f"{len(blocks)}, {pinned} page-locked"
+    ok &= bool(blocks) and (pinned == len(blocks) or device.type != "cuda")  # (a pool on the CPU pins nothing)
     return ("PASS" if ok else "FAIL"), figs
 
 

@@ -753,7 +753,7 @@ def test_the_slot_pool_moves_caches_intact(tiny_lm):
             if r.slot >= 0:
                 got = [buf[r.slot, :, :r.kv_len] for buf in pool.k + pool.v]
             else:  # spilled: per layer (keys, values); the pool's order is every layer's keys, then their values
-                got = [k for k, _ in r.spilled] + [v for _, v in r.spilled]
+                got = [k for k, _ in r.spilled.kv] + [v for _, v in r.spilled.kv]
             assert all(torch.equal(g, w) for g, w in zip(got, want[i]))
         assert all(pool.owner[r.slot] is r for r in rows if r.slot >= 0)
 
@@ -773,33 +773,45 @@ def test_the_slot_pool_moves_caches_intact(tiny_lm):
 
 def test_the_cache_is_never_held_twice(lm, tiny_tok, monkeypatch):
     """Byte accounting over whole rollouts (rows joining and leaving mid-turn, refills, a group's shared opening): the
-    engine allocates its pool once (the memory estimate's kv_cache term), and besides it at most one row's cache of one layer at a time (a swap's
-    temporary), never a batch's; with fewer slots than episodes, what spills is one row's cache of one layer a copy.
+    engine allocates its pool once (the memory estimate's kv_cache term), and besides it at most one row's cache of
+    one layer at a time (a swap's temporary), never a batch's. With fewer slots than episodes, a row without a slot
+    keeps its cache in a host block of one size, one episode at max_context (the estimate's host_kv_cache per waiting
+    episode), no more blocks than rows that wait, taken back and reused: a second rollout allocates none.
     Counted at the allocation calls the engine makes (torch.zeros, torch.empty, torch.empty_like)."""
     import sys
 
+    import engine
     import memory
 
-    made = []
+    made, blocks = [], []
     for name in ("zeros", "empty", "empty_like"):
         real = getattr(torch, name)
 
         def counting(*a, real=real, **k):
             t = real(*a, **k)
-            if sys._getframe(1).f_globals.get("__name__") == "engine":
-                made.append(t.numel() * t.element_size())
+            caller = sys._getframe(1)
+            if caller.f_globals.get("__name__") == "engine":
+                (blocks if caller.f_code.co_name == "_host_block" else made).append(t.numel() * t.element_size())
             return t
 
         monkeypatch.setattr(torch, name, counting)
+    monkeypatch.setattr(engine, "_HOST_BLOCKS", {})  # no block left over from another test
     cfg = lm.config
     row_layer = cfg.num_key_value_heads * 800 * cfg.head_dim * 4  # one row of one layer, at max_context 800
+    episode = memory.kv_bytes_per_token(cfg, bf16=False) * 800  # one episode's cache at max_context
     env = FakeEnv(n_tasks=3)
-    for max_batch in (0, 2):
+    spilled = []  # host blocks each rollout allocated
+    for max_batch in (0, 2, 2):
         made.clear()
+        blocks.clear()
         c = RolloutConfig(greedy=True, max_new_tokens=24, max_turns=4, max_context=800, max_batch=max_batch)
         eps = rollout(lm, tiny_tok, env, env.tasks(), 3, make_user_sim("scripted"), c)
         slots = max_batch or 9
-        pool = memory.kv_bytes_per_token(cfg, bf16=False) * 800 * slots  # the memory estimate's kv_cache term
         big = [b for b in made if b > row_layer]
-        assert sum(big) == pool and len(big) == 2 * cfg.num_hidden_layers  # the pool, once
-        assert len(made) > len(big) and sum(e.turns for e in eps) >= 9  # swaps (and spills) happened, each small
+        assert sum(big) == episode * slots and len(big) == 2 * cfg.num_hidden_layers  # the pool, once
+        assert len(made) > len(big) and sum(e.turns for e in eps) >= 9  # swaps happened, each small
+        assert len(blocks) <= 9 - slots and all(episode <= b < episode + 2 * 4096 for b in blocks)  # whole pages
+        spilled.append(len(blocks))
+    # no spill with a slot each; spills with 2 slots, in blocks the next rollout took back; every block free at the end
+    assert spilled[0] == 0 and spilled[1] > 0 and spilled[2] == 0
+    assert [len(free) for free in engine._HOST_BLOCKS.values()] == [spilled[1]]
