@@ -17,7 +17,6 @@ drives it (tools, users, rewards) is batched_rollout.py; the settings are batche
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,35 +56,44 @@ class _Row:
 
 
 # Host memory for the caches of rows without a slot: blocks of one size, one a row (every layer's keys and values at
-# the pool's capacity), taken back when the row gets a slot again and kept for the next rollout. Pinned blocks are
-# page-locked in place: torch's pinned allocator rounds every block up to a power of two (up to twice the bytes) and
-# keeps freed blocks by size, so caches spilled at many lengths would hold more than the estimate's host_kv_cache.
-_HOST_BLOCKS: dict[tuple, list[torch.Tensor]] = {}  # free blocks by (shape, dtype, pinned)
+# the pool's capacity), taken back when the row gets a slot again and kept for the next rollout. A cache of n
+# positions fills the front of its block contiguously ([layers, 2, kv_heads, n, head_dim]): a copy between a GPU and
+# a strided host view goes through a pageable temporary and waits, so only a contiguous one is asynchronous. Pinned
+# blocks are page-locked in place (cudaHostRegister): torch's pinned allocator rounds every block up to a power of two
+# (up to twice the bytes) and keeps freed blocks by size, so caches spilled at many lengths would hold more than the
+# estimate's host_kv_cache.
+_HOST_BLOCKS: dict[tuple, list[torch.Tensor]] = {}  # free blocks by (elements, dtype, pinned)
 
 
-def _host_block(shape: tuple, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    free = _HOST_BLOCKS.setdefault((shape, dtype, pin), [])
+def _host_block(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A free block of `numel` elements, 1-D, starting on a page boundary; page-locked when `pin`."""
+    free = _HOST_BLOCKS.setdefault((numel, dtype, pin), [])
     if free:
         return free.pop()
-    nbytes = -(-torch.Size(shape).numel() * dtype.itemsize // 4096) * 4096  # whole pages, from a page boundary
+    nbytes = -(-numel * dtype.itemsize // 4096) * 4096  # whole pages
     raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
     start = -raw.data_ptr() % 4096
-    block = raw[start:start + nbytes].view(dtype)[:torch.Size(shape).numel()].view(shape)
+    block = raw[start:start + nbytes].view(dtype)[:numel]
     if pin:  # never unregistered: a block is reused, and kept until the process ends, as torch keeps pinned blocks
-        register = getattr(torch.cuda.cudart(), "cudaHostRegister", None)
-        if register is None or int(register(block.data_ptr(), nbytes, 1)) != 0:  # 1: cudaHostRegisterPortable
-            warnings.warn("cudaHostRegister failed or is missing: a spilled KV cache goes to torch's pinned "
-                          "allocator, which may hold up to twice its bytes")
-            block = torch.empty(shape, dtype=dtype, pin_memory=True)
+        err = int(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), nbytes, 1))  # 1: cudaHostRegisterPortable
+        if err:  # no fallback: the failed call leaves its error pending, and the next kernel launch would raise it
+            raise RuntimeError(
+                f"engine: page-locking {nbytes / 2**30:.2f} GiB of host memory for a waiting episode's KV cache failed "
+                f"(cudaHostRegister: cudaError {err}). Fewer episodes wait off the GPU with a larger --rollout-batch "
+                "(0: every episode decodes in a slot of its own), a lower --max-context or --tasks-per-step.")
     return block
 
 
 class _Spilled:
-    """One cache out of its slot, in a block (host memory, or spill_device's), read by `users` rows (a group's
-    opening is spilled once for the siblings that found no slot); the block is free again when each has let go."""
+    """One cache out of its slot, the front of a block (host memory, or spill_device's), read by `users` rows (a
+    group's opening is spilled once for the siblings that found no slot); the block is free again when each has let
+    go. `kv` per layer (keys, values), each [kv_heads, n, head_dim], contiguous."""
 
-    def __init__(self, block: torch.Tensor, n: int, users: int, free: list | None):
-        self.kv = [(block[i, 0, :, :n], block[i, 1, :, :n]) for i in range(block.shape[0])]  # per layer (keys, values)
+    rescued = 0  # blocks given back by the garbage collector, not by drop() (a rollout that raised): 0 normally
+
+    def __init__(self, block: torch.Tensor, shape: tuple, users: int, free: list | None):
+        self.packed = block[:torch.Size(shape).numel()].view(shape)  # [layers, 2, kv_heads, n, head_dim]
+        self.kv = [(layer[0], layer[1]) for layer in self.packed]
         self.block, self.users, self.free = block, users, free
 
     def drop(self) -> None:
@@ -93,10 +101,11 @@ class _Spilled:
         if self.users == 0 and self.free is not None:
             self.free.append(self.block)
 
-    def __del__(self):  # a rollout that raised drops its rows unfreed: the block is still the next spill's
+    def __del__(self):
         if self.users > 0 and self.free is not None:
             self.users = 0
             self.free.append(self.block)
+            _Spilled.rescued += 1
 
 
 class SlotPool:
@@ -148,15 +157,18 @@ class SlotPool:
 
     def copy_out(self, slot: int, n: int, users: int) -> _Spilled:
         """The first n positions of `slot`, every layer, copied to a block of spill_device for `users` rows."""
-        shape = (len(self.k), 2, *self.k[0].shape[1:])
+        layers, kv_heads, capacity, head_dim = len(self.k), *self.k[0].shape[1:]
+        shape = (layers, 2, kv_heads, n, head_dim)
         if self.spill_device.type == "cpu":
-            block, free = _host_block(shape, self.dtype, self.pin), _HOST_BLOCKS[(shape, self.dtype, self.pin)]
+            numel = layers * 2 * kv_heads * capacity * head_dim
+            block, free = _host_block(numel, self.dtype, self.pin), _HOST_BLOCKS[(numel, self.dtype, self.pin)]
         else:  # on a device: from its caching allocator, freed with the spill (held only while the row waits)
-            block, free = torch.empty(shape[:3] + (n,) + shape[4:], dtype=self.dtype, device=self.spill_device), None
-        for layer, (k, v) in enumerate(zip(self.k, self.v)):
-            block[layer, 0, :, :n].copy_(k[slot, :, :n], non_blocking=self.pin)
-            block[layer, 1, :, :n].copy_(v[slot, :, :n], non_blocking=self.pin)
-        return _Spilled(block, n, users, free)
+            block, free = torch.empty(torch.Size(shape).numel(), dtype=self.dtype, device=self.spill_device), None
+        spilled = _Spilled(block, shape, users, free)
+        for (k, v), (hk, hv) in zip(zip(self.k, self.v), spilled.kv):
+            hk.copy_(k[slot, :, :n], non_blocking=self.pin)
+            hv.copy_(v[slot, :, :n], non_blocking=self.pin)
+        return spilled
 
     def swap(self, a: int, b: int) -> None:
         """Trade the contents and owners of slots a and b (one row's cache of one layer held twice, at most)."""

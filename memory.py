@@ -46,7 +46,8 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
       reference       the frozen reference, fp32 like the policy's master weights (pipeline.load_reference: the same
                       precision path, so kl is 0 until the policy moves) (/ N under FSDP2); 0 without a KL term
       kv_cache        kv_bytes_per_token x max_context x episodes: the worst case, every episode at the context cap
-      host_kv_cache   the same for the parked episodes, in host memory (not GPU memory: not in the peaks)
+      host_kv_cache   the same for the parked episodes, in host memory (not GPU memory: not in the peaks); its
+                      blocks are kept from the first rollout that parks an episode to the end (engine._host_block)
       prefill         one prefill forward's activations (the rollout prefills in chunks of prefill_tokens)
       host_load       host memory while loading: one full fp32 model per process (the policy, then the reference)
       host_save       host memory of the one process that writes a checkpoint's model directory: the whole fp32
@@ -55,8 +56,9 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
                       write only their shards (a sharded save_state).
       host_base       with LoRA and --lora-decode merged: the adapted base weights' copy in the compute dtype that
                       restores them after each rollout (lora.merged_for_decoding), held from the first rollout on
-      host_peak       the largest of host_load, host_kv_cache and host_save (they are not held at the same time),
-                      host_base added to the last two
+      host_peak       the larger of host_load and host_kv_cache + host_save (loading ends before the first rollout;
+                      the parked caches' blocks are still held when a checkpoint is written), host_base added to the
+                      latter
     The rollout holds weights + master_weights + optimizer + reference + kv_cache + prefill; the update holds
     master_weights + gradients + optimizer + reference (+ weights under DDP); loading holds, under DDP, the whole
     fp32 policy (and its reduction buckets) and then the reference; under FSDP2 (shard.load_device: loaded in host
@@ -85,7 +87,7 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
         est["host_load"] = n_params * compute
         est["host_save"] = lora * 4  # the adapters only, in fp32
         est["host_base"] = lora_base * compute  # --lora-decode merged: the adapted base weights' copy, held all run
-        est["host_peak"] = max(est["host_load"], est["host_base"] + max(host_kv, est["host_save"]))
+        est["host_peak"] = max(est["host_load"], est["host_base"] + host_kv + est["host_save"])
         est["peak"] = max(est["rollout_peak"], est["update_peak"], est["load_peak"])
         return est
     est = {
@@ -108,7 +110,7 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
         est["load_peak"] = n_params * 4 * (2 if reference else 1) + (n_params * 4 if grads == 2 else 0)
     est["host_load"] = n_params * 4
     est["host_save"] = (n_params * 4 if sharded or zero2 else 0) + min(n_params * 4, MODEL_FILE_BYTES)
-    est["host_peak"] = max(est["host_load"], est["host_kv_cache"], est["host_save"])
+    est["host_peak"] = max(est["host_load"], est["host_kv_cache"] + est["host_save"])
     est["peak"] = max(est["rollout_peak"], est["update_peak"], est["load_peak"])
     return est
 
@@ -215,6 +217,14 @@ def check_host(est: dict, program: str, *, lora: bool = False, parked: int = 0, 
             f"that writes it (the whole model gathered there in fp32, and one weights file of up to "
             f"{gib(MODEL_FILE_BYTES)} serialized), more than this machine's {gib(host)}. Use a machine with more host "
             "memory, or train LoRA adapters (--lora-rank: only they are saved); --no-memory-check runs anyway.")
+    saving = held * local + est["host_save"]  # at a checkpoint: every process's parked caches, and the writer's model
+    if host and held and saving > host and each * local <= host:
+        raise SystemExit(
+            f"{program}: writing a checkpoint needs an estimated {gib(saving)} of host memory on this machine, more "
+            f"than its {gib(host)}: the writer's {gib(est['host_save'])} beside the {local} processes' parked KV "
+            f"caches{' and base copies' if est.get('host_base', 0) else ''} ({gib(held * local)}), which stay "
+            "allocated for the next rollout. Raise --rollout-batch (fewer wait), lower --max-context or "
+            "--tasks-per-step; --no-memory-check runs anyway.")
     if host and each * local > host:
         need, total = gib(each), gib(each * local)
         if est.get("host_base", 0) and held >= est["host_load"]:

@@ -221,8 +221,8 @@ def engine(model, tok, env, tasks, device):
     import engine as engine_module  # the parked caches' host blocks: page-locked in place (cudaHostRegister)
 
     blocks = [b for free in engine_module._HOST_BLOCKS.values() for b in free]
-    pinned = sum(b.is_pinned() for b in blocks)
-    figs["parked host blocks"] = f"{len(blocks)}, {pinned} page-locked"
+    pinned = sum(b.is_pinned() and b.data_ptr() % 4096 == 0 for b in blocks)  # cudaHostRegister'd in place
+    figs["parked host blocks"] = f"{len(blocks)}, {pinned} page-aligned and page-locked"
     ok &= bool(blocks) and (pinned == len(blocks) or device.type != "cuda")  # (a pool on the CPU pins nothing)
     return ("PASS" if ok else "FAIL"), figs
 

@@ -366,12 +366,20 @@ def test_parked_caches_are_counted_in_host_memory(tiny_lm, monkeypatch, capsys):
     assert parked["host_kv_cache"] == kv * 4096 * 24 and alone["host_kv_cache"] == 0
     assert parked["peak"] == alone["peak"] and parked["kv_cache"] == kv * 4096 * 8
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**40))
-    monkeypatch.setattr(memory, "host_memory_bytes", lambda: kv * 4096 * 24 * 3)  # room for 3 processes' parked caches
+    # room for 3 processes' parked caches and the writer's checkpoint beside them (the model in fp32, under DDP): the
+    # caches' host blocks stay allocated from the first rollout on (engine._host_block), saves included
+    assert parked["host_save"] == 400 and parked["host_peak"] == kv * 4096 * 24 + 400
+    save = 4 * sum(p.numel() for p in tiny_lm.parameters())
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: kv * 4096 * 24 * 3 + save)
     opts = dict(world=4, sharded=False, bf16=True, reference=True, max_context=4096, episodes=8, parked=24,
                 device="cuda:0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     memory.check_memory(tiny_lm.config, **opts)
     assert "host_kv_cache" in capsys.readouterr().out
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: kv * 4096 * 24 * 3)  # the caches fit, not the save too
+    with pytest.raises(SystemExit, match="writing a checkpoint needs") as e:
+        memory.check_memory(tiny_lm.config, **opts)
+    assert "parked KV caches" in str(e.value) and "--rollout-batch" in str(e.value)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(SystemExit, match="--rollout-batch") as e:
         memory.check_memory(tiny_lm.config, **opts)
