@@ -276,8 +276,9 @@ def main(argv=None):
     wrong = [u for u in args.cold_users.split(",") if u not in USER_ENV]
     if wrong:
         raise SystemExit(f"bench/ablation.py: --cold-users: {', '.join(wrong)} not among {', '.join(USER_ENV)}")
-    if args.threads:
+    if args.threads:  # and for grpo.main and sft.train, whose Accelerator would share the cores out again (cli.py)
         torch.set_num_threads(args.threads)
+        os.environ["MUARL_THREADS"] = str(args.threads)
     arms = args.arms.split(",")
     unknown = [a for a in arms if a not in ARMS]
     if unknown:

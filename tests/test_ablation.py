@@ -4,11 +4,13 @@ bookkeeping checked: the table holds what was measured, arm `sft` got its budget
 GRPO arm logged its dynamics and was evaluated at its checkpoints, and a stopped run continues where it stopped,
 rebuilding the cold start when only the results file is left."""
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import models
 from envs import make_env
@@ -112,13 +114,20 @@ def test_two_runs_share_a_directory_seed_by_seed(tmp_path, base, monkeypatch):
         return r
 
     monkeypatch.setattr(ablation, "run_arm", the_other_run_writes_seed_2)
-    with ablation.seed_held(out, 0) as held:  # the other run is on seed 0
-        assert held
-        with ablation.seed_held(out, 0) as again:
-            assert not again
-        results = ablation.main(["--quick", "--seeds", "2", "--arms", "base", "--threads", "1", "--base", base,
-                                 "--out", str(out)])
-    assert sorted(results) == [1, 2] and results[1]["base"]["threads"] == 1
+    monkeypatch.setitem(os.environ, "MUARL_THREADS", "0")  # put back after the test (--threads sets it)
+    threads = torch.get_num_threads()
+    try:
+        with ablation.seed_held(out, 0) as held:  # the other run is on seed 0
+            assert held
+            with ablation.seed_held(out, 0) as again:
+                assert not again
+            results = ablation.main(["--quick", "--seeds", "2", "--arms", "base,rl", "--threads", "1", "--base",
+                                     base, "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    # --threads holds in the GRPO arm too, whose Accelerator shares the cores out (cli.py): two runs at 1 thread each
+    # on 2 cores, each arm's GRPO at 2 threads, had 4 threads on 2 cores and ran its steps ~10x slower
+    assert sorted(results) == [1, 2] and results[1]["base"]["threads"] == results[1]["rl"]["threads"] == 1
     saved = json.loads((out / "results.json").read_text())
     assert sorted(saved["results"]) == ["1", "2"] and saved["settings"]["eval_tasks"] == 8
     assert "seed 0: another run holds it" in (out / "log.txt").read_text()
