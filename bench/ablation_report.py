@@ -44,13 +44,18 @@ def matrix(results: dict, seeds: list[int], arm: str, key: str, subset: bool) ->
 def score(results: dict, arm: str, key: str, subset: bool = False, minus: str | None = None) -> dict | None:
     """Mean and interval of an arm's per-task `key` (or of its difference from arm `minus`), over the seeds that have
     it (both arms)."""
-    seeds = [s for s in sorted(results) if arm in results[s] and (minus is None or minus in results[s])
-             and key in results[s][arm]["final"] and (minus is None or key in results[s][minus]["final"])]
+    return contrast(results, [(1, arm)] + ([(-1, minus)] if minus is not None else []), key, subset)
+
+
+def contrast(results: dict, terms: list[tuple[int, str]], key: str, subset: bool = False) -> dict | None:
+    """Mean and interval of a signed sum of arms' per-task `key` (e.g. [(1, a), (-1, b)]: a - b), task by task within
+    each seed, over the seeds that have every arm of it."""
+    seeds = [s for s in sorted(results)
+             if all(a in results[s] and key in results[s][a]["final"] for _, a in terms)]
     if not seeds:
         return None
-    m = matrix(results, seeds, arm, key, subset)
-    if minus is not None:
-        m = [[a - b for a, b in zip(ra, rb)] for ra, rb in zip(m, matrix(results, seeds, minus, key, subset))]
+    ms = [(sign, matrix(results, seeds, a, key, subset)) for sign, a in terms]
+    m = [[sum(sign * mat[i][j] for sign, mat in ms) for j in range(len(ms[0][1][i]))] for i in range(len(seeds))]
     values = [x for row in m for x in row]
     if not values:
         return None
@@ -97,7 +102,52 @@ def table(saved: dict) -> str:
                      f"{cell(score(results, a, 'sampled', minus=b), True)} | "
                      f"{cell(score(results, a, 'sampled', True, b), True)} | "
                      f"{cell(score(results, a, 'sampled_asked', True, b), True)} |")
+    lines += predictions(results)
     return "\n".join(lines) + "\n"
+
+
+# The issue's predictions, each a paired contrast: (what it says, terms, refund tasks only?, kind). Kind "above": the
+# contrast is predicted positive; "none": predicted zero (the negative control, where asking is never needed).
+PREDICTIONS = [
+    ("the cold start is above the base", [(1, "cold"), (-1, "base")], False, "above"),
+    ("full (cold start + GRPO, dynamic user) is above the cold start", [(1, "dynamic"), (-1, "cold")], False, "above"),
+    ("RL without a cold start is above the base", [(1, "rl"), (-1, "base")], False, "above"),
+    ("full is above more SFT for the same CPU seconds", [(1, "dynamic"), (-1, "sft")], False, "above"),
+    ("full is above the static user's arm, on the refund tasks", [(1, "dynamic"), (-1, "static")], True, "above"),
+    ("full is above the replayed user's arm, on the refund tasks", [(1, "dynamic"), (-1, "replay")], True, "above"),
+    ("control: dynamic and static do not differ, on the refund tasks", [(1, "ctl_dynamic"), (-1, "ctl_static")],
+     True, "none"),
+    ("control: dynamic and replayed do not differ, on the refund tasks", [(1, "ctl_dynamic"), (-1, "ctl_replay")],
+     True, "none"),
+    ("dynamic - static exceeds the control's dynamic - static, on the refund tasks",
+     [(1, "dynamic"), (-1, "static"), (-1, "ctl_dynamic"), (1, "ctl_static")], True, "above"),
+    ("dynamic - replay exceeds the control's dynamic - replay, on the refund tasks",
+     [(1, "dynamic"), (-1, "replay"), (-1, "ctl_dynamic"), (1, "ctl_replay")], True, "above"),
+]
+
+
+def verdict(sc: dict | None, kind: str) -> str:
+    """What a 95% interval says of a prediction: "above" holds when the interval lies above 0 and is refuted when it
+    lies below; "none" (no difference) fails when the interval excludes 0 and is otherwise not refuted (an interval
+    around 0 shows no difference as large as its half-width, not that there is none)."""
+    if sc is None:
+        return "not run"
+    lo, hi = sc["ci"]
+    if kind == "above":
+        return "held" if lo > 0 else "refuted (below 0)" if hi < 0 else "not shown (interval spans 0)"
+    return "failed (a difference)" if lo > 0 or hi < 0 else f"held (interval within +-{max(-lo, hi):.3f})"
+
+
+def predictions(results: dict) -> list[str]:
+    lines = ["", "The predictions, each a paired contrast of greedy and of sampled pass^1 (task by task within each "
+             "seed; verdicts from the 95% intervals):", "",
+             "| prediction | contrast | seeds | greedy | verdict | sampled | verdict |", "|---|---|---|---|---|---|---|"]
+    for text, terms, subset, kind in PREDICTIONS:
+        g, smp = contrast(results, terms, "greedy", subset), contrast(results, terms, "sampled", subset)
+        name = " ".join(f"{'+' if sign > 0 else '-'} {a}" for sign, a in terms).lstrip("+ ")
+        lines.append(f"| {text} | {name} | {g['seeds'] if g else 0} | {cell(g, True)} | {verdict(g, kind)} | "
+                     f"{cell(smp, True)} | {verdict(smp, kind)} |")
+    return lines
 
 
 def cpu_seconds(r: dict) -> float:

@@ -76,6 +76,30 @@ def test_the_report_pairs_by_seed_and_task():
     assert refund["mean"] == 1.0 and refund["ci"] == [1.0, 1.0] and refund["tasks"] == 1
 
 
+def test_the_predictions_take_their_verdicts_from_paired_intervals():
+    # per task (t1, t2 refund tasks; t3 not): the full arm wins the refund tasks the static arm loses, and the control
+    # arms differ by as much, so the difference-in-differences is 0 on every task
+    per_task = {"dynamic": (1, 1, 0), "static": (0, 0, 0), "ctl_dynamic": (1, 1, 0), "ctl_static": (0, 0, 0),
+                "cold": (0, 1, 1), "base": (0, 1, 1)}
+    results = {s: {a: {"final": {"greedy": dict(zip(("t1", "t2", "t3"), v)),
+                                 "sampled": dict(zip(("t1", "t2", "t3"), v)),
+                                 "refund": {"t1": "voucher", "t2": "original", "t3": None}},
+                       "seconds": 1.0, "curve": []} for a, v in per_task.items()} for s in (0, 1, 2)}
+    did = ablation_report.contrast(results, [(1, "dynamic"), (-1, "static"), (-1, "ctl_dynamic"), (1, "ctl_static")],
+                                   "greedy", subset=True)
+    assert did == {"mean": 0.0, "ci": [0.0, 0.0], "seeds": 3, "tasks": 2}
+    rows = {r.split(" | ")[0].lstrip("| "): r for r in ablation_report.predictions(results) if r.startswith("| ")}
+    assert "| held |" in rows["full is above the static user's arm, on the refund tasks"]
+    assert "failed (a difference)" in rows["control: dynamic and static do not differ, on the refund tasks"]
+    assert "not shown (interval spans 0)" in rows["dynamic - static exceeds the control's dynamic - static, on the "
+                                                 "refund tasks"]
+    assert "| +0.000 [+0.000, +0.000] | held (interval within +-0.000) |" not in rows["the cold start is above the base"]
+    assert "not shown" in rows["the cold start is above the base"]  # equal on every task: no gain shown
+    assert "| 0 |  | not run |" in rows["RL without a cold start is above the base"]
+    assert ablation_report.verdict({"ci": [-0.2, -0.1]}, "above") == "refuted (below 0)"
+    assert ablation_report.verdict({"ci": [-0.05, 0.02]}, "none") == "held (interval within +-0.050)"
+
+
 def test_bad_options_are_refused_by_name(tmp_path):
     for opt in ("--trials", "--seeds", "--eval-tasks", "--points"):
         with pytest.raises(SystemExit, match=opt):
