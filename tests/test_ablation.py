@@ -56,7 +56,9 @@ def test_quick_ablation_runs_its_arms_continues_where_it_stopped_and_writes_its_
     md = (out / "results.md").read_text()
     row = next(line for line in md.splitlines() if line.startswith("| dynamic:"))
     assert row.split(" | ")[2].startswith(f"{ablation.mean(arms['dynamic']['final']['greedy']):.3f} [")
-    assert "| dynamic - replay | 1 |" in md and "| ctl_dynamic" not in md  # a pair is shown where both ran
+    pairs, preds = md.split("Paired differences")[1].split("The predictions")
+    assert "| dynamic - replay | 1 |" in pairs and "| ctl_dynamic" not in pairs  # a pair is shown where both ran
+    assert "| ctl_dynamic - ctl_static | 0 |  | not run |" in preds  # a prediction is listed, untested
     for png in ("ablation.png", "dynamics.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (out / "results.md").unlink()  # --replot: the same table from results.json alone
