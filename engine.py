@@ -17,6 +17,7 @@ drives it (tools, users, rewards) is batched_rollout.py; the settings are batche
 """
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,9 +72,10 @@ def _host_block(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     if free:
         return free.pop()
     nbytes = -(-numel * dtype.itemsize // 4096) * 4096  # whole pages
-    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
-    start = -raw.data_ptr() % 4096
-    block = raw[start:start + nbytes].view(dtype)[:numel]
+    # An anonymous mapping starts on a page, and so does the tensor's storage: torch asks whether memory is pinned
+    # at the storage's start (Tensor.is_pinned), which for an aligned slice of a larger block lies outside the pages
+    # registered, and it would answer no for memory that is page-locked.
+    block = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype)[:numel]
     if pin:  # never unregistered: a block is reused, and kept until the process ends, as torch keeps pinned blocks
         err = int(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), nbytes, 1))  # 1: cudaHostRegisterPortable
         if err:  # no fallback: the failed call leaves its error pending, and the next kernel launch would raise it

