@@ -414,29 +414,50 @@ def test_logprobs_from_hidden_bf16_and_frozen_head():
     assert torch.equal(h3.grad, h2.grad)
 
 
-def test_the_head_gradient_accumulates_block_by_block():
+def test_the_head_gradient_accumulates_block_by_block(monkeypatch):
     """accumulate_weight_grad goes over the vocabulary a block of rows at a time (its transient bounded by the block,
     not the vocabulary): with blocks that do not divide it, every row gets its product once, as one call over the
-    whole matrix gives, by the cast and add (the CPU's default) and by the one-GEMM path where torch has it (forced
-    here: where the kernel is missing, it falls back after the first block and remembers)."""
+    whole matrix gives; by the cast and add (the CPU's default), by the one-GEMM path (emulated here, as the CPU has
+    no out_dtype addmm: float32 products written into the block's rows), and when that path fails on a later block
+    (the rest fall back, and the device is remembered as without it)."""
     import logprobs
 
     g = torch.Generator().manual_seed(7)
     dz, h = torch.randn(5, 37, generator=g).bfloat16(), torch.randn(5, 6, generator=g).bfloat16()
     start = torch.randn(37, 6, generator=g)
-    whole = start + torch.mm(dz.t(), h).float()
-    for fused in (False, True):
+    rounded = start + torch.mm(dz.t(), h).float()  # the product rounded to bf16, then added
+    exact = start + dz.float().t() @ h.float()  # the one-GEMM path's: accumulated in float32
+    assert not torch.allclose(rounded, exact, atol=1e-4)  # the two paths are told apart below
+    real_addmm, calls = torch.addmm, []
+
+    def addmm(inp, a, b, *, out_dtype=None, out=None, fail_after=None):
+        calls.append(a.shape[0])
+        if fail_after is not None and len(calls) > fail_after:
+            raise RuntimeError("no such kernel")
+        return out.copy_(real_addmm(inp, a.float(), b.float()))
+
+    for fused, fail_after, want in ((False, None, rounded), (True, None, exact), (True, 2, None)):
         for block in (6, 48, 10**6):  # a row a block, 8 rows (the last block 5), everything in one
-            logprobs._FUSED["cpu"] = fused
+            calls.clear()
+            monkeypatch.setitem(logprobs._FUSED, "cpu", fused)
+            monkeypatch.setattr(torch, "addmm", lambda *a, **k: addmm(*a, **k, fail_after=fail_after))
             grad = start.clone()
             logprobs.accumulate_weight_grad(grad, dz, h, block=block)
-            assert torch.allclose(grad, whole, atol=1e-2 if fused else 1e-6)  # fused: the product unrounded
-            assert fused or logprobs._FUSED["cpu"] is False
-    logprobs._FUSED.pop("cpu")
-    exact = start.double() + dz.double().t() @ h.double()  # float32 operands: one GEMM, as before
-    grad = start.clone()
+            rows = max(1, block // 6)
+            n = -(-37 // rows)
+            if want is not None:
+                assert torch.allclose(grad, want, atol=1e-6)
+                assert calls == ([min(rows, 37 - s) for s in range(0, 37, rows)] if fused else [])
+            else:  # blocks before the failure exact, the failing one and the rest rounded, none twice
+                done = min(2, n) * rows
+                assert torch.allclose(grad[:done], exact[:done], atol=1e-6)
+                assert torch.allclose(grad[done:], rounded[done:], atol=1e-6)
+                assert len(calls) == min(3, n)
+            assert logprobs._FUSED["cpu"] is (fused and (fail_after is None or n <= 2))
+    monkeypatch.setattr(torch, "addmm", real_addmm)
+    grad = start.clone()  # float32 operands: one GEMM over everything, as before
     logprobs.accumulate_weight_grad(grad, dz.float(), h.float(), block=6)
-    assert torch.allclose(grad.double(), exact, atol=1e-5)
+    assert torch.allclose(grad.double(), start.double() + dz.double().t() @ h.double(), atol=1e-5)
 
 
 def test_logprobs_from_hidden_follows_autocast():
