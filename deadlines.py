@@ -10,8 +10,9 @@ killed the probe (a crash, out of memory), is answered with an error and never r
 The probe is forked at a rollout's first tool call and ended with the rollout: it answers calls over a pipe (about
 0.05 ms each) and is forked again, carrying every session's current state, when a call names a session it does not
 have or after it was killed. Its cost is copy-on-write: while it lives, each page of private memory this process
-writes is copied first (the engine's host blocks for waiting caches are shared mappings, and are not). On the tiny model on 2 CPU cores a GRPO step's rollout took 6.1 s against 4.3 s with --tool-timeout 0; a
-probe started by its own interpreter, holding only the environment, would avoid that (not done yet). An environment
+writes is copied first (the engine's host blocks for waiting caches are shared mappings, and are not). On the tiny
+model on 2 CPU cores a GRPO step's rollout took 6.1 s against 4.3 s with --tool-timeout 0; a probe started by its
+own interpreter, holding only the environment, would avoid that (not done yet). An environment
 whose tools are remote (`slow_tools = True`) is not probed, since its calls are not safe to make twice: its calls wait
 at most the deadline in a thread and are then abandoned (the remote side may still act on them). Where this process
 cannot fork (not POSIX), calls run without a deadline, with one warning.

@@ -31,23 +31,25 @@ def load(out: Path) -> dict:
     return saved
 
 
-def matrix(results: dict, seeds: list[int], arm: str, key: str, subset: bool) -> list[list[float]]:
-    """[seeds, tasks] of a per-task value (`key` of the arm's final evaluation), on all tasks or the refund tasks."""
+def matrix(results: dict, seeds: list[int], arm: str, key: str, subset) -> list[list[float]]:
+    """[seeds, tasks] of a per-task value (`key` of the arm's final evaluation), on all tasks (subset False), the
+    refund tasks (True) or the tasks whose ids are in `subset` (a set)."""
     rows = []
     for s in seeds:
         f = results[s][arm]["final"]
-        tasks = sorted(t for t in f["greedy"] if not subset or f["refund"].get(t))
+        keep = (lambda t: f["refund"].get(t)) if subset is True else (lambda t: t in subset) if subset else None
+        tasks = sorted(t for t in f["greedy"] if keep is None or keep(t))
         rows.append([f.get(key, {}).get(t, float("nan")) for t in tasks])
     return rows
 
 
-def score(results: dict, arm: str, key: str, subset: bool = False, minus: str | None = None) -> dict | None:
+def score(results: dict, arm: str, key: str, subset=False, minus: str | None = None) -> dict | None:
     """Mean and interval of an arm's per-task `key` (or of its difference from arm `minus`), over the seeds that have
     it (both arms)."""
     return contrast(results, [(1, arm)] + ([(-1, minus)] if minus is not None else []), key, subset)
 
 
-def contrast(results: dict, terms: list[tuple[int, str]], key: str, subset: bool = False) -> dict | None:
+def contrast(results: dict, terms: list[tuple[int, str]], key: str, subset=False) -> dict | None:
     """Mean and interval of a signed sum of arms' per-task `key` (e.g. [(1, a), (-1, b)]: a - b), task by task within
     each seed, over the seeds that have every arm of it."""
     seeds = [s for s in sorted(results)
@@ -102,8 +104,39 @@ def table(saved: dict) -> str:
                      f"{cell(score(results, a, 'sampled', minus=b), True)} | "
                      f"{cell(score(results, a, 'sampled', True, b), True)} | "
                      f"{cell(score(results, a, 'sampled_asked', True, b), True)} |")
+    lines += by_kind(results, task_kinds(st["eval_tasks"]))
     lines += predictions(results)
     return "\n".join(lines) + "\n"
+
+
+KINDS = ("cancel", "return", "exchange", "transfer")
+
+
+def task_kinds(n: int) -> dict[str, frozenset]:
+    """The ids of the first n shop test tasks by kind (the split is a pure function of its seed, as evaluated)."""
+    from envs import make_env
+
+    tasks = make_env("shop", n_train=0, n_test=n).tasks("test")
+    return {k: frozenset(t.id for t in tasks if t.meta["kind"] == k) for k in KINDS}
+
+
+def by_kind(results: dict, kinds: dict[str, frozenset]) -> list[str]:
+    """Greedy pass^1 of each arm by kind of task, and the user arms' paired differences (main and control) by kind:
+    where an arm's score, or a difference between users, comes from."""
+    arms = [a for a in ORDER if any(a in r for r in results.values())]
+    head = " | ".join(f"{k} ({len(kinds[k])})" for k in KINDS)
+    lines = ["", "Greedy pass^1 by kind of task (tasks of that kind among those evaluated):", "",
+             f"| arm | seeds | {head} |", "|---|---|" + "---|" * len(KINDS)]
+    for a in arms:
+        sc = [score(results, a, "greedy", kinds[k]) if kinds[k] else None for k in KINDS]
+        lines.append(f"| {a} | {sum(a in r for r in results.values())} | " + " | ".join(cell(x) for x in sc) + " |")
+    for a, b in (("dynamic", "static"), ("dynamic", "replay"), ("ctl_dynamic", "ctl_static"),
+                 ("ctl_dynamic", "ctl_replay")):
+        sc = [score(results, a, "greedy", kinds[k], b) if kinds[k] else None for k in KINDS]
+        if any(sc):
+            lines.append(f"| {a} - {b} | {max(x['seeds'] for x in sc if x)} | "
+                         + " | ".join(cell(x, True) for x in sc) + " |")
+    return lines
 
 
 # The issue's predictions, each a paired contrast: (what it says, terms, refund tasks only?, kind). Kind "above": the

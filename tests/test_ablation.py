@@ -76,6 +76,15 @@ def test_the_report_pairs_by_seed_and_task():
     assert d["mean"] == 0.5 and d["seeds"] == 2 and d["tasks"] == 2
     refund = ablation_report.score(results, "dynamic", "greedy", subset=True, minus="static")
     assert refund["mean"] == 1.0 and refund["ci"] == [1.0, 1.0] and refund["tasks"] == 1
+    # by kind: t1 a cancellation, t2 a transfer, no returns or exchanges among the tasks
+    kinds = {"cancel": frozenset({"t1"}), "return": frozenset(), "exchange": frozenset(), "transfer": frozenset({"t2"})}
+    rows = {r.split(" | ")[0].lstrip("| "): r.split(" | ")[1:] for r in ablation_report.by_kind(results, kinds)
+            if r.startswith("| ") and not r.startswith("| arm")}
+    assert rows["static"] == ["2", "0.000 [0.000, 0.000]", "", "", "1.000 [1.000, 1.000] |"]
+    assert rows["dynamic - static"] == ["2", "+1.000 [+1.000, +1.000]", "", "", "+0.000 [+0.000, +0.000] |"]
+    assert "ctl_dynamic - ctl_static" not in rows  # not run: no row
+    shop = ablation_report.task_kinds(40)  # the first 40 test tasks, each of exactly one kind
+    assert sum(len(v) for v in shop.values()) == 40 and all(shop.values())
 
 
 def test_the_predictions_take_their_verdicts_from_paired_intervals():
