@@ -402,6 +402,7 @@ def write(run, results: dict) -> None:
         cli.write_json_atomic(run.dir / "summary.json", {"steps": run.cfg.steps, **results})
         if (run.dir / "metrics.jsonl").exists():
             metrics.plot_run(run.dir)
+    run.acc.wait_for_everyone()  # all tear down together: a peer still in a collective can hang gloo's teardown
     run.acc.end_training()
     run.acc.print(f"[grpo] done. Run directory: {run.dir} (metrics.jsonl, curves.png, episodes.jsonl, checkpoints/, "
                   "summary.json)")

@@ -14,7 +14,6 @@ code on DTensor gradients.
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import warnings
 from types import SimpleNamespace
@@ -25,6 +24,7 @@ import torch
 import memory
 
 import shard
+import two_procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,8 +34,7 @@ def run_worker(mode, tmp_path, port, worker="fsdp2_worker.py", args=(), env=None
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
            os.path.join(ROOT, "tests", worker), mode, *args, str(out)]
     # The timeout is the hang detector: a rollout whose processes block in a collective never returns.
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    r = two_procs.run(cmd, 300, env)
     # Once in ~6 full-suite runs on this loaded 2-core machine, rank 0 aborted in gloo's teardown ("terminate called
     # without an active exception", after destroy_process_group) once its results were written: that teardown is
     # not what these tests examine, so it is reported, not failed; any other failure, or no results, fails.

@@ -3,7 +3,6 @@ two processes), sft.py (data errors, training), eval.py (pass^k)."""
 import hashlib
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -18,6 +17,7 @@ import muarl
 import pipeline
 import sft
 import toolcall
+import two_procs
 from envs.users import GREETING
 from metrics import reward_checks, rollout_metrics
 
@@ -190,7 +190,7 @@ def test_unknown_option_fails(capsys):
     assert "--no-such-option" in capsys.readouterr().err
 
 
-def _torchrun(tmp_path, argv, prologue="", port=29519, timeout=600):
+def _torchrun(tmp_path, argv, prologue="", port=29519, timeout=300):
     """grpo.main under torchrun on two CPU processes (the Accelerator joins them over gloo); `prologue` runs first in
     each (e.g. to slow one down). Each process writes a hash of its final weights to OUT/weights-RANK.sha."""
     script = tmp_path / "dist.py"
@@ -202,8 +202,17 @@ def _torchrun(tmp_path, argv, prologue="", port=29519, timeout=600):
         ".write(h.hexdigest())\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
            str(script), *argv]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return two_procs.run(cmd, timeout)  # a hang fails with each process's Python stacks
+
+
+def test_a_launch_that_hangs_fails_with_its_processes_stacks():
+    """two_procs.run, the launcher of the two-process tests: a child that never ends is shown where it waits."""
+    child = "import time\ndef waiting_here():\n    time.sleep(120)\nwaiting_here()"
+    cmd = [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"]
+    with pytest.raises(pytest.fail.Exception) as e:
+        two_procs.run(cmd, timeout=3)
+    assert "did not end within 3 s (the launcher was still running)" in str(e.value)
+    assert "waiting_here" in str(e.value)  # the child's Python stack, printed at SIGABRT
 
 
 @pytest.mark.versions
