@@ -26,9 +26,10 @@ the committed `tiny` base that has seen only shop's sibling stores (sft.pretrain
   ctl_*      the negative control: dynamic, static and replay again where every user wants the default refund
              (shop:<user>:default), evaluated there: asking is never needed, so the three must not differ
 
-Every arm is evaluated against the dynamic user on the same first --eval-tasks test tasks: greedy pass^1 and sampled
-pass^1 (--trials a task at --temperature, GRPO's), on all tasks and on the refund tasks (where the decision arises),
-and the share of refund episodes that asked where the refund goes before writing. Intervals: 95%, bootstrap over
+Every arm is evaluated against the dynamic user (ctl_* against shop:default's, who wants the default refund) on the
+same first --eval-tasks test tasks: greedy pass^1 and sampled pass^1 (--trials a task at --temperature, GRPO's), on
+all tasks and on the refund tasks (where the decision arises), and the share of refund episodes that asked where the
+refund goes before writing. Intervals: 95%, bootstrap over
 seeds and tasks together (stats.bootstrap_ci_seeds); differences paired by seed and task.
 
 Each arm's result is written to --out/results.json as soon as it is measured, so a run that stops keeps what finished

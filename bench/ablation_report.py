@@ -216,7 +216,7 @@ def plot(saved: dict, path: Path) -> None:
             ax.errorbar(x, sc["mean"], [[sc["mean"] - sc["ci"][0]], [sc["ci"][1] - sc["mean"]]], color="black",
                         capsize=3)
     ax.set_xticks(range(len(arms)), arms, rotation=30, ha="right")
-    ax.set(title="greedy pass^1 against the dynamic user (95% intervals): all tasks, then refund tasks",
+    ax.set(title="greedy pass^1 (95% intervals), all tasks then refund tasks; ctl_* tested against shop:default",
            ylabel="pass^1")
     ax.legend(fontsize=9)
     for a in arms:
