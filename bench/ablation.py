@@ -29,8 +29,8 @@ the committed `tiny` base that has seen only shop's sibling stores (sft.pretrain
 Every arm is evaluated against the dynamic user (ctl_* against shop:default's, who wants the default refund) on the
 same first --eval-tasks test tasks: greedy pass^1 and sampled pass^1 (--trials a task at --temperature, GRPO's), on
 all tasks and on the refund tasks (where the decision arises), and the share of refund episodes that asked where the
-refund goes before writing. Intervals: 95%, bootstrap over
-seeds and tasks together (stats.bootstrap_ci_seeds); differences paired by seed and task.
+refund goes before writing. Intervals: 95%, bootstrap over seeds and tasks together (stats.bootstrap_ci_seeds);
+differences paired by seed and task.
 
 Each arm's result is written to --out/results.json as soon as it is measured, so a run that stops keeps what finished
 and, started again with the same --out, continues with the next arm (an arm cut short is run again from its start;

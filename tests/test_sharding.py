@@ -14,7 +14,6 @@ code on DTensor gradients.
 import importlib.util
 import json
 import os
-import sys
 import warnings
 from types import SimpleNamespace
 
@@ -31,10 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_worker(mode, tmp_path, port, worker="fsdp2_worker.py", args=(), env=None):
     out = tmp_path / f"{mode}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           os.path.join(ROOT, "tests", worker), mode, *args, str(out)]
     # The timeout is the hang detector: a rollout whose processes block in a collective never returns.
-    r = two_procs.run(cmd, 300, env)
+    r = two_procs.torchrun([os.path.join(ROOT, "tests", worker), mode, *args, str(out)], port, 300, env)
     # Once in ~6 full-suite runs on this loaded 2-core machine, rank 0 aborted in gloo's teardown ("terminate called
     # without an active exception", after destroy_process_group) once its results were written: that teardown is
     # not what these tests examine, so it is reported, not failed; any other failure, or no results, fails.

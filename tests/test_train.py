@@ -200,9 +200,7 @@ def _torchrun(tmp_path, argv, prologue="", port=29519, timeout=300):
         "h = hashlib.sha256(b''.join(v.detach().numpy().tobytes() for v in res.model.state_dict().values()))\n"
         "open(sys.argv[sys.argv.index('--out-dir') + 1] + f'/weights-{os.environ[\"RANK\"]}.sha', 'w')"
         ".write(h.hexdigest())\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           str(script), *argv]
-    return two_procs.run(cmd, timeout)  # a hang fails with each process's Python stacks
+    return two_procs.torchrun([str(script), *argv], port, timeout)  # a hang fails with each process's Python stacks
 
 
 def test_a_launch_that_hangs_fails_with_its_processes_stacks():

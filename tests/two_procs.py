@@ -7,6 +7,7 @@ stacks. A hang then says where it was (a collective one process never joined, a 
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -30,6 +31,12 @@ def descendants(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def torchrun(args: list[str], port: int, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run --nproc_per_node 2 --master_port PORT ARGS...` through run()."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), *args]
+    return run(cmd, timeout, env)
 
 
 def run(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
