@@ -19,24 +19,17 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass
-from math import comb
 from pathlib import Path
 from typing import Annotated
 
-import cli
-import lora
-from deadlines import guard
-import memory
-import metrics
-import models
+from plumbing import cli, lora, memory, metrics, models, shard, stats
+from plumbing.stats import summarize
+from fast.deadlines import guard
 import muarl
-import shard
-import stats
-from batched_rollout import user_sim_options
-from cli import SEEDS, TIMEOUTS, Range
-from options import AttentionOptions, SamplingOptions, UserOptions, check_user_sim
+from plumbing.cli import SEEDS, TIMEOUTS, Range
+from plumbing.options import AttentionOptions, SamplingOptions, UserOptions
+from plumbing.users import check_user_sim, user_sim_options
 
 
 @dataclass
@@ -89,69 +82,6 @@ class EvalConfig(AttentionOptions, UserOptions, SamplingOptions, Evaluation):
     """agent sampling temperature (0: greedy)"""
     user_model: str = "gpt-4.1"
     """user simulator model (the paper evaluates with GPT-4.1)"""
-
-
-def pass_hat_k(successes: int, trials: int, k: int) -> float:
-    """tau-bench's pass^k for one task: the chance that k trials drawn from the n run all succeed, C(c,k)/C(n,k)."""
-    return comb(successes, k) / comb(trials, k) if trials >= k else float("nan")
-
-
-def summarize(episodes: list[dict], trials: int, meta: dict[str, dict] | None = None) -> dict:
-    """Summary over episode dicts (Episode.to_json()); infra-failed episodes are reported, not scored.
-    `meta` (task id -> the task's meta dict) adds pass^1 per value of each string-valued meta field ("by_meta":
-    shop's task kinds and changes of mind), which tells where an agent fails."""
-    by_task: dict[str, list[dict]] = {}
-    for e in episodes:
-        by_task.setdefault(e["task_id"], []).append(e)
-    scored = [e for e in episodes if not e["infra_failed"]]
-    per_task = {}
-    for tid, eps in by_task.items():
-        ok = [e for e in eps if not e["infra_failed"]]
-        c = sum(e["reward"] == 1.0 for e in ok)
-        per_task[tid] = {"trials": len(ok), "successes": c,
-                         "mean_reward": sum(e["reward"] for e in ok) / max(1, len(ok)),
-                         "infra_failed": len(eps) - len(ok),
-                         "meta": {k: v for k, v in ((meta or {}).get(tid) or {}).items()
-                                  if v is None or isinstance(v, str)}}
-    scored_tasks = {tid: t["mean_reward"] for tid, t in per_task.items() if t["trials"]}
-    summary = {
-        "episodes": len(episodes), "tasks": len(by_task), "infra_failed": len(episodes) - len(scored),
-        "scored": len(scored),
-        # over the scored episodes only; None (null), not 0, when none was scored: nothing was measured
-        "pass^1": sum(e["reward"] for e in scored) / len(scored) if scored else None,
-        # the bootstrap over tasks (stats.py): tasks are the sample, a task's trials go with it
-        "pass^1_ci95": stats.bootstrap_ci(list(scored_tasks.values())) if scored_tasks else None,
-        "avg_turns": sum(e["turns"] for e in scored) / max(1, len(scored)),
-        "termination": dict(Counter(e["termination"] for e in episodes)),
-        "tool_calls_per_episode": {k: v / max(1, len(scored)) for k, v in
-                                   sum((Counter(e["tool_calls"]) for e in scored), Counter()).items()},
-    }
-    for k in range(2, trials + 1):
-        vals = [pass_hat_k(t["successes"], t["trials"], k) for t in per_task.values() if t["trials"] >= k]
-        summary[f"pass^{k}"] = sum(vals) / len(vals) if vals else float("nan")
-    by_meta: dict[str, dict[str, list[float]]] = {}
-    for e in scored:
-        for k, v in ((meta or {}).get(e["task_id"]) or {}).items():
-            if v is None or isinstance(v, str):
-                by_meta.setdefault(k, {}).setdefault(str(v), []).append(e["reward"])
-    if by_meta:
-        def ci(k, v):  # over the group's tasks
-            meta_of = lambda tid: per_task[tid]["meta"]  # noqa: E731
-            return stats.bootstrap_ci([m for tid, m in scored_tasks.items()
-                                       if k in meta_of(tid) and str(meta_of(tid)[k]) == v])
-        summary["by_meta"] = {k: {v: {"pass^1": sum(r) / len(r), "episodes": len(r), "ci95": ci(k, v)}
-                                  for v, r in sorted(vs.items())} for k, vs in by_meta.items()}
-    flags: dict[str, list[bool]] = {}  # yes/no facts the reward records (db_match; shop's asked_refund)
-    for e in scored:
-        for k, v in (e.get("reward_info") or {}).items():
-            if isinstance(v, bool):
-                flags.setdefault(k, []).append(v)
-    summary["rates"] = {k: {"rate": sum(v) / len(v), "episodes": len(v)} for k, v in sorted(flags.items())}
-    if "category" in by_meta:  # BFCL / ACEBench: the headline is the unweighted mean over categories
-        cats = summary["by_meta"]["category"]
-        summary["category_mean"] = sum(c["pass^1"] for c in cats.values()) / len(cats)
-    summary["per_task"] = per_task
-    return summary
 
 
 def _num(x) -> str:
@@ -207,7 +137,7 @@ def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
     """An OpenAI-compatible model (or the env's scripted expert) as the agent, through the text-level driver (no
     token-level record)."""
     from envs import OpenAIAgent, message_history, play
-    from batched_rollout import make_user_sim
+    from plumbing.users import make_user_sim
 
     sim = None
     if cfg.user_sim != "scripted":
@@ -245,7 +175,7 @@ def merge_adapters(agent: str, out: str, dtype: str = "") -> Path:
     it holds anything (nothing is overwritten)."""
     import torch
 
-    import checkpoints
+    from plumbing import checkpoints
 
     if not lora.is_adapter_dir(agent):
         raise SystemExit(f"eval.py: --merge-lora: --agent {agent} is not an adapter checkpoint (no "
@@ -336,7 +266,9 @@ def main(argv=None):
     if cfg.agent.startswith("openai:") or cfg.agent == "expert":
         episodes = run_api_agent(cfg, env, tasks[acc.process_index::acc.num_processes])
     else:
-        from batched_rollout import RolloutConfig, check_max_context, make_user_sim, rollout
+        from fast.batched_rollout import RolloutConfig, rollout
+        from plumbing.options import check_max_context
+        from plumbing.users import make_user_sim
 
         mine = tasks[acc.process_index::acc.num_processes]
         live = len(mine) * cfg.trials

@@ -22,18 +22,14 @@ from typing import Annotated, NamedTuple
 
 import torch
 
-import cli
-import lora
-import metrics
-import pipeline
-import rundir
-import shard
-from cli import Range
-from logprobs import token_logprobs
+import sft
+from plumbing import cli, lora, metrics, pipeline, rundir, shard
+from plumbing.cli import Range
+from fast.logprobs import token_logprobs
 from loss import ADVANTAGES, grpo_loss, normalizer_count, uniform_groups
 from muarl import collate
-from opening import Opening, shared_opening_logprobs
-from options import AttentionOptions, LoraOptions, RunOptions, SamplingOptions, StartOptions, UserOptions
+from fast.opening import Opening, shared_opening_logprobs
+from plumbing.options import AttentionOptions, LoraOptions, RunOptions, SamplingOptions, StartOptions, UserOptions
 
 
 @dataclass
@@ -247,7 +243,11 @@ def main(argv=None):
         return None
     with rundir.StopOnInterrupt("grpo") as stop, rundir.stops(cfg, stop):
         with stop.abandoning():  # loading and evaluating are left at once: nothing of them is worth saving
-            run = pipeline.set_up(cfg, resume_from, changes)  # directory, environment, user, cold start, policy, ref
+            run = pipeline.start(cfg, resume_from, changes)  # the Accelerator, the directory, environment, user
+            if not cfg.init_from and cfg.model == "tiny":  # the paper's cold start, made (or found cached) here
+                cfg.init_from = sft.cold_start(cfg.model, cfg.env, cfg.split, cfg.seed, cfg.bf16,
+                                               cfg.cold_start_skips_confirm, cfg.cold_start_skips_refund)
+            pipeline.load(run)                              # the policy, its optimizer, the reference, resumed state
             run.ctrl_c = stop
             results = pipeline.evaluate(run, "before") if run.first_step == 0 else rundir.results_so_far(run)
         pipeline.train(run, train_on_episodes)                # the GRPO steps, checkpoints

@@ -17,7 +17,6 @@ Shapes: B episodes (rows), T tokens, V vocabulary, G group size.
 """
 import torch
 
-from logprobs import masked_token_entropy
 
 # Log-ratios are clamped to [-20, 20] before exp(): exp(20) ~ 4.9e8 is finite in float32, so one token whose
 # probability collapsed cannot make the loss inf/NaN. Beyond the clamp the term is constant (no gradient): such a
@@ -147,7 +146,7 @@ def normalizer_count(loss_masks: list[list[int]], agg: str) -> int:
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, clip_high=0.2,
               dual_clip=3.0, kl_coef=0.001, agg="token-mean", ratio_level="token", policy_loss="ppo",
-              normalizer=None, max_len=None, logits=None):
+              normalizer=None, max_len=None, entropy=None):
     """The GRPO objective for one micro-batch, as a loss to minimise.
 
     logp:       [B, T] log-probs of the tokens under the policy being trained (carries the gradient)
@@ -169,12 +168,13 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, 
       "seq-mean-token-sum-norm" sum over episodes of their token sum / max_len, / episodes as above (Dr. GRPO;
                                 max_len one constant for the whole step, never a padded width)
     normalizer=None counts this call alone. A zero denominator becomes 1: an empty mask gives loss 0, no gradient.
-    logits: optional [B, T, V] tempered logits of the policy, only for the entropy metric.
+    entropy: optional [B, T] entropy of the policy's next-token distribution at each position, only for the
+    entropy metric (its mean over the mask).
 
     Returns (loss, metrics): loss 0-dim; metrics 0-dim float32 detached tensors over this call's masked tokens (no
     host sync here): n_tokens, kl (0 without ref_logp), approx_kl (k3 between old and current policy),
     clip_frac_low / clip_frac_high (A < 0 and ratio < 1 - clip_low / A > 0 and ratio > 1 + clip_high),
-    dual_clip_frac (A < 0 and ratio > dual_clip), ratio_mean, ratio_max, entropy (with logits).
+    dual_clip_frac (A < 0 and ratio > dual_clip), ratio_mean, ratio_max, entropy (with `entropy`).
     """
     if agg not in AGGS:
         raise ValueError(f"agg must be one of {AGGS}, got {agg!r}")
@@ -239,6 +239,6 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, 
             "ratio_mean": masked_mean(ratio),
             "ratio_max": ratio_max.to(f32),  # ratios are > 0, so the masked zeros never win
         }
-        if logits is not None:
-            metrics["entropy"] = masked_token_entropy(logits, mask)
+        if entropy is not None:
+            metrics["entropy"] = masked_mean(entropy.to(f32))
     return loss, metrics

@@ -29,20 +29,16 @@ from typing import Annotated
 
 import torch
 
-import checkpoints
-import cli
-import lora
-import memory
-import models
-import shard
-from cli import SEEDS, TIMEOUTS, Range
-from coldstart import (NothingFits, copy_loss, encode, length_limit, load_conversations, make_cold_start,
+from plumbing import checkpoints, cli, lora, memory, models, shard
+from plumbing.cli import SEEDS, TIMEOUTS, Range
+from plumbing.coldstart import (NothingFits, copy_loss, encode, length_limit, load_conversations, make_cold_start,
                        nothing_fits, windows)
 from envs import make_env
 from envs.shop_tasks import GOODS, SIBLINGS, relabel_goods
-from logprobs import token_logprobs
+from fast.logprobs import token_logprobs
 from muarl import collate
-from options import AttentionOptions, LoraOptions, UserOptions, check_activation_checkpointing, check_user_sim
+from plumbing.options import AttentionOptions, LoraOptions, UserOptions, check_activation_checkpointing
+from plumbing.users import check_user_sim
 
 
 @dataclass
@@ -267,8 +263,9 @@ def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_co
 
 # What a cached base or cold start depends on, besides envs/: the episode's tokens, tokenizer and model, data and
 # drills, the SFT loop and its log-probabilities, backend calls, the teacher's user simulator, Accelerator, options.
-CACHED_CODE = ("toolcall.py", "muarl.py", "models.py", "coldstart.py", "sft.py", "loss.py", "logprobs.py", "shard.py",
-               "batched_rollout.py", "rollout.py", "engine.py", "cli.py", "options.py", "lora.py", "checkpoints.py")
+CACHED_CODE = (*(f"{m}.py" for m in ("toolcall", "muarl", "sft", "loss", "rollout")),
+               *(f"fast/{m}.py" for m in ("logprobs", "batched_rollout", "engine", "decode")),
+               *(f"plumbing/{m}.py" for m in ("models", "coldstart", "shard", "cli", "options", "lora", "checkpoints")))
 
 
 def cache_key(settings: dict) -> str:

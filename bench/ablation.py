@@ -61,11 +61,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-import coldstart  # noqa: E402
+from plumbing import coldstart  # noqa: E402
 import grpo  # noqa: E402
-import models  # noqa: E402
+from plumbing import models  # noqa: E402
 import sft  # noqa: E402
-from batched_rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
+from fast.batched_rollout import RolloutConfig, rollout  # noqa: E402
+from plumbing.users import make_user_sim  # noqa: E402
 from envs import make_env  # noqa: E402
 
 ARMS = {"base": "base", "cold": "cold start", "sft": "cold start + more SFT", "rl": "GRPO, no cold start",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import stats  # noqa: E402
+from plumbing import stats  # noqa: E402
 from ablation import ARMS, ORDER  # noqa: E402
 
 PAIRS = [("dynamic", "static"), ("dynamic", "replay"), ("dynamic", "sft"), ("dynamic", "cold"), ("cold", "base"),

@@ -29,13 +29,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-import models  # noqa: E402
+from plumbing import models  # noqa: E402
 import muarl  # noqa: E402
 from envs import make_env  # noqa: E402
 from envs.shop_tasks import FIRST, LAST, SHOP  # noqa: E402
 
 ITEMS = SHOP.items
-from logprobs import token_logprobs  # noqa: E402
+from fast.logprobs import token_logprobs  # noqa: E402
 
 SYMBOLS = 200  # random-token alphabet of the offset and induction probes
 

@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from transformers import Qwen3ForCausalLM  # noqa: E402
 
-import models  # noqa: E402
+from plumbing import models  # noqa: E402
 
 
 def timed(fn, reps):

@@ -65,7 +65,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-import models  # noqa: E402
+from plumbing import models  # noqa: E402
 import muarl  # noqa: E402
 
 SHAPES = {  # name -> Qwen3Config overrides (vocabulary: the tiny tokenizer's)
@@ -202,7 +202,8 @@ def versions(device):
 
 def engine(model, tok, env, tasks, device):
     """Greedy: the engine (batched, KV cache across turns) plays exactly the reference rollout's episodes."""
-    from batched_rollout import RolloutConfig, make_user_sim, rollout
+    from fast.batched_rollout import RolloutConfig, rollout
+    from plumbing.users import make_user_sim
     from rollout import reference_rollout
 
     base = RolloutConfig(greedy=True, max_new_tokens=24, max_turns=4, max_context=2048)
@@ -220,7 +221,7 @@ def engine(model, tok, env, tasks, device):
         same = sum(a.input_ids == b.input_ids and a.loss_mask == b.loss_mask for a, b in zip(eps, ref))
         figs[name] = f"{same}/{len(ref)} equal"
         ok &= same == len(ref)
-    import engine as engine_module  # the parked caches' host blocks: page-locked in place (cudaHostRegister)
+    from fast import engine as engine_module  # the parked caches' host blocks: page-locked in place (cudaHostRegister)
 
     blocks = [b for free in engine_module._HOST_BLOCKS.values() for b in free]
     pinned = sum(b.is_pinned() and b.data_ptr() % 4096 == 0 for b in blocks)  # cudaHostRegister'd in place
@@ -239,8 +240,9 @@ def flash(tok, env, tasks, device, shape):
         import flash_attn  # noqa: F401
     except ImportError as e:
         return "SKIP", {"why": f"flash-attn does not import ({e})"}
-    from batched_rollout import RolloutConfig, make_user_sim, rollout
-    from logprobs import token_logprobs
+    from fast.batched_rollout import RolloutConfig, rollout
+    from plumbing.users import make_user_sim
+    from fast.logprobs import token_logprobs
 
     cfg = RolloutConfig(greedy=True, max_new_tokens=64, max_turns=3, max_context=4096)
     lps, eps = {}, None
@@ -275,8 +277,9 @@ def kv_peak(tok, env, tasks, device, shapes):
 
 
 def _kv_peak(tok, env, tasks, device, shape, contexts):
-    import memory
-    from batched_rollout import RolloutConfig, make_user_sim, rollout
+    from plumbing import memory
+    from fast.batched_rollout import RolloutConfig, rollout
+    from plumbing.users import make_user_sim
 
     model = build(tok, shape, device, torch.bfloat16)
     greedy_turns_end(model, tok, env, tasks)
@@ -311,8 +314,9 @@ def decode(model, tok, env, tasks, device, batch, new_tokens):
     stopping) over the same model, batch and number of new tokens: what the engine's bookkeeping costs."""
     from transformers import DynamicCache
 
-    from batched_rollout import RolloutConfig, make_user_sim, rollout
-    from decode import with_cache
+    from fast.batched_rollout import RolloutConfig, rollout
+    from plumbing.users import make_user_sim
+    from fast.decode import with_cache
 
     import copy
 
@@ -390,7 +394,7 @@ def roofline(device, cpu: bool):
     bandwidth, with the model's attention (sdpa and a padding mask) and the grouped one, in bf16 (CPU: fp32 toy)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from batched_rollout import RolloutConfig as cfg
+    from fast.batched_rollout import RolloutConfig as cfg
 
     step_cost = bench_rollout().step_cost
     variants = {"model": cfg(decode_attention="model", compile_decode="off"), "grouped": cfg(compile_decode="off"),
@@ -461,7 +465,7 @@ def save_start(model, tok, env, tasks, work: Path) -> Path:
 def train(model, tok, env, tasks, device, work: Path, bf16: bool):
     """2 SFT steps, 2 GRPO steps, --resume for a third, on the saved model; the run's own checks and figures."""
     import grpo
-    import memory
+    from plumbing import memory
     import sft
 
     start = save_start(model, tok, env, tasks, work)
@@ -503,8 +507,8 @@ def train(model, tok, env, tasks, device, work: Path, bf16: bool):
 def lora_steps(model, tok, env, tasks, device, work: Path, bf16: bool):
     """The train check's GRPO steps with LoRA adapters of rank 16 on every projection, then --resume for a third."""
     import grpo
-    import lora
-    import memory
+    from plumbing import lora
+    from plumbing import memory
 
     start, run = work / "start", work / "grpo-lora"
     args = ["--init-from", str(start), "--env", "tests.fake_env:HalfUniformEnv", "--steps", "2", "--tasks-per-step",
@@ -559,8 +563,9 @@ def lora_decode(model, tok, env, tasks, device, bf16: bool, rank: int = 64, new_
     merged weights once, so a near-tie can go the other way)."""
     import copy
 
-    import lora
-    from batched_rollout import RolloutConfig, make_user_sim, rollout
+    from plumbing import lora
+    from fast.batched_rollout import RolloutConfig, rollout
+    from plumbing.users import make_user_sim
 
     net = copy.deepcopy(model).to(torch.bfloat16 if bf16 else torch.float32)
     greedy_turns_end(net, tok, env, tasks, rate=0.0)
@@ -595,7 +600,7 @@ def head_grad(device, vocab: int, hidden: int, tokens: int = 256):
     and width: one chunk's dz.T @ h accumulated into the float32 buffer in one GEMM a block of rows where the device
     can (CUDA), against the product made in bf16, cast and added; the error of each against float32 arithmetic, the
     peak memory above the inputs (bounded by the blocks: at most 8 bytes a weight of one block), the time."""
-    import logprobs
+    from fast import logprobs
 
     g = torch.Generator(device=device).manual_seed(0)
     dz = (torch.randn(tokens, vocab, device=device, generator=g) * 1e-3).bfloat16()
@@ -696,8 +701,8 @@ def share_opening(tok, device, shape: str, opening: int, length: int):
     most twice the whole one's. PASS on a GPU also needs the shared update faster at both sizes."""
     import copy
 
-    from logprobs import token_logprobs
-    from opening import shared_opening_logprobs
+    from fast.logprobs import token_logprobs
+    from fast.opening import shared_opening_logprobs
 
     ts, bf16 = bench_rollout("train_step"), device.type == "cuda"
     try:

@@ -31,8 +31,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-import models  # noqa: E402
-from batched_rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
+from plumbing import models  # noqa: E402
+from fast.batched_rollout import RolloutConfig, rollout  # noqa: E402
+from plumbing.users import make_user_sim  # noqa: E402
 from envs import make_env  # noqa: E402
 
 

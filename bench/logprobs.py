@@ -63,7 +63,7 @@ def worker(args):
     import torch
 
     sys.path.insert(0, os.path.dirname(HERE))
-    from logprobs import logprobs_from_hidden
+    from fast.logprobs import logprobs_from_hidden
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -141,7 +141,7 @@ def main():
     args = p.parse_args()
     if args.chunk_size is None:
         sys.path.insert(0, os.path.dirname(HERE))
-        from logprobs import DEFAULT_CHUNK_SIZE
+        from fast.logprobs import DEFAULT_CHUNK_SIZE
         args.chunk_size = DEFAULT_CHUNK_SIZE
     if args.variant:
         return worker(args)

@@ -53,10 +53,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-import models  # noqa: E402
+from plumbing import models  # noqa: E402
 import muarl  # noqa: E402
-from batched_rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
-from lora import merged_for_decoding  # noqa: E402
+from fast.batched_rollout import RolloutConfig, rollout  # noqa: E402
+from plumbing.users import make_user_sim  # noqa: E402
+from plumbing.lora import merged_for_decoding  # noqa: E402
 
 
 def end_turns_sooner(model, tokenizer, contexts: list[list[int]], mean_turn: float) -> None:
@@ -108,8 +109,8 @@ def step_cost(model, batch: int, context: int, steps: int = 30, cfg: RolloutConf
     """Seconds per decoding step (decode.decode_step: the decoder's forward for one token a row, and the draw) of
     `batch` rows over `context` cached tokens: how much batching can buy on this device at all (on a small CPU a
     step's cost grows with the batch; on a GPU it stays nearly flat). `cfg`: its decode_attention, compile_decode."""
-    from decode import decode_attention, decode_step
-    from engine import SlotPool, _cache, _mask, _View
+    from fast.decode import decode_attention, decode_step
+    from fast.engine import SlotPool, _cache, _mask, _View
 
     cfg = cfg or RolloutConfig(compile_decode="off")
     dev = model.device
@@ -257,7 +258,7 @@ def main():
     if adapted:
         import copy
 
-        import lora
+        from plumbing import lora
 
         peft_model = lora.add_adapters(copy.deepcopy(model), rank=16, alpha=0, dropout=0.0,
                                        targets=lora.DEFAULT_TARGETS, base="tiny").eval()

@@ -43,16 +43,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-import cli  # noqa: E402
+from plumbing import cli  # noqa: E402
 import grpo  # noqa: E402
-import models  # noqa: E402
+from plumbing import models  # noqa: E402
 import muarl  # noqa: E402
 
 
 def default_workload(agent: str = ""):
     """The default run's cold start (or `agent`) and 4 tasks x 8 episodes of its first step, as grpo.py plays them."""
     import sft
-    from batched_rollout import RolloutConfig, make_user_sim, rollout
+    from fast.batched_rollout import RolloutConfig, rollout
+    from plumbing.users import make_user_sim
     from envs import make_env
 
     cfg = grpo.Config()

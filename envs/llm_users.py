@@ -167,7 +167,7 @@ class HFUserSim(UserSim):
     """A local transformers chat model as the user, for offline runs: plain HF generate over the flipped
     conversations of all waiting episodes in one left-padded batch. User-side tools are not supported.
 
-    model, tokenizer: loaded (batched_rollout.make_user_sim("hf", model=NAME) loads one by name). end_of_turn: the
+    model, tokenizer: loaded (plumbing.users.make_user_sim("hf", model=NAME) loads one by name). end_of_turn: the
     token, or list of tokens, that end the user's message (default: the tokenizer's eos and every eos_token_id of the
     model's generation config, as Qwen3 lists two); template_kwargs: extra chat-template variables (Qwen3's
     enable_thinking=False).

@@ -11,7 +11,7 @@ Why here, in envs/: the user is part of the world the agent talks to, not of the
 task's scenario and message history, it ends the dialogue with tau2's stop markers, and in dual-control domains
 (tau2 telecom) it calls its own tools on the episode's environment session. The rollouts (rollout.py,
 batched_rollout.py) and the text-level driver (envs.play) only ask it for messages. Like the rest of envs/ it imports
-nothing of the agent side: the hf backend is handed a loaded model (batched_rollout.make_user_sim loads one by name).
+nothing of the agent side: the hf backend is handed a loaded model (plumbing.users.make_user_sim loads one by name).
 
 The user-simulator prompt (tau2's guidelines + the task's scenario) and tau2's opening greeting are defined here
 once; envs/tau2.py uses them.
@@ -244,7 +244,7 @@ def retries_of(state) -> int:
 class DataUserSim(UserSim):
     """`sim` for most tasks, but env.scripted_user for tasks whose user is written in the data
     (task.meta["user_sim"]["scripted"]: BFCL's questions, ACEBench's multi-step entries, which have no user).
-    batched_rollout.make_user_sim wraps every LLM user in one."""
+    plumbing.users.make_user_sim wraps every LLM user in one."""
 
     def __init__(self, sim: UserSim):
         self.sim, self.scripted = sim, ScriptedUserSim()

@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E40
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import models  # noqa: E402
+from plumbing import models  # noqa: E402
 import muarl  # noqa: E402
 
 # Text for the tests' tokenizer: small, fixed, enough to make BPE merges (any text still encodes byte-wise).
@@ -169,7 +169,7 @@ def bf16_accelerator():
     process-wide state and refuses a second precision, so the state is reset before and after."""
     from accelerate.state import AcceleratorState, GradientState
 
-    import cli
+    from plumbing import cli
 
     threads = torch.get_num_threads()
     AcceleratorState._reset_state(True)

@@ -19,16 +19,17 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import safe_get_full_grad  # noqa: E402
 
-import cli  # noqa: E402
+from plumbing import cli  # noqa: E402
 import grpo  # noqa: E402
-import models  # noqa: E402
-import shard  # noqa: E402
-from batched_rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
+from plumbing import models  # noqa: E402
+from plumbing import shard  # noqa: E402
+from fast.batched_rollout import RolloutConfig, rollout  # noqa: E402
+from plumbing.users import make_user_sim  # noqa: E402
 from conftest import TEST_CORPUS, chatty  # noqa: E402
 from fake_env import FakeEnv  # noqa: E402
 from fsdp2_worker import (episode_steps, finish, sharing, grad_batch, one_process_backward, one_process_sgd_steps,  # noqa: E402
                           perturbed, tiny_model)
-from logprobs import token_logprobs  # noqa: E402
+from fast.logprobs import token_logprobs  # noqa: E402
 from loss import grpo_loss  # noqa: E402
 
 

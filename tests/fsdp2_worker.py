@@ -19,15 +19,16 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from transformers import Qwen3ForCausalLM  # noqa: E402
 
-import cli  # noqa: E402
+from plumbing import cli  # noqa: E402
 import grpo  # noqa: E402
-import models  # noqa: E402
+from plumbing import models  # noqa: E402
 import muarl  # noqa: E402
-import shard  # noqa: E402
-from batched_rollout import RolloutConfig, make_user_sim, rollout  # noqa: E402
+from plumbing import shard  # noqa: E402
+from fast.batched_rollout import RolloutConfig, rollout  # noqa: E402
+from plumbing.users import make_user_sim  # noqa: E402
 from conftest import TEST_CORPUS, chatty  # noqa: E402
 from fake_env import FakeEnv  # noqa: E402
-from logprobs import token_logprobs  # noqa: E402
+from fast.logprobs import token_logprobs  # noqa: E402
 from loss import group_advantages, grpo_loss  # noqa: E402
 
 
@@ -155,7 +156,7 @@ def rollout_then_train(acc, mesh, tok, updates=1, checkpointing=False):
     policy = chatty(tiny_model(tok, tied=True, init=0.3), tok, rate=0.2).train()
     ref = perturbed(policy, scale=0.05)
     plain, plain_ref = copy.deepcopy(policy), copy.deepcopy(ref)
-    if checkpointing:  # before sharding, as pipeline.set_up enables it before acc.prepare
+    if checkpointing:  # before sharding, as pipeline.load enables it before acc.prepare
         policy.gradient_checkpointing_enable()
     fsdp2(policy, mesh)
     shard.shard_like(ref, policy)

@@ -17,10 +17,10 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 import torch  # noqa: E402
 from transformers import Qwen3ForCausalLM  # noqa: E402
 
-import cli  # noqa: E402
+from plumbing import cli  # noqa: E402
 import grpo  # noqa: E402
-import lora  # noqa: E402
-import models  # noqa: E402
+from plumbing import lora  # noqa: E402
+from plumbing import models  # noqa: E402
 import muarl  # noqa: E402
 from conftest import TEST_CORPUS  # noqa: E402
 

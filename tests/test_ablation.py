@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import models
+from plumbing import models
 from envs import make_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

@@ -236,7 +236,7 @@ def test_eval_agent_score_is_the_mean_of_the_two_kinds(root, tmp_path, monkeypat
 
 
 def test_hf_user_backend_plays_acebench_user(root, tiny_lm, tiny_tok):
-    from batched_rollout import make_user_sim
+    from plumbing.users import make_user_sim
 
     env = AceBenchEnv("agent", root=str(root))
     task = env.tasks("test")[0]

@@ -219,7 +219,8 @@ def test_eval_with_an_api_agent(env, tmp_path, monkeypatch):
 def test_rollout_with_a_checkpoint_model(env, tiny_lm, tiny_tok):
     """The token-level rollout on BFCL (what eval.py runs for a checkpoint, and grpo.py trains on): a random tiny
     model talks to the data's user and BFCL's executor, and every episode gets BFCL's verdict."""
-    from batched_rollout import RolloutConfig, make_user_sim, rollout
+    from fast.batched_rollout import RolloutConfig, rollout
+    from plumbing.users import make_user_sim
 
     task = by_id(env, "multi_turn_miss_func_121")  # the smallest tool list (TradingBot only)
     eps = rollout(tiny_lm, tiny_tok, env, [task], 2, make_user_sim("hf", model=tiny_lm, tokenizer=tiny_tok),

@@ -3,8 +3,9 @@ batch sampler's counter-based noise and sort-free nucleus."""
 import pytest
 import torch
 
-import decode
-from batched_rollout import RolloutConfig, make_user_sim, rollout
+from fast import decode
+from fast.batched_rollout import RolloutConfig, rollout
+from plumbing.users import make_user_sim
 from test_rollout import FakeEnv
 
 

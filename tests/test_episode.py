@@ -4,10 +4,11 @@ synthesis (sft.py); an episode a cap cut off scores 0 whichever of them played i
 import pytest
 import torch
 
-import coldstart
+from plumbing import coldstart
 import eval as evaluation
 import sft
-from batched_rollout import RolloutConfig, make_user_sim, rollout
+from fast.batched_rollout import RolloutConfig, rollout
+from plumbing.users import make_user_sim
 from conftest import ChatServer
 from envs import make_env, play
 

@@ -9,14 +9,12 @@ import signal
 import pytest
 import torch
 
-import cli
-import coldstart
+from plumbing import cli, coldstart, models, options
 import eval as evaluation
 import grpo
-import models
-import options
 import sft
-from batched_rollout import RolloutConfig, make_user_sim, rollout
+from fast.batched_rollout import RolloutConfig, rollout
+from plumbing.users import make_user_sim
 from conftest import ChatServer
 from envs import ToolResult
 from envs.llm_users import OpenAIUserSim
@@ -63,8 +61,8 @@ def test_sft_out_never_deletes_what_is_not_a_checkpoint(tmp_path, ckpt, tiny_tok
 
 
 def test_save_pretrained_leaves_a_foreign_directory_alone(tmp_path, tiny_lm, tiny_tok):
-    import checkpoints
-    import cli
+    from plumbing import checkpoints
+    from plumbing import cli
 
     out = tmp_path / "out"
     out.mkdir()
@@ -265,7 +263,7 @@ def test_a_user_simulator_without_aclose_closes_quietly(lm, tiny_tok, caplog):
 
 
 def test_text_that_is_not_unicode_is_written_as_its_escape(tmp_path):
-    import cli
+    from plumbing import cli
     import muarl
     from toolcall import parse_assistant
 
@@ -304,7 +302,7 @@ def test_user_timeout_and_retries_are_options(tmp_path):
     import time
 
     cfg = grpo.Config(user_sim="openai", user_base_url="http://127.0.0.1:9/v1", user_timeout=0.3, user_retries=1)
-    from batched_rollout import user_sim_options
+    from plumbing.users import user_sim_options
 
     sim = make_user_sim("openai", **user_sim_options(cfg), backoff=0.0)
     assert (sim.timeout, sim.max_retries) == (0.3, 1)
@@ -486,7 +484,7 @@ def test_max_context_below_the_opening_is_refused_at_start(tmp_path, ckpt):
 
 
 def test_max_context_below_some_openings_is_warned(tiny_tok, capsys):
-    from batched_rollout import check_max_context
+    from plumbing.options import check_max_context
 
     class Mixed(FakeEnv):  # every other task opens with a long system prompt
         def system_prompt(self, task):
@@ -593,7 +591,7 @@ def terminal_signals():
 
 
 def test_ctrl_c_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, ckpt, monkeypatch, capsys, terminal_signals):
-    import batched_rollout as rollout_module
+    from fast import batched_rollout as rollout_module
 
     real, calls = rollout_module.rollout, []
 
@@ -620,8 +618,8 @@ def test_ctrl_c_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, ckpt
 
 
 def test_second_ctrl_c_stops_at_once_and_names_the_last_checkpoint(tmp_path, ckpt, monkeypatch, capsys, terminal_signals):
-    import rundir
-    import batched_rollout as rollout_module
+    from plumbing import rundir
+    from fast import batched_rollout as rollout_module
 
     real, calls = rollout_module.rollout, []
 
@@ -664,7 +662,7 @@ class _Tools:
 def test_a_tool_call_past_its_deadline_or_killing_its_process_is_an_error_that_changes_nothing():
     import time
 
-    import deadlines
+    from fast import deadlines
 
     session = deadlines.guard(_Tools(), 1.0)
     assert session.call_tool("write", {"x": 1}) == ToolResult("[1]")
@@ -689,7 +687,7 @@ def test_a_call_interrupted_mid_way_leaves_no_answer_behind_for_the_next(monkeyp
     read that stale answer as its own (it would then run, for real, a call nobody timed)."""
     import time
 
-    import deadlines
+    from fast import deadlines
 
     session = deadlines.guard(_Tools(), 1.0)
     assert session.call_tool("write", {"x": 1}) == ToolResult("[1]")
@@ -712,7 +710,7 @@ def test_a_remote_tool_past_its_deadline_is_abandoned_and_the_session_takes_one_
     import threading
     import time
 
-    import deadlines
+    from fast import deadlines
 
     gate = threading.Event()
 
@@ -735,7 +733,7 @@ def test_a_remote_tool_past_its_deadline_is_abandoned_and_the_session_takes_one_
 
 def test_the_rollout_runs_every_tool_call_under_the_deadline(tiny_lm, tiny_tok):
     """The session an episode's tools (the agent's and a user's) act on is the one under --tool-timeout."""
-    import deadlines
+    from fast import deadlines
 
     seen = []
 
@@ -755,7 +753,7 @@ def test_the_rollout_runs_every_tool_call_under_the_deadline(tiny_lm, tiny_tok):
 
 # ---- stop signals, one run per directory, finished runs ---------------------------------------------------------
 def _signal_at_rollout(monkeypatch, n, sig):
-    import batched_rollout as rollout_module
+    from fast import batched_rollout as rollout_module
 
     real, calls = rollout_module.rollout, []
 
@@ -881,7 +879,7 @@ def test_a_launcher_that_dies_takes_its_single_process_run_with_it(tmp_path):
 
 def test_a_signal_inherited_as_ignored_stays_ignored():
     """`nohup` and the background jobs of a script start with SIGINT (or SIGHUP) ignored: muarl leaves it so."""
-    import rundir
+    from plumbing import rundir
 
     old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
@@ -921,7 +919,7 @@ def test_resuming_a_run_directory_never_runs_code_planted_in_it(tmp_path, ckpt, 
 def test_a_full_disk_while_saving_stops_in_one_line_and_leaves_a_run_that_resumes(tmp_path, ckpt, monkeypatch):
     import errno
 
-    import checkpoints
+    from plumbing import checkpoints
 
     real = checkpoints._save
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from logprobs import logprobs_from_hidden, masked_token_entropy, token_logprobs
+from fast.logprobs import entropy_of_logits, logprobs_from_hidden, masked_token_entropy, token_logprobs
 from loss import AGGS, group_advantages, grpo_loss, kl_k3
 
 # ---- plain-Python references: slow, obvious, one scalar at a time ----
@@ -258,7 +258,7 @@ def test_grpo_loss_empty_mask(agg):
     mask = torch.zeros_like(logp, dtype=torch.bool)
     for normalizer in (None, 0):
         loss, m = grpo_loss(logp, old, ref, adv, mask, agg=agg, max_len=10, normalizer=normalizer,
-                            logits=torch.randn(*logp.shape, 7))
+                            entropy=torch.rand(*logp.shape))
         (g,) = torch.autograd.grad(loss, logp)
         assert loss.item() == 0 and (g == 0).all()
         assert all(torch.isfinite(v) and v.item() == 0 for v in m.values()), m
@@ -276,7 +276,7 @@ def test_grpo_loss_empty_row_does_not_dilute_seq_mean():
 def test_grpo_loss_metrics_match_loop():
     logp, old, ref, adv, mask = random_batch(spread=1.5, seed=5)
     logits = torch.randn(*logp.shape, 13, dtype=torch.float64)
-    _, m = grpo_loss(logp, old, ref, adv, mask, logits=logits)
+    _, m = grpo_loss(logp, old, ref, adv, mask, entropy=entropy_of_logits(logits.reshape(-1, 13)).view(logp.shape))
     pts = [(b, t) for b in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[b, t]]
     L, O, R = logp.tolist(), old.tolist(), ref.tolist()
     ratio = [math.exp(L[b][t] - O[b][t]) for b, t in pts]
@@ -420,7 +420,7 @@ def test_the_head_gradient_accumulates_block_by_block(monkeypatch):
     whole matrix gives; by the cast and add (the CPU's default), by the one-GEMM path (emulated here, as the CPU has
     no out_dtype addmm: float32 products written into the block's rows), and when that path fails on a later block
     (the rest fall back, and the device is remembered as without it)."""
-    import logprobs
+    from fast import logprobs
 
     g = torch.Generator().manual_seed(7)
     dz, h = torch.randn(5, 37, generator=g).bfloat16(), torch.randn(5, 6, generator=g).bfloat16()
@@ -596,7 +596,7 @@ def _episodes(rewards, G=4, seed=0):
 def _one_step(episodes, **options):
     import copy
 
-    import cli
+    from plumbing import cli
     import grpo
 
     torch.manual_seed(0)
@@ -637,7 +637,7 @@ def test_the_loss_gets_every_algorithm_option_from_the_call_site(monkeypatch):
     """train_on_episodes passes each loss option of the Config to grpo_loss by name, visibly at its call site; a bad
     value fails at start naming the option."""
     import grpo
-    import options
+    from plumbing import options
 
     seen = []
 
@@ -713,9 +713,9 @@ def test_cispo_matches_a_loop_and_keeps_every_token_s_gradient():
 
 
 def test_the_update_runs_in_train_mode_and_unknown_metrics_are_refused():
-    import metrics
+    from plumbing import metrics
 
-    import cli
+    from plumbing import cli
     import grpo
 
     eps = _episodes([1, 0, 1, 0])
@@ -764,10 +764,10 @@ def test_the_update_reads_nothing_back_per_micro_batch(monkeypatch):
 
 
 def test_every_metric_the_loss_returns_is_named_in_metrics():
-    import metrics
+    from plumbing import metrics
 
     logp, old, ref, adv, mask = random_batch()
-    _, met = grpo_loss(logp, old, ref, adv, mask, logits=torch.randn(*logp.shape, 7, dtype=logp.dtype))
+    _, met = grpo_loss(logp, old, ref, adv, mask, entropy=torch.rand(*logp.shape, dtype=logp.dtype))
     logged = set(metrics.TOKEN_MEANS + metrics.MAXES + metrics.SUMS)
     assert set(met) - {"n_tokens"} <= logged, set(met) - logged
     assert all(metrics.documented(k) for k in logged)

@@ -1,107 +1,141 @@
-"""The modules import one way, so a reader can start at the bottom and read up. The reading path first (README.md),
-then the machinery beside it, which a first reader skips:
+"""The modules import one way, so a reader can start at the bottom and read up. The root holds the method and the entry
+points; the machinery lives in two folders a first reader skips (README.md, "Reading it"):
 
     envs/              the world: tasks, tools, databases, rewards, the episode rule, the simulated users
     toolcall.py        the agent's tool calls as text (format, parse) and the tool-aware chat template
     muarl.py           1. the episode in tokens: Episode, the turn's end, template deltas, masks, the padded batch
     rollout.py         2. one episode played turn by turn with model.generate
     loss.py            3. the objective: advantages, k3, the clipped policy term, grpo_loss (pure functions)
-    grpo.py            4. the step (decide, train_on_episodes) and main(), on the machinery below
+    grpo.py            4. the step and main()
+    sft.py, eval.py    the other entry points: cold-start SFT and the tiny base; evaluation
 
-    models.py          models and tokenizers loaded (tiny from its environment's text, checkpoints, hub ids)
-    logprobs.py        the chunked log-prob kernel the trainer scores tokens with
-    decode.py          one decoding step: grouped-query attention on the cache, the draw, torch.compile
-    engine.py          batched decoding with each episode's KV cache kept across turns (torch, transformers only)
-    opening.py         a group's opening computed once in the update (through logprobs, with decode's cache plumbing)
-    cli.py, options.py the entry points' plumbing, and their shared option groups
-    shard.py, memory.py   the backends (DDP, FSDP2, DeepSpeed) and the memory estimate
-    lora.py            LoRA adapters (peft)
-    batched_rollout.py many episodes at once over the engine, users answering from their own thread
-    deadlines.py       every tool call under a deadline (a forked copy tries it first)
-    coldstart.py, sft.py, eval.py    cold-start data, SFT and the tiny base, evaluation
-    metrics.py, checkpoints.py, rundir.py, pipeline.py   what a run logs, saves, its directory, how it is set up and looped
+    fast/              the exact speed-ups, each held by the tests to its plain twin on the reading path
+    plumbing/          the run around the method: options, models, sharding, memory, LoRA, checkpoints, metrics
 
-Checked on the source (every import statement, function-local ones included), so a lazy import cannot hide a
+Between the layers, imports go one way: envs/ imports nothing of the agent's side; the reading path's base (toolcall,
+muarl, rollout, loss) imports neither folder; fast/ imports nothing of plumbing/; neither folder imports an entry
+point. Checked on the source (every import statement, function-local ones included), so a lazy import cannot hide a
 dependency that runs later. Nothing below envs/ imports an environment (the tiny tokenizer is trained on the text of
-the environment it is given); envs/ import nothing of the agent's side."""
+the environment it is given)."""
 import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FOLDERS = ("fast", "plumbing")
+ENTRY_POINTS = {"grpo", "sft", "eval"}
 ALLOWED = {  # module -> the project modules it may import
     "envs": {"envs"},
     "toolcall": set(),
     "muarl": {"toolcall"},
     "rollout": {"envs", "muarl", "toolcall"},
-    "loss": {"logprobs"},
-    "grpo": {"cli", "logprobs", "lora", "loss", "metrics", "muarl", "opening", "options", "pipeline", "rundir",
-             "shard"},
-    "cli": set(),
-    "lora": set(),
-    "options": {"cli", "lora", "loss"},
-    "models": {"muarl", "lora", "toolcall", "options"},
-    "logprobs": set(),
-    "opening": {"logprobs", "decode"},
-    "shard": set(),
-    "memory": {"cli", "lora"},
-    "decode": set(),
-    "engine": {"decode"},
-    "metrics": set(),
-    "checkpoints": {"cli", "shard", "lora", "memory"},
-    "rundir": {"cli", "checkpoints"},
-    "deadlines": {"envs"},
-    "batched_rollout": {"envs", "muarl", "rollout", "engine", "models", "cli", "deadlines"},
-    "coldstart": {"envs", "cli", "muarl", "logprobs", "batched_rollout", "toolcall"},
-    "sft": {"envs", "cli", "muarl", "models", "logprobs", "options", "shard", "checkpoints", "lora", "coldstart",
-            "memory"},
-    "stats": set(),
-    "eval": {"envs", "cli", "muarl", "models", "batched_rollout", "memory", "checkpoints", "lora", "options", "shard",
-             "metrics", "stats", "deadlines"},
-    "pipeline": {"envs", "cli", "muarl", "models", "logprobs", "options", "batched_rollout", "sft", "eval", "shard",
-                 "memory", "checkpoints", "metrics", "lora", "rundir"},
+    "loss": set(),  # the objective: pure functions of tensors
+    "fast.logprobs": set(),
+    "fast.decode": set(),
+    "fast.engine": {"fast.decode"},
+    "fast.opening": {"fast.logprobs", "fast.decode"},
+    "fast.deadlines": {"envs"},
+    "fast.batched_rollout": {"envs", "muarl", "rollout", "fast.engine", "fast.deadlines"},
+    "plumbing.cli": set(),
+    "plumbing.lora": set(),
+    "plumbing.shard": set(),
+    "plumbing.metrics": set(),
+    "plumbing.stats": set(),
+    "plumbing.models": {"muarl", "plumbing.lora", "toolcall"},
+    "plumbing.users": {"envs", "muarl", "plumbing.cli", "plumbing.models"},
+    "plumbing.options": {"envs", "muarl", "plumbing.cli", "plumbing.lora", "plumbing.models", "plumbing.users", "loss"},
+    "plumbing.memory": {"plumbing.cli", "plumbing.lora"},
+    "plumbing.checkpoints": {"plumbing.cli", "plumbing.shard", "plumbing.lora", "plumbing.memory"},
+    "plumbing.rundir": {"plumbing.cli", "plumbing.checkpoints"},
+    "plumbing.coldstart": {"envs", "plumbing.cli", "muarl", "fast.logprobs", "plumbing.users", "toolcall"},
+    "plumbing.pipeline": {"envs", "plumbing.cli", "muarl", "plumbing.models", "fast.logprobs", "plumbing.options",
+                          "fast.batched_rollout", "plumbing.users", "plumbing.stats", "plumbing.shard", "plumbing.memory",
+                          "plumbing.checkpoints", "plumbing.metrics", "plumbing.lora", "plumbing.rundir"},
+    "sft": {"envs", "plumbing.cli", "muarl", "plumbing.models", "fast.logprobs", "plumbing.options", "plumbing.shard",
+            "plumbing.checkpoints", "plumbing.lora", "plumbing.coldstart", "plumbing.memory", "plumbing.users"},
+    "eval": {"envs", "plumbing.cli", "muarl", "plumbing.models", "fast.batched_rollout", "plumbing.memory",
+             "plumbing.checkpoints", "plumbing.lora", "plumbing.options", "plumbing.shard", "plumbing.metrics",
+             "plumbing.stats", "plumbing.users", "fast.deadlines"},
+    "grpo": {"sft", "plumbing.cli", "fast.logprobs", "plumbing.lora", "loss", "plumbing.metrics", "muarl", "fast.opening",
+             "plumbing.options", "plumbing.pipeline", "plumbing.rundir", "plumbing.shard"},
 }
-BELOW_ENVS = ("toolcall", "muarl", "loss", "cli", "lora", "options", "models", "logprobs", "shard", "memory", "engine",
-              "metrics", "stats", "opening", "decode")
+BELOW_ENVS = ("toolcall", "muarl", "loss", "fast.logprobs", "fast.decode", "fast.engine", "fast.opening",
+              "plumbing.cli", "plumbing.lora", "plumbing.models", "plumbing.shard",
+              "plumbing.memory", "plumbing.metrics", "plumbing.stats")
+# The reading path's lines (README.md, "Reading it"), docstrings included: what a first reading can afford.
+READING_BUDGET = 950
+PROJECT = {"envs", "toolcall", "muarl", "rollout", "loss", *ENTRY_POINTS, *FOLDERS}
 
 
 def imports(path: str) -> set[str]:
-    """The top-level names of every module `path` imports, anywhere in the file."""
+    """Every project module `path` imports, anywhere in the file: a top-level name (`muarl`, `envs`), or a folder's
+    module by its dotted name (`fast.engine`); other packages by their top-level name."""
     out = set()
     for node in ast.walk(ast.parse(open(path).read(), path)):
         if isinstance(node, ast.Import):
-            out |= {a.name.split(".")[0] for a in node.names}
+            for a in node.names:
+                parts = a.name.split(".")
+                out.add(".".join(parts[:2]) if parts[0] in FOLDERS and len(parts) > 1 else parts[0])
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.add(node.module.split(".")[0])
+            parts = node.module.split(".")
+            if parts[0] in FOLDERS and len(parts) == 1:
+                out |= {f"{parts[0]}.{a.name}" for a in node.names}
+            else:
+                out.add(".".join(parts[:2]) if parts[0] in FOLDERS else parts[0])
     return out
 
 
+def modules() -> dict[str, str]:
+    """The project's modules by name -> their file, relative to the root: the root's, and those of envs/ (one
+    module, `envs`, for the checks) and of the two folders (`fast.engine`)."""
+    out = {f.removesuffix(".py"): f for f in os.listdir(ROOT) if f.endswith(".py")}
+    for d in ("envs", *FOLDERS):
+        for f in os.listdir(os.path.join(ROOT, d)):
+            if f.endswith(".py") and f != "__init__.py" or d == "envs" and f == "__init__.py":
+                name = "envs" if d == "envs" else f"{d}.{f.removesuffix('.py')}"
+                out[f"{name}:{f}" if d == "envs" else name] = os.path.join(d, f)
+    return out
+
+
+def layer(name: str) -> str:
+    return name.split(".")[0] if name.split(".")[0] in FOLDERS else ("entry" if name in ENTRY_POINTS else "root")
+
+
 def test_imports_flow_one_way():
-    files = sorted(f for f in os.listdir(ROOT) if f.endswith(".py"))
-    files += sorted(os.path.join("envs", f) for f in os.listdir(os.path.join(ROOT, "envs")) if f.endswith(".py"))
+    files = modules()
     wrong = []
-    for f in files:
-        module = f.split(os.sep)[0].removesuffix(".py")
+    for key, f in sorted(files.items()):
+        module = key.split(":")[0]
         assert module in ALLOWED, f"{f}: a new module; give it its place in ALLOWED (and in the README's file table)"
-        project = imports(os.path.join(ROOT, f)) & set(ALLOWED)
+        project = {m for m in imports(os.path.join(ROOT, f)) if m.split(".")[0] in PROJECT}
         wrong += [f"{f} imports {m}" for m in sorted(project - ALLOWED[module] - {module})]
     assert not wrong, "imports against the layering: " + "; ".join(wrong)
-    assert len(files) >= 10
+    assert len(files) >= 20 and set(ALLOWED) == {k.split(":")[0] for k in files}, "ALLOWED names a module not here"
     assert not [m for m in BELOW_ENVS if "envs" in ALLOWED[m]], "a module below envs/ may not import an environment"
+    order = {"root": 0, "fast": 1, "plumbing": 2, "entry": 3}
+    up = [f"{m} imports {d}" for m, deps in ALLOWED.items() for d in deps
+          if d != "envs" and m != "envs" and order[layer(d)] > order[layer(m)]]
+    assert not up, "a layer imports one above it (root < fast/ < plumbing/ < entry points): " + "; ".join(up)
 
 
 def test_every_module_stays_under_its_line_budget():
     """One job per module, each readable in one sitting: at most ~400 lines."""
-    files = [f for f in os.listdir(ROOT) if f.endswith(".py")]
-    files += [os.path.join("envs", f) for f in os.listdir(os.path.join(ROOT, "envs")) if f.endswith(".py")]
-    lines = {f: len(open(os.path.join(ROOT, f)).read().splitlines()) for f in files}
+    lines = {f: len(open(os.path.join(ROOT, f)).read().splitlines()) for f in modules().values()}
     long = {f: n for f, n in lines.items() if n > 420}
     assert not long, f"modules over the ~400-line budget: {long}"
 
 
+def test_the_root_shows_the_method():
+    """`ls` shows the design card's files, the reading path and the two machinery folders, nothing else of Python."""
+    root = {f for f in os.listdir(ROOT) if f.endswith(".py") or os.path.isfile(os.path.join(ROOT, f, "__init__.py"))}
+    assert root == {"muarl.py", "rollout.py", "grpo.py", "sft.py", "eval.py", "loss.py", "toolcall.py", "envs",
+                    *FOLDERS}, sorted(root)
+
+
 def test_the_check_sees_function_local_imports(tmp_path):
     p = tmp_path / "m.py"
-    p.write_text("import os\n\ndef f():\n    from grpo import token_logprobs\n    import sft.x\n")
-    assert imports(str(p)) == {"os", "grpo", "sft"}
+    p.write_text("import os\n\ndef f():\n    from grpo import token_logprobs\n    import sft.x\n"
+                 "    from fast import engine, decode\n    from plumbing.cli import x\n    import fast.opening\n")
+    assert imports(str(p)) == {"os", "grpo", "sft", "fast.engine", "fast.decode", "plumbing.cli", "fast.opening"}
 
 
 def test_docs_cite_what_exists():
@@ -110,7 +144,7 @@ def test_docs_cite_what_exists():
     lines are at most 120 characters."""
     import re
 
-    import metrics
+    from plumbing import metrics
 
     text = open(os.path.join(ROOT, "docs", "invariants.md")).read()
     current = None
@@ -119,9 +153,7 @@ def test_docs_cite_what_exists():
             current, name = name.split("::")
         if current and re.fullmatch(r"test_\w+", name):
             assert f"def {name}(" in open(os.path.join(ROOT, current)).read(), f"{current}::{name}"
-    modules = [f for f in os.listdir(ROOT) if f.endswith(".py")]
-    modules += [os.path.join("envs", f) for f in os.listdir(os.path.join(ROOT, "envs")) if f.endswith(".py")]
-    for f in modules:
+    for f in modules().values():
         src = open(os.path.join(ROOT, f)).read()
         assert "DESIGN.md" not in src, f
         for n in re.findall(r"invariants?\.md, (\d)", src) + re.findall(r"invariant (\d)", src):
@@ -141,3 +173,18 @@ def test_the_suite_runs_on_the_cpu():
 
     if os.environ.get("MUARL_TESTS_ON_GPU") != "1":
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and not torch.cuda.is_available()
+
+
+def test_the_readme_states_the_reading_path_s_measured_length():
+    """The files the README lists on the reading path ("1. `muarl.py`", ...), docstrings included, add up to the
+    figure it states, and stay within the budget a first reading can afford."""
+    import re
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    section = readme[readme.index("## Reading it"):readme.index("| file | owns |")]
+    path = re.findall(r"^\d\. `([\w/]+\.py)`", section, re.M)
+    stated = int(re.search(r"reads in \w+ files, in\s+this order \((\d[\d,]*) lines", section)[1].replace(",", ""))
+    lines = sum(len(open(os.path.join(ROOT, f)).read().splitlines()) for f in path)
+    assert path[:4] == ["muarl.py", "rollout.py", "loss.py", "grpo.py"], path
+    assert lines == stated, f"the reading path ({', '.join(path)}) is {lines} lines; README.md says {stated}"
+    assert lines <= READING_BUDGET, f"the reading path is {lines} lines, over its budget of {READING_BUDGET}"

@@ -8,17 +8,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import coldstart
+from plumbing import coldstart, lora, models
 import eval as evaluation
 import grpo
-import lora
-import models
 import muarl
 import sft
-from batched_rollout import RolloutConfig, make_user_sim, rollout
+from fast.batched_rollout import RolloutConfig, rollout
+from plumbing.users import make_user_sim
 from envs import make_env
 from fake_env import choice_conversation
-from logprobs import token_logprobs
+from fast.logprobs import token_logprobs
 
 
 def lora_args(start, out, *extra):
@@ -235,7 +234,7 @@ def test_lora_memory_estimate_for_qwen3_8b_rank_64_on_one_80gb_gpu():
     --rollout-batch 8). Full fine-tuning needs ~4x the GPU; with LoRA the peak fits one 80 GB GPU."""
     from transformers import Qwen3Config
 
-    import memory
+    from plumbing import memory
 
     config = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
@@ -457,7 +456,7 @@ def test_merged_decoding_plays_the_adapted_policy_without_its_adapters_and_resto
 def test_a_run_saved_before_lora_decode_existed_resumes_as_it_ran(tmp_path):
     """--lora-decode came after runs were saved: such a run resumes decoding unmerged, as it did, unless the resume
     asks otherwise (it may: how decoding is done is not the algorithm)."""
-    import rundir
+    from plumbing import rundir
 
     (tmp_path / "config.json").write_text(json.dumps({"lora_rank": 4}))
     cfg = SimpleNamespace(lora_decode="merged")

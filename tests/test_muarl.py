@@ -4,8 +4,7 @@ import json
 import pytest
 import torch
 
-import cli
-import models
+from plumbing import cli, models
 import muarl
 import toolcall
 

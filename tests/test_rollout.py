@@ -9,7 +9,8 @@ import torch
 
 import muarl
 from envs import Task, ToolResult
-from batched_rollout import RolloutConfig, make_user_sim, rollout
+from fast.batched_rollout import RolloutConfig, rollout
+from plumbing.users import make_user_sim
 from envs.users import GREETING, UserSimError
 from rollout import reference_rollout, run_tool_calls
 
@@ -152,7 +153,7 @@ def test_the_cache_goes_by_the_name_the_decoder_takes(lm, tiny_tok):
     decoding each turn without its past. The engine asks the decoder's signature; decoding here warns of neither."""
     import warnings
 
-    from decode import with_cache
+    from fast.decode import with_cache
 
     class Old(torch.nn.Module):  # 5.17's signature
         def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):
@@ -241,7 +242,7 @@ def test_mid_turn_parking_changes_nothing(lm, tiny_tok, monkeypatch, max_batch):
     """Continuous batching: with refill_below=1 a batch returns whenever a row ends its turn, parking the others
     mid-turn, and is re-stacked with the rows that start their next turn (max_batch 3: also with rows waiting).
     Greedy tokens equal synchronous turns and re-encoding; sampled logprobs still equal a plain forward pass."""
-    import batched_rollout as R
+    from fast import batched_rollout as R
 
     mid_turn, calls = [], []
 
@@ -356,7 +357,7 @@ def test_slow_tools_run_while_the_others_decode(lm, tiny_tok, monkeypatch):
     greedy episodes are exactly the plain environment's."""
     import time
 
-    import batched_rollout as R
+    from fast import batched_rollout as R
 
     env = FakeEnv(n_tasks=3)
     want = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), GREEDY)
@@ -409,7 +410,7 @@ def test_the_sampler_draws_from_the_truncated_distribution():
     drawn frequencies are the
     top_p-truncated, renormalized distribution, no token outside it is ever drawn, the recorded logprob is the full
     tempered one; each row's own seed and counter give it its own draws."""
-    from decode import _sample
+    from fast.decode import _sample
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0]).repeat(40000, 1)
     cfg = RolloutConfig(temperature=0.8, top_p=0.8)
@@ -476,7 +477,7 @@ def test_ctrl_c_while_replies_are_on_their_way(lm, tiny_tok):
 def test_a_groups_opening_is_prefilled_once(lm, tiny_tok, monkeypatch):
     """The G episodes of a task share their opening's cache: the opening prefill has one row per task, not per
     episode, and its tokens are each task's opening once; the greedy episodes are still the reference's."""
-    import engine
+    from fast import engine
 
     calls = []
     real = engine._prefill
@@ -687,7 +688,7 @@ def test_openai_user_tools(lm, tiny_tok):
 def test_hf_user_sim(lm, tiny_lm, tiny_tok, monkeypatch):
     """A local model as the user: asked in the decoding thread (never from the user thread: it computes on the
     agent's device, here with the agent's own model and tokenizer), all waiting replies in one batch."""
-    import batched_rollout as R
+    from fast import batched_rollout as R
 
     env = FakeEnv(n_tasks=2)
     sim = make_user_sim("hf", model=lm, tokenizer=tiny_tok, max_new_tokens=6)  # a user that says something
@@ -736,7 +737,7 @@ def test_openai_user_sim_as_text_level_user_for_play():
 def test_the_slot_pool_moves_caches_intact(tiny_lm):
     """SlotPool.place puts a batch in slots 0..B-1 (rows already there stay; rows in the way trade places, move to a
     free slot or spill to the host), swap trades two slots: every row's cache is still its own afterwards."""
-    import engine
+    from fast import engine
 
     pool = engine.SlotPool(tiny_lm, 4, 16)
     rows = [engine._Row(None, None, None) for _ in range(6)]
@@ -781,8 +782,8 @@ def test_the_cache_is_never_held_twice(lm, tiny_tok, monkeypatch):
     Counted at the allocation calls the engine makes (torch.zeros, torch.empty, torch.empty_like, torch.frombuffer)."""
     import sys
 
-    import engine
-    import memory
+    from fast import engine
+    from plumbing import memory
 
     made, blocks = [], []
     for name in ("zeros", "empty", "empty_like", "frombuffer"):

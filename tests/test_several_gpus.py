@@ -8,14 +8,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import cli
+from plumbing import cli, memory
 import eval as evaluation
 import grpo
-import memory
 import sft
-from batched_rollout import make_user_sim, user_concurrency_share, user_sim_options
+from plumbing.users import make_user_sim, user_concurrency_share, user_sim_options
 from fake_env import choice_conversation
-from options import check_activation_checkpointing
+from plumbing.options import check_activation_checkpointing
 
 
 # ---- --user-concurrency is the total over all processes ----
@@ -109,7 +108,7 @@ def test_two_activation_checkpointings_are_refused_at_start(tmp_path, ckpt, monk
     with pytest.raises(SystemExit, match="sft.py: --gradient-checkpointing with FSDP"):  # sft.train checks it
         sft.train(sft.SFTConfig(model=str(ckpt), out=str(tmp_path / "sft"), gradient_checkpointing=True),
                   [choice_conversation("left")] * 2, accelerator=both)
-    monkeypatch.setattr(cli, "make_accelerator", lambda *a, **k: both)  # grpo.py checks it in pipeline.set_up
+    monkeypatch.setattr(cli, "make_accelerator", lambda *a, **k: both)  # grpo.py checks it in pipeline.start
     args = ["--init-from", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--out-dir", str(tmp_path / "run")]
     with pytest.raises(SystemExit, match="grpo.py: --gradient-checkpointing with FSDP"):
         grpo.main([*args, "--gradient-checkpointing"])

@@ -20,9 +20,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import memory
+from plumbing import memory, shard
 
-import shard
 import two_procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -287,7 +286,7 @@ def test_an_fsdp2_checkpoint_saved_whole_is_read_whole_and_the_run_saves_sharded
     with the full state dict, then sets the plugin back to sharded for this run's own saves."""
     from accelerate import FullyShardedDataParallelPlugin
 
-    import checkpoints
+    from plumbing import checkpoints
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
     state = tmp_path / "step-000002" / "accelerate"
@@ -314,7 +313,7 @@ def test_kv_bytes_per_token_from_config(tiny_lm):
 
 def test_kv_cache_in_the_compute_dtype(tiny_lm):
     """Under bf16 autocast the rollout's cache is bf16 (half the memory), though the weights are fp32 masters."""
-    from engine import SlotPool
+    from fast.engine import SlotPool
 
     assert SlotPool(tiny_lm, 2, 8).k[0].dtype == torch.float32
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -324,7 +323,7 @@ def test_kv_cache_in_the_compute_dtype(tiny_lm):
 
 def test_token_logprobs_puts_back_the_forward(tiny_lm):
     """The redirected forward is temporary, and a forward Accelerate had put on the instance survives it."""
-    from logprobs import token_logprobs
+    from fast.logprobs import token_logprobs
 
     ids = torch.tensor([[1, 5, 7, 9]])
     token_logprobs(tiny_lm, ids, torch.ones_like(ids))
@@ -435,7 +434,7 @@ def test_sharded_loading_holds_shards_and_one_unit(tiny_lm, monkeypatch, capsys)
 def test_fsdp2_bf16_policy_leaves_outputs_in_float32(monkeypatch):
     """Accelerate's default FSDP2 policy for bf16 casts the forward's outputs to bf16, which would round the
     float32 log-probs the loss is computed from; cli.fsdp2_plugin gathers in bf16, reduces in fp32, leaves outputs."""
-    import cli
+    from plumbing import cli
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
@@ -508,7 +507,7 @@ def test_lora_under_ddp_adapter_gradients_equal_one_process(tmp_path):
     """--lora-rank under DDP (two processes over gloo, each with half the groups): after one SGD step of lr 1 the
     adapters equal one process's on all the groups (so their gradients do), on both processes. B starts non-zero in
     this test so that A's gradient is not 0."""
-    import cli
+    from plumbing import cli
     import lora_ddp_worker
 
     two = run_worker("step", tmp_path, 29531, worker="lora_ddp_worker.py")
@@ -558,7 +557,7 @@ def test_models_load_with_fsdp_efficient_loading_off_and_put_it_back(tmp_path, t
     call (so every process gets real weights) and restores what the launcher set."""
     from transformers import AutoModelForCausalLM
 
-    import models
+    from plumbing import models
 
     tiny_lm.save_pretrained(tmp_path)
     tiny_tok.save_pretrained(tmp_path)

@@ -6,10 +6,10 @@ import copy
 import pytest
 import torch
 
-import models
+from plumbing import models
 from conftest import TEST_CORPUS
-from logprobs import token_logprobs
-from opening import Opening, shared_opening_logprobs
+from fast.logprobs import token_logprobs
+from fast.opening import Opening, shared_opening_logprobs
 
 
 @pytest.mark.versions
@@ -23,7 +23,7 @@ def test_the_opening_once_gives_the_log_probs_and_gradients_of_every_row_whole(a
     under activation checkpointing."""
     from transformers import AttentionInterface
 
-    from opening import REMAINDER, remainder_attention
+    from fast.opening import REMAINDER, remainder_attention
 
     calls = []
     monkeypatch.setitem(AttentionInterface._global_mapping, REMAINDER,
@@ -128,7 +128,7 @@ def test_a_grpo_step_sharing_each_groups_opening_equals_one_without(monkeypatch)
     and metrics, whether a group is one micro-batch or split over two or four (its opening computed once for all of
     them: the reference's and the old policy's once, the policy's twice an update); a group whose episodes begin
     differently shares what they have in common; one that shares nothing falls back, and is counted."""
-    import opening
+    from fast import opening
     from test_grpo import _one_step
 
     eps = _groups(torch.Generator().manual_seed(3))
@@ -162,7 +162,7 @@ def test_lora_adapters_trained_through_a_shared_opening_equal_those_trained_whol
     """--lora-rank: the policy's adapters after one step, and the KL to the reference (the policy, adapters off,
     through the same shared opening), with each group's opening computed once (one micro-batch a group; split in
     two) equal those without."""
-    import cli
+    from plumbing import cli
     import lora_ddp_worker
 
     acc = cli.make_accelerator()

@@ -207,7 +207,7 @@ def test_imperfect_teacher_skips_confirmation_in_a_share_of_conversations(env):
 
 
 def test_cold_start_with_an_imperfect_teacher_keeps_what_has_the_right_database():
-    import coldstart
+    from plumbing import coldstart
     import sft
     from envs.shop import gold_db, unconfirmed_writes
 
@@ -455,7 +455,7 @@ def test_the_committed_base_is_the_default_settings_own_and_reads_every_store():
     the current tool template. Rebuild it with `./run python sft.py --pretrain-only --base-out assets/tiny-base
     --overwrite` when one of these fails."""
     import sft
-    from models import load_tokenizer
+    from plumbing.models import load_tokenizer
     from envs.shop_tasks import id_tokens
     from toolcall import TOOL_CHAT_TEMPLATE
 

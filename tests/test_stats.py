@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import eval as evaluation
-import stats
+from plumbing import stats
 
 
 def test_bootstrap_ci_matches_a_plain_loop():
@@ -51,7 +51,7 @@ def test_summary_reports_intervals_rates_and_compare_pairs_by_group(tmp_path):
     b = {t: float(i % 3 != 0 and not (kind[t] and i % 5 == 1)) for i, t in enumerate(kind)}
     meta = {t: {"refund": v} for t, v in kind.items()}
     for name, rewards in (("A", a), ("B", b)):
-        s = evaluation.summarize(_episodes(rewards, kind), 2, meta)
+        s = stats.summarize(_episodes(rewards, kind), 2, meta)
         lo, hi = s["pass^1_ci95"]
         assert lo < s["pass^1"] < hi
         assert s["rates"]["asked_refund"]["episodes"] == 40  # the 20 refund tasks x 2 trials, no others

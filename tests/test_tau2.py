@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from batched_rollout import RolloutConfig, rollout
+from fast.batched_rollout import RolloutConfig, rollout
 from bench.reward import tau2_reward
 from envs import Task, ToolResult, make_env, message_history, play
 from envs.llm_users import OpenAIUserSim
@@ -479,7 +479,7 @@ def test_a_calculation_that_never_ends_is_stopped_at_the_deadline_and_the_episod
     so the call is tried in a forked copy first and killed there (deadlines.py); the episode's session goes on."""
     import time
 
-    import deadlines
+    from fast import deadlines
 
     session = deadlines.guard(retail.start(retail.tasks("test")[0]), 1.0)
     t0 = time.monotonic()

@@ -8,18 +8,16 @@ import sys
 import pytest
 import torch
 
-import coldstart
+from plumbing import coldstart, models, pipeline, stats
 import eval as evaluation
 import grpo
-import logprobs
-import models
+from fast import logprobs
 import muarl
-import pipeline
 import sft
 import toolcall
 import two_procs
 from envs.users import GREETING
-from metrics import reward_checks, rollout_metrics
+from plumbing.metrics import reward_checks, rollout_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -331,7 +329,7 @@ def test_sft_lowers_the_loss_on_agent_tokens(tmp_path, tiny_tok, tiny_lm):
     out = sft.train(sft.SFTConfig(model=str(ckpt), out=str(tmp_path / "sft"), epochs=10, batch_size=4,
                                   micro_batch_size=2, warmup_steps=1, lr=1e-2), coldstart.load_conversations(str(p)))
     import muarl
-    from logprobs import token_logprobs
+    from fast.logprobs import token_logprobs
     losses = []
     for path in (ckpt, out):
         model, tok = models.load_model(str(path), device="cpu")
@@ -414,15 +412,15 @@ def test_sft_bf16_keeps_small_updates_in_fp32_master_weights(tmp_path, tiny_tok,
 
 
 def test_pass_hat_k():
-    assert evaluation.pass_hat_k(4, 4, 4) == 1.0
-    assert evaluation.pass_hat_k(3, 4, 2) == pytest.approx(3 / 6)
-    assert evaluation.pass_hat_k(1, 4, 2) == 0.0
+    assert stats.pass_hat_k(4, 4, 4) == 1.0
+    assert stats.pass_hat_k(3, 4, 2) == pytest.approx(3 / 6)
+    assert stats.pass_hat_k(1, 4, 2) == 0.0
     eps = [{"task_id": t, "reward": r, "infra_failed": False, "turns": 2, "termination": "user_stop",
             "tool_calls": {}} for t, r in [("a", 1), ("a", 1), ("b", 1), ("b", 0)]]
     eps.append({**eps[0], "infra_failed": True, "reward": 0, "termination": "infra_error"})
-    s = evaluation.summarize(eps, 2)
+    s = stats.summarize(eps, 2)
     assert s["pass^1"] == 0.75 and s["pass^2"] == 0.5 and s["infra_failed"] == 1
-    s = evaluation.summarize(eps, 2, {"a": {"kind": "cancel", "seed": 1}, "b": {"kind": "return", "seed": 2}})
+    s = stats.summarize(eps, 2, {"a": {"kind": "cancel", "seed": 1}, "b": {"kind": "return", "seed": 2}})
     assert s["by_meta"] == {"kind": {"cancel": {"pass^1": 1.0, "episodes": 2, "ci95": (1.0, 1.0)},  # one task each:
                                      "return": {"pass^1": 0.5, "episodes": 2, "ci95": (0.5, 0.5)}}}  # no spread
 
@@ -440,7 +438,7 @@ def test_eval_main_writes_summary(tmp_path, ckpt):
 def test_eval_rollout_batch_and_memory_estimate(tmp_path, ckpt, capsys):
     """eval.py decodes --rollout-batch episodes at a time (the same greedy episodes as all at once) and prints its
     memory estimate, an inference one: weights and the decoding episodes' KV cache, no optimizer or reference."""
-    import memory
+    from plumbing import memory
 
     eps = {}
     for batch in ("0", "2"):
@@ -504,7 +502,7 @@ def test_plot_curves_writes_a_png_with_each_curve(tmp_path):
     rows = [{"step": i + 1, "reward_mean": i / 9, "all_correct_ratio": 0.1, "all_wrong_ratio": 0.5, "turns_mean": 7.0,
              "response_tokens_mean": 40.0, "kl": 0.001 * i, "entropy": 1.5, "reward_info/unconfirmed_writes": 0.3,
              "reward_info/asked_refund": 0.5, **({"eval/pass1": 0.4} if i == 4 else {})} for i in range(10)]
-    from metrics import plot_curves
+    from plumbing.metrics import plot_curves
 
     drawn = plot_curves(rows, tmp_path / "c.png", before=0.2, after=0.6)
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -13,9 +13,9 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import cli  # noqa: E402
-import models  # noqa: E402
-import shard  # noqa: E402
+from plumbing import cli  # noqa: E402
+from plumbing import models  # noqa: E402
+from plumbing import shard  # noqa: E402
 
 
 def main():

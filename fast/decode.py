@@ -1,4 +1,4 @@
-"""decode.py: one decoding step of the batch, the rows' next tokens from their caches (engine.py drives it).
+"""fast/decode.py: one decoding step of the batch, the rows' next tokens from their caches (engine.py drives it).
 
 `decode_step` runs the decoder's forward for one new token a row (`decode_logits`) and draws each row's token
 (`_sample`). The engine's attention is `grouped_decode_attention`, registered with transformers and switched on for

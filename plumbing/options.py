@@ -1,10 +1,9 @@
-"""options.py: the option groups of the entry points, each defined once: how the agent samples (grpo.py, eval.py),
-the simulated user (grpo.py, sft.py, eval.py), LoRA adapters (grpo.py, sft.py), and grpo.py's start and run options
-(pipeline.py reads them; the algorithm's own are grpo.Algorithm), with `validate`, the check of grpo.py's options
-at start, and the checks grpo.py and sft.py share. An entry point's config
-dataclass inherits the groups it needs; `cli.parse_config` lists each group under its own header in --help, and a
-subclass may give a field another default (grpo.py samples the tiny model at 0.7; eval.py's user is GPT-4.1).
-"""
+"""plumbing/options.py: the option groups of the entry points, each defined once: how the agent samples (grpo.py,
+eval.py), the simulated user (grpo.py, sft.py, eval.py), LoRA adapters (grpo.py, sft.py), and grpo.py's start and run
+options (pipeline.py reads them; the algorithm's own are grpo.Algorithm), with `validate`, the check of grpo.py's
+options at start, and the checks grpo.py and sft.py share. An entry point's config dataclass inherits the groups it
+needs; `cli.parse_config` lists each group under its own header in --help, and a subclass may give a field another
+default (grpo.py samples the tiny model at 0.7; eval.py's user is GPT-4.1)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,10 +11,13 @@ from typing import Annotated
 
 import torch
 
-import cli
-import lora
-from cli import SEEDS, TIMEOUTS, Range
+from plumbing import cli, lora
+from plumbing.models import ATTENTION
+from plumbing.users import check_user_sim
+from plumbing.cli import SEEDS, TIMEOUTS, Range
+from envs import opening_messages
 from loss import ADVANTAGES, AGGS, POLICY_LOSSES, RATIO_LEVELS
+from muarl import prompt_ids
 
 
 @dataclass
@@ -59,14 +61,6 @@ def check_activation_checkpointing(acc, gradient_checkpointing: bool, program: s
                          "false), or drop it (--no-gradient-checkpointing)")
 
 
-USER_SIMS = ("scripted", "openai", "hf")
-
-
-def check_user_sim(cfg, program: str) -> None:
-    if cfg.user_sim not in USER_SIMS:
-        raise SystemExit(f"{program}: --user-sim {cfg.user_sim!r}: not one of {', '.join(USER_SIMS)}")
-
-
 @dataclass
 class UserOptions:
     """the simulated user"""
@@ -87,9 +81,6 @@ class UserOptions:
     """retries of a failed user-simulator request (timeouts, connection errors, 408/409/429, 5xx, malformed replies),
     with backoff 1, 2, 4, ... s; then the episode ends as infra_error. A call costs at most
     (retries + 1) x timeout + the backoff (~6.5 minutes with the defaults)"""
-
-
-ATTENTION = ("sdpa", "flash")
 
 
 @dataclass
@@ -228,3 +219,20 @@ def validate(cfg, world: int) -> None:
         bad("attn", "flash needs a CUDA device and --bf16 (flash-attn refuses fp32 inputs)")
     if cfg.bf16 and not torch.cuda.is_available():
         bad("bf16", "needs a GPU (on a CPU bf16 decoding is slower: bench/dtype.py)")
+
+
+def check_max_context(tokenizer, env, tasks: list, max_context: int, program: str = "grpo.py") -> None:
+    """Refuse a --max-context that no episode can start in (every one would end at 0 turns, scored 0 or trained
+    on nothing), naming both numbers; warn when only some tasks' openings are too long. The opening measured is the
+    system prompt with the tools and the task's earlier messages, before the user's first message: a lower bound."""
+    sample = tasks[:256]
+    lengths = [len(prompt_ids(tokenizer, opening_messages(env, t, None), env.tools(t))) for t in sample]
+    over = [n for n in lengths if n >= max_context]
+    which = f"{len(sample)} tasks" if len(sample) == len(tasks) else f"the first {len(sample)} of {len(tasks)} tasks"
+    if lengths and len(over) == len(lengths):
+        raise SystemExit(f"{program}: --max-context {max_context} is below every task's opening ({min(lengths)} to "
+                         f"{max(lengths)} tokens of system prompt and tools before the user's first message, over "
+                         f"{which}): no episode could start; raise it well above {max(lengths)}")
+    if over:
+        cli.main_print(f"[{program.split('.')[0]}] warning: --max-context {max_context}: {len(over)} of {which} open "
+                   f"with more tokens (up to {max(over)}); their episodes end at once as context_limit")

@@ -1,8 +1,9 @@
-"""batched_rollout.py: many episodes at once over the batched engine (engine.py), the agent talking to simulated
+"""fast/batched_rollout.py: many episodes at once over the batched engine (engine.py), the agent talking to simulated
 users and tools: the fast twin of rollout.reference_rollout, tested to give its tokens and masks under greedy
 decoding (tests/test_rollout.py). Machinery: skip it on a first read.
 
-    from batched_rollout import RolloutConfig, make_user_sim, rollout
+    from fast.batched_rollout import RolloutConfig, rollout
+    from plumbing.users import make_user_sim
     episodes = rollout(model, tokenizer, env, tasks, group_size=8, user_sim=make_user_sim("scripted"),
                        cfg=RolloutConfig())          # len(episodes) == 8 * len(tasks), a task's 8 consecutive
 
@@ -46,16 +47,12 @@ from dataclasses import dataclass
 
 import torch
 
-import cli
-import models
-import deadlines
-from deadlines import guard
-from engine import SlotPool, _prefill_openings, _Row, generate_turn
+from fast import deadlines
+from fast.deadlines import guard
+from fast.engine import SlotPool, _prefill_openings, _Row, generate_turn
 from envs import next_turn, opening_messages
-from envs.llm_users import HFUserSim, OpenAIUserSim
-from envs.users import (DataUserSim, ScriptedUserSim, UserSim, UserSimError, close_user_sim, opening_retries,
-                        reply_problem, retries_of)
-from muarl import Episode, prompt_ids, stop_token_ids, template_kwargs
+from envs.users import UserSimError, close_user_sim, opening_retries, reply_problem, retries_of
+from muarl import Episode, prompt_ids
 from rollout import Sampling, after_tools, agent_turn, append_delta, end_episode, record_turn, run_tool_calls
 
 log = logging.getLogger("muarl.rollout")
@@ -353,62 +350,3 @@ def _take_reply(r: _Row, reply, seconds: float, cfg: RolloutConfig) -> str:
         return "infra_error"
     r.ep.messages.append({"role": "user", "content": reply})
     return next_turn(r.ep.messages, r.ep.turns, cfg.max_turns)
-
-
-def check_max_context(tokenizer, env, tasks: list, max_context: int, program: str = "grpo.py") -> None:
-    """Refuse a --max-context that no episode can start in (every one would end at 0 turns, scored 0 or trained
-    on nothing), naming both numbers; warn when only some tasks' openings are too long. The opening measured is the
-    system prompt with the tools and the task's earlier messages, before the user's first message: a lower bound."""
-    sample = tasks[:256]
-    lengths = [len(prompt_ids(tokenizer, opening_messages(env, t, None), env.tools(t))) for t in sample]
-    over = [n for n in lengths if n >= max_context]
-    which = f"{len(sample)} tasks" if len(sample) == len(tasks) else f"the first {len(sample)} of {len(tasks)} tasks"
-    if lengths and len(over) == len(lengths):
-        raise SystemExit(f"{program}: --max-context {max_context} is below every task's opening ({min(lengths)} to "
-                         f"{max(lengths)} tokens of system prompt and tools before the user's first message, over "
-                         f"{which}): no episode could start; raise it well above {max(lengths)}")
-    if over:
-        cli.main_print(f"[{program.split('.')[0]}] warning: --max-context {max_context}: {len(over)} of {which} open "
-                   f"with more tokens (up to {max(over)}); their episodes end at once as context_limit")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The other participants by name, for the entry points (sft.py, eval.py, grpo.py)
-# ---------------------------------------------------------------------------------------------------------
-def make_user_sim(name: str, **options) -> UserSim:
-    """"scripted" (env.scripted_user), "openai" (any OpenAI-compatible endpoint), "hf" (a local model: `model` is
-    a loaded model, with `tokenizer`, or a name for models.load_model, with an optional `device`). An LLM user
-    leaves the tasks whose user is the data to the environment's script (envs.users.DataUserSim)."""
-    sims = {"scripted": ScriptedUserSim, "openai": OpenAIUserSim, "hf": HFUserSim}
-    if name not in sims:
-        raise ValueError(f"unknown user simulator {name!r}: use one of {sorted(sims)}")
-    if name == "hf":
-        model, tok = options.pop("model", "smollm2-135m"), options.pop("tokenizer", None)
-        if isinstance(model, str):
-            with cli.outside_zero3_init():  # evaluated only: never partitioned by a ZeRO-3 run's config
-                model, tok = models.load_model(model, device=options.pop("device", None))
-        options = dict(model=model, tokenizer=tok, end_of_turn=stop_token_ids(model, tok),
-                       template_kwargs=template_kwargs(tok), **options)
-    return sims[name](**options) if name == "scripted" else DataUserSim(sims[name](**options))
-
-
-def user_concurrency_share(total: int, processes: int) -> int:
-    """One process's share of --user-concurrency, which counts the requests of all processes: every process talks
-    to the same endpoint, and 8 processes of 64 each would keep 512 in flight."""
-    return max(1, -(-total // max(1, processes)))
-
-
-def user_sim_options(cfg, processes: int | None = None) -> dict:
-    """Options of the user simulator named by cfg.user_sim, from the user_* fields of an entry point's config;
-    `processes` (default: WORLD_SIZE, set by torchrun and accelerate launch) share --user-concurrency."""
-    if cfg.user_sim == "openai":
-        processes = processes or int(os.environ.get("WORLD_SIZE", "1"))
-        share = user_concurrency_share(cfg.user_concurrency, processes)
-        if processes > 1:
-            cli.main_print(f"[user] --user-concurrency {cfg.user_concurrency} over {processes} processes: {share} "
-                           "requests in flight per process")
-        return dict(model=cfg.user_model, base_url=cfg.user_base_url or None, max_concurrency=share,
-                    timeout=cfg.user_timeout, max_retries=cfg.user_retries)
-    if cfg.user_sim == "hf":
-        return dict(model=cfg.user_model)
-    return {}

@@ -11,8 +11,8 @@ import contextlib
 import torch
 from transformers import AttentionInterface
 
-from decode import with_cache
-from logprobs import DEFAULT_CHUNK_SIZE, check_plain_logits, call_as_forward, logprobs_from_hidden
+from fast.decode import with_cache
+from fast.logprobs import DEFAULT_CHUNK_SIZE, check_plain_logits, call_as_forward, logprobs_from_hidden
 
 REMAINDER = "muarl_opening_remainder"
 

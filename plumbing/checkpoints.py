@@ -1,5 +1,5 @@
-"""checkpoints.py: checkpoints and run directories, written so that a run can be resumed exactly and nothing a user
-had is lost. sft.py and grpo.py use it.
+"""plumbing/checkpoints.py: checkpoints and run directories, written so that a run can be resumed exactly and nothing a
+user had is lost. sft.py and grpo.py use it.
 
     save_pretrained  a Hugging Face model directory (weights, tokenizer, the run's config; LoRA adapters in PEFT's
            format), written beside its target and renamed; never over files that are not a checkpoint's (check_out
@@ -22,10 +22,7 @@ from pathlib import Path
 
 import torch
 
-import cli
-import lora
-import memory
-import shard
+from plumbing import cli, lora, memory, shard
 
 
 # The files a checkpoint directory holds (save_pretrained: the model's, the tokenizer's, muarl's): the only ones ever

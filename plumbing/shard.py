@@ -1,4 +1,5 @@
-"""shard.py: what training needs to know about how the model is spread over the GPUs (pipeline.py, grpo.py, sft.py).
+"""plumbing/shard.py: what training needs to know about how the model is spread over the GPUs (pipeline.py, grpo.py,
+sft.py).
 
     check_backend     refuse, at start, a distributed setup the loop does not implement (FSDP1, ZeRO-1, ...)
     is_sharded        whether a model is sharded by FSDP2 (`fully_shard`)

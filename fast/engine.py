@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from decode import decode_attention, decode_step, with_cache
+from fast.decode import decode_attention, decode_step, with_cache
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""lora.py: LoRA adapters (the peft library) for grpo.py and sft.py, eval.py and models.load_model.
+"""plumbing/lora.py: LoRA adapters (the peft library) for grpo.py and sft.py, eval.py and models.load_model.
 
 With --lora-rank R the policy is its start model, frozen in the compute dtype (bf16 on a GPU), plus low-rank adapters
 on the target layers, trained in fp32. The frozen reference of the KL term is then the same network with its adapters

@@ -1,9 +1,8 @@
-"""memory.py: the memory a run needs, estimated before the weights load. A pure function by what holds the bytes
-(memory_estimate: per GPU and per machine, for DDP or a sharded backend over N GPUs, with or without LoRA, for
-training or evaluation), the model shapes it reads from a config without loading weights, and check_memory, which
-prints the estimate at start and stops on a GPU it cannot fit (check_training: sft.py's, with no rollout).
-bench/gpu.py's kv_peak holds it to a real peak (bench/README.md).
-"""
+"""plumbing/memory.py: the memory a run needs, estimated before the weights load. A pure function by what holds the
+bytes (memory_estimate: per GPU and per machine, for DDP or a sharded backend over N GPUs, with or without LoRA, for
+training or evaluation), the model shapes it reads from a config without loading weights, and check_memory, which prints
+the estimate at start and stops on a GPU it cannot fit (check_training: sft.py's, with no rollout). bench/gpu.py's
+kv_peak holds it to a real peak (bench/README.md)."""
 from __future__ import annotations
 
 import os
@@ -130,7 +129,7 @@ def meta_model(config):
     partitioned by an active ZeRO-3 config (its parameters would report 0 elements, and the estimate 0 bytes)."""
     from transformers import AutoModelForCausalLM
 
-    import cli
+    from plumbing import cli
 
     with cli.outside_zero3_init(), torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
@@ -271,7 +270,7 @@ def lora_params(config, cfg, program: str) -> int:
     matches nothing stops here, before the weights load."""
     if not cfg.lora_rank:
         return 0
-    import lora
+    from plumbing import lora
 
     shapes = meta_model(config)
     lora.check_targets(shapes, cfg.lora_target_modules, program)
@@ -282,7 +281,7 @@ def lora_base_params(config, cfg) -> int:
     """Parameters of the base weights --lora-decode merged copies to host memory (0 without LoRA or unmerged)."""
     if not cfg.lora_rank or getattr(cfg, "lora_decode", "unmerged") != "merged":
         return 0
-    import lora
+    from plumbing import lora
 
     return lora.adapted_base_params(meta_model(config), cfg.lora_target_modules)
 
@@ -294,7 +293,7 @@ def check_training(start: str, cfg, *, world: int, sharded: bool, device, zero2:
     the training peaks (loading, the update), not check_memory's `peak`: its rollout term holds the whole model
     gathered under FSDP2, which SFT never does (it gathers one layer at a time), and its advice names GRPO's options.
     None when the start's config cannot be read before loading (smollm2-135m, a name only muarl knows)."""
-    import lora
+    from plumbing import lora
 
     config = read_config(lora.base_chain(start)[-1])  # adapters: the model at the chain's root
     if config is None:

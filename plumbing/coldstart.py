@@ -1,8 +1,8 @@
-"""coldstart.py: the cold start's conversations: read from a JSONL file and checked conversation by conversation,
-or synthesized by a teacher (the small domain's scripted expert, or an OpenAI-compatible model) playing tasks against
-the environment and a user simulator; the drills the `tiny` base is pretrained on (`windows`, `copy_loss`); and the
-conversations as token ids and loss masks (`encode`, the same layout as the rollout's). sft.py trains on them.
-"""
+"""plumbing/coldstart.py: the cold start's conversations: read from a JSONL file and checked conversation by
+conversation, or synthesized by a teacher (the small domain's scripted expert, or an OpenAI-compatible model) playing
+tasks against the environment and a user simulator; the drills the `tiny` base is pretrained on (`windows`,
+`copy_loss`); and the conversations as token ids and loss masks (`encode`, the same layout as the rollout's). sft.py
+trains on them."""
 from __future__ import annotations
 
 import json
@@ -13,10 +13,10 @@ from dataclasses import replace
 
 import torch
 
-import cli
-from batched_rollout import make_user_sim, user_sim_options
+from plumbing import cli
+from plumbing.users import make_user_sim, user_sim_options
 from envs import OpenAIAgent
-from logprobs import token_logprobs
+from fast.logprobs import token_logprobs
 from muarl import collate, encode_conversation
 from toolcall import loads_limited
 

@@ -1,4 +1,4 @@
-"""logprobs.py: log p(token) of a causal LM for training, without ever holding a float32 [B, T, V] log-softmax.
+"""fast/logprobs.py: log p(token) of a causal LM for training, without ever holding a float32 [B, T, V] log-softmax.
 
     token_logprobs        per-token log-probs of a batch under a transformers causal LM (what the trainer and the
                           reference score; at the sampler's temperature)

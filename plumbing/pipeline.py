@@ -1,8 +1,7 @@
-"""pipeline.py: the run around the GRPO update (grpo.train_on_episodes): the paper's recipe, the settings of a resumed
-run, the set-up (Accelerator, run directory, environment, user, cold start, policy and optimizer, frozen reference,
-resumed state), greedy evaluation, each step's rollout and logging, the loop of steps with its checkpoints and
-Ctrl-C, and the summary. Machinery: a first reader skips it; grpo.main calls it phase by phase.
-"""
+"""plumbing/pipeline.py: the run around the GRPO update (grpo.train_on_episodes): the paper's recipe, the settings of a
+resumed run, the set-up (Accelerator, run directory, environment, user, cold start, policy and optimizer, frozen
+reference, resumed state), greedy evaluation, each step's rollout and logging, the loop of steps with its checkpoints
+and Ctrl-C, and the summary. Machinery: a first reader skips it; grpo.main calls it phase by phase."""
 from __future__ import annotations
 
 import json
@@ -14,17 +13,10 @@ from types import SimpleNamespace
 
 import torch
 
-import checkpoints
-import cli
-import lora
-import memory
-import metrics
-import models
+from plumbing import checkpoints, cli, lora, memory, metrics, models, rundir, shard
 import muarl
-import rundir
-import shard
-from logprobs import token_logprobs
-from options import check_activation_checkpointing, validate
+from fast.logprobs import token_logprobs
+from plumbing.options import check_activation_checkpointing, validate
 
 
 RECIPES = {
@@ -82,11 +74,11 @@ def freeze(model, pattern: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------
-def set_up(cfg, resume_from: Path | None, changes: dict) -> SimpleNamespace:
-    """Everything a run needs, loaded and checked: the Accelerator, the run directory, the environment and its user,
-    the policy (after the cold start, for tiny) with its optimizer, the frozen reference, the resumed state."""
+def start(cfg, resume_from: Path | None, changes: dict) -> SimpleNamespace:
+    """What a run needs before its policy, checked: the Accelerator, the run directory, the environment and its
+    user. Then the entry point makes or finds the policy's start (the cold start, for tiny) and calls `load`."""
     from envs import load_tasks
-    from batched_rollout import RolloutConfig, check_max_context, make_user_sim, user_sim_options
+    from plumbing.users import make_user_sim, user_sim_options
 
     cli.check_report_to(cfg.report_to, "grpo.py")
     # the trackers are given the run directory once it is claimed (below): Accelerate refuses a tracker that writes
@@ -121,20 +113,24 @@ def set_up(cfg, resume_from: Path | None, changes: dict) -> SimpleNamespace:
             env.scripted_user(tasks[0])
         except NotImplementedError:
             raise SystemExit(f"grpo.py: --user-sim: {cfg.env} has no scripted user; use --user-sim openai or hf")
-    if not cfg.init_from and cfg.model == "tiny":  # the paper's cold start, made here for the tiny model
-        import sft
+    return SimpleNamespace(cfg=cfg, acc=acc, dir=run_dir, env=env, tasks=tasks, user_sim=user_sim,
+                           resume_from=resume_from, changes=changes)
 
-        cfg.init_from = sft.cold_start(cfg.model, cfg.env, cfg.split, cfg.seed, cfg.bf16, cfg.cold_start_skips_confirm,
-                                       cfg.cold_start_skips_refund)
-    run = SimpleNamespace(cfg=cfg, acc=acc, dir=run_dir, env=env, tasks=tasks, user_sim=user_sim,
-                          resume_from=resume_from)
+
+def load(run) -> SimpleNamespace:
+    """The rest of what a run needs, once its start (cfg.init_from or cfg.model) exists: the policy with its
+    optimizer, the frozen reference, the resumed state; then the run directory is opened."""
+    from fast.batched_rollout import RolloutConfig
+    from plumbing.options import check_max_context
+
+    cfg, acc, env, tasks, resume_from, run_dir = run.cfg, run.acc, run.env, run.tasks, run.resume_from, run.dir
     load_policy(run)
     check_max_context(run.tok, env, tasks, cfg.max_context)
     run.first_step = checkpoints.load(acc, resume_from, cfg.tasks_per_step, run.sched) if resume_from else 0
     if resume_from:
         acc.print(f"[grpo] resumed from {resume_from} at step {run.first_step}")
     # Once everything has loaded: a run that fails to start leaves the directory as it was.
-    rundir.open_run(acc, run_dir, asdict(cfg), run.first_step if cfg.resume else None, changes, cfg.overwrite)
+    rundir.open_run(acc, run_dir, asdict(cfg), run.first_step if cfg.resume else None, run.changes, cfg.overwrite)
     run.done_steps = run.first_step  # steps whose update and logs are complete
     run.sampling = RolloutConfig.from_options(cfg, on_gpu=acc.device.type != "cpu")
     return run
@@ -159,7 +155,7 @@ def load_policy(run) -> None:
         models.check_local(start)
 
     def check_memory(config):
-        from batched_rollout import RolloutConfig
+        from fast.batched_rollout import RolloutConfig
 
         per_process = cfg.tasks_per_step // acc.num_processes * cfg.group_size
         live = max(per_process, -(-cfg.eval_tasks // acc.num_processes))
@@ -248,7 +244,7 @@ def merged_start(run, model, start: str):
 
 def play(run, tasks: list, group_size: int, sampling, generator=None) -> list:
     """This process's episodes of `tasks` with the current policy (its full weights gathered once when sharded)."""
-    from batched_rollout import rollout
+    from fast.batched_rollout import rollout
 
     with shard.full_weights(run.model, run.acc.device) as decoder, run.acc.autocast(), \
             lora.merged_for_decoding(run.acc.unwrap_model(decoder), run.cfg.lora_decode == "merged") as policy:
@@ -259,7 +255,7 @@ def evaluate(run, tag: str) -> dict:
     """Greedy pass^1 on the first --eval-tasks test tasks (eval.py's summary); eval-<tag>.jsonl holds the episodes."""
     from accelerate.utils import gather_object
 
-    from eval import summarize
+    from plumbing.stats import summarize
 
     cfg, acc = run.cfg, run.acc
     if not cfg.eval_tasks:

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import torch
 
-import checkpoints
-import cli
+from plumbing import checkpoints, cli
 
 # What --resume lets a user change: how the run reaches its user simulator and how it reports and saves; none of it
 # changes the algorithm. A dead endpoint can be replaced on resume, under another model name if the new server

@@ -1,0 +1,12 @@
+"""The exact speed-ups: each computes what a plain twin on the reading path computes, only faster, and the tests hold
+it to that twin. A first reader skips this folder.
+
+    logprobs.py          per-token log-probs through a chunked output layer   (twin: a plain log-softmax)
+    decode.py            one decoding step of the batch, grouped-query attention on the cache, the draw
+    engine.py            batched decoding, each episode's KV cache kept in its slot across turns
+    batched_rollout.py   many episodes at once over the engine, users answered from their own thread
+                                                                      (twin: rollout.reference_rollout)
+    opening.py           a group's opening through the policy once in the update   (twin: each episode whole)
+    deadlines.py         every tool call under a deadline, tried first in a forked copy of the process
+
+Nothing here imports plumbing/ or an entry point (tests/test_layout.py)."""
