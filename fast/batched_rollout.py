@@ -40,7 +40,6 @@ import asyncio
 import concurrent.futures
 import hashlib
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -52,7 +51,7 @@ from fast.deadlines import guard
 from fast.engine import SlotPool, _prefill_openings, _Row, generate_turn
 from envs import next_turn, opening_messages
 from envs.users import UserSimError, close_user_sim, opening_retries, reply_problem, retries_of
-from muarl import Episode, prompt_ids
+from muarl import Episode, prompt_ids, stop_token_ids
 from rollout import Sampling, after_tools, agent_turn, append_delta, end_episode, record_turn, run_tool_calls
 
 log = logging.getLogger("muarl.rollout")
