@@ -94,9 +94,14 @@ class EnvSession(Protocol):
 
 
 class Environment(Protocol):
+    """What an environment gives (README.md, "Add an environment"). Required: name, tasks, system_prompt, tools,
+    user_tools, start. Optional, each looked up with getattr and skipped where absent: slow_tools, message_history,
+    scripted_user, expert, corpus, tokenizer_words."""
     name: str
-    # Optional: slow_tools = True when a tool call takes time (a remote service): the rollout then runs tool calls
-    # from its user thread while other episodes decode, instead of between decoding batches. Default False.
+    # slow_tools = True when a tool call takes time or acts on a remote service: the rollout then runs tool calls
+    # from its user thread while other episodes decode, and the tool deadline (fast/deadlines.py) does not try a
+    # call first in a forked copy of the process (a remote call is not safe to make twice). Default False: every
+    # call runs twice, once in the forked probe, whose effects are thrown away, then for real.
 
     def tasks(self, split: str) -> list[Task]:
         """Tasks of a split ("train", "test", ...). Raises ValueError naming the known splits."""
@@ -116,6 +121,15 @@ class Environment(Protocol):
 
     def scripted_user(self, task: Task) -> ScriptedUser:
         """A rule-based user for the task; raises NotImplementedError where the domain has none."""
+
+    def expert(self, task: Task) -> ScriptedAgent:
+        """Optional: a scripted expert, the teacher of the cold start (sft.py) and eval.py --agent expert."""
+
+    def corpus(self) -> list[str]:
+        """Optional: texts the `tiny` model's BPE tokenizer is trained on (policy, tool schemas, expert dialogues)."""
+
+    def tokenizer_words(self) -> list[str]:
+        """Optional: identifiers the `tiny` tokenizer keeps as single tokens (order ids, emails)."""
 
 
 def make_env(name: str, **options) -> Environment:

@@ -69,8 +69,7 @@ class OpenAIUserSim(UserSim):
         for attempt in range(self.max_retries + 1):
             try:
                 async with self._sem, asyncio.timeout(self.timeout):  # its place in line is not counted
-                    resp = await client.chat.completions.create(**kwargs)
-                return _usable_message(resp, bool(tools))
+                    return await self._request(client, kwargs)
             except (openai.APIConnectionError, openai.APIStatusError) as e:  # timeouts are connection errors
                 status = getattr(e, "status_code", None)
                 retriable, error = status is None or status >= 500 or status in self.RETRY_STATUS, e
@@ -87,6 +86,12 @@ class OpenAIUserSim(UserSim):
                                    f"(--user-retries {self.max_retries}, --user-timeout {self.timeout:g}s): "
                                    f"{error!r}") from error
             await asyncio.sleep(self.backoff * 2 ** attempt)
+
+    async def _request(self, client, kwargs: dict):
+        """One request, the reply as a message with .content and .tool_calls: the one method a simulator that speaks
+        another protocol replaces. Raise ValueError or TimeoutError for a failure worth retrying (with backoff, up to
+        --user-retries), UserSimError for one that is not."""
+        return _usable_message(await client.chat.completions.create(**kwargs), "tools" in kwargs)
 
     async def aclose(self) -> None:
         if self._loop is asyncio.get_running_loop():
