@@ -862,7 +862,7 @@ def test_a_launcher_that_dies_takes_its_single_process_run_with_it(tmp_path):
     import time
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    child = (f"import sys, signal, time; sys.path.insert(0, {root!r}); import rundir; "
+    child = (f"import sys, signal, time; sys.path.insert(0, {root!r}); from plumbing import rundir; "
              f"signal.signal(signal.SIGTERM, lambda *a: (open({str(tmp_path / 'got')!r}, 'w').write('SIGTERM'), "
              "sys.exit(0))); rundir.follow_launcher(); print('ready', flush=True); time.sleep(60)")
     launcher = tmp_path / "accelerate-launch.py"  # its command line names accelerate, as the real one's does

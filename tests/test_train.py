@@ -245,7 +245,7 @@ def test_two_processes_drop_uniform_groups_in_step(tmp_path, ckpt):
 def test_a_process_that_waits_past_the_timeout_stops_naming_the_option(tmp_path, ckpt):
     """One process's rollout takes longer than --dist-timeout: the other, waiting at the step's first collective,
     stops with an error that names the option instead of hanging (or dying at NCCL's fixed 10 minutes)."""
-    slow = ("import batched_rollout\nif os.environ['RANK'] == '1':\n    real = batched_rollout.rollout\n"
+    slow = ("from fast import batched_rollout\nif os.environ['RANK'] == '1':\n    real = batched_rollout.rollout\n"
             "    batched_rollout.rollout = lambda *a, **k: (time.sleep(12), real(*a, **k))[1]\n")
     r = _torchrun(tmp_path, grpo_args(ckpt, tmp_path / "run", "--dist-timeout", "3", "--steps", "1"), slow, 29519)
     assert r.returncode != 0
