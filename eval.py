@@ -136,7 +136,7 @@ class _ToolsAt:
 def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
     """An OpenAI-compatible model (or the env's scripted expert) as the agent, through the text-level driver (no
     token-level record)."""
-    from envs import OpenAIAgent, message_history, play
+    from envs import OpenAIAgent, Termination, message_history, play
     from plumbing.users import make_user_sim
 
     sim = None
@@ -155,9 +155,9 @@ def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
                 messages, reward, info, termination = play(env, task, agent,
                                                            sim.sync_user(env, task, session) if sim else None,
                                                            max_turns=cfg.max_turns, session=session)
-                failed = termination == "infra_error"  # the evaluator failed (envs.score)
+                failed = termination == Termination.INFRA_ERROR  # the evaluator failed (envs.score)
             except Exception as e:  # the endpoint failed after its retries: report, don't score
-                messages, reward, info, termination, failed = [], 0.0, {"error": repr(e)}, "infra_error", True
+                messages, reward, info, termination, failed = [], 0.0, {"error": repr(e)}, Termination.INFRA_ERROR, True
             new = messages[1 + len(message_history(env, task)):]  # the task's earlier conversation is not this agent's
             ep = muarl.Episode(task_id=task.id, sample=trial, messages=messages, reward=reward, reward_info=info,
                                termination=termination, infra_failed=failed,

@@ -26,7 +26,7 @@ import sft
 from plumbing import cli, lora, metrics, pipeline, rundir, shard
 from plumbing.cli import Range
 from fast.logprobs import token_logprobs
-from loss import ADVANTAGES, grpo_loss, normalizer_count, uniform_groups
+from loss import ADVANTAGES, grpo_loss, normalizer_count, turn_discounted, uniform_groups
 from muarl import collate
 from fast.opening import Opening, shared_opening_logprobs
 from plumbing.options import AttentionOptions, LoraOptions, RunOptions, SamplingOptions, StartOptions, UserOptions
@@ -74,6 +74,14 @@ class Algorithm:
     share_opening: bool = True
     """compute a group's common opening (system prompt, tools, first user message) once in each training forward and
     backward: the same loss and gradient, less compute (--no-share-opening: every episode whole)"""
+    turn_discount: Annotated[float, Range("(0, 1]")] = 1.0
+    """an episode's advantage on the tokens of its agent turn k of K, times turn_discount ** (K - 1 - k): credit
+    discounted by the turns after it (1: the episode's advantage on every token, the paper's; loss.turn_discounted)"""
+    tis_cap: Annotated[float, Range("[0, inf)")] = 0.0
+    """truncated importance sampling against the sampler/trainer mismatch: each token's policy term weighted by
+    min(exp(trainer - sampler log-prob), tis_cap) (0: off, the paper's; verl and TRL use 2); metric tis_weight_mean"""
+    tis_level: str = "token"
+    """the importance weight per 'token' or per 'sequence' (one weight an episode: exp of its summed log-ratios)"""
     updates_per_batch: Annotated[int, Range("[1, inf)")] = 1
     """policy updates per rollout batch (the paper: 1, so old logprobs are the current ones and cost nothing)"""
 
@@ -119,6 +127,7 @@ class MicroBatch(NamedTuple):
     loss_mask: torch.Tensor        # [b, T] 1 on the tokens the agent sampled
     sampler_logp: torch.Tensor     # [b, T] the sampler's log-probs of those tokens (0 elsewhere): logprob_gap's check
     advantages: torch.Tensor       # [b]
+    turn: torch.Tensor             # [b, T] the agent turn of each token (0, 1, ...), -1 outside the agent's turns
     n_tokens: int                  # sum of loss_mask, counted on the host (reading it off the GPU would wait for it)
     opening: int = 0               # tokens its group's episodes all begin with and none trains on; 0: scored whole
     part: tuple[int, int] = (0, 1)  # (which, of how many): the micro-batches its group is split into
@@ -154,10 +163,13 @@ def micro_batches(episodes, rows: list[int], adv, cfg, acc, pad_id: int) -> tupl
         parts += [(mb, opening, (k, len(mbs))) for k, mb in enumerate(mbs)]
     out = []
     for mb, opening, part in (p or ([], 0, (0, 1)) for p in shard.lockstep(acc, parts)):
-        seqs = [(episodes[i].input_ids, episodes[i].loss_mask, episodes[i].logprobs) for i in mb]
-        seqs = seqs or [([pad_id], [0], [0])]
-        out.append(MicroBatch(*collate(seqs, pad_id, acc.device), adv[mb].to(acc.device) if mb else
-                              torch.zeros(1, device=acc.device), sum(sum(m) for _, m, _ in seqs), opening, part))
+        seqs = [(episodes[i].input_ids, episodes[i].loss_mask, episodes[i].logprobs, episodes[i].turn_of_tokens())
+                for i in mb]
+        seqs = seqs or [([pad_id], [0], [0], [-1])]
+        ids, attention, mask, sampler_logp, turn = collate(seqs, pad_id, acc.device)
+        advantages = adv[mb].to(acc.device) if mb else torch.zeros(1, device=acc.device)
+        out.append(MicroBatch(ids, attention, mask, sampler_logp, advantages, turn, sum(sum(s[1]) for s in seqs),
+                              opening, part))
     return out, unshared
 
 
@@ -209,11 +221,13 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
                 if logp.dtype != torch.float32:  # e.g. an FSDP2 policy that casts outputs (cli.fsdp2_plugin)
                     raise RuntimeError(f"token_logprobs returned {logp.dtype}, not float32: the loss would be rounded")
                 # on-policy (one update per batch) the old policy is the current one: ratio 1, with its gradient
-                loss, met = grpo_loss(logp, logp.detach() if old[k] is None else old[k], ref[k], b.advantages,
+                advantages = turn_discounted(b.advantages, b.turn, cfg.turn_discount)   # [b, T]
+                loss, met = grpo_loss(logp, logp.detach() if old[k] is None else old[k], ref[k], advantages,
                                       b.loss_mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                       dual_clip=cfg.dual_clip, kl_coef=cfg.kl_coef, agg=cfg.agg,
                                       ratio_level=cfg.ratio_level, policy_loss=cfg.policy_loss,
-                                      normalizer=normalizer, max_len=cfg.max_context)
+                                      normalizer=normalizer, max_len=cfg.max_context, sampler_logp=b.sampler_logp,
+                                      tis_cap=cfg.tis_cap, tis_level=cfg.tis_level)
                 if ref[k] is None:
                     met.pop("kl")  # no reference, no KL: absent rather than a 0 that reads as a measurement
                 # the backends average gradients over processes; the normalizer is already global: undo the mean

@@ -4,9 +4,11 @@
     rloo_advantages   r minus the mean of the other episodes of its group (RLOO)
     uniform_groups    the groups whose rewards are all equal: what DAPO's dynamic sampling drops
     kl_k3             exp(ref - logp) - (ref - logp) - 1, the k3 estimator of KL(policy || reference)
+    turn_discounted   an episode's advantage per token, discounted by the agent turns after the token's own
     ppo_clip, cispo   the per-token policy-gradient term: PPO's clipped ratio with dual clip (the paper), or CISPO's
                       clipped, detached weight times the log-prob
-    grpo_loss         policy term + kl_coef * k3 under the loss mask, aggregated with one normalizer per step
+    grpo_loss         policy term (optionally weighted against the sampler's mismatch) + kl_coef * k3 under the loss
+                      mask, aggregated with one normalizer per step
     normalizer_count  that normalizer's count over some episodes (summed over micro-batches and processes)
 
 A fork adds an advantage estimator to ADVANTAGES or a policy term to POLICY_LOSSES: its function, its entry, its test
@@ -24,7 +26,7 @@ import torch
 LOG_RATIO_CLAMP = 20.0
 
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-RATIO_LEVELS = ("token", "sequence")
+RATIO_LEVELS = ("token", "sequence")  # the importance ratio's level, and that of the sampler's correction (tis_level)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -87,6 +89,15 @@ ADVANTAGES = {
 }
 
 
+def turn_discounted(adv, turn, gamma: float):
+    """An episode's advantage spread over its tokens, discounted by the agent turns that remain after each token's own:
+    a token of turn k (of K) gets adv * gamma ** (K - 1 - k), so the turns nearer the outcome get more of its credit
+    (gamma 1: every token the episode's advantage, the paper's). adv: [B]; turn: [B, T] the agent turn of each token
+    (0, 1, ...; -1 outside the agent's turns: Episode.turn_of_tokens). Returns [B, T]."""
+    last = turn.amax(1, keepdim=True)                                       # [B, 1]: K - 1
+    return adv[:, None] * torch.pow(torch.as_tensor(gamma, dtype=adv.dtype), (last - turn).clamp(min=0).to(adv.dtype))
+
+
 def uniform_groups(rewards, group_size, valid=None):
     """bool [B]: the episodes of groups with nothing to compare (fewer than two valid rewards, or all equal). Their
     advantage is 0, but kept in the update they still add the KL term and their tokens to the normalizer; DAPO's
@@ -146,13 +157,13 @@ def normalizer_count(loss_masks: list[list[int]], agg: str) -> int:
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, clip_high=0.2,
               dual_clip=3.0, kl_coef=0.001, agg="token-mean", ratio_level="token", policy_loss="ppo",
-              normalizer=None, max_len=None, entropy=None):
+              normalizer=None, max_len=None, entropy=None, sampler_logp=None, tis_cap=0.0, tis_level="token"):
     """The GRPO objective for one micro-batch, as a loss to minimise.
 
     logp:       [B, T] log-probs of the tokens under the policy being trained (carries the gradient)
     old_logp:   [B, T] the same under the policy that sampled them (no gradient)
     ref_logp:   [B, T] the same under the frozen reference model, or None (no KL term)
-    advantages: [B]    one per episode, broadcast over its tokens
+    advantages: [B]    one per episode, broadcast over its tokens; or [B, T], one per token (turn_discounted)
     loss_mask:  [B, T] 1 on the tokens the agent sampled, from the episode's structure, never from token values
                 (pad may equal eos). Masked-out positions may hold anything, even NaN: they get exactly 0 gradient.
 
@@ -168,6 +179,12 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, 
       "seq-mean-token-sum-norm" sum over episodes of their token sum / max_len, / episodes as above (Dr. GRPO;
                                 max_len one constant for the whole step, never a padded width)
     normalizer=None counts this call alone. A zero denominator becomes 1: an empty mask gives loss 0, no gradient.
+
+    tis_cap > 0 corrects the sampler/trainer mismatch by truncated importance sampling (Yao et al. 2025; verl,
+    slime, SkyRL and TRL ship it): each token's policy term is weighted by the detached
+    min(exp(old_logp - sampler_logp), tis_cap); with tis_level="sequence" by one weight per episode,
+    min(exp(sum of those log-ratios), tis_cap). sampler_logp: [B, T] the log-probs the rollout recorded for the
+    sampled tokens (Episode.logprobs). The KL term is not weighted. Metrics tis_weight_mean, tis_capped_frac.
     entropy: optional [B, T] entropy of the policy's next-token distribution at each position, only for the
     entropy metric (its mean over the mask).
 
@@ -180,6 +197,8 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, 
         raise ValueError(f"agg must be one of {AGGS}, got {agg!r}")
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
+    if tis_level not in RATIO_LEVELS:
+        raise ValueError(f"tis_level must be one of {RATIO_LEVELS}, got {tis_level!r}")
     if policy_loss not in POLICY_LOSSES:
         raise ValueError(f"policy_loss must be one of {tuple(POLICY_LOSSES)}, got {policy_loss!r}")
     dual_clip = dual_clip or None
@@ -190,7 +209,8 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, 
     logp = torch.where(mask, logp, zero)
     old_logp = torch.where(mask, old_logp.to(logp.dtype), zero)
     ref_logp = None if ref_logp is None else torch.where(mask, ref_logp.to(logp.dtype), zero)
-    adv = advantages.to(logp.dtype).unsqueeze(1)                            # [B, 1]
+    adv = advantages.to(logp.dtype)
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else adv                      # [B, 1] or [B, T]
 
     log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)                # [B, T]
     if ratio_level == "sequence":  # the episode's mean log-ratio as every token's value, each token's gradient
@@ -199,6 +219,12 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, 
         log_ratio = torch.where(mask, seq.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) + (logp - logp.detach()) * inside,
                                 zero)
     per_token = POLICY_LOSSES[policy_loss](log_ratio, adv, clip_low, clip_high, dual_clip)
+    tis = None
+    if tis_cap and sampler_logp is not None:  # trainer (the old policy) against the sampler, on the same weights
+        gap = torch.where(mask, old_logp - sampler_logp.to(logp.dtype), zero)
+        gap = gap.sum(1, keepdim=True).expand_as(gap) if tis_level == "sequence" else gap
+        tis = torch.exp(gap.clamp(max=LOG_RATIO_CLAMP)).clamp(max=tis_cap).detach()
+        per_token = per_token * tis
     if kl_coef and ref_logp is not None:
         per_token = per_token + kl_coef * kl_k3(logp, ref_logp)
     per_token = torch.where(mask, per_token, zero)                          # [B, T]
@@ -241,4 +267,7 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, 
         }
         if entropy is not None:
             metrics["entropy"] = masked_mean(entropy.to(f32))
+        if tis is not None:
+            metrics["tis_weight_mean"] = masked_mean(tis)
+            metrics["tis_capped_frac"] = masked_mean((tis >= tis_cap).to(logp.dtype))
     return loss, metrics

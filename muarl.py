@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 
 import torch
 
@@ -40,6 +41,7 @@ class Episode:
     input_ids: [T]  the whole conversation as the policy saw and produced it
     loss_mask: [T]  1 on tokens the agent sampled (its text, tool-call text and end-of-turn token), else 0
     logprobs:  [T]  the sampler's log-probability of each sampled token (0.0 where loss_mask is 0)
+    turn_spans:     each agent turn's [start, end) in input_ids, in order: one `append(..., agent=True)` a turn
     """
 
     task_id: str
@@ -51,7 +53,7 @@ class Episode:
     tools: list[dict] = field(default_factory=list)
     reward: float = 0.0
     reward_info: dict = field(default_factory=dict)
-    termination: str = ""  # user_stop | transfer | max_turns | context_limit | response_truncated | infra_error
+    termination: str = ""  # why it ended: an envs.Termination ("" while it goes on)
     infra_failed: bool = False  # ended by an infrastructure failure: leave out of training, don't score as 0
     turns: int = 0  # agent messages
     tool_calls: Counter = field(default_factory=Counter)  # by tool name
@@ -59,6 +61,7 @@ class Episode:
     gen_tokens: int = 0  # tokens the agent sampled
     user_seconds: list[float] = field(default_factory=list)  # how long each user reply took (all its retries)
     user_retries: int = 0  # requests to the user simulator's endpoint that were retried
+    turn_spans: list[tuple[int, int]] = field(default_factory=list)
 
     def append(self, ids: list[int], agent: bool, logprobs: list[float] | None = None) -> None:
         """Append ids to the token stream: agent-sampled (trained on) or not."""
@@ -66,16 +69,24 @@ class Episode:
         self.loss_mask.extend([1 if agent else 0] * len(ids))
         if agent:
             assert logprobs is not None and len(logprobs) == len(ids), "agent tokens need their sampler logprobs"
+            self.turn_spans.append((len(self.input_ids) - len(ids), len(self.input_ids)))
             self.logprobs.extend(logprobs)
             self.gen_tokens += len(ids)
         else:
             self.logprobs.extend([0.0] * len(ids))
 
+    def turn_of_tokens(self) -> list[int]:
+        """[T]: the agent turn each token belongs to (0, 1, ... by turn_spans), -1 outside the agent's turns."""
+        turn = [-1] * len(self.input_ids)
+        for k, (start, end) in enumerate(self.turn_spans):
+            turn[start:end] = [k] * (end - start)
+        return turn
+
     def to_json(self, tokens: bool = False) -> dict:
         d = asdict(self)
         d["tool_calls"] = dict(self.tool_calls)
         if not tokens:
-            for k in ("input_ids", "loss_mask", "logprobs"):
+            for k in ("input_ids", "loss_mask", "logprobs", "turn_spans"):
                 d.pop(k)
         return d
 
@@ -103,6 +114,14 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     return list(dict.fromkeys([end_of_turn_id(tokenizer), *eos]))
+
+
+class TurnEnd(str, Enum):
+    """Why the sampler stopped an agent turn (not why the episode ended: envs.Termination)."""
+    EOT = "eot"                        # it drew one of stop_token_ids: the turn is whole
+    MAX_NEW_TOKENS = "max_new_tokens"  # the per-turn cap cut it off
+    CONTEXT = "context"                # the episode's context cap cut it off
+    __str__, __format__ = str.__str__, str.__format__
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ with their log-probs), everything else as a chat-template delta (loss mask 0; mu
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -20,8 +21,9 @@ from typing import NamedTuple
 
 import torch
 
-from envs import STOP_TOOLS, next_turn, opening_messages, score
-from muarl import Episode, delta_ids, prompt_ids, stop_token_ids
+from envs import STOP_TOOLS, Speaker, Termination, next_turn, opening_messages, score
+from envs.users import UserSimError
+from muarl import Episode, TurnEnd, delta_ids, prompt_ids, stop_token_ids
 from toolcall import parse_assistant
 
 log = logging.getLogger("muarl.rollout")
@@ -45,39 +47,61 @@ class Sampling:
 
 
 @torch.no_grad()
-def reference_rollout(model, tokenizer, env, task, user_sim, cfg: Sampling | None = None) -> Episode:
-    """Play one episode of `task`; the oracle batched_rollout.rollout is held to (tests/test_rollout.py).
-
-    Each agent turn is one `model.generate` call over the whole conversation so far. A user simulator that fails
-    raises here (the batched rollout records infra_error instead)."""
+def reference_rollout(model, tokenizer, env, task, user_sim, cfg: Sampling | None = None, *, session=None,
+                      seed: int | None = None, sample: int = 0) -> Episode:
+    """Play one episode of `task`: the oracle batched_rollout.rollout is held to (tests/test_rollout.py), and what
+    training and evaluation play with --rollout reference. Each agent turn is one `model.generate` call over the
+    whole conversation so far. `session`: the episode's environment state (default env.start(task); the rollouts
+    pass one whose tool calls run under --tool-timeout); `seed`: the episode's own draws (default torch's global
+    RNG). A user simulator that fails ends the episode as INFRA_ERROR: not the agent's 0, left out of training."""
     cfg = cfg or Sampling()
-    stops = stop_token_ids(model, tokenizer)
-    session = env.start(task)                       # fresh state per episode (docs/invariants.md, 4)
+    eot_ids = stop_token_ids(model, tokenizer)
+    session = env.start(task) if session is None else session  # fresh state per episode (docs/invariants.md, 4)
     user = user_sim.sync_user(env, task, session)
-    ep = Episode(task_id=task.id, tools=env.tools(task), messages=opening_messages(env, task, user.opening()))
-    ep.append(prompt_ids(tokenizer, ep.messages, ep.tools), agent=False)
-    status = "agent" if len(ep.input_ids) < cfg.max_context else "context_limit"
-    while status == "agent":
-        ids, logprobs = generate(model, ep.input_ids, cfg, stops, tokenizer.pad_token_id)
-        stop = ("eot" if ids[-1] in stops else
-                "context" if len(ep.input_ids) + len(ids) >= cfg.max_context else "max_new_tokens")
-        status = agent_turn(ep, session, tokenizer, ids, logprobs, stop, cfg.max_turns)
-        if status == "user":
-            ep.messages.append({"role": "user", "content": user.reply(ep.messages)})
-            status = next_turn(ep.messages, ep.turns, cfg.max_turns)
-        if status == "agent" and not append_delta(ep, tokenizer, cfg.max_context):
-            status = "context_limit"
+    ep = Episode(task_id=task.id, sample=sample, tools=env.tools(task))
+    with own_rng(seed, model.device):
+        try:
+            ep.messages = opening_messages(env, task, user.opening())
+            ep.append(prompt_ids(tokenizer, ep.messages, ep.tools), agent=False)
+            status = Speaker.AGENT if len(ep.input_ids) < cfg.max_context else Termination.CONTEXT_LIMIT
+            while status == Speaker.AGENT:
+                ids, logprobs = generate(model, ep.input_ids, cfg, eot_ids, tokenizer.pad_token_id)
+                end = (TurnEnd.EOT if ids[-1] in eot_ids else TurnEnd.CONTEXT
+                       if len(ep.input_ids) + len(ids) >= cfg.max_context else TurnEnd.MAX_NEW_TOKENS)
+                status = agent_turn(ep, session, tokenizer, ids, logprobs, end, cfg.max_turns)
+                if status == Speaker.USER:
+                    ep.messages.append({"role": "user", "content": user.reply(ep.messages)})
+                    status = next_turn(ep.messages, ep.turns, cfg.max_turns)
+                if status == Speaker.AGENT and not append_delta(ep, tokenizer, cfg.max_context):
+                    status = Termination.CONTEXT_LIMIT
+        except UserSimError as e:
+            log.warning("user simulator failed for task %s: %s", task.id, e)
+            ep.reward_info, status = {"error": str(e)}, Termination.INFRA_ERROR
     end_episode(ep, session, status)
     return ep
 
 
-def generate(model, input_ids: list[int], cfg: Sampling, stops: list[int], pad: int) -> tuple[list[int], list[float]]:
+@contextlib.contextmanager
+def own_rng(seed: int | None, device: torch.device):
+    """Draws from the episode's own seed inside, torch's global RNG left as it was (None: the global RNG itself)."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.default_generator.manual_seed(seed)
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        yield
+
+
+def generate(model, input_ids: list[int], cfg: Sampling, eot_ids: list[int], pad: int) -> tuple[list[int], list[float]]:
     """One agent turn by `model.generate`: (sampled ids, ending with a stop token unless cut off; their logprobs,
     log_softmax(logits / temperature) of each drawn token, which is what the trainer recomputes)."""
     ids = torch.tensor([input_ids], device=model.device)
     sampling = dict(do_sample=False) if cfg.greedy else dict(do_sample=True, temperature=cfg.temperature,
                                                             top_p=cfg.top_p, top_k=0)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), eos_token_id=stops, pad_token_id=pad,
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), eos_token_id=eot_ids, pad_token_id=pad,
                          max_new_tokens=min(cfg.max_new_tokens, cfg.max_context - len(input_ids)),
                          output_logits=True, return_dict_in_generate=True, **sampling)
     new = out.sequences[0, len(input_ids):]
@@ -88,25 +112,24 @@ def generate(model, input_ids: list[int], cfg: Sampling, stops: list[int], pad: 
 # ---------------------------------------------------------------------------------------------------------
 # One turn of the agent (batched_rollout.py uses the same helpers)
 # ---------------------------------------------------------------------------------------------------------
-def agent_turn(ep: Episode, session, tokenizer, ids: list[int], logprobs: list[float], stop: str,
-               max_turns: int) -> str:
+def agent_turn(ep: Episode, session, tokenizer, ids: list[int], logprobs: list[float], end: TurnEnd,
+               max_turns: int) -> Speaker | Termination:
     """Record a sampled turn and act on it: its ids enter the episode verbatim, its text becomes the assistant
-    message and its tool calls run. `stop` is why sampling stopped: eot (any stop token, dropped from the text) |
-    max_new_tokens | context. Returns what follows: "agent" (to read its tool results), "user", or why the episode
-    ended (a termination of Episode.termination)."""
-    text = record_turn(ep, tokenizer, ids, logprobs, stop)
+    message and its tool calls run. `end` is why sampling stopped. Returns who speaks next (the agent, to read its
+    tool results, or the user) or why the episode ended."""
+    text = record_turn(ep, tokenizer, ids, logprobs, end)
     if text is None:  # cut off mid-message: its text kept, nothing run
-        return "response_truncated" if stop == "max_new_tokens" else "context_limit"
-    return after_tools(ep, run_tool_calls(ep, session, text), max_turns)
+        return Termination.RESPONSE_TRUNCATED if end == TurnEnd.MAX_NEW_TOKENS else Termination.CONTEXT_LIMIT
+    return add_to_conversation(ep, run_tool_calls(ep, session, text), max_turns)
 
 
-def record_turn(ep: Episode, tokenizer, ids: list[int], logprobs: list[float], stop: str) -> str | None:
+def record_turn(ep: Episode, tokenizer, ids: list[int], logprobs: list[float], end: TurnEnd) -> str | None:
     """The sampled ids enter the episode (loss mask 1); returns their text without the stop token, or None when
     sampling was cut off (max_new_tokens, context), the text then recorded as the agent's message."""
     ep.append(ids, agent=True, logprobs=logprobs)
     ep.turns += 1
-    text = tokenizer.decode(ids[:-1] if stop == "eot" else ids, skip_special_tokens=False)
-    if stop != "eot":
+    text = tokenizer.decode(ids[:-1] if end == TurnEnd.EOT else ids, skip_special_tokens=False)
+    if end != TurnEnd.EOT:
         ep.messages.append({"role": "assistant", "content": text})
         return None
     return text
@@ -128,7 +151,7 @@ def run_tool_calls(ep: Episode, session, text: str) -> ToolOutcome:
     msg = {"role": "assistant", "content": parsed.content}
     if parsed.tool_calls:
         msg["tool_calls"] = parsed.tool_calls
-    results, stop = [], False
+    results, stop_tool_ran = [], False
     for i, call in enumerate(parsed.tool_calls):
         name = call["function"]["name"]
         if i in parsed.errors:
@@ -137,14 +160,14 @@ def run_tool_calls(ep: Episode, session, text: str) -> ToolOutcome:
             res = session.call_tool(name, json.loads(call["function"]["arguments"]))
             content, error = res.content, res.error
             ep.tool_calls[name] += 1
-            stop = stop or name in STOP_TOOLS
+            stop_tool_ran = stop_tool_ran or name in STOP_TOOLS
         ep.tool_errors += int(error)
         results.append({"role": "tool", "tool_call_id": call["id"], "name": name, "content": content})
-    return ToolOutcome(msg, results, stop)
+    return ToolOutcome(msg, results, stop_tool_ran)
 
 
-def after_tools(ep: Episode, outcome: ToolOutcome, max_turns: int) -> str:
-    """The message and its tool results enter the conversation; returns what follows (as agent_turn)."""
+def add_to_conversation(ep: Episode, outcome: ToolOutcome, max_turns: int) -> Speaker | Termination:
+    """The turn's message and its tool results enter the conversation; returns what follows (as agent_turn)."""
     ep.messages += [outcome.message] + outcome.results
     return next_turn(ep.messages, ep.turns, max_turns, outcome.stop_tool_ran)
 
@@ -162,11 +185,11 @@ def append_delta(ep: Episode, tokenizer, max_context: int) -> bool:
     return True
 
 
-def end_episode(ep: Episode, session, termination: str) -> None:
+def end_episode(ep: Episode, session, termination: Termination) -> None:
     """Score the ended episode by the episode rule (envs.score); an episode lost to infrastructure is not scored
     (infra_failed: training leaves it out instead of scoring it 0)."""
-    if termination != "infra_error":
+    if termination != Termination.INFRA_ERROR:
         ep.reward, ep.reward_info, termination = score(session, ep.messages, termination)
-        if termination == "infra_error":
+        if termination == Termination.INFRA_ERROR:
             log.warning("reward failed for task %s: %s", ep.task_id, ep.reward_info.get("error"))
-    ep.termination, ep.infra_failed = termination, termination == "infra_error"
+    ep.termination, ep.infra_failed = termination, termination == Termination.INFRA_ERROR

@@ -38,6 +38,7 @@ import copy
 import json
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Protocol
 
 # Tool names that end the episode when the agent calls them (after the call has run), as in tau2.
@@ -239,39 +240,61 @@ def opening_messages(env: Environment, task: Task, opening: str | None) -> list[
 # functions: the batched rollout and its reference (batched_rollout.py, rollout.py), and `play` below (scripted
 # experts, API agents, cold-start synthesis), so a reward means the same thing whoever played the episode.
 # ---------------------------------------------------------------------------------------------------------
+class _Word(str, Enum):
+    """A word of the episode's vocabulary: compares, formats and serializes as its plain string value."""
+    __str__, __format__ = str.__str__, str.__format__
+
+
+class Speaker(_Word):
+    """Who speaks next while the episode goes on."""
+    AGENT = "agent"      # the agent samples a turn (after the user's message, or to read its tool results)
+    USER = "user"        # the simulated user answers the agent's text
+
+
+class Termination(_Word):
+    """Why an episode ended (Episode.termination; the metrics' termination/<reason>)."""
+    USER_STOP = "user_stop"                     # the user said a USER_STOP_MARKER
+    TRANSFER = "transfer"                       # the agent ran a STOP_TOOLS tool
+    MAX_TURNS = "max_turns"                     # the agent's max_turns-th message was said
+    CONTEXT_LIMIT = "context_limit"             # the episode's tokens reached the context cap
+    RESPONSE_TRUNCATED = "response_truncated"   # a turn reached the per-turn cap on new tokens
+    INFRA_ERROR = "infra_error"                 # the user simulator or the evaluator failed: not scored, not trained
+
+
 # The endings where the dialogue finished. Any other (the turn, context or response cap, an infrastructure
 # failure) scores 0 whatever the database says, as in tau2: an episode cut off did not finish its task.
-FINISHED = ("user_stop", "transfer")
+FINISHED = (Termination.USER_STOP, Termination.TRANSFER)
 
 
-def next_turn(messages: list[dict], turns: int, max_turns: int, stop_tool_ran: bool = False) -> str:
+def next_turn(messages: list[dict], turns: int, max_turns: int, stop_tool_ran: bool = False) -> Speaker | Termination:
     """Who speaks after `messages`, or why the episode ends there (tau2's orchestrator rules):
-      after a user message: "user_stop" when it carries a USER_STOP_MARKER, else "agent";
-      after the agent's turn (its message, then its tool results if it called tools): "transfer" when a
-      STOP_TOOLS tool ran, "max_turns" when that was its `max_turns`-th message, else "agent" (it reads its tool
-      results) or "user" (the user answers its text).
+      after a user message: USER_STOP when it carries a USER_STOP_MARKER, else AGENT;
+      after the agent's turn (its message, then its tool results if it called tools): TRANSFER when a STOP_TOOLS
+      tool ran, MAX_TURNS when that was its `max_turns`-th message, else AGENT (it reads its tool results) or USER
+      (the user answers its text).
     `turns` counts the agent's messages so far."""
     last = messages[-1]
     if last["role"] == "user":
-        return "user_stop" if any(m in (last.get("content") or "") for m in USER_STOP_MARKERS) else "agent"
+        stop = any(m in (last.get("content") or "") for m in USER_STOP_MARKERS)
+        return Termination.USER_STOP if stop else Speaker.AGENT
     if stop_tool_ran:
-        return "transfer"
+        return Termination.TRANSFER
     if turns >= max_turns:
-        return "max_turns"
-    return "agent" if last["role"] == "tool" else "user"
+        return Termination.MAX_TURNS
+    return Speaker.AGENT if last["role"] == "tool" else Speaker.USER
 
 
-def score(session: EnvSession, messages: list[dict], termination: str) -> tuple[float, dict, str]:
+def score(session: EnvSession, messages: list[dict], termination: Termination) -> tuple[float, dict, Termination]:
     """(reward, its breakdown, termination) of an ended episode. The environment scores the conversation
     (session.reward); an episode that did not end FINISHED gets 0, the environment's verdict kept in
     info["env_reward"]. An evaluator that raises or returns a non-finite number is not the agent's doing: the
-    episode ends "infra_error" (training leaves it out rather than scoring it 0)."""
+    episode ends INFRA_ERROR (training leaves it out rather than scoring it 0)."""
     try:
         reward, info = session.reward(messages)
     except Exception as e:
-        return 0.0, {"error": repr(e)}, "infra_error"
+        return 0.0, {"error": repr(e)}, Termination.INFRA_ERROR
     if not math.isfinite(reward):
-        return 0.0, {**info, "error": f"non-finite reward {reward}"}, "infra_error"
+        return 0.0, {**info, "error": f"non-finite reward {reward}"}, Termination.INFRA_ERROR
     if termination not in FINISHED:
         return 0.0, {**info, "env_reward": reward, "ended_early": termination}, termination
     return reward, info, termination
@@ -289,9 +312,9 @@ def play(env: Environment, task: Task, agent: ScriptedAgent, user: ScriptedUser 
     user = user if user is not None else env.scripted_user(task)
     session = session if session is not None else env.start(task)  # pass one to share it with the user
     messages = opening_messages(env, task, user.opening())
-    turns, status = 0, "agent"
-    while status in ("agent", "user"):
-        if status == "user":
+    turns, status = 0, Speaker.AGENT
+    while isinstance(status, Speaker):
+        if status == Speaker.USER:
             messages.append({"role": "user", "content": user.reply(messages)})
             status = next_turn(messages, turns, max_turns)
             continue

@@ -49,10 +49,11 @@ import torch
 from fast import deadlines
 from fast.deadlines import guard
 from fast.engine import SlotPool, _prefill_openings, _Row, generate_turn
-from envs import next_turn, opening_messages
+from envs import Speaker, Termination, next_turn, opening_messages
 from envs.users import UserSimError, close_user_sim, opening_retries, reply_problem, retries_of
-from muarl import Episode, prompt_ids, stop_token_ids
-from rollout import Sampling, after_tools, agent_turn, append_delta, end_episode, record_turn, run_tool_calls
+from muarl import Episode, TurnEnd, prompt_ids, stop_token_ids
+from rollout import (Sampling, add_to_conversation, agent_turn, append_delta, end_episode, record_turn,
+                     reference_rollout, run_tool_calls)
 
 log = logging.getLogger("muarl.rollout")
 
@@ -82,6 +83,10 @@ class RolloutConfig(Sampling):
     """'on': the decoder's forward for one token a row through torch.compile (decode.decode_step; the draw stays
     eager); 'auto': on a GPU only; 'off' (the default until it is timed on a GPU: on this project's CPU it gains
     ~1.1x a rollout after a compile of 10-45 s, bench/README.md)"""
+    reference: bool = False
+    """play every episode with rollout.reference_rollout instead, one at a time with model.generate (--rollout
+    reference): the loop a reader read, for an experiment on the turn loop; the same greedy episodes, slower, and
+    sampled ones drawn otherwise (by generate, from each episode's own seed)"""
     prefill_tokens: int = 8192
     """at most this many tokens (rows x columns) in one prefill forward: a long prefill runs in column chunks that
     append to the cache, so its activations stay those of one chunk (bench/README.md, kv_peak); 0: one forward"""
@@ -94,18 +99,20 @@ class RolloutConfig(Sampling):
             raise SystemExit(f"--decode-attention: {opts.decode_attention!r} is not 'grouped' or 'model'")
         if opts.compile_decode not in ("auto", "on", "off"):
             raise SystemExit(f"--compile-decode: {opts.compile_decode!r} is not 'auto', 'on' or 'off'")
+        if opts.rollout not in ("engine", "reference"):
+            raise SystemExit(f"--rollout: {opts.rollout!r} is not 'engine' or 'reference'")
         return cls(temperature=opts.temperature or 1e-5, top_p=opts.top_p, greedy=opts.temperature == 0,
                    max_new_tokens=opts.max_new_tokens, max_context=opts.max_context, max_turns=opts.max_turns,
                    tool_timeout=opts.tool_timeout, decode_attention=opts.decode_attention,
                    compile_decode=opts.compile_decode,
-                   reuse_cache=opts.reuse_cache, max_batch=opts.rollout_batch,
+                   reuse_cache=opts.reuse_cache, max_batch=opts.rollout_batch, reference=opts.rollout == "reference",
                    park_device="cpu" if opts.rollout_batch and on_gpu else "")
 
 
 # ---------------------------------------------------------------------------------------------------------
 # The episode loop
 # ---------------------------------------------------------------------------------------------------------
-def _finish(row: _Row, termination: str) -> None:
+def _finish(row: _Row, termination: Termination) -> None:
     end_episode(row.ep, row.session, termination)
     row.free_cache()  # its slot is free now
 
@@ -185,8 +192,13 @@ def rollout(model, tokenizer, env, tasks: list, group_size: int, user_sim, cfg: 
     # this thread; any other (an LLM endpoint) from a thread of its own, so that decoding goes on while it answers,
     # and so are the tools of an environment that says they are slow (env.slow_tools: a remote service).
     local, slow_tools = getattr(user_sim, "local", False), getattr(env, "slow_tools", False)
-    users = None if local and not slow_tools else _UserThread(user_sim)
+    users = None if local and not slow_tools or cfg.reference else _UserThread(user_sim)
     try:
+        if cfg.reference:  # --rollout reference: rollout.py's loop, each episode alone, under the same guarantees
+            return [reference_rollout(model, tokenizer, env, task, user_sim, cfg, sample=g,
+                                      session=guard(env.start(task), cfg.tool_timeout, remote=slow_tools),
+                                      seed=episode_seed(seed, f"{i}:{task.id}", g))
+                    for i, task in enumerate(tasks) for g in range(group_size)]
         return _rollout(model, tokenizer, env, tasks, group_size, user_sim, cfg, seed, users, local, slow_tools)
     finally:
         try:
@@ -198,7 +210,7 @@ def rollout(model, tokenizer, env, tasks: list, group_size: int, user_sim, cfg: 
 
 
 def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, local, slow_tools) -> list[Episode]:
-    stops = stop_token_ids(model, tok)
+    eot_ids = stop_token_ids(model, tok)
     run = (lambda coro: users.submit(coro).result()) if users is not None else asyncio.run
     # The first user message is generated once per task and shared by its group: the G episodes differ only by
     # the agent's samples, which is what the group-relative advantage compares. A task that continues an earlier
@@ -225,26 +237,26 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
             rows.append(row)
             if failed:
                 ep.reward_info = {"error": str(opening)}
-                _finish(row, "infra_error")
+                _finish(row, Termination.INFRA_ERROR)
                 continue
             ep.messages = opening_messages(env, task, opening)  # the group's episodes share no mutable message
             ep.append(opening_ids, agent=False)
             row.user = user_sim.start(env, task, session, opening)
             if len(ep.input_ids) >= cfg.max_context:
-                _finish(row, "context_limit")
+                _finish(row, Termination.CONTEXT_LIMIT)
             else:
                 group.append(row)
         groups.append(group)
     live = [r for r in rows if not r.ep.termination]
     # every live episode's cache in a slot of max_context positions, or max_batch slots and the others spilled
     pool = SlotPool(model, min(cfg.max_batch or len(live), len(live)) or 1, cfg.max_context, cfg.park_device)
-    _prefill_openings(model, pool, [g for g in groups if g], cfg, stops[0])
+    _prefill_openings(model, pool, [g for g in groups if g], cfg, eot_ids[0])
     waiting: dict[concurrent.futures.Future, _Row] = {}  # rows whose tools or user reply are on their way
 
-    def rejoin(r: _Row, status: str) -> None:  # append what was said and line the row up, or end the episode
-        if status == "agent" and not append_delta(r.ep, tok, cfg.max_context):
-            status = "context_limit"
-        if status == "agent":
+    def rejoin(r: _Row, status: Speaker | Termination) -> None:  # what was said appended, the row in line; or ended
+        if status == Speaker.AGENT and not append_delta(r.ep, tok, cfg.max_context):
+            status = Termination.CONTEXT_LIMIT
+        if status == Speaker.AGENT:
             live.append(r)
         else:
             _finish(r, status)
@@ -269,21 +281,22 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
             batch, rest = live[:n], live[n:]
             # (rows in line for a place, `rest`, are not counted: refilling for them would spill the caches of the
             # rows still decoding to host memory under park_device, at every turn's end)
-            generate_turn(model, pool, batch, cfg, stops, ready=(lambda: sum(f.done() for f in waiting))
+            generate_turn(model, pool, batch, cfg, eot_ids, ready=(lambda: sum(f.done() for f in waiting))
                           if users is not None else None)
-            live = [r for r in batch if not r.stop] + rest  # those stopped mid-turn first, then those in line
+            live = [r for r in batch if r.turn_end is None] + rest  # those mid-turn first, then those in line
             to_user = []
-            for r in (r for r in batch if r.stop):
-                if slow_tools and r.stop == "eot":
-                    waiting[users.submit(_tools(r, record_turn(r.ep, tok, r.new_ids, r.new_logprobs, r.stop)))] = r
-                    status = "tools"
+            for r in (r for r in batch if r.turn_end is not None):
+                if slow_tools and r.turn_end == TurnEnd.EOT:  # its tools run in the user thread: no status yet
+                    text = record_turn(r.ep, tok, r.new_ids, r.new_logprobs, r.turn_end)
+                    waiting[users.submit(_tools(r, text))] = r
+                    status = None
                 else:
-                    status = agent_turn(r.ep, r.session, tok, r.new_ids, r.new_logprobs, r.stop, cfg.max_turns)
+                    status = agent_turn(r.ep, r.session, tok, r.new_ids, r.new_logprobs, r.turn_end, cfg.max_turns)
                 if not cfg.reuse_cache:
                     r.free_cache()  # the next turn re-encodes the whole conversation
-                if status == "user":
+                if status == Speaker.USER:
                     to_user.append(r)
-                elif status != "tools":
+                elif status is not None:
                     rejoin(r, status)
             ask(to_user)
             if cfg.refill_below == 0 and waiting:  # synchronous turns: the next batch starts when all are back
@@ -293,8 +306,8 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
             r = waiting.pop(f)
             kind, *out = f.result()
             if kind == "tools":
-                status = after_tools(r.ep, out[0], cfg.max_turns)
-                if status == "user":
+                status = add_to_conversation(r.ep, out[0], cfg.max_turns)
+                if status == Speaker.USER:
                     to_user.append(r)
                 else:
                     rejoin(r, status)
@@ -330,8 +343,8 @@ async def _gather(*coros) -> list:
     return list(await asyncio.gather(*coros, return_exceptions=True))
 
 
-def _take_reply(r: _Row, reply, seconds: float, cfg: RolloutConfig) -> str:
-    """Put the user's reply into the episode; returns what follows ("agent", or why the episode ends)."""
+def _take_reply(r: _Row, reply, seconds: float, cfg: RolloutConfig) -> Speaker | Termination:
+    """Put the user's reply into the episode; returns what follows (the agent, or why the episode ends)."""
     r.ep.user_seconds.append(round(seconds, 4))
     retried = retries_of(r.user)  # the episode's count so far; ep.user_retries also holds its opening's
     r.ep.user_retries += retried - r.retries_seen
@@ -339,13 +352,13 @@ def _take_reply(r: _Row, reply, seconds: float, cfg: RolloutConfig) -> str:
     if isinstance(reply, UserSimError):
         log.warning("user simulator failed for task %s: %s", r.ep.task_id, reply)
         r.ep.reward_info = {"error": str(reply)}
-        return "infra_error"
+        return Termination.INFRA_ERROR
     if isinstance(reply, BaseException):
         raise reply
     problem = reply_problem(reply)
     if problem:  # an empty, endless or broken user turn is a broken user, not a dialogue to score
         log.warning("user simulator's reply for task %s %s", r.ep.task_id, problem)
         r.ep.reward_info = {"error": f"the user simulator's reply {problem}"}
-        return "infra_error"
+        return Termination.INFRA_ERROR
     r.ep.messages.append({"role": "user", "content": reply})
     return next_turn(r.ep.messages, r.ep.turns, cfg.max_turns)

@@ -25,6 +25,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from fast.decode import decode_attention, decode_step, with_cache
+from muarl import TurnEnd
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -43,7 +44,7 @@ class _Row:
     spilled: _Spilled | None = None  # its cache while it has no slot
     new_ids: list[int] = field(default_factory=list)  # this turn's sampled tokens
     new_logprobs: list[float] = field(default_factory=list)
-    stop: str = ""  # why this turn's decoding stopped: eot (any stop token) | max_new_tokens | context
+    turn_end: TurnEnd | None = None  # why this turn's decoding stopped; None while the turn goes on
     seed: int = 0  # this episode's sampling seed (batched_rollout.episode_seed): its noise is uniform_noise(seed, pos)
     retries_seen: int = 0  # the user state's retry count already added to ep.user_retries
 
@@ -337,7 +338,7 @@ def _prefill_openings(model, pool: SlotPool, groups: list[list[_Row]], cfg, eot:
 @torch.no_grad()
 def generate_turn(model, pool: SlotPool, rows: list[_Row], cfg, stops: list[int], ready=None) -> None:
     """Decode the current agent turn of every row, together, until fewer than cfg.refill_below of the rows are
-    still decoding. A row whose turn ends gets row.stop; a row still mid-turn keeps stop == "" and its partial
+    still decoding. A row whose turn ends gets row.turn_end; a row still mid-turn keeps turn_end None and its partial
     new_ids / new_logprobs, and the next call continues it (its last sampled token is its pending input). Either
     way the row's cache (everything but its last sampled token) stays in its slot.
 
@@ -349,9 +350,9 @@ def generate_turn(model, pool: SlotPool, rows: list[_Row], cfg, stops: list[int]
     model's generation-config eos ids). `ready` (a callable: how many other rows are ready to join) also ends the
     call when at least max(1, refill_below x the rows still decoding) could join it."""
     eot, stops = stops[0], set(stops)
-    for r in rows:  # a row whose previous turn ended (stop set) starts a new one
-        if r.stop:
-            r.new_ids, r.new_logprobs, r.stop = [], [], ""
+    for r in rows:  # a row whose previous turn ended (turn_end set) starts a new one
+        if r.turn_end is not None:
+            r.new_ids, r.new_logprobs, r.turn_end = [], [], None
     rows = pool.place(rows)
     pending = [(r.ep.input_ids + r.new_ids)[r.kv_len:] for r in rows]
     assert all(pending), "a row with nothing to decode from"
@@ -382,11 +383,11 @@ def generate_turn(model, pool: SlotPool, rows: list[_Row], cfg, stops: list[int]
                 r.new_ids.append(t)
                 r.new_logprobs.append(l)
                 if t in stops:
-                    r.stop = "eot"
+                    r.turn_end = TurnEnd.EOT
                 elif len(r.new_ids) >= budget[j]:
                     full = len(r.ep.input_ids) + len(r.new_ids) >= cfg.max_context
-                    r.stop = "context" if full else "max_new_tokens"
-                if r.stop:
+                    r.turn_end = TurnEnd.CONTEXT if full else TurnEnd.MAX_NEW_TOKENS
+                if r.turn_end is not None:
                     done.append(j)
             still = len(rows) - len(done)
             refill = not still or still < cfg.refill_below * B  # return; the rows mid-turn keep their slots

@@ -44,6 +44,10 @@ class SamplingOptions:
     compile_decode: str = "off"
     """the decoder's step through torch.compile: 'on', 'off', or 'auto' (on a GPU only); where compiling fails it
     warns once and decodes eagerly. Off by default: not yet timed on a GPU (bench/gpu.py's roofline check)"""
+    rollout: str = "engine"
+    """how episodes are played: 'engine' (fast/batched_rollout.py: many at once, each KV cache kept across turns) or
+    'reference' (rollout.py's reference_rollout: one at a time with model.generate, the loop a reader read; the same
+    greedy episodes, slower; the engine's options below do not apply)"""
     rollout_batch: Annotated[int, Range("[0, inf)")] = 0
     """at most this many episodes decode together on one process (0: all; in eval.py on a GPU, as many as it holds
     by the memory estimate); bounds GPU memory: on a GPU the other episodes' KV caches wait in host memory"""
@@ -195,7 +199,8 @@ def validate(cfg, world: int) -> None:
     if not cfg.scale_advantages and cfg.advantage != "grpo":
         bad("no_scale_advantages", f"only the 'grpo' advantage divides by a std; --advantage {cfg.advantage} "
                                    "never does")
-    for opt, names in (("ratio_level", RATIO_LEVELS), ("policy_loss", tuple(POLICY_LOSSES))):
+    for opt, names in (("ratio_level", RATIO_LEVELS), ("policy_loss", tuple(POLICY_LOSSES)),
+                       ("tis_level", RATIO_LEVELS), ("rollout", ("engine", "reference"))):
         if getattr(cfg, opt) not in names:
             bad(opt, f"{opt} must be one of {names}, got {getattr(cfg, opt)!r}")
     if cfg.dual_clip and cfg.dual_clip <= 1:

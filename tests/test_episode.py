@@ -50,3 +50,29 @@ def test_every_way_of_playing_an_episode_scores_it_alike(name, expected, lm, tin
                 assert info["env_reward"] == 1.0 and info["ended_early"] == "max_turns", path
     kept = coldstart.make_cold_start(sft.SFTConfig(env=f"tests.fake_env:{name}", num_tasks=2))
     assert len(kept) == (2 if expected[0] == 1.0 else 0)  # only finished episodes are cold-start data
+
+
+def test_the_episode_vocabulary_is_typed_and_reads_as_before():
+    """Who speaks next (envs.Speaker), why an episode ended (envs.Termination) and why a turn stopped sampling
+    (muarl.TurnEnd) are separate typed words; each still compares, formats and serializes as the plain string the
+    logs, metrics and episodes.jsonl have always held, and every ending is one the metric table names."""
+    import json
+
+    from envs import STOP_TOOLS, USER_STOP_MARKERS, Speaker, Termination, next_turn
+    from muarl import TurnEnd
+    from plumbing.metrics import METRICS
+
+    user, text = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Which order?"}
+    tool = {"role": "tool", "tool_call_id": "c", "name": "get_order", "content": "{}"}
+    assert next_turn([user], 0, 30) is Speaker.AGENT
+    assert next_turn([{"role": "user", "content": f"bye {USER_STOP_MARKERS[0]}"}], 3, 30) is Termination.USER_STOP
+    assert next_turn([user, text], 1, 30) is Speaker.USER
+    assert next_turn([user, text, tool], 1, 30) is Speaker.AGENT
+    assert next_turn([user, text, tool], 1, 30, stop_tool_ran=True) is Termination.TRANSFER and STOP_TOOLS
+    assert next_turn([user, text], 30, 30) is Termination.MAX_TURNS
+    assert not set(Speaker) & set(Termination) and not set(map(str, TurnEnd)) & set(map(str, Termination))
+    for word in [*Speaker, *Termination, *TurnEnd]:
+        assert word == word.value and f"{word}" == str(word) == word.value
+        assert json.loads(json.dumps({"termination": word})) == {"termination": word.value}
+    described = METRICS["termination/<reason>"]
+    assert all(t.value in described for t in Termination), described

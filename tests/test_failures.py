@@ -218,10 +218,15 @@ def test_an_empty_or_broken_reply_from_any_user_simulator_is_an_infra_error(lm, 
     eps = rollout(lm, tiny_tok, env, env.tasks("train"), 2, make_user_sim("scripted"), GREEDY)
     assert all(ep.infra_failed and ep.termination == "infra_error" for ep in eps)
     assert all(re.search(problem, ep.reward_info["error"]) for ep in eps)
-    from rollout import reference_rollout  # and the text-level user (reference rollout, envs.play) raises
+    from rollout import reference_rollout  # the reference rollout ends it alike; the text-level user raises
 
+    task = env.tasks("train")[0]
+    ep = reference_rollout(lm, tiny_tok, env, task, make_user_sim("scripted"), GREEDY)
+    assert ep.infra_failed and ep.termination == "infra_error" and re.search(problem, ep.reward_info["error"])
+    user = make_user_sim("scripted").sync_user(env, task, env.start(task))  # envs.play's; its callers catch it
+    user.opening()
     with pytest.raises(UserSimError, match=problem):
-        reference_rollout(lm, tiny_tok, env, env.tasks("train")[0], make_user_sim("scripted"), GREEDY)
+        user.reply([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."}])
 
 
 def test_user_timeout_bounds_the_whole_request_not_each_read():

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from fast.logprobs import entropy_of_logits, logprobs_from_hidden, masked_token_entropy, token_logprobs
-from loss import AGGS, group_advantages, grpo_loss, kl_k3
+from loss import AGGS, group_advantages, grpo_loss, kl_k3, turn_discounted
 
 # ---- plain-Python references: slow, obvious, one scalar at a time ----
 
@@ -35,17 +35,20 @@ def loop_k3(lp, ref):
 
 
 def loop_loss(logp, old, ref, adv, mask, clip_low=0.2, clip_high=0.2, dual_clip=3.0, kl_coef=0.001,
-              agg="token-mean", max_len=None):
+              agg="token-mean", max_len=None, weights=None):
+    """adv: one per episode, or a list per episode (one per token); weights: one per token, on the policy term."""
     per_seq, n_tok, n_seq, total = [], 0, 0, 0.0
     for b in range(len(logp)):
         s, n = 0.0, 0
         for t in range(len(logp[b])):
             if not mask[b][t]:
                 continue
-            r, a = math.exp(logp[b][t] - old[b][t]), adv[b]
+            r, a = math.exp(logp[b][t] - old[b][t]), adv[b][t] if isinstance(adv[b], list) else adv[b]
             pg = max(-a * r, -a * min(max(r, 1 - clip_low), 1 + clip_high))
             if dual_clip is not None and a < 0:
                 pg = min(pg, -a * dual_clip)
+            if weights is not None:
+                pg *= weights[b][t]
             if ref is not None:
                 pg += kl_coef * loop_k3(logp[b][t], ref[b][t])
             s, n = s + pg, n + 1
@@ -790,3 +793,67 @@ def test_normalizer_count_is_what_each_aggregation_divides_by():
                             normalizer=normalizer_count(masks, agg))
         own, _ = grpo_loss(logp, logp.detach(), None, torch.ones(len(masks)), mask, kl_coef=0.0, agg=agg, max_len=5)
         assert mine.item() == pytest.approx(own.item())
+
+
+# ---- credit per turn, and the sampler's mismatch corrected ----
+
+
+def test_turn_discounted_matches_a_loop():
+    """A token of agent turn k of K gets the episode's advantage times gamma ** (K - 1 - k); outside the turns the
+    value is never trained (loss mask 0). Gamma 1 gives every token exactly the episode's advantage."""
+    adv = torch.tensor([0.7, -1.3, 0.0, 2.0], dtype=torch.float64)
+    turns = [[0, 0, -1, 1, 1, -1, 2, -1], [-1, 0, 0, 0, -1, -1, -1, -1], [-1] * 8, [0, -1, 1, -1, 2, -1, 3, 3]]
+    turn = torch.tensor(turns, dtype=torch.float32)
+    for gamma in (1.0, 0.9, 0.5):
+        got = turn_discounted(adv, turn, gamma)
+        for b, row in enumerate(turns):
+            last = max(row)
+            for t, k in enumerate(row):
+                if k >= 0:
+                    assert got[b, t].item() == pytest.approx(adv[b].item() * gamma ** (last - k), rel=1e-12)
+    assert torch.equal(turn_discounted(adv, turn, 1.0), adv[:, None].expand(4, 8))
+
+
+def test_grpo_loss_takes_one_advantage_per_token():
+    logp, old, ref, adv, mask = random_batch(spread=1.5, seed=3)
+    per_token = adv[:, None] * torch.linspace(0.2, 1.0, logp.shape[1], dtype=adv.dtype)
+    loss, _ = grpo_loss(logp, old, ref, per_token, mask, kl_coef=0.01)
+    want = loop_loss(logp.tolist(), old.tolist(), ref.tolist(), per_token.tolist(), mask.tolist(), kl_coef=0.01)
+    assert loss.item() == pytest.approx(want, rel=1e-10, abs=1e-12)
+    same = grpo_loss(logp, old, ref, adv[:, None].expand_as(logp), mask)[0]
+    assert same.item() == grpo_loss(logp, old, ref, adv, mask)[0].item()
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_truncated_importance_weights_match_a_loop(level):
+    """--tis-cap C: each token's policy term times min(exp(old - sampler), C) (per episode: exp of the summed
+    log-ratios), detached; the KL term unweighted; where the sampler agrees with the trainer, nothing changes."""
+    logp, old, ref, adv, mask = random_batch(spread=1.5, seed=4)
+    g = torch.Generator().manual_seed(9)
+    sampler = old + (torch.rand(old.shape, generator=g, dtype=old.dtype) - 0.5) * 1.2
+    cap, L, O, S, M = 1.5, logp.tolist(), old.tolist(), sampler.tolist(), mask.tolist()
+    if level == "token":
+        w = [[min(math.exp(O[b][t] - S[b][t]), cap) for t in range(len(L[b]))] for b in range(len(L))]
+    else:
+        raw = [math.exp(sum(O[b][t] - S[b][t] for t in range(len(L[b])) if M[b][t])) for b in range(len(L))]
+        ranked = sorted(r for b, r in enumerate(raw) if any(M[b]))
+        cap = (ranked[1] + ranked[2]) / 2  # some episodes capped, some not, none at the cap itself
+        w = [[min(raw[b], cap)] * len(L[b]) for b in range(len(L))]
+    logp.requires_grad_()
+    loss, m = grpo_loss(logp, old, ref, adv, mask, kl_coef=0.05, sampler_logp=sampler, tis_cap=cap, tis_level=level)
+    want = loop_loss(L, O, ref.tolist(), adv.tolist(), M, kl_coef=0.05, weights=w)
+    assert loss.item() == pytest.approx(want, rel=1e-10, abs=1e-12)
+    pts = [(b, t) for b in range(len(L)) for t in range(len(L[b])) if M[b][t]]
+    assert m["tis_weight_mean"].item() == pytest.approx(sum(w[b][t] for b, t in pts) / len(pts), rel=1e-6)  # float32
+    capped = sum(w[b][t] >= cap for b, t in pts) / len(pts)
+    assert m["tis_capped_frac"].item() == pytest.approx(capped) and 0 < capped < 1
+    (g_tis,) = torch.autograd.grad(loss, logp)  # the weight is detached: the gradient is the weighted one
+    f = lambda lp: grpo_loss(lp, old, ref, adv, mask, kl_coef=0.05, sampler_logp=sampler, tis_cap=cap,
+                             tis_level=level)[0]
+    smooth = logp.detach().clone()
+    for edge in (0.8, 1.2, 3.0):  # finite differences need every ratio 1e-3 away from the clip boundaries
+        smooth = torch.where(((smooth - old).exp() - edge).abs() < 1e-3, smooth + 0.01, smooth)
+    assert torch.autograd.gradcheck(f, (smooth.requires_grad_(),))
+    agree, _ = grpo_loss(logp, old, ref, adv, mask, sampler_logp=old, tis_cap=cap, tis_level=level)
+    assert agree.item() == pytest.approx(grpo_loss(logp, old, ref, adv, mask)[0].item(), rel=1e-12)
+    assert torch.isfinite(g_tis).all()

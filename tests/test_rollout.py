@@ -173,6 +173,21 @@ def test_the_cache_goes_by_the_name_the_decoder_takes(lm, tiny_tok):
 
 
 @pytest.mark.versions
+def _runs_of_ones(mask):
+    """(start, the run) of each maximal run of 1s in a 0/1 list."""
+    out, i = [], 0
+    while i < len(mask):
+        if mask[i]:
+            j = i
+            while j < len(mask) and mask[j]:
+                j += 1
+            out.append((i, mask[i:j]))
+            i = j
+        else:
+            i += 1
+    return out
+
+
 def test_engine_plays_the_reference_episodes(lm, tiny_tok):
     """The oracle: under greedy decoding the engine (cross-turn KV cache, continuous batching, padded batches) gives
     exactly the token ids, loss masks, messages, endings and rewards of reference_rollout (HF generate, one episode
@@ -194,6 +209,10 @@ def test_engine_plays_the_reference_episodes(lm, tiny_tok):
             assert a.input_ids == b.input_ids and a.loss_mask == b.loss_mask and a.messages == b.messages
             assert (a.termination, a.turns, a.reward, a.tool_calls) == (b.termination, b.turns, b.reward, b.tool_calls)
             assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+            assert a.turn_spans == b.turn_spans and len(a.turn_spans) == a.turns
+            # each agent turn is one run of loss mask 1, recorded as it was appended (never read off the mask)
+            runs = [(i, i + len(r)) for i, r in _runs_of_ones(a.loss_mask)]
+            assert a.turn_spans == runs
         endings |= {e.termination for e in fast}
     assert endings == {"user_stop", "max_turns", "response_truncated", "context_limit"}
 
@@ -249,7 +268,7 @@ def test_mid_turn_parking_changes_nothing(lm, tiny_tok, monkeypatch, max_batch):
     def counting(model, pool, rows, *args, **kwargs):
         calls.append(len(rows))
         R_generate(model, pool, rows, *args, **kwargs)
-        mid_turn.append(sum(not r.stop for r in rows))
+        mid_turn.append(sum(r.turn_end is None for r in rows))
 
     R_generate = R.generate_turn
     monkeypatch.setattr(R, "generate_turn", counting)

@@ -435,6 +435,26 @@ def test_eval_main_writes_summary(tmp_path, ckpt):
     assert len((tmp_path / "ev" / "episodes.jsonl").read_text().splitlines()) == 6
 
 
+def test_the_reference_rollout_trains_and_evaluates_with_the_engine_s_greedy_episodes(tmp_path, ckpt):
+    """--rollout reference plays every episode with rollout.reference_rollout (model.generate, one at a time): on
+    shop, grpo.main's greedy held-out evaluation and eval.main find exactly the engine's episodes, and a step trains
+    on its sampled episodes."""
+    common = ["--env", "shop", "--max-new-tokens", "12", "--max-turns", "3", "--max-context", "4096"]
+    keys = ("task_id", "messages", "reward", "termination", "turns")
+    seen = {}
+    for how in ("engine", "reference"):
+        grpo.main(["--init-from", str(ckpt), *common, "--steps", "1", "--tasks-per-step", "1", "--group-size", "2",
+                   "--eval-tasks", "3", "--rollout", how, "--out-dir", str(tmp_path / f"grpo-{how}")])
+        evaluation.main(["--agent", str(ckpt), *common, "--num-tasks", "3", "--rollout", how,
+                         "--out-dir", str(tmp_path / f"eval-{how}")])
+        played = [tmp_path / f"grpo-{how}" / "eval-before.jsonl", tmp_path / f"eval-{how}" / "episodes.jsonl"]
+        seen[how] = [[{k: json.loads(line)[k] for k in keys} for line in f.read_text().splitlines()] for f in played]
+        assert metrics(tmp_path / f"grpo-{how}")[0]["trained_tokens"] > 0
+    assert [len(eps) for eps in seen["engine"]] == [3, 3]
+    assert seen["reference"] == seen["engine"]
+    assert any(e["turns"] > 1 for e in seen["engine"][1]), "episodes of one turn would test little"
+
+
 def test_eval_rollout_batch_and_memory_estimate(tmp_path, ckpt, capsys):
     """eval.py decodes --rollout-batch episodes at a time (the same greedy episodes as all at once) and prints its
     memory estimate, an inference one: weights and the decoding episodes' KV cache, no optimizer or reference."""
