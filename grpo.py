@@ -3,32 +3,36 @@
     ./run accelerate launch grpo.py                  # the embedded CPU default (shop domain, tiny model)
     ./run accelerate launch grpo.py --recipe paper --init-from runs/sft-qwen3-8b
 
-The method, one step (1-2: pipeline.grpo_step, with batched_rollout.rollout; 3-5: train_on_episodes below):
+The method, one step (grpo_step below):
   1. Take the step's tasks (--tasks-per-step over all processes); play G = --group-size episodes of each with the
-     current policy, each against its own copy of the environment and a simulated user.
-  2. Score each episode: 1 when the task is truly done, else 0. An episode lost to infrastructure is left out.
-  3. Advantage of each episode: (r - mean of its group) / (std of its group + 1e-6) (loss.group_advantages).
+     current policy, each against its own copy of the environment and a simulated user (grpo_step: the rollout).
+  2. Score each episode: 1 when the task is truly done, else 0 (in the rollout, by the episode rule, envs.score).
+     An episode lost to infrastructure is left out.
+  3. Advantage of each episode: (r - mean of its group) / (std of its group + 1e-6) (decide: loss.group_advantages).
   4. Loss on the tokens the agent sampled (loss mask 1), per token: PPO's clipped ratio with dual clip, plus
-     0.001 x the k3 KL to the frozen start (loss.grpo_loss); summed over the whole step and divided by its number of
-     sampled tokens, one normalizer for every micro-batch and process.
-  5. One optimizer step (AdamW, gradient clipped at 1.0).
-The run (pipeline.py): cold start, greedy pass^1 before, the steps with metrics and checkpoints, pass^1 after.
+     0.001 x the k3 KL to the frozen start (train_on_episodes: loss.grpo_loss); summed over the whole step and
+     divided by its number of sampled tokens, one normalizer for every micro-batch and process.
+  5. One optimizer step (AdamW, gradient clipped at 1.0; train_on_episodes).
+The run (main): the cold start, greedy pass^1 before, the steps with metrics and checkpoints, pass^1 after; what
+surrounds the method (set-up, logs, the loop's checkpoints and stop signals) is plumbing/pipeline.py's.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Annotated, NamedTuple
 
 import torch
+from accelerate.utils import gather_object
 
 import sft
-from plumbing import cli, lora, metrics, pipeline, rundir, shard
+from fast.batched_rollout import rollout
+from plumbing import cli, lora, metrics, models, pipeline, rundir, shard
 from plumbing.cli import Range
-from fast.logprobs import token_logprobs
 from loss import ADVANTAGES, grpo_loss, normalizer_count, turn_discounted, uniform_groups
 from muarl import collate
-from fast.opening import Opening, shared_opening_logprobs
+from fast.opening import common_opening, group_carries, micro_batch_logprobs
 from plumbing.options import AttentionOptions, LoraOptions, RunOptions, SamplingOptions, StartOptions, UserOptions
 
 
@@ -106,6 +110,31 @@ class Config(AttentionOptions, RunOptions, LoraOptions, UserOptions, SamplingOpt
 # ---------------------------------------------------------------------------------------------------------
 # The step
 # ---------------------------------------------------------------------------------------------------------
+def grpo_step(run: pipeline.Run, step: int) -> tuple[dict | None, list[dict]]:
+    """One step of the method (1-5 above). Returns (the step's metrics, the episodes lost to infrastructure); the
+    metrics are None, and nothing trains, when every episode of the step was lost."""
+    cfg, acc, t0 = run.cfg, run.acc, time.time()
+    tasks = pipeline.step_tasks(run.tasks, cfg, step, acc.process_index, acc.num_processes)  # a resumed run's too
+    gen = torch.Generator(acc.device).manual_seed(cfg.seed * 1_000_003 + step * 1_009 + acc.process_index)
+    run.rng_at_step = models.rng_state()  # what a checkpoint of the last step holds, if this rollout is abandoned
+    # 1-2. one process abandons its rollout at SIGTERM (preemption leaves ~30 s); several finish the step together
+    with run.ctrl_c.abandoning("SIGTERM", "SIGHUP"), pipeline.decoding(run) as policy:
+        episodes = rollout(policy, run.tok, run.env, tasks, cfg.group_size, run.user_sim, run.sampling, gen)
+    t_roll, t1 = time.time() - t0, time.time()
+    summaries = gather_object([metrics.episode_summary(e) for e in episodes])
+    failed = [s for s in summaries if not s["valid"]]
+    if len(failed) == len(summaries):
+        return None, failed
+    # 3-5.
+    update = train_on_episodes(episodes, run.model, run.ref, run.opt, run.sched, acc, cfg, run.tok.pad_token_id)
+    n_gen = shard.total(acc, sum(e.gen_tokens for e in episodes))[0]
+    m = {"step": step + 1, **metrics.rollout_metrics(summaries, cfg.group_size), **update,
+         "lr": run.sched.get_last_lr()[0], "rollout_s": t_roll, "update_s": time.time() - t1,
+         "gen_tokens_per_s": n_gen / max(t_roll, 1e-9)}
+    pipeline.log_step(run, step, m, episodes)
+    return m, failed
+
+
 def decide(episodes, cfg) -> tuple[torch.Tensor, list[int], int]:
     """What the algorithm decides before any forward pass: (each episode's advantage [B], the episodes that train,
     the groups dropped). Infra-failed episodes never train; with --drop-uniform-groups (DAPO's dynamic sampling,
@@ -129,20 +158,8 @@ class MicroBatch(NamedTuple):
     advantages: torch.Tensor       # [b]
     turn: torch.Tensor             # [b, T] the agent turn of each token (0, 1, ...), -1 outside the agent's turns
     n_tokens: int                  # sum of loss_mask, counted on the host (reading it off the GPU would wait for it)
-    opening: int = 0               # tokens its group's episodes all begin with and none trains on; 0: scored whole
+    opening_len: int = 0           # tokens its group's episodes all begin with and none trains on; 0: scored whole
     part: tuple[int, int] = (0, 1)  # (which, of how many): the micro-batches its group is split into
-
-
-def shared_opening(seqs) -> int:
-    """How many tokens the rows (ids, loss_mask, ...) all begin with before any row trains on one, leaving each row
-    a token after it: a GRPO group's system prompt, tool schemas and first user message (its generation prompt
-    included). 0 for a single row, or where fewer than 2 tokens are shared (nothing to gain)."""
-    if len(seqs) < 2:
-        return 0
-    first = min(min(m.index(1) if 1 in m else len(m), len(m) - 1) for _, m, *_ in seqs)
-    ids = seqs[0][0]
-    same = next((t for t in range(first) if any(s[0][t] != ids[t] for s in seqs[1:])), first)
-    return same if same >= 2 else 0
 
 
 def micro_batches(episodes, rows: list[int], adv, cfg, acc, pad_id: int) -> tuple[list[MicroBatch], int]:
@@ -157,7 +174,7 @@ def micro_batches(episodes, rows: list[int], adv, cfg, acc, pad_id: int) -> tupl
         by_group.setdefault(i // cfg.group_size if cfg.share_opening else 0, []).append(i)
     parts, unshared = [], 0
     for g in by_group.values():
-        opening = int(cfg.share_opening) and shared_opening([(episodes[i].input_ids, episodes[i].loss_mask) for i in g])
+        opening = int(cfg.share_opening) and common_opening([(episodes[i].input_ids, episodes[i].loss_mask) for i in g])
         unshared += bool(cfg.share_opening and len(g) > 1 and not opening)
         mbs = [g[k:k + n] for k in range(0, len(g), n)]
         parts += [(mb, opening, (k, len(mbs))) for k, mb in enumerate(mbs)]
@@ -171,24 +188,6 @@ def micro_batches(episodes, rows: list[int], adv, cfg, acc, pad_id: int) -> tupl
         out.append(MicroBatch(ids, attention, mask, sampler_logp, advantages, turn, sum(sum(s[1]) for s in seqs),
                               opening, part))
     return out, unshared
-
-
-def scores(model, b: MicroBatch, temperature: float, carry: Opening, **kwargs):
-    """token_logprobs of a micro-batch, through its group's opening computed once where it has one (`carry`: the
-    group's Opening, see openings)."""
-    if b.opening:
-        which, parts = b.part
-        return shared_opening_logprobs(model, b.input_ids, b.attention_mask, b.opening, temperature=temperature,
-                                       carry=carry if parts > 1 else None, last=which == parts - 1, **kwargs)
-    return token_logprobs(model, b.input_ids, b.attention_mask, temperature=temperature, **kwargs)
-
-
-def openings(batches):
-    """Each micro-batch's opening.Opening: one object for the micro-batches of one group, in one pass over them."""
-    carry = None
-    for b in batches:
-        carry = Opening() if b.part[0] == 0 else carry
-        yield carry
 
 
 def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, pad_id: int) -> dict:
@@ -205,19 +204,20 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
     batches, unshared = micro_batches(episodes, rows, adv, cfg, acc, pad_id)
     out["unshared_groups"] = int(shard.total(acc, unshared)[0]) if cfg.share_opening else 0
     old, ref = [None] * len(batches), [None] * len(batches)
+    every = lambda m: [micro_batch_logprobs(m, b, cfg.temperature, c) for b, c in zip(batches, group_carries(batches))]
     with torch.no_grad(), acc.autocast():
         if cfg.updates_per_batch > 1:  # the policy moves between updates: score the sampled tokens once first
-            old = [scores(model, b, cfg.temperature, c) for b, c in zip(batches, openings(batches))]
+            old = every(model)
         if ref_model is not None and cfg.kl_coef > 0:  # with LoRA the reference is the policy, its adapters off
             with lora.adapters_off(ref_model, enabled=cfg.lora_rank > 0):
-                ref = [scores(ref_model, b, cfg.temperature, c) for b, c in zip(batches, openings(batches))]
+                ref = every(ref_model)
             shard.free_gathered_weights(ref_model)  # sharded: no backward will reshard it
     norms = []
     for update in range(cfg.updates_per_batch):
-        for k, (b, carry) in enumerate(zip(batches, openings(batches))):
+        for k, (b, carry) in enumerate(zip(batches, group_carries(batches))):
             with shard.micro_batch(acc, model, last=k == len(batches) - 1):
                 with acc.autocast():
-                    logp, ent = scores(model, b, cfg.temperature, carry, return_entropy=True)
+                    logp, ent = micro_batch_logprobs(model, b, cfg.temperature, carry, return_entropy=True)
                 if logp.dtype != torch.float32:  # e.g. an FSDP2 policy that casts outputs (cli.fsdp2_plugin)
                     raise RuntimeError(f"token_logprobs returned {logp.dtype}, not float32: the loss would be rounded")
                 # on-policy (one update per batch) the old policy is the current one: ratio 1, with its gradient
@@ -264,7 +264,7 @@ def main(argv=None):
             pipeline.load(run)                              # the policy, its optimizer, the reference, resumed state
             run.ctrl_c = stop
             results = pipeline.evaluate(run, "before") if run.first_step == 0 else rundir.results_so_far(run)
-        pipeline.train(run, train_on_episodes)                # the GRPO steps, checkpoints
+        pipeline.train(run, grpo_step)                        # the GRPO steps, checkpoints
         with stop.abandoning():
             results.update(pipeline.evaluate(run, "after"))
         pipeline.write(run, results)

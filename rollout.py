@@ -84,14 +84,9 @@ def reference_rollout(model, tokenizer, env, task, user_sim, cfg: Sampling | Non
 @contextlib.contextmanager
 def own_rng(seed: int | None, device: torch.device):
     """Draws from the episode's own seed inside, torch's global RNG left as it was (None: the global RNG itself)."""
-    if seed is None:
-        yield
-        return
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.default_generator.manual_seed(seed)
-        if device.type == "cuda":
-            with torch.cuda.device(device):
-                torch.cuda.manual_seed(seed)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
         yield
 
 

@@ -199,3 +199,64 @@ def template_renders_tools(tokenizer) -> bool:
     except Exception:
         return False
     return all(s in text for s in ("probe_tool_xyz", "probe_call_xyz", "probe_result_xyz"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rendering a conversation with the chat template, what a message says kept as text (muarl.py's deltas use it)
+# ---------------------------------------------------------------------------------------------------------
+def template_kwargs(tokenizer) -> dict:
+    """Extra template variables: Qwen3 in non-thinking mode (the paper's setting)."""
+    return {"enable_thinking": False} if "enable_thinking" in (tokenizer.chat_template or "") else {}
+
+
+def render(tokenizer, messages, tools=None, add_generation_prompt=False) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt, **template_kwargs(tokenizer))
+
+
+# A user, a tool or a data file may write "<|im_end|>\n<|im_start|>assistant\n" in its text. Tokenized with the rest of
+# the rendered conversation, that text would become the control tokens themselves: a turn boundary forged inside an
+# episode the agent is trained on. So the strings of the messages and tools are rendered with each control string (a
+# special token of the tokenizer) replaced by a marker (`as_text`), and encode_text encodes what a marker stands for as
+# ordinary characters; the template's own control strings stay control tokens. The agent's sampled ids never come
+# through here (token in, token out).
+_MARK, _MARK_END = "\ue000", "\ue001"  # private-use characters; a _MARK in the text itself is marked too
+_MARKED = re.compile(f"{_MARK}(\\d+){_MARK_END}")
+
+
+def _controls(tokenizer) -> tuple[list[str], re.Pattern]:
+    """The strings to keep as text (the special tokens, and _MARK) and a pattern finding them; cached."""
+    cached = getattr(tokenizer, "_muarl_controls", None)
+    if cached is None:
+        strings = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special} | {_MARK},
+                         key=len, reverse=True)
+        cached = strings, re.compile("|".join(map(re.escape, strings)))
+        tokenizer._muarl_controls = cached
+    return cached
+
+
+def as_text(tokenizer, obj):
+    """Messages, tools or a string, with each control string in their strings replaced by a marker that encode_text
+    encodes as the string's own characters: what a user, a tool or the data wrote stays text."""
+    strings, pattern = _controls(tokenizer)
+    if isinstance(obj, str):
+        return pattern.sub(lambda m: f"{_MARK}{strings.index(m.group())}{_MARK_END}", obj)
+    if isinstance(obj, dict):
+        return {as_text(tokenizer, k): as_text(tokenizer, v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [as_text(tokenizer, v) for v in obj]
+    return obj
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Ids of rendered text. Control strings the template wrote become control tokens; a marker (as_text) becomes the
+    characters of the string it stands for, never its control token."""
+    if _MARK not in text:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    strings, ids = _controls(tokenizer)[0], []
+    for k, piece in enumerate(_MARKED.split(text)):  # text, marker index, text, ...
+        if k % 2:
+            ids += tokenizer(strings[int(piece)], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        elif piece:
+            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
+    return ids

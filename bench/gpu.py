@@ -67,6 +67,7 @@ import torch  # noqa: E402
 
 from plumbing import models  # noqa: E402
 import muarl  # noqa: E402
+import toolcall  # noqa: E402
 
 SHAPES = {  # name -> Qwen3Config overrides (vocabulary: the tiny tokenizer's)
     "toy": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -284,7 +285,7 @@ def _kv_peak(tok, env, tasks, device, shape, contexts):
     model = build(tok, shape, device, torch.bfloat16)
     greedy_turns_end(model, tok, env, tasks)
     n_params = sum(p.numel() for p in model.parameters())
-    per_word = len(muarl.encode_text(tok, " note" * 100)) / 100  # tokens a padding word costs
+    per_word = len(toolcall.encode_text(tok, " note" * 100)) / 100  # tokens a padding word costs
     base = max(len(o) for o in openings(tok, env, tasks))
     figs, decoded = {}, True
     for ctx in contexts:
@@ -702,7 +703,7 @@ def share_opening(tok, device, shape: str, opening: int, length: int):
     import copy
 
     from fast.logprobs import token_logprobs
-    from fast.opening import shared_opening_logprobs
+    from fast.opening import common_opening, shared_opening_logprobs
 
     ts, bf16 = bench_rollout("train_step"), device.type == "cuda"
     try:
@@ -735,7 +736,7 @@ def share_opening(tok, device, shape: str, opening: int, length: int):
     cut = min(n, opening + 512)
     ids = torch.tensor([e.input_ids[:cut] for e in rows], device=device)
     attn, mask = torch.ones_like(ids), torch.tensor([e.loss_mask[:cut] for e in rows], device=device)
-    shared = ts.grpo.shared_opening([(e.input_ids[:cut], e.loss_mask[:cut]) for e in rows])
+    shared = common_opening([(e.input_ids[:cut], e.loss_mask[:cut]) for e in rows])
     grads = {}
     for name, fn, half in (("fp32", token_logprobs, False), ("whole", token_logprobs, True),
                            ("shared", shared_opening_logprobs, True)):

@@ -47,6 +47,8 @@ from plumbing import cli  # noqa: E402
 import grpo  # noqa: E402
 from plumbing import models  # noqa: E402
 import muarl  # noqa: E402
+import toolcall  # noqa: E402
+from fast.opening import common_opening  # noqa: E402
 
 
 def default_workload(agent: str = ""):
@@ -81,7 +83,7 @@ def tau2_workload(length: int, opening_tokens: int, shape: dict | None = None):
     task = env.tasks("train")[0]
     messages = [{"role": "system", "content": env.system_prompt(task)}, {"role": "user", "content": "Hi, I need help "
                 "with an order I placed last week: it has not arrived."}]
-    opening = tok(muarl.render(tok, messages, env.tools(task), add_generation_prompt=True))["input_ids"]
+    opening = tok(toolcall.render(tok, messages, env.tools(task), add_generation_prompt=True))["input_ids"]
     opening = opening[:opening_tokens]  # tau2 with Qwen3's tokenizer: 3-5k of an 8-15k-token episode
     g, eps = torch.Generator().manual_seed(0), []
     for group in range(2):
@@ -222,7 +224,7 @@ def main(argv=None):
         model.train()
         ref = copy.deepcopy(model).eval().requires_grad_(False)
         lengths = [len(e.input_ids) for e in eps]
-        opening = grpo.shared_opening([(e.input_ids, e.loss_mask) for e in eps[:base.group_size]])
+        opening = common_opening([(e.input_ids, e.loss_mask) for e in eps[:base.group_size]])
         for size in map(int, args.micro_batch_sizes.split(",")):
             cfg = grpo.Config(**{**base.__dict__, "micro_batch_size": size})
             runs = {True: [], False: []}

@@ -12,7 +12,7 @@ import torch
 from transformers import AttentionInterface
 
 from fast.decode import with_cache
-from fast.logprobs import DEFAULT_CHUNK_SIZE, check_plain_logits, call_as_forward, logprobs_from_hidden
+from fast.logprobs import DEFAULT_CHUNK_SIZE, check_plain_logits, call_as_forward, logprobs_from_hidden, token_logprobs
 
 REMAINDER = "muarl_opening_remainder"
 
@@ -223,3 +223,37 @@ def shared_opening_logprobs(model, input_ids, attention_mask, opening: int, *, t
 
     return call_as_forward(model, inner, body_then_head, input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=position_ids)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The update's micro-batches (grpo.micro_batches), each group's opening computed once for them
+# ---------------------------------------------------------------------------------------------------------
+def common_opening(seqs) -> int:
+    """How many tokens the rows (ids, loss_mask, ...) all begin with before any row trains on one, leaving each row
+    a token after it: a GRPO group's system prompt, tool schemas and first user message (its generation prompt
+    included). 0 for a single row, or where fewer than 2 tokens are shared (nothing to gain)."""
+    if len(seqs) < 2:
+        return 0
+    first = min(min(m.index(1) if 1 in m else len(m), len(m) - 1) for _, m, *_ in seqs)
+    ids = seqs[0][0]
+    same = next((t for t in range(first) if any(s[0][t] != ids[t] for s in seqs[1:])), first)
+    return same if same >= 2 else 0
+
+
+def micro_batch_logprobs(model, b, temperature: float, carry: Opening, **kwargs):
+    """A training micro-batch's token log-probs [b, T] (token_logprobs'), its group's opening computed once where its
+    rows share one (b.opening_len > 0; `carry`: the group's Opening, from group_carries); the same numbers either
+    way. b: grpo.MicroBatch, one of b.part = (which, of how many) micro-batches of its group."""
+    if b.opening_len:
+        which, parts = b.part
+        return shared_opening_logprobs(model, b.input_ids, b.attention_mask, b.opening_len, temperature=temperature,
+                                       carry=carry if parts > 1 else None, last=which == parts - 1, **kwargs)
+    return token_logprobs(model, b.input_ids, b.attention_mask, temperature=temperature, **kwargs)
+
+
+def group_carries(batches):
+    """Each micro-batch's Opening: one object for the micro-batches of one group, in one pass over them."""
+    carry = None
+    for b in batches:
+        carry = Opening() if b.part[0] == 0 else carry
+        yield carry

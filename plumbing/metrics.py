@@ -1,5 +1,5 @@
 """plumbing/metrics.py: what a GRPO run measures, in one place. Every step's metrics go to metrics.jsonl
-(pipeline.grpo_step).
+(grpo.grpo_step, pipeline.log_step).
 
     METRICS            every name a step logs, with its meaning (the README's metric table is checked against it)
     rollout_metrics    the step's episodes, over all processes: reward, group outcomes, turns, endings, tool calls

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from plumbing import lora
-from muarl import end_of_turn_id, render
+from muarl import end_of_turn_id
+from toolcall import render
 from toolcall import TOOL_CHAT_TEMPLATE, template_renders_tools
 
 CACHE_DIR = Path(os.environ.get("MUARL_CACHE", Path.home() / ".cache" / "muarl"))

@@ -1,15 +1,17 @@
-"""plumbing/pipeline.py: the run around the GRPO update (grpo.train_on_episodes): the paper's recipe, the settings of a
-resumed run, the set-up (Accelerator, run directory, environment, user, cold start, policy and optimizer, frozen
-reference, resumed state), greedy evaluation, each step's rollout and logging, the loop of steps with its checkpoints
-and Ctrl-C, and the summary. Machinery: a first reader skips it; grpo.main calls it phase by phase."""
+"""plumbing/pipeline.py: the run around the GRPO step (grpo.grpo_step): the paper's recipe, the run's record (Run),
+its set-up in two phases (`start`: the Accelerator, run directory, environment, user; `load`: policy and optimizer,
+frozen reference, resumed state), the policy as the rollout decodes with it, greedy evaluation, each step's logs, the
+loop of steps with its checkpoints and stop signals, and the summary. Machinery: a first reader skips it; grpo.main
+calls it phase by phase."""
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -31,6 +33,29 @@ RECIPES = {
                   # and memory: what the estimate gives for Qwen3-8B at 32k)
                   rollout_batch=8),
 }
+
+
+@dataclass
+class Run:
+    """A GRPO run: what `start` makes, what `load` adds, what each step reads and advances."""
+    cfg: Any                         # grpo.Config: every option (written to config.json)
+    acc: Any                         # the Accelerator
+    dir: Path                        # the run directory
+    env: Any                         # the environment (envs.Environment)
+    tasks: list                      # the training split's tasks
+    user_sim: Any                    # the simulated user (envs.users.UserSim)
+    resume_from: Path | None = None  # the checkpoint a --resume continues from
+    changes: dict | None = None      # the options a --resume changed (resumes.jsonl)
+    tok: Any = None                  # the tokenizer (load)
+    model: Any = None                # the policy, prepared by Accelerate (load)
+    ref: Any = None                  # the frozen reference; with LoRA the policy itself; None without KL (load)
+    opt: Any = None                  # the optimizer (load)
+    sched: Any = None                # the learning-rate schedule (load)
+    sampling: Any = None             # how the rollout samples (fast.batched_rollout.RolloutConfig; load)
+    first_step: int = 0              # the step this run starts at: a resumed run's (load)
+    done_steps: int = 0              # steps whose update and logs are complete
+    ctrl_c: Any = None               # the stop signals (rundir.StopOnInterrupt; grpo.main)
+    rng_at_step: Any = None          # the RNG state at the step's start, restored when its rollout is abandoned
 
 
 def step_tasks(tasks: list, cfg, step: int, rank: int, world: int) -> list:
@@ -74,7 +99,7 @@ def freeze(model, pattern: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------
-def start(cfg, resume_from: Path | None, changes: dict) -> SimpleNamespace:
+def start(cfg, resume_from: Path | None, changes: dict) -> Run:
     """What a run needs before its policy, checked: the Accelerator, the run directory, the environment and its
     user. Then the entry point makes or finds the policy's start (the cold start, for tiny) and calls `load`."""
     from envs import load_tasks
@@ -113,11 +138,11 @@ def start(cfg, resume_from: Path | None, changes: dict) -> SimpleNamespace:
             env.scripted_user(tasks[0])
         except NotImplementedError:
             raise SystemExit(f"grpo.py: --user-sim: {cfg.env} has no scripted user; use --user-sim openai or hf")
-    return SimpleNamespace(cfg=cfg, acc=acc, dir=run_dir, env=env, tasks=tasks, user_sim=user_sim,
-                           resume_from=resume_from, changes=changes)
+    return Run(cfg=cfg, acc=acc, dir=run_dir, env=env, tasks=tasks, user_sim=user_sim, resume_from=resume_from,
+               changes=changes)
 
 
-def load(run) -> SimpleNamespace:
+def load(run: Run) -> None:
     """The rest of what a run needs, once its start (cfg.init_from or cfg.model) exists: the policy with its
     optimizer, the frozen reference, the resumed state; then the run directory is opened."""
     from fast.batched_rollout import RolloutConfig
@@ -242,27 +267,30 @@ def merged_start(run, model, start: str):
     return model
 
 
-def play(run, tasks: list, group_size: int, sampling, generator=None) -> list:
-    """This process's episodes of `tasks` with the current policy (its full weights gathered once when sharded)."""
-    from fast.batched_rollout import rollout
-
+@contextlib.contextmanager
+def decoding(run: Run):
+    """The current policy as the rollout decodes with it: its full weights gathered once when sharded, under the
+    run's autocast, LoRA adapters folded into the base with --lora-decode merged."""
     with shard.full_weights(run.model, run.acc.device) as decoder, run.acc.autocast(), \
             lora.merged_for_decoding(run.acc.unwrap_model(decoder), run.cfg.lora_decode == "merged") as policy:
-        return rollout(policy, run.tok, run.env, tasks, group_size, run.user_sim, sampling, generator)
+        yield policy
 
 
 def evaluate(run, tag: str) -> dict:
     """Greedy pass^1 on the first --eval-tasks test tasks (eval.py's summary); eval-<tag>.jsonl holds the episodes."""
     from accelerate.utils import gather_object
 
+    from fast.batched_rollout import rollout
     from plumbing.stats import summarize
 
     cfg, acc = run.cfg, run.acc
     if not cfg.eval_tasks:
         return {}
     test = run.env.tasks("test")[:cfg.eval_tasks]
-    eps = play(run, test[acc.process_index::acc.num_processes], 1, replace(run.sampling, greedy=True))
-    eps = gather_object([e.to_json() for e in eps])
+    with decoding(run) as policy:
+        eps = rollout(policy, run.tok, run.env, test[acc.process_index::acc.num_processes], 1, run.user_sim,
+                      replace(run.sampling, greedy=True))
+    eps = gather_object([e.to_json(tokens=True) for e in eps])
     s = summarize(eps, 1, {t.id: t.meta for t in test})
     if acc.is_main_process:
         with open(run.dir / f"eval-{tag}.jsonl", "w", encoding="utf-8") as f:
@@ -283,11 +311,10 @@ def evaluate(run, tag: str) -> dict:
     return out
 
 
-def train(run, train_on_episodes) -> None:
-    """The loop of GRPO steps (grpo_step, with grpo.train_on_episodes as the update) from the run's first step, with
-    its checkpoints. A step where every episode failed on infrastructure stops the run; Ctrl-C, SIGTERM or SIGHUP
-    stops it after the step, SIGTERM or SIGHUP on one process by abandoning the step's rollout (all say how to
-    continue)."""
+def train(run: Run, grpo_step) -> None:
+    """The loop of GRPO steps (grpo.grpo_step) from the run's first step, with its checkpoints. A step where every
+    episode failed on infrastructure stops the run; Ctrl-C, SIGTERM or SIGHUP stops it after the step, SIGTERM or
+    SIGHUP on one process by abandoning the step's rollout (all say how to continue)."""
     from tqdm.auto import tqdm
 
     cfg, acc = run.cfg, run.acc
@@ -298,7 +325,7 @@ def train(run, train_on_episodes) -> None:
     ctrl_c = run.ctrl_c
     try:
         for step in bar:
-            m, failed = grpo_step(run, step, train_on_episodes)
+            m, failed = grpo_step(run, step)
             if m is None:  # stop, loudly, rather than train on nothing step after step
                 if step > saved:
                     checkpoints.save(acc, run, step)
@@ -342,32 +369,13 @@ def train(run, train_on_episodes) -> None:
         raise SystemExit(130) from None
 
 
-def grpo_step(run, step: int, train_on_episodes) -> tuple[dict | None, list[dict]]:
-    """One step: G episodes of each of this process's tasks, the update (grpo.train_on_episodes), the metrics logged
-    (metrics.jsonl, episodes.jsonl, trackers). Returns (the metrics, the episodes that failed on infrastructure); the
-    metrics are None, and nothing is trained, when every episode of the step failed."""
+def log_step(run: Run, step: int, m: dict, episodes: list) -> None:
+    """After the step's update: the held-out evaluation every --eval-every steps (eval/pass1 in `m`), then the step's
+    line in metrics.jsonl, --log-episodes of its episodes (with their tokens and loss masks) in episodes.jsonl, and
+    the trackers. A stop signal during the evaluation leaves it; the step is logged, then the signal raised."""
     from accelerate.utils import gather_object
 
-    cfg, acc = run.cfg, run.acc
-    t0 = time.time()
-    # Sampling seeded by (run seed, step, process): a resumed run draws exactly what it would have drawn.
-    gen = torch.Generator(acc.device).manual_seed(cfg.seed * 1_000_003 + step * 1_009 + acc.process_index)
-    tasks = step_tasks(run.tasks, cfg, step, acc.process_index, acc.num_processes)
-    run.rng_at_step = models.rng_state()  # what a checkpoint of the last step holds, if this rollout is abandoned
-    # one process abandons its rollout at SIGTERM (preemption leaves ~30 s); several finish the step together
-    with run.ctrl_c.abandoning("SIGTERM", "SIGHUP"):
-        episodes = play(run, tasks, cfg.group_size, run.sampling, gen)
-    t_roll, t1 = time.time() - t0, time.time()
-    summaries = gather_object([metrics.episode_summary(e) for e in episodes])
-    failed = [s for s in summaries if not s["valid"]]
-    if len(failed) == len(summaries):
-        return None, failed
-    update = train_on_episodes(episodes, run.model, run.ref, run.opt, run.sched, acc, cfg, run.tok.pad_token_id)
-    n_gen = shard.total(acc, sum(e.gen_tokens for e in episodes))[0]
-    m = {"step": step + 1, **metrics.rollout_metrics(summaries, cfg.group_size), **update,
-         "lr": run.sched.get_last_lr()[0], "rollout_s": t_roll, "update_s": time.time() - t1,
-         "gen_tokens_per_s": n_gen / max(t_roll, 1e-9)}
-    stopped = None
+    cfg, acc, stopped = run.cfg, run.acc, None
     if cfg.eval_tasks and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:  # last: "after"
         t2 = time.time()
         try:
@@ -376,7 +384,7 @@ def grpo_step(run, step: int, train_on_episodes) -> tuple[dict | None, list[dict
         except rundir.Abandoned as e:
             stopped = e
         m["eval_s"] = time.time() - t2
-    samples = gather_object([e.to_json() for e in episodes[:max(0, cfg.log_episodes)]])
+    samples = gather_object([e.to_json(tokens=True) for e in episodes[:max(0, cfg.log_episodes)]])
     if acc.is_main_process:
         with open(run.dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(m) + "\n")
@@ -388,7 +396,6 @@ def grpo_step(run, step: int, train_on_episodes) -> tuple[dict | None, list[dict
     run.done_steps = step + 1
     if stopped:
         raise stopped
-    return m, failed
 
 
 def write(run, results: dict) -> None:

@@ -8,7 +8,8 @@ import os
 
 from envs.llm_users import HFUserSim, OpenAIUserSim
 from envs.users import DataUserSim, ScriptedUserSim, UserSim
-from muarl import stop_token_ids, template_kwargs
+from muarl import stop_token_ids
+from toolcall import template_kwargs
 from plumbing import cli, models
 
 USER_SIMS = {"scripted": ScriptedUserSim, "openai": OpenAIUserSim, "hf": HFUserSim}

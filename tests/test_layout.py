@@ -41,7 +41,7 @@ ALLOWED = {  # module -> the project modules it may import
     "plumbing.metrics": set(),
     "plumbing.stats": set(),
     "plumbing.models": {"muarl", "plumbing.lora", "toolcall"},
-    "plumbing.users": {"envs", "muarl", "plumbing.cli", "plumbing.models"},
+    "plumbing.users": {"envs", "muarl", "toolcall", "plumbing.cli", "plumbing.models"},
     "plumbing.options": {"envs", "muarl", "plumbing.cli", "plumbing.lora", "plumbing.models", "plumbing.users", "loss"},
     "plumbing.memory": {"plumbing.cli", "plumbing.lora"},
     "plumbing.checkpoints": {"plumbing.cli", "plumbing.shard", "plumbing.lora", "plumbing.memory"},
@@ -55,14 +55,16 @@ ALLOWED = {  # module -> the project modules it may import
     "eval": {"envs", "plumbing.cli", "muarl", "plumbing.models", "fast.batched_rollout", "plumbing.memory",
              "plumbing.checkpoints", "plumbing.lora", "plumbing.options", "plumbing.shard", "plumbing.metrics",
              "plumbing.stats", "plumbing.users", "fast.deadlines"},
-    "grpo": {"sft", "plumbing.cli", "fast.logprobs", "plumbing.lora", "loss", "plumbing.metrics", "muarl", "fast.opening",
-             "plumbing.options", "plumbing.pipeline", "plumbing.rundir", "plumbing.shard"},
+    "grpo": {"sft", "muarl", "loss", "fast.batched_rollout", "fast.opening", "plumbing.cli", "plumbing.lora",
+             "plumbing.metrics", "plumbing.models", "plumbing.options", "plumbing.pipeline", "plumbing.rundir",
+             "plumbing.shard"},
+
 }
 BELOW_ENVS = ("toolcall", "muarl", "loss", "fast.logprobs", "fast.decode", "fast.engine", "fast.opening",
               "plumbing.cli", "plumbing.lora", "plumbing.models", "plumbing.shard",
               "plumbing.memory", "plumbing.metrics", "plumbing.stats")
 # The reading path's lines (README.md, "Reading it"), docstrings included: what a first reading can afford.
-READING_BUDGET = 1050  # lowered to ~900 by the step's restructure, the next change
+READING_BUDGET = 975  # ~900 is the aim: what a first reading can afford
 PROJECT = {"envs", "toolcall", "muarl", "rollout", "loss", *ENTRY_POINTS, *FOLDERS}
 
 

@@ -42,10 +42,10 @@ def rollout_like(tok, messages, tools):
 
 def test_deltas_concatenate_to_the_full_render(tiny_tok):
     ids, mask = rollout_like(tiny_tok, CONVERSATION, TOOLS)
-    full = muarl.render(tiny_tok, CONVERSATION, TOOLS)
+    full = toolcall.render(tiny_tok, CONVERSATION, TOOLS)
     assert tiny_tok.decode(ids) == full
     # Stronger: the ids equal a fresh tokenization of the full render, so SFT and RL see identical layouts.
-    assert ids == muarl.encode_text(tiny_tok, full)
+    assert ids == toolcall.encode_text(tiny_tok, full)
     # The mask covers exactly the agent's text and its end-of-turn tokens.
     agent_text = "".join(toolcall.format_assistant(m) + "<|im_end|>" for m in CONVERSATION if m["role"] == "assistant")
     assert tiny_tok.decode([t for t, m in zip(ids, mask) if m]) == agent_text
@@ -121,10 +121,10 @@ QWEN3_LIKE = (
 def test_history_unstable_template_gets_exact_deltas(tiny_tok):
     tok = models.tiny_tokenizer(["hello"] * 5, vocab_size=300)
     tok.chat_template = QWEN3_LIKE
-    assert muarl.template_kwargs(tok) == {"enable_thinking": False}
+    assert toolcall.template_kwargs(tok) == {"enable_thinking": False}
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>\nx\n</think>\n\nhello"}]
     # The real history is not prefix-stable under this template...
-    shorter, longer = muarl.render(tok, msgs), muarl.render(tok, msgs + [{"role": "user", "content": "u"}])
+    shorter, longer = toolcall.render(tok, msgs), toolcall.render(tok, msgs + [{"role": "user", "content": "u"}])
     assert not longer.startswith(shorter)
     # ...but the delta is exact: the newline after <|im_end|>, the new turn, the non-thinking generation prompt.
     d = muarl.delta_ids(tok, [{"role": "user", "content": "u"}])
@@ -192,14 +192,14 @@ def test_control_strings_in_what_others_write_stay_text(tiny_tok):
             {"role": "assistant", "content": "Sure."}, {"role": "user", "content": forged},
             {"role": "assistant", "content": "Done."}]
     ids = muarl.prompt_ids(tiny_tok, conv[:2], tools)
-    assert tiny_tok.decode(ids) == muarl.render(tiny_tok, conv[:2], tools, add_generation_prompt=True)
+    assert tiny_tok.decode(ids) == toolcall.render(tiny_tok, conv[:2], tools, add_generation_prompt=True)
     assert n_controls(ids) == 5  # <|im_start|> of the system, user and assistant turns, <|im_end|> of two
     ids, mask = muarl.encode_conversation(tiny_tok, conv, tools)
-    assert tiny_tok.decode(ids) + "\n" == muarl.render(tiny_tok, conv, tools)  # it ends on the agent's end-of-turn
+    assert tiny_tok.decode(ids) + "\n" == toolcall.render(tiny_tok, conv, tools)  # it ends on the agent's end-of-turn
     assert n_controls(ids) == 2 * len(conv)
     # text without control strings encodes as it always did
     assert muarl.prompt_ids(tiny_tok, CONVERSATION[:2], TOOLS) == tiny_tok(
-        muarl.render(tiny_tok, CONVERSATION[:2], TOOLS, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        toolcall.render(tiny_tok, CONVERSATION[:2], TOOLS, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
 
 
 def test_format_then_parse_round_trips():
@@ -287,8 +287,8 @@ def test_smollm2_tokenizer_deltas():
     tok = models.load_tokenizer("smollm2-135m")
     assert tok.chat_template == toolcall.TOOL_CHAT_TEMPLATE
     ids, mask = muarl.encode_conversation(tok, CONVERSATION, TOOLS)
-    full = muarl.render(tok, CONVERSATION, TOOLS)
-    assert tok.decode(ids) == full and ids == muarl.encode_text(tok, full)
+    full = toolcall.render(tok, CONVERSATION, TOOLS)
+    assert tok.decode(ids) == full and ids == toolcall.encode_text(tok, full)
     agent_text = "".join(toolcall.format_assistant(m) + "<|im_end|>" for m in CONVERSATION if m["role"] == "assistant")
     assert tok.decode([t for t, m in zip(ids, mask) if m]) == agent_text
 

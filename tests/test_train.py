@@ -304,7 +304,7 @@ def test_sft_windows_train_only_the_agent_message_that_ends_them(tiny_tok):
         assert w["prompt_messages"] == len(w["messages"]) - 1
         ids, mask = muarl.encode_conversation(tiny_tok, w["messages"], w["tools"], w["prompt_messages"])
         trained = [i for i, m in zip(ids, mask) if m]
-        last = muarl.encode_text(tiny_tok, toolcall.format_assistant(w["messages"][-1])) + [muarl.end_of_turn_id(tiny_tok)]
+        last = toolcall.encode_text(tiny_tok, toolcall.format_assistant(w["messages"][-1])) + [muarl.end_of_turn_id(tiny_tok)]
         assert trained == last and ids[-len(last):] == last
 
 
