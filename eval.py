@@ -8,6 +8,7 @@ results, termination reasons, turns. Writes episodes.jsonl, summary.json and res
     ./run python eval.py --agent openai:gpt-4o --env bfcl:multi_turn --max-turns 100    # BFCL-V3 multi-turn
     ./run python eval.py --agent openai:gpt-4o --env acebench:agent --acebench-root ACEBench --user-sim openai
     ./run python eval.py --plot runs/grpo-shop-...                                      # a run's learning curves
+    ./run python eval.py --show runs/grpo-shop-.../episodes.jsonl --show-index 3      # an episode, tokens marked
 
 The agent is a checkpoint directory, a hub id, 'smollm2-135m', 'openai:<model>' for an OpenAI-compatible
 model (baselines), or 'expert' for the environment's scripted expert (shop; BFCL's ground truth), which checks the
@@ -67,6 +68,12 @@ class Evaluation:
     paired over the shared tasks, with 95% intervals, for all tasks and for each task group (--compare A B)"""
     plot: str = ""
     """draw a grpo.py run directory's learning curves (RUN_DIR/curves.png, from its metrics.jsonl) and exit"""
+    show: str = ""
+    """print one logged episode of a JSONL file (a run's episodes.jsonl or eval-*.jsonl, an evaluation's
+    episodes.jsonl) as its recorded token ids, the tokens it trains on marked, and exit; --agent names the tokenizer
+    where the file's directory does not"""
+    show_index: Annotated[int, Range("[0, inf)")] = 0
+    """which episode of the --show file (its line, from 0)"""
     merge_lora: str = ""
     """write the --agent adapter checkpoint (--lora-rank) merged into its base to this directory (a full model with
     its tokenizer, for serving or another start) and exit"""
@@ -238,6 +245,11 @@ def main(argv=None):
     check_user_sim(cfg, "eval.py")
     if cfg.plot:
         print(f"[eval] learning curves written to {metrics.plot_run(cfg.plot)}")
+        return
+    if cfg.show:
+        from plumbing import show
+
+        print(show.show(cfg.show, cfg.show_index, cfg.agent), end="")
         return
     if cfg.compare:
         if len(cfg.compare) != 2:

@@ -40,6 +40,7 @@ ALLOWED = {  # module -> the project modules it may import
     "plumbing.shard": set(),
     "plumbing.metrics": set(),
     "plumbing.stats": set(),
+    "plumbing.show": {"plumbing.models"},
     "plumbing.models": {"muarl", "plumbing.lora", "toolcall"},
     "plumbing.users": {"envs", "muarl", "toolcall", "plumbing.cli", "plumbing.models"},
     "plumbing.options": {"envs", "muarl", "plumbing.cli", "plumbing.lora", "plumbing.models", "plumbing.users", "loss"},

@@ -2,6 +2,7 @@
 two processes), sft.py (data errors, training), eval.py (pass^k)."""
 import hashlib
 import json
+import re
 import os
 import sys
 
@@ -569,3 +570,31 @@ def test_reference_kl_is_zero_at_step_one_under_bf16(ckpt, tiny_tok, bf16_accele
     assert step_one_kl(pipeline.load_reference(str(ckpt), "cpu")) < 1e-6
     bf16_ref, _ = models.load_model(str(ckpt), device="cpu", dtype=torch.bfloat16)
     assert step_one_kl(bf16_ref.eval()) > 5e-6  # 1.9e-5 here
+
+
+def test_the_viewer_shows_an_episode_s_recorded_tokens_with_its_loss_mask(tmp_path, ckpt, capsys):
+    """eval.py --show: a logged episode's recorded ids decoded stretch by stretch, each agent turn marked with its
+    token span; what is marked is exactly the tokens of loss mask 1, and each turn ends on its sampled stop token.
+    The tokenizer comes from the run's newest checkpoint; a line without tokens is refused, naming file and line."""
+    from plumbing import show
+
+    run = tmp_path / "run"
+    grpo.main(grpo_args(ckpt, run, "--steps", "1", "--log-episodes", "2"))
+    capsys.readouterr()
+    evaluation.main(["--show", str(run / "episodes.jsonl"), "--show-index", "1"])
+    out = capsys.readouterr().out
+    rec = json.loads((run / "episodes.jsonl").read_text().splitlines()[1])
+    ids, mask = rec["input_ids"], rec["loss_mask"]
+    assert out.startswith(f"task {rec['task_id']} · sample {rec['sample']} · step 1 · reward {rec['reward']}")
+    marked = re.findall(f"{show.OPEN}(.*?){show.CLOSE}", out, re.S)
+    tok = models.load_tokenizer(str(ckpt))
+    assert len(marked) == len(rec["turn_spans"]) == rec["turns"] > 0
+    for (start, end), text in zip(rec["turn_spans"], marked):
+        assert text == tok.decode(ids[start:end], skip_special_tokens=False) and all(mask[start:end])
+    assert sum(end - start for start, end in rec["turn_spans"]) == sum(mask)
+    assert out.count("--- agent turn ") == rec["turns"]
+    (tmp_path / "old.jsonl").write_text(json.dumps({"task_id": "t", "messages": []}) + "\n")
+    with pytest.raises(SystemExit, match=r"old.jsonl, episode 0 has no input_ids or loss_mask"):
+        show.show(str(tmp_path / "old.jsonl"), 0, str(ckpt))
+    with pytest.raises(SystemExit, match=r"--show-index 5: .* holds 2 episodes"):
+        show.show(str(run / "episodes.jsonl"), 5)
