@@ -27,7 +27,7 @@ import torch
 from accelerate.utils import gather_object
 
 import sft
-from fast.batched_rollout import rollout
+from fast import batched_rollout
 from plumbing import cli, lora, metrics, models, pipeline, rundir, shard
 from plumbing.cli import Range
 from loss import ADVANTAGES, grpo_loss, normalizer_count, turn_discounted, uniform_groups
@@ -119,7 +119,8 @@ def grpo_step(run: pipeline.Run, step: int) -> tuple[dict | None, list[dict]]:
     run.rng_at_step = models.rng_state()  # what a checkpoint of the last step holds, if this rollout is abandoned
     # 1-2. one process abandons its rollout at SIGTERM (preemption leaves ~30 s); several finish the step together
     with run.ctrl_c.abandoning("SIGTERM", "SIGHUP"), pipeline.decoding(run) as policy:
-        episodes = rollout(policy, run.tok, run.env, tasks, cfg.group_size, run.user_sim, run.sampling, gen)
+        episodes = batched_rollout.rollout(policy, run.tok, run.env, tasks, cfg.group_size, run.user_sim,
+                                           run.sampling, gen)
     t_roll, t1 = time.time() - t0, time.time()
     summaries = gather_object([metrics.episode_summary(e) for e in episodes])
     failed = [s for s in summaries if not s["valid"]]

@@ -55,7 +55,7 @@ ALLOWED = {  # module -> the project modules it may import
             "plumbing.checkpoints", "plumbing.lora", "plumbing.coldstart", "plumbing.memory", "plumbing.users"},
     "eval": {"envs", "plumbing.cli", "muarl", "plumbing.models", "fast.batched_rollout", "plumbing.memory",
              "plumbing.checkpoints", "plumbing.lora", "plumbing.options", "plumbing.shard", "plumbing.metrics",
-             "plumbing.stats", "plumbing.users", "fast.deadlines"},
+             "plumbing.stats", "plumbing.users", "plumbing.show", "fast.deadlines"},
     "grpo": {"sft", "muarl", "loss", "fast.batched_rollout", "fast.opening", "plumbing.cli", "plumbing.lora",
              "plumbing.metrics", "plumbing.models", "plumbing.options", "plumbing.pipeline", "plumbing.rundir",
              "plumbing.shard"},
