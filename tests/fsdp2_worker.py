@@ -24,6 +24,7 @@ import grpo  # noqa: E402
 from plumbing import models  # noqa: E402
 import muarl  # noqa: E402
 from plumbing import shard  # noqa: E402
+from fast import opening  # noqa: E402
 from fast.batched_rollout import RolloutConfig, rollout  # noqa: E402
 from plumbing.users import make_user_sim  # noqa: E402
 from conftest import TEST_CORPUS, chatty  # noqa: E402
@@ -181,7 +182,7 @@ def rollout_then_train(acc, mesh, tok, updates=1, checkpointing=False):
     opt = torch.optim.SGD(policy.parameters(), lr=cfg.lr)  # SGD: the step is the clipped gradient itself
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     policy.train()
-    shared = sharing(grpo)  # micro-batches scored through their group's opening computed once
+    shared = sharing(opening)  # micro-batches scored through their group's opening computed once
     met = grpo.train_on_episodes(eps, policy, ref, opt, sched, acc, cfg, tok.pad_token_id)
 
     want_loss, want_norm = one_process_sgd_steps(plain, plain_ref, eps, tok, cfg)
@@ -194,14 +195,15 @@ def rollout_then_train(acc, mesh, tok, updates=1, checkpointing=False):
             "unshared_groups": met["unshared_groups"]}
 
 
-def sharing(grpo_module):
-    """Count the micro-batches grpo scores through their group's opening computed once (--share-opening)."""
-    count, real = [0], grpo_module.shared_opening_logprobs
+def sharing(opening_module):
+    """Count the micro-batches the update scores through their group's opening computed once (--share-opening,
+    fast.opening.micro_batch_logprobs)."""
+    count, real = [0], opening_module.shared_opening_logprobs
 
     def counted(*a, **k):
         count[0] += 1
         return real(*a, **k)
-    grpo_module.shared_opening_logprobs = counted
+    opening_module.shared_opening_logprobs = counted
     return count
 
 
