@@ -6,13 +6,13 @@
 The method, one step (grpo_step below):
   1. Take the step's tasks (--tasks-per-step over all processes); play G = --group-size episodes of each with the
      current policy, each against its own copy of the environment and a simulated user (grpo_step: the rollout).
-  2. Score each episode: 1 when the task is truly done, else 0 (in the rollout, by the episode rule, envs.score).
-     An episode lost to infrastructure is left out.
+  2. Score each episode: 1 when the task is truly done, else 0 (at its end in the rollout: rollout.end_episode, by
+     the episode rule, envs.score). An episode lost to infrastructure is left out (grpo_step, decide).
   3. Advantage of each episode: (r - mean of its group) / (std of its group + 1e-6) (decide: loss.group_advantages).
   4. Loss on the tokens the agent sampled (loss mask 1), per token: PPO's clipped ratio with dual clip, plus
      0.001 x the k3 KL to the frozen start (train_on_episodes: loss.grpo_loss); summed over the whole step and
      divided by its number of sampled tokens, one normalizer for every micro-batch and process.
-  5. One optimizer step (AdamW, gradient clipped at 1.0; train_on_episodes).
+  5. One optimizer step (AdamW, gradient clipped at 1.0; train_on_episodes, through shard.optimizer_step).
 The run (main): the cold start, greedy pass^1 before, the steps with metrics and checkpoints, pass^1 after; what
 surrounds the method (set-up, logs, the loop's checkpoints and stop signals) is plumbing/pipeline.py's.
 """
@@ -40,7 +40,7 @@ from plumbing.options import AttentionOptions, LoraOptions, RunOptions, Sampling
 class Algorithm:
     """GRPO: the algorithm (defaults: the paper's, at the tiny CPU run's scale and learning rate: see --recipe paper)"""
     steps: Annotated[int, Range("[1, inf)")] = 40
-    """optimizer steps (each: rollout, rewards, advantages, update)"""
+    """GRPO steps (each: a rollout, its rewards and advantages, then --updates-per-batch optimizer steps)"""
     tasks_per_step: Annotated[int, Range("[1, inf)")] = 4
     """tasks per step over all processes (the paper: 32); each process rolls out an equal share"""
     group_size: Annotated[int, Range("[2, inf)")] = 8
@@ -118,7 +118,7 @@ def grpo_step(run: pipeline.Run, step: int) -> tuple[dict | None, list[dict]]:
     gen = torch.Generator(acc.device).manual_seed(cfg.seed * 1_000_003 + step * 1_009 + acc.process_index)
     run.rng_at_step = models.rng_state()  # what a checkpoint of the last step holds, if this rollout is abandoned
     # 1-2. one process abandons its rollout at SIGTERM (preemption leaves ~30 s); several finish the step together
-    with run.ctrl_c.abandoning("SIGTERM", "SIGHUP"), pipeline.decoding(run) as policy:
+    with run.stop_signals.abandoning("SIGTERM", "SIGHUP"), pipeline.decoding(run) as policy:
         episodes = batched_rollout.rollout(policy, run.tok, run.env, tasks, cfg.group_size, run.user_sim,
                                            run.sampling, gen)
     t_roll, t1 = time.time() - t0, time.time()
@@ -155,7 +155,7 @@ class MicroBatch(NamedTuple):
     input_ids: torch.Tensor        # [b, T]
     attention_mask: torch.Tensor   # [b, T]
     loss_mask: torch.Tensor        # [b, T] 1 on the tokens the agent sampled
-    sampler_logp: torch.Tensor     # [b, T] the sampler's log-probs of those tokens (0 elsewhere): logprob_gap's check
+    sampler_logp: torch.Tensor     # [b, T] the sampler's log-probs of those tokens (0 elsewhere): logprob_gap, TIS
     advantages: torch.Tensor       # [b]
     turn: torch.Tensor             # [b, T] the agent turn of each token (0, 1, ...), -1 outside the agent's turns
     n_tokens: int                  # sum of loss_mask, counted on the host (reading it off the GPU would wait for it)
@@ -263,7 +263,7 @@ def main(argv=None):
                 cfg.init_from = sft.cold_start(cfg.model, cfg.env, cfg.split, cfg.seed, cfg.bf16,
                                                cfg.cold_start_skips_confirm, cfg.cold_start_skips_refund)
             pipeline.load(run)                              # the policy, its optimizer, the reference, resumed state
-            run.ctrl_c = stop
+            run.stop_signals = stop
             results = pipeline.evaluate(run, "before") if run.first_step == 0 else rundir.results_so_far(run)
         pipeline.train(run, grpo_step)                        # the GRPO steps, checkpoints
         with stop.abandoning():

@@ -161,7 +161,8 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, 
     """The GRPO objective for one micro-batch, as a loss to minimise.
 
     logp:       [B, T] log-probs of the tokens under the policy being trained (carries the gradient)
-    old_logp:   [B, T] the same under the policy that sampled them (no gradient)
+    old_logp:   [B, T] the same under the policy before this update, scored by the trainer (no gradient; on-policy,
+                logp detached); the sampler's own numbers are `sampler_logp`
     ref_logp:   [B, T] the same under the frozen reference model, or None (no KL term)
     advantages: [B]    one per episode, broadcast over its tokens; or [B, T], one per token (turn_discounted)
     loss_mask:  [B, T] 1 on the tokens the agent sampled, from the episode's structure, never from token values
@@ -242,7 +243,7 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, 
             per_seq = per_token.sum(1) / max_len
         total, count = per_seq.sum(), (tokens_per_seq > 0).sum()
     denom = (count if normalizer is None else torch.as_tensor(normalizer, device=logp.device)).to(logp.dtype)
-    # only a zero count is replaced (by 1): a caller may scale a normalizer below 1 (dividing it by its processes)
+    # only a zero count is replaced (by 1): a normalizer that is a fraction (a share of several processes') stays
     loss = total / torch.where(denom > 0, denom, torch.ones_like(denom))
 
     with torch.no_grad():

@@ -67,7 +67,7 @@ METRICS = {
     "gen_tokens_per_s": "sampled tokens per second of rollout",
     "eval/pass1": "greedy pass^1 on the first --eval-tasks test tasks after this step (every --eval-every steps)",
     "eval_s": "seconds that evaluation took",
-    "step": "the optimizer step this line is for",
+    "step": "the GRPO step this line is for (a rollout and its update: --updates-per-batch optimizer steps)",
 }
 TOKEN_MEANS = ("kl", "approx_kl", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "ratio_mean", "entropy",
                "logprob_gap", "tis_weight_mean", "tis_capped_frac")

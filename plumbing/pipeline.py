@@ -54,7 +54,7 @@ class Run:
     sampling: Any = None             # how the rollout samples (fast.batched_rollout.RolloutConfig; load)
     first_step: int = 0              # the step this run starts at: a resumed run's (load)
     done_steps: int = 0              # steps whose update and logs are complete
-    ctrl_c: Any = None               # the stop signals (rundir.StopOnInterrupt; grpo.main)
+    stop_signals: Any = None         # Ctrl-C, SIGTERM, SIGHUP (rundir.StopOnInterrupt; grpo.main)
     rng_at_step: Any = None          # the RNG state at the step's start, restored when its rollout is abandoned
 
 
@@ -322,7 +322,7 @@ def train(run: Run, grpo_step) -> None:
                disable=not acc.is_main_process, desc="grpo", dynamic_ncols=True)
     resume_hint = f"accelerate launch grpo.py --resume {run.dir}"
     saved, step = run.first_step, run.first_step  # the newest checkpoint's step; the step in progress
-    ctrl_c = run.ctrl_c
+    signals = run.stop_signals
     try:
         for step in bar:
             m, failed = grpo_step(run, step)
@@ -338,16 +338,16 @@ def train(run: Run, grpo_step) -> None:
             if acc.is_main_process:
                 bar.set_postfix(reward=f"{m.get('reward_mean', 0):.3f}", kl=f"{m.get('kl', 0):.4f}")
                 tqdm.write(metrics.console_line(m, failed, m["rollout_s"], m["update_s"]))
-            stop = ctrl_c.agreed(acc)  # every process stops after the same step
+            stop = signals.agreed(acc)  # every process stops after the same step
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stop:
                 checkpoints.save(acc, run, step + 1)
                 saved = step + 1
             if stop and step + 1 < cfg.steps:
                 bar.close()
                 acc.end_training()
-                acc.print(f"[grpo] stopped by {rundir.SIGNALS[ctrl_c.asked]} after step {step + 1} of {cfg.steps}, "
+                acc.print(f"[grpo] stopped by {rundir.SIGNALS[signals.asked]} after step {step + 1} of {cfg.steps}, "
                           f"checkpoint saved; continue with: {resume_hint}")
-                raise SystemExit(ctrl_c.exit_code())
+                raise SystemExit(signals.exit_code())
     except rundir.Abandoned as e:  # SIGTERM/SIGHUP in a rollout, or any stop signal in an evaluation of the step
         bar.close()
         if run.done_steps == step:  # abandoned in the rollout: the state is the last step's, RNG included
@@ -359,7 +359,7 @@ def train(run: Run, grpo_step) -> None:
                  f"no step had finished; --resume {run.dir} starts it again")
         acc.print(f"\n[grpo] stopped by {rundir.SIGNALS[e.signame]} during step {step + 1}: {where}")
         acc.end_training()
-        raise SystemExit(ctrl_c.exit_code()) from None
+        raise SystemExit(signals.exit_code()) from None
     except KeyboardInterrupt:  # the second Ctrl-C: stop at once; the step in progress is lost
         bar.close()
         where = (f"the newest checkpoint is step {saved}; continue with: {resume_hint}" if saved else
@@ -379,7 +379,7 @@ def log_step(run: Run, step: int, m: dict, episodes: list) -> None:
     if cfg.eval_tasks and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:  # last: "after"
         t2 = time.time()
         try:
-            with run.ctrl_c.abandoning():  # a stop signal leaves the evaluation; the step is logged and saved
+            with run.stop_signals.abandoning():  # a stop signal leaves the evaluation; the step is logged and saved
                 m["eval/pass1"] = evaluate(run, f"step{step + 1}").get(f"eval/step{step + 1}/pass1")
         except rundir.Abandoned as e:
             stopped = e
