@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Annotated, NamedTuple
+from typing import Annotated
 
 import torch
 from accelerate.utils import gather_object
@@ -29,10 +29,10 @@ from accelerate.utils import gather_object
 import sft
 from fast import batched_rollout
 from plumbing import cli, lora, metrics, models, pipeline, rundir, shard
+from plumbing.batches import micro_batches
 from plumbing.cli import Range
-from loss import ADVANTAGES, grpo_loss, normalizer_count, turn_discounted, uniform_groups
-from muarl import collate
-from fast.opening import common_opening, group_carries, micro_batch_logprobs
+from loss import ADVANTAGES, CORRECTIONS, CREDIT, grpo_loss, normalizer_count, uniform_groups
+from fast.opening import group_carries, micro_batch_logprobs
 from plumbing.options import AttentionOptions, LoraOptions, RunOptions, SamplingOptions, StartOptions, UserOptions
 
 
@@ -78,14 +78,17 @@ class Algorithm:
     share_opening: bool = True
     """compute a group's common opening (system prompt, tools, first user message) once in each training forward and
     backward: the same loss and gradient, less compute (--no-share-opening: every episode whole)"""
-    turn_discount: Annotated[float, Range("(0, 1]")] = 1.0
-    """an episode's advantage on the tokens of its agent turn k of K, times turn_discount ** (K - 1 - k): credit
-    discounted by the turns after it (1: the episode's advantage on every token, the paper's; loss.turn_discounted)"""
-    tis_cap: Annotated[float, Range("[0, inf)")] = 0.0
-    """truncated importance sampling against the sampler/trainer mismatch: each token's policy term weighted by
-    min(exp(trainer - sampler log-prob), tis_cap) (0: off, the paper's; verl and TRL use 2); metric tis_weight_mean"""
+    credit: str = "episode"
+    """advantage per token in loss.CREDIT: 'episode' (each token its episode's: the paper) or 'turn-discount'"""
+    turn_discount: Annotated[float, Range("(0, 1]")] = 0.9
+    """--credit turn-discount: a token of agent turn k of K gets its episode's advantage x turn_discount^(K-1-k)"""
+    correction: str = "none"
+    """weights on the policy term against the sampler/trainer mismatch, in loss.CORRECTIONS: 'none' (the paper) or
+    'tis' (truncated importance sampling, as verl, slime, SkyRL and TRL ship it)"""
+    tis_cap: Annotated[float, Range("(0, inf)")] = 2.0
+    """--correction tis: each weight min(exp(trainer - sampler log-prob), tis_cap)"""
     tis_level: str = "token"
-    """the importance weight per 'token' or per 'sequence' (one weight an episode: exp of its summed log-ratios)"""
+    """--correction tis: a weight per 'token', or per 'sequence' (exp of the episode's summed log-ratios)"""
     updates_per_batch: Annotated[int, Range("[1, inf)")] = 1
     """policy updates per rollout batch (the paper: 1, so old logprobs are the current ones and cost nothing)"""
 
@@ -151,46 +154,6 @@ def decide(episodes, cfg) -> tuple[torch.Tensor, list[int], int]:
     return adv, [i for i in range(len(episodes)) if train[i]], dropped
 
 
-class MicroBatch(NamedTuple):
-    input_ids: torch.Tensor        # [b, T]
-    attention_mask: torch.Tensor   # [b, T]
-    loss_mask: torch.Tensor        # [b, T] 1 on the tokens the agent sampled
-    sampler_logp: torch.Tensor     # [b, T] the sampler's log-probs of those tokens (0 elsewhere): logprob_gap, TIS
-    advantages: torch.Tensor       # [b]
-    turn: torch.Tensor             # [b, T] the agent turn of each token (0, 1, ...), -1 outside the agent's turns
-    n_tokens: int                  # sum of loss_mask, counted on the host (reading it off the GPU would wait for it)
-    opening_len: int = 0           # tokens its group's episodes all begin with and none trains on; 0: scored whole
-    part: tuple[int, int] = (0, 1)  # (which, of how many): the micro-batches its group is split into
-
-
-def micro_batches(episodes, rows: list[int], adv, cfg, acc, pad_id: int) -> tuple[list[MicroBatch], int]:
-    """The training episodes in micro-batches of --micro-batch-size, as many on every process (shard.lockstep: a
-    process with fewer runs empty ones, one pad token under a zero mask), and how many groups of several episodes
-    share no opening. With --share-opening, a micro-batch holds episodes of one group (a group larger than a
-    micro-batch is split into consecutive ones), and the group's common opening is computed once for all of them
-    (opening.Opening); without, similar lengths go together."""
-    order, n = sorted(rows, key=lambda i: len(episodes[i].input_ids)), cfg.micro_batch_size
-    by_group = {}
-    for i in order:  # consecutive group_size episodes are one task's
-        by_group.setdefault(i // cfg.group_size if cfg.share_opening else 0, []).append(i)
-    parts, unshared = [], 0
-    for g in by_group.values():
-        opening = int(cfg.share_opening) and common_opening([(episodes[i].input_ids, episodes[i].loss_mask) for i in g])
-        unshared += bool(cfg.share_opening and len(g) > 1 and not opening)
-        mbs = [g[k:k + n] for k in range(0, len(g), n)]
-        parts += [(mb, opening, (k, len(mbs))) for k, mb in enumerate(mbs)]
-    out = []
-    for mb, opening, part in (p or ([], 0, (0, 1)) for p in shard.lockstep(acc, parts)):
-        seqs = [(episodes[i].input_ids, episodes[i].loss_mask, episodes[i].logprobs, episodes[i].turn_of_tokens())
-                for i in mb]
-        seqs = seqs or [([pad_id], [0], [0], [-1])]
-        ids, attention, mask, sampler_logp, turn = collate(seqs, pad_id, acc.device)
-        advantages = adv[mb].to(acc.device) if mb else torch.zeros(1, device=acc.device)
-        out.append(MicroBatch(ids, attention, mask, sampler_logp, advantages, turn, sum(sum(s[1]) for s in seqs),
-                              opening, part))
-    return out, unshared
-
-
 def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, pad_id: int) -> dict:
     """One rollout batch -> `updates_per_batch` optimizer steps. Returns the update's metrics (over all processes)."""
     model.train()  # the rollout and the evaluation leave it in eval mode; gradient checkpointing needs train mode
@@ -222,13 +185,14 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
                 if logp.dtype != torch.float32:  # e.g. an FSDP2 policy that casts outputs (cli.fsdp2_plugin)
                     raise RuntimeError(f"token_logprobs returned {logp.dtype}, not float32: the loss would be rounded")
                 # on-policy (one update per batch) the old policy is the current one: ratio 1, with its gradient
-                advantages = turn_discounted(b.advantages, b.turn, cfg.turn_discount)   # [b, T]
-                loss, met = grpo_loss(logp, logp.detach() if old[k] is None else old[k], ref[k], advantages,
+                old_logp = logp.detach() if old[k] is None else old[k]
+                correct = CORRECTIONS[cfg.correction]
+                loss, met = grpo_loss(logp, old_logp, ref[k], CREDIT[cfg.credit](b.advantages, b.turn, cfg),
                                       b.loss_mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                       dual_clip=cfg.dual_clip, kl_coef=cfg.kl_coef, agg=cfg.agg,
                                       ratio_level=cfg.ratio_level, policy_loss=cfg.policy_loss,
-                                      normalizer=normalizer, max_len=cfg.max_context, sampler_logp=b.sampler_logp,
-                                      tis_cap=cfg.tis_cap, tis_level=cfg.tis_level)
+                                      normalizer=normalizer, max_len=cfg.max_context,
+                                      weights=correct and correct(old_logp, b.sampler_logp, b.loss_mask.bool(), cfg))
                 if ref[k] is None:
                     met.pop("kl")  # no reference, no KL: absent rather than a 0 that reads as a measurement
                 # the backends average gradients over processes; the normalizer is already global: undo the mean

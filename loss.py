@@ -4,16 +4,18 @@
     rloo_advantages   r minus the mean of the other episodes of its group (RLOO)
     uniform_groups    the groups whose rewards are all equal: what DAPO's dynamic sampling drops
     kl_k3             exp(ref - logp) - (ref - logp) - 1, the k3 estimator of KL(policy || reference)
-    turn_discounted   an episode's advantage per token, discounted by the agent turns after the token's own
+    turn_discounted   an episode's advantage per token, discounted by the agent turns after the token's own (CREDIT)
     ppo_clip, cispo   the per-token policy-gradient term: PPO's clipped ratio with dual clip (the paper), or CISPO's
                       clipped, detached weight times the log-prob
-    grpo_loss         policy term (optionally weighted against the sampler's mismatch) + kl_coef * k3 under the loss
-                      mask, aggregated with one normalizer per step
+    truncated_is      weights on the policy term against the sampler/trainer mismatch (CORRECTIONS)
+    grpo_loss         policy term (optionally weighted) + kl_coef * k3 under the loss mask, aggregated with one
+                      normalizer per step
     normalizer_count  that normalizer's count over some episodes (summed over micro-batches and processes)
 
-A fork adds an advantage estimator to ADVANTAGES or a policy term to POLICY_LOSSES: its function, its entry, its test
-against a plain loop in tests/test_grpo.py, which holds every function here to one (and gradients to finite
-differences); `--advantage NAME` and `--policy-loss NAME` pick them.
+A fork adds an advantage estimator to ADVANTAGES, a per-token credit to CREDIT, a policy term to POLICY_LOSSES or a
+weight on it to CORRECTIONS: its function and entry, its option if it has one, its test against a plain loop in
+tests/test_grpo.py, which holds every function here to one (and gradients to finite differences); `--advantage`,
+`--credit`, `--policy-loss` and `--correction` pick them by name.
 
 Shapes: B episodes (rows), T tokens, V vocabulary, G group size.
 """
@@ -26,7 +28,7 @@ import torch
 LOG_RATIO_CLAMP = 20.0
 
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-RATIO_LEVELS = ("token", "sequence")  # the importance ratio's level, and that of the sampler's correction (tis_level)
+RATIO_LEVELS = ("token", "sequence")  # the importance ratio's level (and the truncated weights', tis_level)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -89,13 +91,22 @@ ADVANTAGES = {
 }
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Credit: an episode's advantage [B] -> one per token [B, T], by the agent turn of each token
+# ---------------------------------------------------------------------------------------------------------
 def turn_discounted(adv, turn, gamma: float):
     """An episode's advantage spread over its tokens, discounted by the agent turns that remain after each token's own:
-    a token of turn k (of K) gets adv * gamma ** (K - 1 - k), so the turns nearer the outcome get more of its credit
-    (gamma 1: every token the episode's advantage, the paper's). adv: [B]; turn: [B, T] the agent turn of each token
-    (0, 1, ...; -1 outside the agent's turns: Episode.turn_of_tokens). Returns [B, T]."""
+    a token of turn k (of K) gets adv * gamma ** (K - 1 - k), so the turns nearer the outcome get more of its credit.
+    adv: [B]; turn: [B, T] the agent turn of each token (0, 1, ...; -1 outside them: Episode.turn_spans)."""
     last = turn.amax(1, keepdim=True)                                       # [B, 1]: K - 1
     return adv[:, None] * torch.pow(torch.as_tensor(gamma, dtype=adv.dtype), (last - turn).clamp(min=0).to(adv.dtype))
+
+
+# --credit NAME: (advantages [B], turn [B, T], the run's options) -> advantages per token [B, T]
+CREDIT = {
+    "episode": lambda adv, turn, cfg: adv[:, None].expand(turn.shape),  # the paper's: every token its episode's
+    "turn-discount": lambda adv, turn, cfg: turn_discounted(adv, turn, cfg.turn_discount),
+}
 
 
 def uniform_groups(rewards, group_size, valid=None):
@@ -145,6 +156,22 @@ def cispo(log_ratio, adv, clip_low, clip_high, dual_clip):
 POLICY_LOSSES = {"ppo": ppo_clip, "cispo": cispo}
 
 
+def truncated_is(old_logp, sampler_logp, mask, cap: float, level: str = "token"):
+    """Truncated importance weights against the sampler/trainer mismatch (Yao et al. 2025; verl, slime, SkyRL, TRL):
+    min(exp(old_logp - sampler_logp), cap) per token, or per episode (level "sequence") of its summed log-ratios."""
+    gap = torch.where(mask, old_logp - sampler_logp.to(old_logp.dtype), torch.zeros_like(old_logp))
+    gap = gap.sum(1, keepdim=True).expand_as(gap) if level == "sequence" else gap
+    return torch.exp(gap.clamp(max=LOG_RATIO_CLAMP)).clamp(max=cap)
+
+
+# --correction NAME: (old_logp, sampler_logp, loss_mask [B, T], the run's options) -> weights [B, T] on the policy
+# term, detached by grpo_loss; "none": the paper's, no weight
+CORRECTIONS = {
+    "none": None,
+    "tis": lambda old, sampler, mask, cfg: truncated_is(old, sampler, mask, cfg.tis_cap, cfg.tis_level),
+}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The objective
 # ---------------------------------------------------------------------------------------------------------
@@ -157,7 +184,7 @@ def normalizer_count(loss_masks: list[list[int]], agg: str) -> int:
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, clip_high=0.2,
               dual_clip=3.0, kl_coef=0.001, agg="token-mean", ratio_level="token", policy_loss="ppo",
-              normalizer=None, max_len=None, entropy=None, sampler_logp=None, tis_cap=0.0, tis_level="token"):
+              normalizer=None, max_len=None, entropy=None, weights=None):
     """The GRPO objective for one micro-batch, as a loss to minimise.
 
     logp:       [B, T] log-probs of the tokens under the policy being trained (carries the gradient)
@@ -181,25 +208,21 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, 
                                 max_len one constant for the whole step, never a padded width)
     normalizer=None counts this call alone. A zero denominator becomes 1: an empty mask gives loss 0, no gradient.
 
-    tis_cap > 0 corrects the sampler/trainer mismatch by truncated importance sampling (Yao et al. 2025; verl,
-    slime, SkyRL and TRL ship it): each token's policy term is weighted by the detached
-    min(exp(old_logp - sampler_logp), tis_cap); with tis_level="sequence" by one weight per episode,
-    min(exp(sum of those log-ratios), tis_cap). sampler_logp: [B, T] the log-probs the rollout recorded for the
-    sampled tokens (Episode.logprobs). The KL term is not weighted. Metrics tis_weight_mean, tis_capped_frac.
+    weights: optional [B, T] weights on each token's policy term, detached (a correction of the sampler/trainer
+    mismatch: CORRECTIONS); the KL term is not weighted. Metric correction_weight_mean.
     entropy: optional [B, T] entropy of the policy's next-token distribution at each position, only for the
     entropy metric (its mean over the mask).
 
     Returns (loss, metrics): loss 0-dim; metrics 0-dim float32 detached tensors over this call's masked tokens (no
     host sync here): n_tokens, kl (0 without ref_logp), approx_kl (k3 between old and current policy),
     clip_frac_low / clip_frac_high (A < 0 and ratio < 1 - clip_low / A > 0 and ratio > 1 + clip_high),
-    dual_clip_frac (A < 0 and ratio > dual_clip), ratio_mean, ratio_max, entropy (with `entropy`).
+    dual_clip_frac (A < 0 and ratio > dual_clip), ratio_mean, ratio_max, entropy (with `entropy`),
+    correction_weight_mean (with `weights`).
     """
     if agg not in AGGS:
         raise ValueError(f"agg must be one of {AGGS}, got {agg!r}")
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
-    if tis_level not in RATIO_LEVELS:
-        raise ValueError(f"tis_level must be one of {RATIO_LEVELS}, got {tis_level!r}")
     if policy_loss not in POLICY_LOSSES:
         raise ValueError(f"policy_loss must be one of {tuple(POLICY_LOSSES)}, got {policy_loss!r}")
     dual_clip = dual_clip or None
@@ -220,12 +243,9 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, 
         log_ratio = torch.where(mask, seq.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) + (logp - logp.detach()) * inside,
                                 zero)
     per_token = POLICY_LOSSES[policy_loss](log_ratio, adv, clip_low, clip_high, dual_clip)
-    tis = None
-    if tis_cap and sampler_logp is not None:  # trainer (the old policy) against the sampler, on the same weights
-        gap = torch.where(mask, old_logp - sampler_logp.to(logp.dtype), zero)
-        gap = gap.sum(1, keepdim=True).expand_as(gap) if tis_level == "sequence" else gap
-        tis = torch.exp(gap.clamp(max=LOG_RATIO_CLAMP)).clamp(max=tis_cap).detach()
-        per_token = per_token * tis
+    if weights is not None:
+        weights = torch.where(mask, weights.detach().to(logp.dtype), zero)
+        per_token = per_token * weights
     if kl_coef and ref_logp is not None:
         per_token = per_token + kl_coef * kl_k3(logp, ref_logp)
     per_token = torch.where(mask, per_token, zero)                          # [B, T]
@@ -268,7 +288,6 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, *, clip_low=0.2, 
         }
         if entropy is not None:
             metrics["entropy"] = masked_mean(entropy.to(f32))
-        if tis is not None:
-            metrics["tis_weight_mean"] = masked_mean(tis)
-            metrics["tis_capped_frac"] = masked_mean((tis >= tis_cap).to(logp.dtype))
+        if weights is not None:
+            metrics["correction_weight_mean"] = masked_mean(weights)
     return loss, metrics

@@ -74,13 +74,6 @@ class Episode:
         else:
             self.logprobs.extend([0.0] * len(ids))
 
-    def turn_of_tokens(self) -> list[int]:
-        """[T]: the agent turn each token belongs to (0, 1, ... by turn_spans), -1 outside the agent's turns."""
-        turn = [-1] * len(self.input_ids)
-        for k, (start, end) in enumerate(self.turn_spans):
-            turn[start:end] = [k] * (end - start)
-        return turn
-
     def to_json(self, tokens: bool = False) -> dict:
         d = asdict(self)
         d["tool_calls"] = dict(self.tool_calls)

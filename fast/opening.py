@@ -226,7 +226,7 @@ def shared_opening_logprobs(model, input_ids, attention_mask, opening: int, *, t
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The update's micro-batches (grpo.micro_batches), each group's opening computed once for them
+# The update's micro-batches (plumbing.batches), each group's opening computed once for them
 # ---------------------------------------------------------------------------------------------------------
 def common_opening(seqs) -> int:
     """How many tokens the rows (ids, loss_mask, ...) all begin with before any row trains on one, leaving each row
@@ -243,7 +243,7 @@ def common_opening(seqs) -> int:
 def micro_batch_logprobs(model, b, temperature: float, carry: Opening, **kwargs):
     """A training micro-batch's token log-probs [b, T] (token_logprobs'), its group's opening computed once where its
     rows share one (b.opening_len > 0; `carry`: the group's Opening, from group_carries); the same numbers either
-    way. b: grpo.MicroBatch, one of b.part = (which, of how many) micro-batches of its group."""
+    way. b: plumbing.batches.MicroBatch, one of b.part = (which, of how many) micro-batches of its group."""
     if b.opening_len:
         which, parts = b.part
         return shared_opening_logprobs(model, b.input_ids, b.attention_mask, b.opening_len, temperature=temperature,

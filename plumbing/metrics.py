@@ -56,9 +56,8 @@ METRICS = {
     "entropy": "mean entropy of the policy's next-token distribution at trained tokens",
     "logprob_gap": "mean absolute difference between the sampler's and the trainer's log-probabilities of the sampled "
                    "tokens on the same weights: numerical drift between the two paths, should be ~0",
-    "tis_weight_mean": "mean truncated importance weight of trained tokens, min(exp(trainer - sampler), --tis-cap) "
-                       "(with --tis-cap): 1 where the two agree",
-    "tis_capped_frac": "fraction of trained tokens whose importance weight reached --tis-cap",
+    "correction_weight_mean": "mean weight of the trained tokens' policy term under --correction (tis: "
+                              "min(exp(trainer - sampler log-prob), --tis-cap)): 1 where sampler and trainer agree",
     "grad_norm": "gradient norm before clipping",
     "skipped_updates": "updates dropped because the gradient norm was not finite",
     "lr": "learning rate",
@@ -70,7 +69,7 @@ METRICS = {
     "step": "the GRPO step this line is for (a rollout and its update: --updates-per-batch optimizer steps)",
 }
 TOKEN_MEANS = ("kl", "approx_kl", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "ratio_mean", "entropy",
-               "logprob_gap", "tis_weight_mean", "tis_capped_frac")
+               "logprob_gap", "correction_weight_mean")
 MAXES = ("ratio_max",)
 SUMS = ("loss",)
 TRACKED_TOOLS = ("think", "calculate", "transfer_to_human_agents")  # logged even when 0, as the paper tracks them

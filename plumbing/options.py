@@ -16,7 +16,7 @@ from plumbing.models import ATTENTION
 from plumbing.users import check_user_sim
 from plumbing.cli import SEEDS, TIMEOUTS, Range
 from envs import opening_messages
-from loss import ADVANTAGES, AGGS, POLICY_LOSSES, RATIO_LEVELS
+from loss import ADVANTAGES, AGGS, CORRECTIONS, CREDIT, POLICY_LOSSES, RATIO_LEVELS
 from muarl import prompt_ids
 
 
@@ -199,8 +199,9 @@ def validate(cfg, world: int) -> None:
     if not cfg.scale_advantages and cfg.advantage != "grpo":
         bad("no_scale_advantages", f"only the 'grpo' advantage divides by a std; --advantage {cfg.advantage} "
                                    "never does")
-    for opt, names in (("ratio_level", RATIO_LEVELS), ("policy_loss", tuple(POLICY_LOSSES)),
-                       ("tis_level", RATIO_LEVELS), ("rollout", ("engine", "reference"))):
+    for opt, names in (("ratio_level", RATIO_LEVELS), ("policy_loss", tuple(POLICY_LOSSES)), ("credit", tuple(CREDIT)),
+                       ("correction", tuple(CORRECTIONS)), ("tis_level", RATIO_LEVELS),
+                       ("rollout", ("engine", "reference"))):
         if getattr(cfg, opt) not in names:
             bad(opt, f"{opt} must be one of {names}, got {getattr(cfg, opt)!r}")
     if cfg.dual_clip and cfg.dual_clip <= 1:

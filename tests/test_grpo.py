@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from fast.logprobs import entropy_of_logits, logprobs_from_hidden, masked_token_entropy, token_logprobs
-from loss import AGGS, group_advantages, grpo_loss, kl_k3, turn_discounted
+from loss import AGGS, CORRECTIONS, CREDIT, group_advantages, grpo_loss, kl_k3
 
 # ---- plain-Python references: slow, obvious, one scalar at a time ----
 
@@ -801,6 +801,8 @@ def test_normalizer_count_is_what_each_aggregation_divides_by():
 def test_turn_discounted_matches_a_loop():
     """A token of agent turn k of K gets the episode's advantage times gamma ** (K - 1 - k); outside the turns the
     value is never trained (loss mask 0). Gamma 1 gives every token exactly the episode's advantage."""
+    from loss import turn_discounted
+
     adv = torch.tensor([0.7, -1.3, 0.0, 2.0], dtype=torch.float64)
     turns = [[0, 0, -1, 1, 1, -1, 2, -1], [-1, 0, 0, 0, -1, -1, -1, -1], [-1] * 8, [0, -1, 1, -1, 2, -1, 3, 3]]
     turn = torch.tensor(turns, dtype=torch.float32)
@@ -812,6 +814,10 @@ def test_turn_discounted_matches_a_loop():
                 if k >= 0:
                     assert got[b, t].item() == pytest.approx(adv[b].item() * gamma ** (last - k), rel=1e-12)
     assert torch.equal(turn_discounted(adv, turn, 1.0), adv[:, None].expand(4, 8))
+    from types import SimpleNamespace  # --credit picks them by name; 'episode' is the paper's
+    assert torch.equal(CREDIT["episode"](adv, turn, None), adv[:, None].expand(4, 8))
+    assert torch.equal(CREDIT["turn-discount"](adv, turn, SimpleNamespace(turn_discount=0.5)),
+                       turn_discounted(adv, turn, 0.5))
 
 
 def test_grpo_loss_takes_one_advantage_per_token():
@@ -826,8 +832,8 @@ def test_grpo_loss_takes_one_advantage_per_token():
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_truncated_importance_weights_match_a_loop(level):
-    """--tis-cap C: each token's policy term times min(exp(old - sampler), C) (per episode: exp of the summed
-    log-ratios), detached; the KL term unweighted; where the sampler agrees with the trainer, nothing changes."""
+    """--correction tis --tis-cap C: each token's policy term times min(exp(old - sampler), C) (per episode: exp of the
+    summed log-ratios), detached; the KL term unweighted; where the sampler agrees with the trainer, nothing changes."""
     logp, old, ref, adv, mask = random_batch(spread=1.5, seed=4)
     g = torch.Generator().manual_seed(9)
     sampler = old + (torch.rand(old.shape, generator=g, dtype=old.dtype) - 0.5) * 1.2
@@ -839,21 +845,28 @@ def test_truncated_importance_weights_match_a_loop(level):
         ranked = sorted(r for b, r in enumerate(raw) if any(M[b]))
         cap = (ranked[1] + ranked[2]) / 2  # some episodes capped, some not, none at the cap itself
         w = [[min(raw[b], cap)] * len(L[b]) for b in range(len(L))]
+    from types import SimpleNamespace
+
+    from loss import truncated_is
+
+    weights = CORRECTIONS["tis"](old, sampler, mask, SimpleNamespace(tis_cap=cap, tis_level=level))
+    assert torch.equal(weights, truncated_is(old, sampler, mask, cap, level))
+    pts = [(b, t) for b in range(len(L)) for t in range(len(L[b])) if M[b][t]]
+    assert all(weights[b, t].item() == pytest.approx(w[b][t], rel=1e-12) for b, t in pts)
+    capped = sum(w[b][t] >= cap for b, t in pts) / len(pts)
+    assert 0 < capped < 1 and sum(weights[b, t].item() >= cap for b, t in pts) / len(pts) == capped
     logp.requires_grad_()
-    loss, m = grpo_loss(logp, old, ref, adv, mask, kl_coef=0.05, sampler_logp=sampler, tis_cap=cap, tis_level=level)
+    loss, m = grpo_loss(logp, old, ref, adv, mask, kl_coef=0.05, weights=weights.requires_grad_())
     want = loop_loss(L, O, ref.tolist(), adv.tolist(), M, kl_coef=0.05, weights=w)
     assert loss.item() == pytest.approx(want, rel=1e-10, abs=1e-12)
-    pts = [(b, t) for b in range(len(L)) for t in range(len(L[b])) if M[b][t]]
-    assert m["tis_weight_mean"].item() == pytest.approx(sum(w[b][t] for b, t in pts) / len(pts), rel=1e-6)  # float32
-    capped = sum(w[b][t] >= cap for b, t in pts) / len(pts)
-    assert m["tis_capped_frac"].item() == pytest.approx(capped) and 0 < capped < 1
-    (g_tis,) = torch.autograd.grad(loss, logp)  # the weight is detached: the gradient is the weighted one
-    f = lambda lp: grpo_loss(lp, old, ref, adv, mask, kl_coef=0.05, sampler_logp=sampler, tis_cap=cap,
-                             tis_level=level)[0]
+    assert m["correction_weight_mean"].item() == pytest.approx(sum(w[b][t] for b, t in pts) / len(pts), rel=1e-6)
+    (g_tis, g_w) = torch.autograd.grad(loss, [logp, weights], allow_unused=True)  # the weights are detached
+    assert g_w is None
+    f = lambda lp: grpo_loss(lp, old, ref, adv, mask, kl_coef=0.05, weights=weights)[0]
     smooth = logp.detach().clone()
     for edge in (0.8, 1.2, 3.0):  # finite differences need every ratio 1e-3 away from the clip boundaries
         smooth = torch.where(((smooth - old).exp() - edge).abs() < 1e-3, smooth + 0.01, smooth)
     assert torch.autograd.gradcheck(f, (smooth.requires_grad_(),))
-    agree, _ = grpo_loss(logp, old, ref, adv, mask, sampler_logp=old, tis_cap=cap, tis_level=level)
+    agree, _ = grpo_loss(logp, old, ref, adv, mask, weights=truncated_is(old, old, mask, cap, level))
     assert agree.item() == pytest.approx(grpo_loss(logp, old, ref, adv, mask)[0].item(), rel=1e-12)
     assert torch.isfinite(g_tis).all()

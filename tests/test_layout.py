@@ -40,6 +40,7 @@ ALLOWED = {  # module -> the project modules it may import
     "plumbing.shard": set(),
     "plumbing.metrics": set(),
     "plumbing.stats": set(),
+    "plumbing.batches": {"fast.opening", "muarl", "plumbing.shard"},
     "plumbing.show": {"plumbing.models"},
     "plumbing.models": {"muarl", "plumbing.lora", "toolcall"},
     "plumbing.users": {"envs", "muarl", "toolcall", "plumbing.cli", "plumbing.models"},
@@ -56,7 +57,8 @@ ALLOWED = {  # module -> the project modules it may import
     "eval": {"envs", "plumbing.cli", "muarl", "plumbing.models", "fast.batched_rollout", "plumbing.memory",
              "plumbing.checkpoints", "plumbing.lora", "plumbing.options", "plumbing.shard", "plumbing.metrics",
              "plumbing.stats", "plumbing.users", "plumbing.show", "fast.deadlines"},
-    "grpo": {"sft", "muarl", "loss", "fast.batched_rollout", "fast.opening", "plumbing.cli", "plumbing.lora",
+    "grpo": {"sft", "loss", "fast.batched_rollout", "fast.opening", "plumbing.batches", "plumbing.cli",
+             "plumbing.lora",
              "plumbing.metrics", "plumbing.models", "plumbing.options", "plumbing.pipeline", "plumbing.rundir",
              "plumbing.shard"},
 
@@ -65,7 +67,7 @@ BELOW_ENVS = ("toolcall", "muarl", "loss", "fast.logprobs", "fast.decode", "fast
               "plumbing.cli", "plumbing.lora", "plumbing.models", "plumbing.shard",
               "plumbing.memory", "plumbing.metrics", "plumbing.stats")
 # The reading path's lines (README.md, "Reading it"), docstrings included: what a first reading can afford.
-READING_BUDGET = 975  # ~900 is the aim: what a first reading can afford
+READING_BUDGET = 950  # ~900 is the aim: what a first reading can afford
 PROJECT = {"envs", "toolcall", "muarl", "rollout", "loss", *ENTRY_POINTS, *FOLDERS}
 
 
