@@ -49,7 +49,17 @@ class ParsedMessage:
     errors: dict[int, str]
 
 
-_CALL_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.S)
+def _calls(text: str):
+    """(start, end, inside) of each complete <tool_call>...</tool_call>, left to right, each ending at the first close
+    tag after its open tag: what re.finditer of OPEN(.*?)CLOSE finds, in one pass. The regex rescans the rest of the
+    text from every open tag when no close tag follows, which took 59 s for 20,000 open tags."""
+    pos = 0
+    while (start := text.find(TOOL_CALL_OPEN, pos)) >= 0:
+        close = text.find(TOOL_CALL_CLOSE, start + len(TOOL_CALL_OPEN))
+        if close < 0:
+            return
+        pos = close + len(TOOL_CALL_CLOSE)
+        yield start, pos, text[start + len(TOOL_CALL_OPEN):close]
 
 
 def parse_assistant(text: str, call_id_prefix: str = "call") -> ParsedMessage:
@@ -63,9 +73,9 @@ def parse_assistant(text: str, call_id_prefix: str = "call") -> ParsedMessage:
         if error:
             errors[idx] = error
 
-    for m in _CALL_RE.finditer(text):
-        spans.append(m.span())
-        raw = m.group(1).strip()
+    for start, end, inside in _calls(text):
+        spans.append((start, end))
+        raw = inside.strip()
         try:
             obj = loads_limited(raw)
         except json.JSONDecodeError as e:

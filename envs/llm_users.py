@@ -77,8 +77,8 @@ class OpenAIUserSim(UserSim):
                 retriable, error = True, TimeoutError(f"no whole reply within {self.timeout:g}s")
             except openai.OpenAIError as e:  # a request the client refuses to send: retrying cannot help
                 raise UserSimError(f"{self.name} failed: {e!r}") from e
-            except ValueError as e:  # a reply that is not a chat completion (HTML, bad JSON, no choices, no text)
-                retriable, error = True, e
+            except (ValueError, RecursionError) as e:  # not a chat completion (HTML, bad JSON, nested past the
+                retriable, error = True, e                # parser's depth, no choices, no text)
             if state is not None and retriable and attempt < self.max_retries:
                 state.retries += 1  # counted in the episode (Episode.user_retries) and the step's metrics
             if not retriable or attempt == self.max_retries:

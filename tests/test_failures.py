@@ -183,8 +183,9 @@ def test_some_failed_episodes_are_counted_on_the_console(tmp_path, ckpt, capsys)
     (200, b'{"id": "c1", "choices": [{"index": 0, "message": 7}]}'),                   # a message that is no message
     (200, b'{"id": "c1", "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi \\ud800"}}]}'),
     (200, {"content": "x" * (MAX_REPLY_CHARS + 1)}),                                    # endless
+    (200, b'{"id": "c1", "choices": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),        # deeper than the parser goes
 ], ids=["empty", "null", "blank", "html", "truncated", "no-choices", "error-object", "choices-object", "choices-number",
-        "message-number", "surrogate", "too-long"])
+        "message-number", "surrogate", "too-long", "nested-100000-deep"])
 def test_malformed_or_empty_user_replies_are_retried_infra_errors(lm, tiny_tok, reply):
     def script(body, n):  # openings succeed; every reply is broken
         return reply if len(body["messages"]) > 3 else (200, {"content": "Hi, please help me."})
