@@ -234,6 +234,26 @@ def compare(a: str, b: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+WRITES = ("episodes.jsonl", "summary.json", "results.md")
+
+
+def check_out_dir(out: Path) -> None:
+    """Refuse an --out-dir whose files this evaluation would replace and no evaluation wrote: a training run's, or
+    anything holding a file of WRITES beside no summary.json of an earlier evaluation (which names its --agent)."""
+    if any((out / name).exists() for name in ("config.json", "checkpoints")):
+        raise SystemExit(f"eval.py: --out-dir: {out} holds a training run (config.json, checkpoints/), whose "
+                         "episodes.jsonl and summary.json this evaluation would replace; give it a directory of its "
+                         f"own, e.g. --out-dir {out / 'eval'}")
+    theirs = [name for name in WRITES if (out / name).exists()]
+    try:
+        earlier = "agent" in json.loads((out / "summary.json").read_text(encoding="utf-8"))["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        earlier = False
+    if theirs and not earlier:
+        raise SystemExit(f"eval.py: --out-dir: {out} holds {', '.join(theirs)}, which no evaluation wrote (no "
+                         "summary.json of one beside them) and this one would replace; give it another directory")
+
+
 def main(argv=None):
     cli.cuda_allocator_defaults()  # before CUDA starts: expandable segments, unless the user set the allocator
     import torch
@@ -264,10 +284,8 @@ def main(argv=None):
     if cfg.merge_lora:
         print(f"[eval] {cfg.agent} merged into its base: {merge_adapters(cfg.agent, cfg.merge_lora, cfg.merge_dtype)}")
         return
-    if cfg.out_dir and any((Path(cfg.out_dir) / name).exists() for name in ("config.json", "checkpoints")):
-        raise SystemExit(f"eval.py: --out-dir: {cfg.out_dir} holds a training run (config.json, checkpoints/), "
-                         "whose episodes.jsonl and summary.json this evaluation would replace; give it a directory of "
-                         f"its own, e.g. --out-dir {Path(cfg.out_dir) / 'eval'}")
+    if cfg.out_dir:
+        check_out_dir(Path(cfg.out_dir))
     options = {"reward": cfg.env_reward} if cfg.env_reward else {}
     if cfg.env.startswith("acebench:") and cfg.acebench_root:
         options["root"] = cfg.acebench_root
@@ -315,7 +333,7 @@ def main(argv=None):
         sampling = RolloutConfig.from_options(cfg, on_gpu=acc.device.type != "cpu")
         gen = torch.Generator(acc.device).manual_seed(cfg.seed * 1_000_003 + acc.process_index)
         eps = rollout(model, tok, env, mine, cfg.trials, user_sim, sampling, gen)
-        episodes = [e.to_json() for e in eps]
+        episodes = [e.to_json(tokens=True) for e in eps]  # with the ids and loss mask: eval.py --show prints one
     episodes = gather_object(episodes)
     if acc.is_main_process:
         out = Path(cfg.out_dir or f"runs/eval-{cfg.env.replace(':', '-')}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -859,6 +859,21 @@ def test_overwrite_deletes_nothing_that_no_run_wrote_and_eval_never_writes_into_
     grpo.main(grpo_args(ckpt, run, "--steps", "1"))
     with pytest.raises(SystemExit, match="holds a training run"):
         evaluation.main(["--agent", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--out-dir", str(run)])
+    mine = tmp_path / "mine"  # a user's own files of the names eval writes: refused, untouched
+    mine.mkdir()
+    for name in evaluation.WRITES:
+        (mine / name).write_text(f"my {name}")
+    for kept in (evaluation.WRITES, ("results.md",)):
+        for name in set(evaluation.WRITES) - set(kept):
+            (mine / name).unlink(missing_ok=True)
+        with pytest.raises(SystemExit, match=r"holds .*results.md, which no evaluation wrote"):
+            evaluation.main(["--agent", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--num-tasks", "1",
+                             "--out-dir", str(mine)])
+        assert all((mine / name).read_text() == f"my {name}" for name in kept)
+    again = ["--agent", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--num-tasks", "1", "--max-new-tokens", "8",
+             "--out-dir", str(tmp_path / "ev")]
+    evaluation.main(again)
+    evaluation.main(again)  # an earlier evaluation's directory: replaced, as before
 
 
 def test_a_launcher_that_dies_takes_its_single_process_run_with_it(tmp_path):
