@@ -486,7 +486,7 @@ def train(model, tok, env, tasks, device, work: Path, bf16: bool):
         torch.cuda.reset_peak_memory_stats(device)
     grpo.main(args)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    grpo.main(["--resume", str(run), "--steps", "3"])
+    grpo.main(["--resume", str(run), "--env", "tests.fake_env:HalfUniformEnv", "--steps", "3"])
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     n = sum(p.numel() for p in model.parameters())
     est = memory.memory_estimate(n, bf16=bf16, kv_bytes_per_token=memory.kv_bytes_per_token(model.config, bf16),
@@ -528,7 +528,7 @@ def lora_steps(model, tok, env, tasks, device, work: Path, bf16: bool):
     base_same = all(torch.equal(v, trained[k].cpu()) for k, v in base.state_dict().items())
     adapters_fp32 = all(p.dtype == torch.float32 for p in res.model.parameters() if p.requires_grad)
     del res, trained
-    grpo.main(["--resume", str(run), "--steps", "3"])
+    grpo.main(["--resume", str(run), "--env", "tests.fake_env:HalfUniformEnv", "--steps", "3"])
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     ckpt = run / "checkpoints" / "step-000003" / "model"
     n = sum(p.numel() for p in model.parameters())
@@ -673,7 +673,8 @@ def launched(kind: str, work: Path, out: Path, device, processes: int = 1):
              "--max-context", "2048", "--eval-tasks", "0", "--micro-batch-size", "2", "--bf16",
              "--gradient-checkpointing", "--save-every", "1", "--out-dir", str(run), "--overwrite"]
     out.mkdir(parents=True, exist_ok=True)
-    for part, args in (("", first), ("-resume", ["--resume", str(run), "--steps", "3"])):
+    for part, args in (("", first), ("-resume", ["--resume", str(run), "--env", "tests.fake_env:HalfUniformEnv",
+                                                 "--steps", "3"])):
         r = subprocess.run(launch + args, cwd=ROOT, capture_output=True, text=True, timeout=300)
         (out / f"{name}{part}.log").write_text(r.stdout + "\n---- stderr ----\n" + r.stderr)
         if r.returncode:  # the launched process's own traceback comes before the launcher's (ChildFailedError)

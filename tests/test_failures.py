@@ -21,6 +21,8 @@ from envs.llm_users import OpenAIUserSim
 from envs.users import MAX_REPLY_CHARS, UserSimError
 from tests.fake_env import FakeEnv
 
+FAKE_ENV = "tests.fake_env:FakeEnv"  # a plug-in environment is named again on --resume
+
 GREEDY = RolloutConfig(greedy=True, max_new_tokens=64, max_turns=8)
 
 
@@ -98,7 +100,7 @@ def test_resume_cuts_the_logs_back_to_the_checkpoint(tmp_path, ckpt):
     for name in ("metrics.jsonl", "episodes.jsonl"):
         with open(run / name, "a") as f:
             f.write(json.dumps({"step": 3, "loss": 0.0}) + "\n" + '{"step": 4, "lo')  # and a line cut short
-    grpo.main(["--resume", str(run), "--steps", "4"])
+    grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "4"])
     assert steps_logged(run) == [1, 2, 3, 4]
     assert sorted(set(steps_logged(run, "episodes.jsonl"))) == [1, 2, 3, 4]
     assert steps_logged(run, "episodes.jsonl") == sorted(steps_logged(run, "episodes.jsonl"))
@@ -112,7 +114,7 @@ def test_truncated_latest_falls_back_to_the_newest_complete_step(tmp_path, ckpt,
     grpo.main(grpo_args(ckpt, run, "--save-every", "1"))
     (run / "checkpoints" / "latest.json").write_text('{"checkpoi')
     (run / "checkpoints" / "step-000003.tmp").mkdir()  # a save that never finished
-    grpo.main(["--resume", str(run), "--steps", "3"])
+    grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "3"])
     out = capsys.readouterr().out
     assert "latest.json is unreadable" in out and "step-000002" in out
     assert steps_logged(run) == [1, 2, 3]
@@ -126,14 +128,14 @@ def test_dead_user_endpoint_stops_the_run_and_the_endpoint_may_change_on_resume(
     try:
         grpo.main(grpo_args(ckpt, run, *user, "--user-base-url", good.url, "--steps", "1", "--save-every", "1"))
         with pytest.raises(SystemExit) as e:
-            grpo.main(["--resume", str(run), "--steps", "3", "--user-base-url", dead.url])
+            grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "3", "--user-base-url", dead.url])
         msg = str(e.value)
         assert "step 2: all 8 episodes failed on infrastructure" in msg and "500" in msg
         assert dead.url in msg and "--user-base-url" in msg and f"--resume {run}" in msg
         assert steps_logged(run) == [1]  # nothing trained on nothing
         # Other settings cannot change on resume: refused, naming them, rather than ignored.
         with pytest.raises(SystemExit, match=r"--lr cannot change"):
-            grpo.main(["--resume", str(run), "--lr", "0.5"])
+            grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--lr", "0.5"])
         # The original command with --resume added works: options equal to the saved ones are not changes.
         grpo.main(grpo_args(ckpt, run, *user, "--resume", str(run), "--steps", "3", "--user-base-url", good.url))
         assert steps_logged(run) == [1, 2, 3]
@@ -619,7 +621,7 @@ def test_ctrl_c_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, ckpt
     assert steps_logged(run) == [1, 2] and (run / "checkpoints" / "step-000002" / "trainer_state.json").exists()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is given back
     monkeypatch.undo()
-    grpo.main(["--resume", str(run), "--steps", "4"])
+    grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "4"])
     assert steps_logged(run) == [1, 2, 3, 4]
 
 
@@ -788,7 +790,7 @@ def test_sigterm_or_sighup_abandons_the_rollout_saves_the_last_step_and_says_how
             f"accelerate launch grpo.py --resume {run}") in out
     assert steps_logged(run) == [1] and (run / "checkpoints" / "step-000001" / "trainer_state.json").exists()
     monkeypatch.undo()
-    resumed = grpo.main(["--resume", str(run)])
+    resumed = grpo.main(["--resume", str(run), "--env", FAKE_ENV])
     assert steps_logged(run) == [1, 2, 3]
     # exactly the run that was never stopped: the abandoned rollout left nothing behind
     full = grpo.main(grpo_args(ckpt, tmp_path / "full", "--steps", "3", "--save-every", "10"))
@@ -809,10 +811,10 @@ def test_a_stop_before_the_first_checkpoint_or_in_the_evaluation_leaves_a_run_th
             f"{run}") in capsys.readouterr().out
     _signal_at_rollout(monkeypatch, 2, signal.SIGINT)  # Ctrl-C in step 1's rollout: it finishes, and is saved
     with pytest.raises(SystemExit) as e:
-        grpo.main(["--resume", str(run)])
+        grpo.main(["--resume", str(run), "--env", FAKE_ENV])
     assert e.value.code == 130 and steps_logged(run) == [1]
     monkeypatch.undo()
-    grpo.main(["--resume", str(run)])
+    grpo.main(["--resume", str(run), "--env", FAKE_ENV])
     summary = json.loads((run / "summary.json").read_text())
     assert steps_logged(run) == [1, 2] and "eval/before/pass1" in summary and "eval/after/pass1" in summary
 
@@ -821,7 +823,7 @@ def test_resuming_a_finished_run_rewrites_nothing(tmp_path, ckpt, capsys):
     run = tmp_path / "run"
     grpo.main(grpo_args(ckpt, run, "--eval-tasks", "2"))
     before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
-    assert grpo.main(["--resume", str(run)]) is None
+    assert grpo.main(["--resume", str(run), "--env", FAKE_ENV]) is None
     assert "finished all 2 steps" in capsys.readouterr().out
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
 
@@ -838,13 +840,13 @@ def test_two_runs_never_share_a_directory_and_a_dead_run_leaves_no_lock(tmp_path
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(SystemExit, match="is in use by a run that is still going"):
-            grpo.main(["--resume", str(run), "--steps", "2"])
+            grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "2"])
         with pytest.raises(SystemExit, match="is in use by a run that is still going"):
             grpo.main(grpo_args(ckpt, run, "--overwrite"))
     finally:
         holder.kill()
         holder.wait()
-    grpo.main(["--resume", str(run), "--steps", "2"])  # killed: its lock went with it
+    grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "2"])  # killed: its lock went with it
     assert steps_logged(run) == [1, 2]
 
 
@@ -933,8 +935,34 @@ def test_resuming_a_run_directory_never_runs_code_planted_in_it(tmp_path, ckpt, 
     marker = tmp_path / "pwned"
     (state / planted).write_bytes(pickle.dumps(_Payload(str(marker))))
     with pytest.raises(SystemExit, match="it was not loaded \\(it could run code\\)"):
-        grpo.main(["--resume", str(run), "--steps", "2"])
+        grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "2"])
     assert not marker.exists()
+
+
+def test_a_run_directory_never_chooses_code_to_import(tmp_path, ckpt):
+    """A checkpoint's saved settings naming "env": "this:s" made --resume import any installed module and call one of
+    its attributes (round 3). Only the environments muarl ships are taken from a run directory; a plug-in one is
+    named again on the command line (then it is the user's choice, as when the run started)."""
+    import sys
+
+    run = tmp_path / "run"
+    grpo.main(grpo_args(ckpt, run, "--steps", "1"))
+    saved = run / "checkpoints" / "step-000001" / "model" / "muarl_config.json"
+    settings = json.loads(saved.read_text())
+    settings["grpo"]["env"] = "this:s"
+    saved.write_text(json.dumps(settings))
+    sys.modules.pop("this", None)
+    for argv in (["--resume", str(run), "--steps", "2"], ["--resume", str(run), "--env", FAKE_ENV, "--steps", "2"]):
+        with pytest.raises(SystemExit, match=r"the run's environment, 'this:s' in its saved settings, is not one muarl "
+                                             r"ships .* name it again on the command line, --resume .* --env this:s"):
+            grpo.main(argv)
+    assert "this" not in sys.modules  # nothing was imported
+    settings["grpo"]["env"] = FAKE_ENV  # the run's own plug-in, named again: resumes
+    saved.write_text(json.dumps(settings))
+    with pytest.raises(SystemExit, match=r"'tests.fake_env:FakeEnv' in its saved settings, is not one muarl ships"):
+        grpo.main(["--resume", str(run), "--steps", "2"])
+    grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "2"])
+    assert steps_logged(run) == [1, 2]
 
 
 def test_a_full_disk_while_saving_stops_in_one_line_and_leaves_a_run_that_resumes(tmp_path, ckpt, monkeypatch):
@@ -959,5 +987,5 @@ def test_a_full_disk_while_saving_stops_in_one_line_and_leaves_a_run_that_resume
         grpo.main(grpo_args(ckpt, run, "--steps", "3", "--save-every", "1"))
     assert not (run / "checkpoints" / "step-000002.tmp").exists()
     monkeypatch.undo()
-    grpo.main(["--resume", str(run)])
+    grpo.main(["--resume", str(run), "--env", FAKE_ENV])
     assert steps_logged(run) == [1, 2, 3]

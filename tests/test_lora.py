@@ -19,6 +19,8 @@ from envs import make_env
 from fake_env import choice_conversation
 from fast.logprobs import token_logprobs
 
+FAKE_ENV = "tests.fake_env:FakeEnv"  # a plug-in environment is named again on --resume
+
 
 def lora_args(start, out, *extra):
     return ["--init-from", str(start), "--env", "tests.fake_env:FakeEnv", "--steps", "2", "--tasks-per-step", "2",
@@ -116,7 +118,7 @@ def test_lora_reference_is_the_base_loaded_separately(lora_run, ckpt, tiny_tok):
 def test_lora_resume_continues_exactly(tmp_path, ckpt):
     full = grpo.main(lora_args(ckpt, tmp_path / "a", "--steps", "4", "--save-every", "2"))
     grpo.main(lora_args(ckpt, tmp_path / "b", "--steps", "2", "--save-every", "2"))
-    resumed = grpo.main(["--resume", str(tmp_path / "b"), "--steps", "4"])
+    resumed = grpo.main(["--resume", str(tmp_path / "b"), "--env", FAKE_ENV, "--steps", "4"])
     a, b = full.model.state_dict(), resumed.model.state_dict()
     assert a.keys() == b.keys()
     for name in a:
@@ -355,7 +357,7 @@ def test_lora_under_two_processes_saves_what_one_process_resumes(tmp_path, ckpt)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (out / "weights-0.sha").read_text() == (out / "weights-1.sha").read_text()
     assert [row["episodes"] for row in metrics(out)] == [8, 8]
-    resumed = grpo.main(["--resume", str(out), "--steps", "3"])
+    resumed = grpo.main(["--resume", str(out), "--env", FAKE_ENV, "--steps", "3"])
     assert lora.is_adapted(resumed.model) and [row["step"] for row in metrics(out)] == [1, 2, 3]
 
 
@@ -384,7 +386,7 @@ def test_resume_of_a_run_whose_start_moved_says_where_it_is_named(ckpt, tmp_path
     grpo.main(lora_args(start, tmp_path / "run", "--steps", "1"))
     start.rename(tmp_path / "moved")
     with pytest.raises(SystemExit) as e:
-        grpo.main(["--resume", str(tmp_path / "run"), "--steps", "2"])
+        grpo.main(["--resume", str(tmp_path / "run"), "--env", FAKE_ENV, "--steps", "2"])
     msg = str(e.value)
     assert msg.startswith("grpo.py: --resume: the run's start (--init-from in its saved settings, ")
     assert "muarl_config.json; if it moved, put it back or edit that entry)" in msg and str(start) in msg

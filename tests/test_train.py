@@ -20,6 +20,8 @@ import two_procs
 from envs.users import GREETING
 from plumbing.metrics import reward_checks, rollout_metrics
 
+FAKE_ENV = "tests.fake_env:FakeEnv"  # a plug-in environment is named again on --resume
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -127,14 +129,14 @@ def test_checkpoints_pruned_and_weights_only(tmp_path, ckpt):
     ck = tmp_path / "b" / "checkpoints" / "step-000002"
     assert (ck / "model" / "model.safetensors").exists() and not (ck / "accelerate").exists()
     with pytest.raises(SystemExit, match="save-weights-only"):
-        grpo.main(["--resume", str(tmp_path / "b"), "--steps", "4"])
+        grpo.main(["--resume", str(tmp_path / "b"), "--env", FAKE_ENV, "--steps", "4"])
 
 
 @pytest.mark.versions
 def test_resume_continues_exactly(tmp_path, ckpt):
     full = grpo.main(grpo_args(ckpt, tmp_path / "a", "--steps", "4", "--save-every", "2"))
     grpo.main(grpo_args(ckpt, tmp_path / "b", "--steps", "2", "--save-every", "2"))
-    resumed = grpo.main(["--resume", str(tmp_path / "b"), "--steps", "4"])
+    resumed = grpo.main(["--resume", str(tmp_path / "b"), "--env", FAKE_ENV, "--steps", "4"])
     a, b = weights(full.model), weights(resumed.model)
     for name in a:
         assert torch.equal(a[name], b[name]), name
