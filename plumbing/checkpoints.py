@@ -166,10 +166,14 @@ def newest(ckpt_dir: Path) -> Path:
     the newest complete step (a step directory exists only once it was fully written: save renames it into place)."""
     latest = ckpt_dir / "latest.json"
     try:
-        p = ckpt_dir / json.loads(latest.read_text())["checkpoint"]
-        if (p / "trainer_state.json").exists():
+        name = json.loads(latest.read_text())["checkpoint"]
+        p = ckpt_dir / name
+        if not (isinstance(name, str) and name.startswith("step-") and Path(name).name == name):
+            why = f"names {name!r}, which is not a checkpoint of this run (a step-N directory beside it)"
+        elif (p / "trainer_state.json").exists():
             return p
-        why = f"names {p.name}, which is not a complete checkpoint"
+        else:
+            why = f"names {p.name}, which is not a complete checkpoint"
     except (OSError, ValueError, KeyError, TypeError) as e:
         why = "is missing" if not latest.exists() else f"is unreadable ({e.__class__.__name__}: {e})"
     steps = sorted(p for p in ckpt_dir.glob("step-*") if not p.name.endswith(".tmp")
@@ -180,9 +184,23 @@ def newest(ckpt_dir: Path) -> Path:
     return steps[-1]
 
 
+def trainer_state(path: Path) -> dict:
+    """A checkpoint's trainer_state.json, checked: its step and data position whole numbers, else one line."""
+    f = path / "trainer_state.json"
+    try:
+        state = json.loads(f.read_text())
+        ok = all(type(state[k]) is int and state[k] >= 0 for k in ("step", "data_position"))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"grpo.py: --resume: {f} is unreadable ({e.__class__.__name__}: {e})") from None
+    if not ok:
+        raise SystemExit(f"grpo.py: --resume: {f} holds step {state['step']!r} and data position "
+                         f"{state['data_position']!r}, not whole numbers: the checkpoint is damaged")
+    return state
+
+
 def step_of(path: Path) -> int:
     """The step a checkpoint was saved at."""
-    return json.loads((path / "trainer_state.json").read_text())["step"]
+    return trainer_state(path)["step"]
 
 
 def load(acc, path: Path, tasks_per_step: int, sched) -> int:
@@ -217,14 +235,18 @@ def load(acc, path: Path, tasks_per_step: int, sched) -> int:
                          f"loaded (it could run code): {str(e).splitlines()[0][:200]}") from None
     state_file, old = state_dir / "scheduler.json", state_dir / "custom_checkpoint_0.pkl"
     if state_file.exists():
-        sched.load_state_dict(json.loads(state_file.read_text()))
+        try:
+            sched.load_state_dict(json.loads(state_file.read_text()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"grpo.py: --resume: {state_file} is unreadable ({e.__class__.__name__}: {e}): the "
+                             "checkpoint is damaged") from None
     elif old.exists():
         try:
             sched.load_state_dict(torch.load(old, map_location="cpu", weights_only=True))
         except Exception as e:  # a planted payload is refused here, never run
             raise SystemExit(f"grpo.py: --resume: {old} is not a plain scheduler state, so it was not loaded (it "
                              f"could run code): {str(e).splitlines()[0][:200]}") from None
-    state = json.loads((path / "trainer_state.json").read_text())
+    state = trainer_state(path)
     step = state["step"]
     if state["data_position"] != step * tasks_per_step:
         raise SystemExit(f"grpo.py: --resume: {path} is at data position {state['data_position']}, "

@@ -965,6 +965,33 @@ def test_a_run_directory_never_chooses_code_to_import(tmp_path, ckpt):
     assert steps_logged(run) == [1, 2]
 
 
+def test_damaged_state_files_and_a_checkpoint_outside_the_run_are_named_in_one_line(tmp_path, ckpt, capsys):
+    """latest.json naming another run's checkpoint by absolute path made --resume train and write into that run,
+    exit 0 (round 3): only a step-N beside it is taken, else the newest complete step of this run, saying so. A
+    trainer_state.json whose step is not a number and a cut-short scheduler.json stop the resume in one line."""
+    other, run = tmp_path / "other", tmp_path / "run"
+    grpo.main(grpo_args(ckpt, other, "--steps", "1"))
+    grpo.main(grpo_args(ckpt, run, "--steps", "1"))
+    before = {p: p.stat().st_mtime_ns for p in other.rglob("*") if p.is_file()}
+    (run / "checkpoints" / "latest.json").write_text(json.dumps(
+        {"checkpoint": str(other / "checkpoints" / "step-000001")}))
+    grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "2"])
+    assert "is not a checkpoint of this run (a step-N directory beside it); using the newest complete checkpoint, " \
+           "step-000001" in capsys.readouterr().out
+    assert steps_logged(run) == [1, 2] and steps_logged(other) == [1]
+    assert {p: p.stat().st_mtime_ns for p in other.rglob("*") if p.is_file()} == before  # the other run untouched
+    state = run / "checkpoints" / "step-000002" / "trainer_state.json"
+    good = state.read_text()
+    state.write_text(good.replace('"step": 2', '"step": "abc"'))
+    with pytest.raises(SystemExit, match=r"trainer_state.json holds step 'abc' and data position .*, not whole numbers"):
+        grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "3"])
+    state.write_text(good)
+    scheduler = run / "checkpoints" / "step-000002" / "accelerate" / "scheduler.json"
+    scheduler.write_text(scheduler.read_text()[:10])
+    with pytest.raises(SystemExit, match=r"scheduler.json is unreadable \(JSONDecodeError: .*the checkpoint is damaged"):
+        grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "3"])
+
+
 def test_a_full_disk_while_saving_stops_in_one_line_and_leaves_a_run_that_resumes(tmp_path, ckpt, monkeypatch):
     import errno
 
