@@ -277,7 +277,8 @@ def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, 
         path = str(_smollm2_dir()) if name == "smollm2-135m" else name
         try:
             with real_weights_on_every_process():
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+                model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn,
+                                                                   output_loading_info=True)
         except Exception as e:  # a local checkpoint that does not load is named, with its weight files
             local = check_local(name)
             if local is None or isinstance(e, (torch.OutOfMemoryError, ImportError)):
@@ -285,4 +286,24 @@ def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, 
             weights = sorted(f.name for f in local.iterdir() if f.suffix in (".safetensors", ".bin")) or ["none"]
             raise SystemExit(f"{name}: could not load the model (weight files: {', '.join(weights[:4])}): "
                              f"{e.__class__.__name__}: {str(e)[:300]}") from e
+        check_weights(name, info, model)
+    if len(tok) > model.get_input_embeddings().num_embeddings:  # an id past the table: an IndexError mid-run
+        raise SystemExit(f"{name}: the tokenizer has {len(tok)} tokens and the model's embedding "
+                         f"{model.get_input_embeddings().num_embeddings} rows: they do not belong together")
     return model.to(device), tok
+
+
+def check_weights(name: str, info: dict, model) -> None:
+    """A checkpoint whose weights and config.json disagree (layers the config does not have, an architecture it
+    does not name) would load with weights dropped or left random; refused, naming the first of them."""
+    tied = getattr(model, "_tied_weights_keys", None) or ()
+    missing = [k for k in info.get("missing_keys", ()) if k not in tied]
+    unused = list(info.get("unexpected_keys", ()))
+    shapes = [str(k[0]) if isinstance(k, tuple) else str(k) for k in info.get("mismatched_keys", ())]
+    if missing or unused or shapes:
+        parts = [f"{what} {len(keys)} ({', '.join(sorted(keys)[:3])}{', ...' if len(keys) > 3 else ''})"
+                 for what, keys in (("weights the config has no place for:", unused),
+                                    ("places the weights do not fill:", missing), ("shapes that differ:", shapes))
+                 if keys]
+        raise SystemExit(f"{name}: its weights and its config.json ({type(model).__name__}) disagree; "
+                         + "; ".join(parts))

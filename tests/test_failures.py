@@ -560,6 +560,45 @@ def test_data_file_encoding_and_emptiness_are_named(tmp_path):
 
 
 # ---- clear loading errors ---------------------------------------------------------------------------------------
+def test_a_checkpoint_whose_config_weights_or_tokenizer_disagree_is_refused(tmp_path, ckpt):
+    """A checkpoint whose config.json says fewer layers than its weights hold was evaluated with the extra layers
+    dropped, exit 0; one naming another architecture loaded a random model; a tokenizer with more tokens than the
+    embedding gave a raw IndexError mid-run (round 3). Each is refused at load in one line naming the mismatch."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    def variant(name, edit=None, tokens=0):
+        d = tmp_path / name
+        shutil.copytree(ckpt, d)
+        if edit:
+            cfg = json.loads((d / "config.json").read_text())
+            edit(cfg)
+            (d / "config.json").write_text(json.dumps(cfg))
+        if tokens:
+            tok = AutoTokenizer.from_pretrained(d)
+            tok.add_tokens([f"<extra_{i}>" for i in range(tokens)])
+            tok.save_pretrained(d)
+        return str(d)
+
+    fewer = variant("fewer-layers", lambda c: c.update(num_hidden_layers=1, **(
+        {"layer_types": c["layer_types"][:1]} if "layer_types" in c else {})))
+    with pytest.raises(SystemExit, match=r"fewer-layers: its weights and its config.json \(\w+\) disagree; weights the "
+                                         r"config has no place for: \d+ \(model.layers.1."):
+        models.load_model(fewer, device="cpu")
+    with pytest.raises(SystemExit, match=r"its weights and its config.json \(\w+\) disagree"):
+        evaluation.main(["--agent", fewer, "--env", "tests.fake_env:FakeEnv", "--num-tasks", "1",
+                         "--out-dir", str(tmp_path / "ev")])
+    other = variant("other-arch", lambda c: c.update(architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox"))
+    with pytest.raises(SystemExit, match=r"other-arch: (its weights and its config.json .* disagree|could not load)"):
+        models.load_model(other, device="cpu")
+    wide = variant("wide-tokenizer", tokens=600)
+    with pytest.raises(SystemExit, match=r"wide-tokenizer: the tokenizer has \d+ tokens and the model's embedding \d+ "
+                                         r"rows: they do not belong together"):
+        grpo.main(grpo_args(wide, tmp_path / "run"))
+    assert models.load_model(str(ckpt), device="cpu")[0] is not None  # the checkpoint itself loads
+
+
 def test_loading_errors_name_the_path_and_the_option(tmp_path, ckpt, monkeypatch):
     import shutil
 
