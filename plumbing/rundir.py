@@ -39,7 +39,7 @@ def options(Config, argv, recipes: dict) -> tuple:
     unsaved = unsaved_run(cfg.resume)  # stopped before its first checkpoint: starts again at step 0
     resume_from = None if unsaved else checkpoints.find(cfg.resume)
     saved, changes = resume_settings(unsaved or resume_from, cfg, given, RESUMABLE)
-    if unsaved:
+    if unsaved and not in_use(unsaved):  # (a run still going is refused by claim: announce no restart of it)
         cli.main_print(f"[grpo] --resume: {unsaved} stopped before its first checkpoint; starting it again from step "
                        "0 with its settings")
     out_dir = str(unsaved) if unsaved else saved["out_dir"]
@@ -125,6 +125,21 @@ def lock(run_dir: Path, program: str = "grpo.py") -> str | None:
     f.flush()
     _held.append(f)
     return None
+
+
+def in_use(run_dir: Path) -> bool:
+    """Whether another process holds run_dir's run.lock now (asked on the main process only: lock() decides)."""
+    import fcntl
+
+    if int(os.environ.get("RANK", "0")) != 0 or not (run_dir / "run.lock").is_file():
+        return False
+    with open(run_dir / "run.lock", "a+") as f:  # this process holds no lock on it yet: closing releases nothing
+        try:
+            fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            return e.errno in (errno.EAGAIN, errno.EACCES)
+        fcntl.lockf(f, fcntl.LOCK_UN)
+    return False
 
 
 def unlock() -> None:

@@ -867,24 +867,33 @@ def test_resuming_a_finished_run_rewrites_nothing(tmp_path, ckpt, capsys):
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
 
 
-def test_two_runs_never_share_a_directory_and_a_dead_run_leaves_no_lock(tmp_path, ckpt):
+def test_two_runs_never_share_a_directory_and_a_dead_run_leaves_no_lock(tmp_path, ckpt, capsys):
+    import shutil
     import subprocess
     import sys
 
-    run = tmp_path / "run"
+    run, young = tmp_path / "run", tmp_path / "young"  # young: still going, before its first checkpoint
     grpo.main(grpo_args(ckpt, run, "--steps", "1"))
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
-                               "fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB); f.write('pid 4242'); f.flush(); print('held', "
-                               "flush=True); time.sleep(60)", str(run / "run.lock")], stdout=subprocess.PIPE, text=True)
+    young.mkdir()
+    shutil.copy(run / "config.json", young / "config.json")
+    holders = [subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+                                 "fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB); f.write('pid 4242'); f.flush(); "
+                                 "print('held', flush=True); time.sleep(60)", str(d / "run.lock")],
+                                stdout=subprocess.PIPE, text=True) for d in (run, young)]
     try:
-        assert holder.stdout.readline().strip() == "held"
+        assert [h.stdout.readline().strip() for h in holders] == ["held", "held"]
+        capsys.readouterr()
         with pytest.raises(SystemExit, match="is in use by a run that is still going"):
             grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "2"])
         with pytest.raises(SystemExit, match="is in use by a run that is still going"):
             grpo.main(grpo_args(ckpt, run, "--overwrite"))
+        with pytest.raises(SystemExit, match="is in use by a run that is still going"):
+            grpo.main(["--resume", str(young), "--env", FAKE_ENV])
+        assert "starting it again" not in capsys.readouterr().out  # no restart announced of a run still going
     finally:
-        holder.kill()
-        holder.wait()
+        for h in holders:
+            h.kill()
+            h.wait()
     grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "2"])  # killed: its lock went with it
     assert steps_logged(run) == [1, 2]
 
