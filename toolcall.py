@@ -234,12 +234,17 @@ _MARK, _MARK_END = "\ue000", "\ue001"  # private-use characters; a _MARK in the 
 _MARKED = re.compile(f"{_MARK}(\\d+){_MARK_END}")
 
 
+# Tool-call tags the tokenizer may hold as tokens that are not "special" (Qwen3's): kept as text like the special ones
+TOOL_TAGS = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, "<tool_response>", "</tool_response>")
+
+
 def _controls(tokenizer) -> tuple[list[str], re.Pattern]:
-    """The strings to keep as text (the special tokens, and _MARK) and a pattern finding them; cached."""
+    """The strings to keep as text (the special tokens, the tool tags, and _MARK) and a pattern finding them;
+    cached."""
     cached = getattr(tokenizer, "_muarl_controls", None)
     if cached is None:
-        strings = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special} | {_MARK},
-                         key=len, reverse=True)
+        strings = sorted({t.content for t in tokenizer.added_tokens_decoder.values()
+                          if t.special or t.content in TOOL_TAGS} | {_MARK}, key=len, reverse=True)
         cached = strings, re.compile("|".join(map(re.escape, strings)))
         tokenizer._muarl_controls = cached
     return cached
