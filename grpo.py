@@ -120,7 +120,8 @@ def grpo_step(run: pipeline.Run, step: int) -> tuple[dict | None, list[dict]]:
     tasks = pipeline.step_tasks(run.tasks, cfg, step, acc.process_index, acc.num_processes)  # a resumed run's too
     gen = torch.Generator(acc.device).manual_seed(cfg.seed * 1_000_003 + step * 1_009 + acc.process_index)
     run.rng_at_step = models.rng_state()  # what a checkpoint of the last step holds, if this rollout is abandoned
-    # 1-2. one process abandons its rollout at SIGTERM (preemption leaves ~30 s); several finish the step together
+    # 1-2. the batched twin of rollout.reference_rollout (which --rollout reference plays instead); one process
+    # abandons its rollout at SIGTERM (preemption leaves ~30 s), several finish the step together
     with run.stop_signals.abandoning("SIGTERM", "SIGHUP"), pipeline.decoding(run) as policy:
         episodes = batched_rollout.rollout(policy, run.tok, run.env, tasks, cfg.group_size, run.user_sim,
                                            run.sampling, gen)
@@ -183,7 +184,7 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
                 with acc.autocast():
                     logp, ent = micro_batch_logprobs(model, b, cfg.temperature, carry, return_entropy=True)
                 if logp.dtype != torch.float32:  # e.g. an FSDP2 policy that casts outputs (cli.fsdp2_plugin)
-                    raise RuntimeError(f"token_logprobs returned {logp.dtype}, not float32: the loss would be rounded")
+                    raise RuntimeError(f"the policy's log-probs came as {logp.dtype}, not float32: rounded loss")
                 # on-policy (one update per batch) the old policy is the current one: ratio 1, with its gradient
                 old_logp = logp.detach() if old[k] is None else old[k]
                 correct = CORRECTIONS[cfg.correction]

@@ -97,7 +97,7 @@ ADVANTAGES = {
 def turn_discounted(adv, turn, gamma: float):
     """An episode's advantage spread over its tokens, discounted by the agent turns that remain after each token's own:
     a token of turn k (of K) gets adv * gamma ** (K - 1 - k), so the turns nearer the outcome get more of its credit.
-    adv: [B]; turn: [B, T] the agent turn of each token (0, 1, ...; -1 outside them: Episode.turn_spans)."""
+    adv: [B]; turn: [B, T] each token's agent turn (0, 1, ...; -1 outside them; from Episode.turn_spans)."""
     last = turn.amax(1, keepdim=True)                                       # [B, 1]: K - 1
     return adv[:, None] * torch.pow(torch.as_tensor(gamma, dtype=adv.dtype), (last - turn).clamp(min=0).to(adv.dtype))
 

@@ -1,5 +1,5 @@
 """rollout.py: one episode, played turn by turn: the agent talking to a simulated user and to tools, token in, token
-out. Read after muarl.py; batched_rollout.py plays many episodes at once and is held to the same tokens.
+out. Read after muarl.py; fast/batched_rollout.py plays many at once (training's default), held to the same tokens.
 
     episode = reference_rollout(model, tokenizer, env, task, user_sim, Sampling(greedy=True))
 

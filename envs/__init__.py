@@ -26,7 +26,7 @@ opens. The history is prompt: never trained on, the same for every episode of a 
 
 The episode rule (`next_turn`, `score`): an episode ends when the user says a stop marker, the agent runs a
 STOP_TOOLS tool, or a cap cuts it off; only the first two can score, as in tau2. Every way of playing an episode
-uses it: the rollouts (rollout.py, batched_rollout.py) and `play`, the text-level driver of scripted experts, API
+uses it: the rollouts (rollout.py, fast/batched_rollout.py) and `play`, the text-level driver of scripted experts, API
 agents and cold-start synthesis. The simulated users live in envs/users.py and envs/llm_users.py: they are part of
 the world the agent talks to.
 
@@ -237,7 +237,7 @@ def opening_messages(env: Environment, task: Task, opening: str | None) -> list[
 
 # ---------------------------------------------------------------------------------------------------------
 # The episode rule: when an episode ends, and what it scores. Every way of playing an episode uses these two
-# functions: the batched rollout and its reference (batched_rollout.py, rollout.py), and `play` below (scripted
+# functions: the batched rollout and its reference (fast/batched_rollout.py, rollout.py), and `play` below (scripted
 # experts, API agents, cold-start synthesis), so a reward means the same thing whoever played the episode.
 # ---------------------------------------------------------------------------------------------------------
 class _Word(str, Enum):

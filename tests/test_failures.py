@@ -1004,6 +1004,11 @@ def test_a_run_directory_never_chooses_code_to_import(tmp_path, ckpt):
         with pytest.raises(SystemExit, match=r"the run's environment, 'this:s' in its saved settings, is not one muarl "
                                              r"ships .* name it again on the command line, --resume .* --env this:s"):
             grpo.main(argv)
+    young = tmp_path / "young"  # a run stopped before its first checkpoint: its config.json is what --resume reads
+    young.mkdir()
+    (young / "config.json").write_text(json.dumps({**json.loads((run / "config.json").read_text()), "env": "this:s"}))
+    with pytest.raises(SystemExit, match=r"the run's environment, 'this:s' in its saved settings, is not one muarl"):
+        grpo.main(["--resume", str(young)])
     assert "this" not in sys.modules  # nothing was imported
     settings["grpo"]["env"] = FAKE_ENV  # the run's own plug-in, named again: resumes
     saved.write_text(json.dumps(settings))
