@@ -259,12 +259,12 @@ def resume_settings(path: Path, cfg, given: set, resumable: tuple) -> tuple[dict
     with the options given on the command line that may change (`resumable`; an option equal to the saved value is
     no change). Returns (settings, changes: name -> [saved, new]); any other change is refused, naming it."""
     saved = {**BEFORE_THEY_EXISTED, **saved_settings(path)}
-    env = saved.get("env")
+    env = saved.get("env", "shop")  # (absent: the default, shop)
     if not (isinstance(env, str) and (env == "shop" or env.startswith(SHIPPED_ENVS))) and not (
             "env" in given and cfg.env == env):  # a run directory never chooses code to import and run
         raise SystemExit(f"grpo.py: --resume: the run's environment, {env!r} in its saved settings, is not one "
                          "muarl ships (shop, tau2:, bfcl:, acebench:), and a run directory may not choose code to "
-                         f"import: name it again on the command line, --resume {cfg.resume} --env {env}")
+                         f"import: name it again on the command line, --resume {path} --env {env}")
     changes = {k: [saved.get(k), getattr(cfg, k)] for k in sorted(given - {"resume"})
                if k == "recipe" or saved.get(k) != getattr(cfg, k)}
     fixed = [k for k in changes if k not in resumable]

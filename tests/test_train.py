@@ -5,6 +5,7 @@ import json
 import re
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -262,7 +263,13 @@ def test_a_process_whose_episodes_all_failed_keeps_in_step(tmp_path, ckpt):
     args = grpo_args(ckpt, tmp_path / "run", "--steps", "2")
     args[args.index("tests.fake_env:FakeEnv")] = "tests.fake_env:NanEnv"
     r = _torchrun(tmp_path, args, port=29520)
-    assert r.returncode == 0, r.stderr[-3000:]
+    # Once under a loaded machine (load 5 on 2 cores), a process aborted in gloo's teardown after the run had ended
+    # (summary.json written, after the processes' last barrier): not what this test examines, so it is reported
+    # (as tests/test_sharding.py does); any other failure fails.
+    teardown_abort = "SIGABRT" in r.stderr + r.stdout and (tmp_path / "run" / "summary.json").exists()
+    assert r.returncode == 0 or teardown_abort, r.stderr[-3000:]
+    if r.returncode:
+        warnings.warn("two processes: one aborted in gloo's teardown after the run ended")
     rows = metrics(tmp_path / "run")
     assert [row["infra_failed"] for row in rows] == [4, 4] and all(row["trained_tokens"] > 0 for row in rows)
 
