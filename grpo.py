@@ -191,8 +191,8 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
                 loss, met = grpo_loss(logp, old_logp, ref[k], CREDIT[cfg.credit](b.advantages, b.turn, cfg),
                                       b.loss_mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                       dual_clip=cfg.dual_clip, kl_coef=cfg.kl_coef, agg=cfg.agg,
-                                      ratio_level=cfg.ratio_level, policy_loss=cfg.policy_loss,
-                                      normalizer=normalizer, max_len=cfg.max_context,
+                                      ratio_level=cfg.ratio_level, policy_loss=cfg.policy_loss, normalizer=normalizer,
+                                      max_len=cfg.max_context, entropy=ent if update == 0 else None,
                                       weights=correct and correct(old_logp, b.sampler_logp, b.loss_mask.bool(), cfg))
                 if ref[k] is None:
                     met.pop("kl")  # no reference, no KL: absent rather than a 0 that reads as a measurement
@@ -200,7 +200,6 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
                 shard.backward(acc, model, loss * acc.num_processes)
             n_tok = b.n_tokens
             if update == 0 and n_tok:  # sampler vs trainer on the same weights: should be ~0 (numerics only)
-                met["entropy"] = (ent * b.loss_mask).sum() / n_tok
                 met["logprob_gap"] = ((b.sampler_logp - logp.detach()).abs() * b.loss_mask).sum() / n_tok
             stats.add({**met, "loss": loss.detach() / cfg.updates_per_batch}, n_tok)
         # Clipped and stepped on every process, or skipped on every one when the norm is not finite, and counted.

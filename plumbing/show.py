@@ -38,13 +38,15 @@ def record(path: str, index: int) -> dict:
 def tokenizer_for(path: str, agent: str = ""):
     """The tokenizer that wrote the file's ids: --agent's, or the one of the run whose directory holds the file (its
     newest checkpoint's model, else the start its config.json names)."""
-    from plumbing import models
+    from plumbing import checkpoints, models
 
     run = Path(path).resolve().parent
     names = [agent] if agent else []
-    latest = run / "checkpoints" / "latest.json"
-    if not names and latest.is_file():
-        names.append(str(run / "checkpoints" / json.loads(latest.read_text())["checkpoint"] / "model"))
+    if not names and (run / "checkpoints").is_dir():
+        try:
+            names.append(str(checkpoints.newest(run / "checkpoints") / "model"))
+        except SystemExit:  # no complete checkpoint: the start its config.json names
+            pass
     if not names and (run / "config.json").is_file():
         cfg = json.loads((run / "config.json").read_text())
         names.append(cfg.get("init_from") or cfg.get("agent") or cfg.get("model") or "")

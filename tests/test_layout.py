@@ -41,7 +41,7 @@ ALLOWED = {  # module -> the project modules it may import
     "plumbing.metrics": set(),
     "plumbing.stats": set(),
     "plumbing.batches": {"fast.opening", "muarl", "plumbing.shard"},
-    "plumbing.show": {"plumbing.models"},
+    "plumbing.show": {"plumbing.checkpoints", "plumbing.models"},
     "plumbing.models": {"muarl", "plumbing.lora", "toolcall"},
     "plumbing.users": {"envs", "muarl", "toolcall", "plumbing.cli", "plumbing.models"},
     "plumbing.options": {"envs", "muarl", "plumbing.cli", "plumbing.lora", "plumbing.models", "plumbing.users", "loss"},
