@@ -27,6 +27,7 @@ from fast.batched_rollout import RolloutConfig, rollout  # noqa: E402
 from plumbing.users import make_user_sim  # noqa: E402
 from conftest import TEST_CORPUS, chatty  # noqa: E402
 from fake_env import FakeEnv  # noqa: E402
+from fast import opening  # noqa: E402
 from fsdp2_worker import (episode_steps, finish, sharing, grad_batch, one_process_backward, one_process_sgd_steps,  # noqa: E402
                           perturbed, tiny_model)
 from fast.logprobs import token_logprobs  # noqa: E402
@@ -130,7 +131,7 @@ def rollout_then_train(acc, tok, stage):
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     engine.train()
-    shared = sharing(grpo)  # micro-batches scored through their group's opening computed once
+    shared = sharing(opening)  # micro-batches scored through their group's opening computed once
     met = grpo.train_on_episodes(eps, engine, ref_engine, opt, sched, acc, cfg, tok.pad_token_id)
     want_loss, want_norm = one_process_sgd_steps(plain, plain_ref, eps, tok, cfg)
     state = shard.full_state_dict(acc, engine)  # whole on the main process (rank 0 writes the result), {} elsewhere
