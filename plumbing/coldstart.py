@@ -6,6 +6,7 @@ trains on them."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import time
@@ -104,6 +105,8 @@ def load_conversations(path: str, strict: bool = False) -> list[dict]:
     and line and skipped, and the skipped are counted; with `strict`
     (--strict-data) the first one stops the run. Each conversation keeps its "source" (file:line) for later errors."""
     out, bad = [], []
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block open() forever, a directory fail
+        raise ValueError(f"{path} is not a regular file (a directory, a FIFO or a device): give a JSONL file")
     with open(path, "rb") as f:
         raw_lines = f.read().split(b"\n")
     for lineno, raw in enumerate(raw_lines, 1):

@@ -155,6 +155,14 @@ def unlock() -> None:
                 run_dir.rmdir()
 
 
+def unusable(path: Path, e: OSError) -> str:
+    """Why a directory could not be made, naming the culprit: the file it would sit below, or the OS's reason."""
+    for parent in path.parents:
+        if parent.exists():
+            return f"{parent} is a file, not a directory" if not parent.is_dir() else (e.strerror or str(e))
+    return e.strerror or str(e)
+
+
 def claim(acc, run_dir: Path, resuming: bool, overwrite: bool) -> Path:
     """Check, at start, that this run may write into `run_dir`; returns it as the main process named it (a default
     name holds the time, which could tick between processes). A directory that already holds a run is refused
@@ -175,7 +183,10 @@ def claim(acc, run_dir: Path, resuming: bool, overwrite: bool) -> Path:
             decision[0] = (f"grpo.py: --overwrite: {run_dir} holds {', '.join(present)} but no config.json, so no "
                            "run of grpo.py wrote them; nothing was deleted. Move them away or choose another --out-dir")
         else:
-            decision[0] = lock(run_dir)
+            try:
+                decision[0] = lock(run_dir)
+            except OSError as e:  # below a file, an unwritable or read-only place
+                decision[0] = f"grpo.py: --out-dir: cannot make {run_dir}: {unusable(run_dir, e)}"
     if acc.num_processes > 1:
         broadcast_object_list(decision)
     if decision[0]:
