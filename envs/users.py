@@ -23,6 +23,7 @@ env.scripted_user whichever LLM user was chosen.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,15 +166,37 @@ class ScriptedUserSim(UserSim):
     local = True
 
     async def opening(self, env, task) -> str:
-        return env.scripted_user(task).opening()
+        with _user_code("opening", task):
+            return env.scripted_user(task).opening()
 
     def start(self, env, task, session, opening):
         user = env.scripted_user(task)
-        user.opening()  # a scripted user may keep state; its opening equals the shared one by contract
+        try:
+            with _user_code("opening", task):
+                user.opening()  # a scripted user may keep state; its opening equals the shared one by contract
+        except UserSimError as e:
+            return e  # the episode's first reply is this failure
         return user
 
     async def reply(self, user, messages):
-        return user.reply(messages)
+        if isinstance(user, UserSimError):
+            raise user
+        with _user_code("reply", None):
+            return user.reply(messages)
+
+
+@contextlib.contextmanager
+def _user_code(what: str, task):
+    """An environment's own scripted user that raises (a bug in a plug-in domain) fails its episode as an
+    infrastructure failure, as a failing endpoint does, instead of ending the run; a stop signal (not an Exception)
+    passes through."""
+    try:
+        yield
+    except UserSimError:
+        raise
+    except Exception as e:
+        where = f" of task {task.id}" if task is not None else ""
+        raise UserSimError(f"the scripted user's {what}{where} raised {type(e).__name__}: {str(e)[:300]}") from e
 
 
 @dataclass

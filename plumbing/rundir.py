@@ -293,9 +293,11 @@ def results_so_far(run) -> dict:
     return json.loads(path.read_text()) if run.first_step and path.exists() else {}
 
 
-class Abandoned(Exception):
+class Abandoned(BaseException):
     """A stop signal arrived where the work in progress is not worth finishing (loading, an evaluation, or, on one
-    process, a rollout under SIGTERM): raised from the signal handler to leave it at once."""
+    process, a rollout under SIGTERM): raised from the signal handler to leave it at once. A BaseException, as
+    KeyboardInterrupt is: code that turns a failing tool, evaluator or user into that episode's error (`except
+    Exception`) must never take a stop signal for one."""
 
     def __init__(self, signame: str):
         super().__init__(signame)

@@ -232,6 +232,28 @@ def test_an_empty_or_broken_reply_from_any_user_simulator_is_an_infra_error(lm, 
         user.reply([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."}])
 
 
+def test_a_plug_in_scripted_user_that_raises_fails_its_episodes_not_the_run(lm, tiny_tok):
+    class Raising(FakeEnv):  # a plug-in domain's scripted user with a bug: task 0's replies raise, task 1's opening
+        def scripted_user(self, task):
+            user = super().scripted_user(task)
+            if task.id.endswith("-1"):
+                user.opening = lambda: 1 / 0
+            else:
+                user.reply = lambda messages: {}["missing"]
+            return user
+
+    env = Raising(n_tasks=3)
+    tasks = env.tasks("train")[:2]
+    eps = rollout(lm, tiny_tok, env, tasks, 2, make_user_sim("scripted"), GREEDY)
+    assert all(ep.infra_failed and ep.termination == "infra_error" for ep in eps)
+    assert "scripted user's reply raised KeyError: 'missing'" in eps[0].reward_info["error"]
+    assert "scripted user's opening of task train-1 raised ZeroDivisionError" in eps[2].reward_info["error"]
+    from rollout import reference_rollout
+
+    for task in tasks:
+        assert reference_rollout(lm, tiny_tok, env, task, make_user_sim("scripted"), GREEDY).infra_failed
+
+
 def test_user_timeout_bounds_the_whole_request_not_each_read():
     import asyncio
     import time
