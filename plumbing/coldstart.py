@@ -32,8 +32,10 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 def check_conversation(rec) -> dict:
     """One cold-start record, checked and normalized: {"messages", "tools", "prompt_messages"}. Raises ValueError
     naming the first problem. Content may be a string or OpenAI content parts (their texts are joined); every tool
-    message must answer a call of the assistant message before it; tool-call arguments must be JSON objects. A
-    conversation that breaks these would put an invalid call, or a result of nothing, under the loss mask."""
+    message must answer a call of the assistant message before it; tool-call arguments must be JSON objects; a call
+    names one of the conversation's tools (when it lists any); a system message opens the conversation or is not
+    there. A conversation that breaks these would put an invalid call, or a result of nothing, under the loss
+    mask."""
     if not isinstance(rec, dict):
         raise ValueError(f"a record must be a JSON object, not {type(rec).__name__}")
     msgs = rec.get("messages")
@@ -56,6 +58,8 @@ def check_conversation(rec) -> dict:
         if not isinstance(content, str):
             raise ValueError(f"{where} ({m['role']}): content must be a string or text parts, not {content!r:.60}")
         m["content"] = content
+        if m["role"] == "system" and i > 0:
+            raise ValueError(f"{where}: a system message after the conversation began (only the first may be one)")
         if m["role"] == "assistant":
             tool_calls = m.get("tool_calls") or []
             if not isinstance(tool_calls, list):
@@ -90,6 +94,12 @@ def check_conversation(rec) -> dict:
     tools = rec.get("tools") or []
     if not isinstance(tools, list):
         raise ValueError("'tools' must be a list")
+    named = {(t.get("function") or {}).get("name") if isinstance(t, dict) else None for t in tools}
+    for i, m in enumerate(out):  # a call of a tool the conversation does not offer would be taught as a call to make
+        for c in m.get("tool_calls") or [] if tools else []:
+            if c["function"]["name"] not in named:
+                raise ValueError(f"message {i}: calls {c['function']['name']!r}, which is not among the conversation's "
+                                 f"tools ({', '.join(sorted(str(n) for n in named))})")
     n_prompt = rec.get("prompt_messages") or 0
     if type(n_prompt) is not int or not 0 <= n_prompt < len(out):
         raise ValueError("'prompt_messages' must be an int smaller than the number of messages")

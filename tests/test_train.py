@@ -289,6 +289,21 @@ def test_sft_data_errors_name_file_and_line(tmp_path):
         coldstart.load_conversations(str(p))
     p.write_text(json.dumps({**good, "prompt_messages": 1}) + "\n")
     assert coldstart.load_conversations(str(p))[0]["prompt_messages"] == 1
+    # roles out of order (a system message after the start), a call of a tool the conversation does not offer
+    late = {"messages": [{"role": "assistant", "content": "hello"}, {"role": "system", "content": "policy"},
+                         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    p.write_text(json.dumps(late) + "\n")
+    with pytest.raises(ValueError, match=r"d.jsonl:1: malformed conversation: message 1: a system message after the conversation began"):
+        coldstart.load_conversations(str(p), strict=True)
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "format_disk", "arguments": "{}"}}]}
+    unknown = {**good, "messages": good["messages"] + [call], "tools": [{"type": "function", "function": {
+        "name": "get_order", "parameters": {"type": "object", "properties": {}}}}]}
+    p.write_text(json.dumps(unknown) + "\n" + json.dumps(good) + "\n")
+    with pytest.raises(ValueError, match=r"d.jsonl:1: .*message 2: calls .format_disk., which is not among the "
+                                         r"conversation's tools \(get_order\)"):
+        coldstart.load_conversations(str(p), strict=True)
+    assert len(coldstart.load_conversations(str(p))) == 1  # skipped and counted, not trained on
 
 
 def test_sft_windows_train_only_the_agent_message_that_ends_them(tiny_tok):
