@@ -115,8 +115,11 @@ def load_conversations(path: str, strict: bool = False) -> list[dict]:
     and line and skipped, and the skipped are counted; with `strict`
     (--strict-data) the first one stops the run. Each conversation keeps its "source" (file:line) for later errors."""
     out, bad = [], []
-    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block open() forever, a directory fail
-        raise ValueError(f"{path} is not a regular file (a directory, a FIFO or a device): give a JSONL file")
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a directory: give a JSONL file")
+    if os.path.exists(path) and not os.path.isfile(path):  # a pipe (`<(zcat data.gz)`) is read; say why it may wait
+        print(f"[sft] {path} is not a regular file (a pipe or a device): reading it waits until its writer writes and "
+              "closes it", flush=True)
     with open(path, "rb") as f:
         raw_lines = f.read().split(b"\n")
     for lineno, raw in enumerate(raw_lines, 1):

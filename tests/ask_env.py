@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 from envs import Task, ToolResult
 
@@ -53,26 +54,30 @@ def refunds(messages: list[dict]) -> list[str]:
     for m in messages:
         for c in (m.get("tool_calls") or []) if m["role"] == "assistant" else []:
             if c["function"]["name"] == "refund":
+                args = c["function"]["arguments"]
                 try:
-                    out.append(str(json.loads(c["function"]["arguments"]).get("to", "")))
-                except (ValueError, AttributeError):
+                    out.append(str((json.loads(args) if isinstance(args, str) else args).get("to", "")))
+                except (ValueError, AttributeError, TypeError):
                     out.append("")
     return out
 
 
 def asked(messages: list[dict]) -> bool:
-    """Did the agent say anything before its first refund (a question, whatever its words)?"""
+    """Did the agent hand the turn to the user before its first refund (a message without a tool call: a question,
+    a proposal, whatever its words, even none)? That is what the user answers."""
     for m in messages:
         if m["role"] == "assistant":
             if any(c["function"]["name"] == "refund" for c in m.get("tool_calls") or []):
                 return False
-            if (m.get("content") or "").strip():
+            if not m.get("tool_calls"):
                 return True
     return False
 
 
 def names_unwanted(text: str, wanted: str) -> bool:
-    return any(d in text.lower() for d in (DEFAULT, *OTHER) if d != wanted)
+    """Does the agent's text name a destination the user does not want (a whole word: "discard" names none)? Listing
+    the options ("card, voucher or bank?") names two unwanted ones: the strict user ends the dialogue at that too."""
+    return any(re.search(rf"\b{d}\b", text.lower()) for d in (DEFAULT, *OTHER) if d != wanted)
 
 
 class _Session:

@@ -310,19 +310,24 @@ def test_text_that_is_not_unicode_is_written_as_its_escape(tmp_path):
     assert "café" in line and json.loads(line)["messages"][0]["content"] == "caf\u00e9 \ud800"
 
 
-def test_paths_that_are_no_files_or_lie_below_one(tmp_path, ckpt):
+def test_paths_that_are_no_files_or_lie_below_one(tmp_path, ckpt, capsys):
     d = tmp_path / "d.jsonl"
     d.write_text(conv(U, A) + "\n")
     (tmp_path / "adir.jsonl").mkdir()
     with pytest.raises(SystemExit, match="--data-out: .*adir.jsonl is a directory"):
         sft.main(["--data", str(d), "--data-out", str(tmp_path / "adir.jsonl"), "--epochs", "0", "--overwrite"])
     assert not list(tmp_path.glob("*.tmp"))
-    fifo = tmp_path / "fifo.jsonl"
-    os.mkfifo(fifo)  # no writer: opening it would block for ever
-    with pytest.raises(SystemExit, match="--data: .*fifo.jsonl is not a regular file"):
-        sft.main(["--data", str(fifo), "--epochs", "0", "--data-out", str(tmp_path / "x.jsonl")])
-    with pytest.raises(SystemExit, match="--data: .*is not a regular file"):
+    with pytest.raises(SystemExit, match="--data: .*adir.jsonl is a directory"):
         sft.main(["--data", str(tmp_path / "adir.jsonl"), "--epochs", "0", "--data-out", str(tmp_path / "x.jsonl")])
+    fifo = tmp_path / "fifo.jsonl"  # a pipe, as `--data <(zcat data.gz)` gives: read, with a line saying it waits
+    os.mkfifo(fifo)
+    import threading
+
+    writer = threading.Thread(target=lambda: fifo.write_text(conv(U, A) + "\n"), daemon=True)
+    writer.start()
+    assert len(coldstart.load_conversations(str(fifo))) == 1
+    writer.join(timeout=10)
+    assert "is not a regular file (a pipe or a device): reading it waits" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"--out-dir: cannot make .*sub: .*d.jsonl is a file, not a directory"):
         grpo.main(["--init-from", str(ckpt), "--env", FAKE_ENV, "--steps", "1", "--out-dir", str(d / "sub")])
 
