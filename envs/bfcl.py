@@ -55,6 +55,12 @@ from envs import USER_STOP_MARKERS, Task, ToolResult, openai_schema
 # package's own directory inside site-packages.
 os.environ.setdefault("BFCL_PROJECT_ROOT", str(Path(os.environ.get("MUARL_CACHE", Path.home() / ".cache" / "muarl"))
                                               / "bfcl"))
+try:
+    Path(os.environ["BFCL_PROJECT_ROOT"]).mkdir(parents=True, exist_ok=True)
+except OSError as e:  # make_env turns this into one line naming --env
+    raise ValueError(f"BFCL's working directory {os.environ['BFCL_PROJECT_ROOT']} (under MUARL_CACHE, or "
+                     f"BFCL_PROJECT_ROOT) cannot be made: {e.strerror or e}; set MUARL_CACHE to a writable "
+                     "directory") from None
 
 from bfcl_eval import utils as bfcl_utils  # noqa: E402
 from bfcl_eval.constants.default_prompts import (  # noqa: E402

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,18 @@ CACHE_DIR = Path(os.environ.get("MUARL_CACHE", Path.home() / ".cache" / "muarl")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+
+def check_cache(program: str) -> Path:
+    """MUARL_CACHE made and writable, checked before minutes of work whose result goes there; else stop in one line."""
+    try:
+        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=CACHE_DIR, prefix=".probe-"):
+            pass
+    except OSError as e:
+        raise SystemExit(f"{program}: MUARL_CACHE: cannot write into {CACHE_DIR} ({e.strerror or e}): set MUARL_CACHE "
+                         "to a writable directory, or give a checkpoint (--init-from) so that nothing is cached")
+    return CACHE_DIR
 
 
 def seed_everything(seed: int) -> None:

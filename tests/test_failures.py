@@ -332,6 +332,22 @@ def test_paths_that_are_no_files_or_lie_below_one(tmp_path, ckpt, capsys):
         grpo.main(["--init-from", str(ckpt), "--env", FAKE_ENV, "--steps", "1", "--out-dir", str(d / "sub")])
 
 
+def test_an_unwritable_cache_is_named_before_the_work_whose_result_it_would_hold(monkeypatch):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    monkeypatch.setattr(models, "CACHE_DIR", Path("/proc/muarl-nope"))
+    with pytest.raises(SystemExit, match=r"grpo.py: MUARL_CACHE: cannot write into /proc/muarl-nope"):
+        sft.cold_start("tiny", "shop", "train", 0, False, 0.6, 0.5)  # before its synthesis and SFT (minutes)
+    root = Path(__file__).resolve().parents[1]  # BFCL's working directory is made under it at import
+    env = {k: v for k, v in os.environ.items() if k != "BFCL_PROJECT_ROOT"} | {"MUARL_CACHE": "/proc/muarl-nope"}
+    code = "from envs import load_tasks; load_tasks('bfcl:multi_turn_base', 'test', 'eval.py')"
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "eval.py: --env bfcl:multi_turn_base: BFCL's working directory /proc/muarl-nope/bfcl" in out.stderr
+
+
 def test_sft_data_out_and_a_dead_teacher_user(tmp_path):
     d = tmp_path / "d.jsonl"
     d.write_text(conv(U, A) + "\n")
