@@ -74,6 +74,11 @@ def asked(messages: list[dict]) -> bool:
     return False
 
 
+def heard(said: str) -> str:
+    """What a careful agent refunds to: the destination the user named, else the default."""
+    return next((d for d in OTHER if d in said), DEFAULT)
+
+
 def names_unwanted(text: str, wanted: str) -> bool:
     """Does the agent's text name a destination the user does not want (a whole word: "discard" names none)? Listing
     the options ("card, voucher or bank?") names two unwanted ones: the strict user ends the dialogue at that too."""
@@ -160,8 +165,7 @@ class Teacher:
             return {"role": "assistant", "content": "Done."}
         if self.ask and len(users) == 1:
             return {"role": "assistant", "content": QUESTION}
-        said = " ".join(users)
-        to = next((d for d in OTHER if d in said), DEFAULT)
+        to = heard(" ".join(users))
         return {"role": "assistant", "content": "", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "refund", "arguments": json.dumps({"to": to})}}]}
 

@@ -12,6 +12,7 @@ import pytest
 
 from envs import play
 from tests import ask_env
+from tests.ask_env import heard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import mechanism  # noqa: E402
@@ -35,14 +36,10 @@ class Scripted:
         if made and not (self.twice and len(made) == 1):
             return {"role": "assistant", "content": "Done."}
         if made:  # refunds again, to what the user said
-            return call(next((d for d in ask_env.OTHER if d in said), ask_env.DEFAULT))
+            return call(heard(said))
         if self.first and sum(m["role"] == "assistant" for m in messages) == 0:
             return {"role": "assistant", "content": self.first}
         return call(self.pick(said))
-
-
-def heard(said):  # what a careful agent writes: the destination the user named, else the default
-    return next((d for d in ask_env.OTHER if d in said), ask_env.DEFAULT)
 
 
 AGENTS = {
