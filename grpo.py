@@ -28,7 +28,7 @@ from accelerate.utils import gather_object
 
 import sft
 from fast import batched_rollout
-from plumbing import cli, lora, metrics, models, pipeline, rundir, shard
+from plumbing import cli, lora, metrics, models, pipeline, rundir, shard, stopping
 from plumbing.batches import micro_batches
 from plumbing.cli import Range
 from loss import ADVANTAGES, CORRECTIONS, CREDIT, grpo_loss, normalizer_count, uniform_groups
@@ -220,7 +220,7 @@ def main(argv=None):
     cfg, resume_from, changes = rundir.options(Config, argv, pipeline.RECIPES)
     if rundir.finished(cfg, resume_from):  # nothing left to do, nothing rewritten
         return None
-    with rundir.StopOnInterrupt("grpo") as stop, rundir.stops(cfg, stop):
+    with stopping.StopOnInterrupt("grpo") as stop, rundir.stops(cfg, stop):
         with stop.abandoning():  # loading and evaluating are left at once: nothing of them is worth saving
             run = pipeline.start(cfg, resume_from, changes)  # the Accelerator, the directory, environment, user
             if not cfg.init_from and cfg.model == "tiny":  # the paper's cold start, made (or found cached) here

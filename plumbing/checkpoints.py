@@ -97,6 +97,20 @@ def save_pretrained(acc, model, tok, out: Path, run_config: dict) -> None:
         raise SystemExit(error[0])
 
 
+# How a failed write reads when it is not an OSError: torch's zip writer (torch.save, Accelerate's save_state) raises
+# RuntimeError "[enforce fail at inline_container.cc] . unexpected pos N vs M" or "... failed writing file ..." on a
+# short write; safetensors raises its own SafetensorError with the OS's words ("No space left on device (os error 28)").
+WRITE_FAILURES = ("No space left", "write failed", "failed writing file", "unexpected pos", "Disk quota exceeded",
+                  "File too large", "Read-only file system")
+
+
+def out_of_room(e: BaseException) -> bool:
+    """Whether an error raised while writing means the disk refused the bytes (full, over quota, read-only, failing)."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EIO, errno.EFBIG):
+        return True
+    return any(s in str(e) for s in WRITE_FAILURES)
+
+
 def save(acc, run, step: int) -> Path:
     """run_dir/checkpoints/step-N: Hugging Face model + tokenizer + run config, and accelerate/ (optimizer and RNG
     states of every process; the scheduler's as JSON). Written to a temporary directory and renamed, then `latest`
@@ -106,9 +120,8 @@ def save(acc, run, step: int) -> Path:
     tmp = final.with_name(final.name + ".tmp")
     try:
         return _save(acc, run, step, final, tmp)
-    except (OSError, RuntimeError) as e:
-        full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EIO)
-        if not (full or "write failed" in str(e) or "No space left" in str(e)):
+    except Exception as e:  # OSError, torch's RuntimeError, safetensors' SafetensorError: out_of_room reads them
+        if not out_of_room(e):
             raise
         if acc.is_main_process:  # the partial copy is the main process's to remove (the others stop at a collective)
             shutil.rmtree(tmp, ignore_errors=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from plumbing import checkpoints, cli, lora, memory, metrics, models, rundir, shard
+from plumbing import checkpoints, cli, lora, memory, metrics, models, rundir, shard, stopping
 import muarl
 from fast.logprobs import token_logprobs
 from plumbing.options import check_activation_checkpointing, validate
@@ -54,7 +54,7 @@ class Run:
     sampling: Any = None             # how the rollout samples (fast.batched_rollout.RolloutConfig; load)
     first_step: int = 0              # the step this run starts at: a resumed run's (load)
     done_steps: int = 0              # steps whose update and logs are complete
-    stop_signals: Any = None         # Ctrl-C, SIGTERM, SIGHUP (rundir.StopOnInterrupt; grpo.main)
+    stop_signals: Any = None         # Ctrl-C, SIGTERM, SIGHUP (stopping.StopOnInterrupt; grpo.main)
     rng_at_step: Any = None          # the RNG state at the step's start, restored when its rollout is abandoned
 
 
@@ -345,10 +345,10 @@ def train(run: Run, grpo_step) -> None:
             if stop and step + 1 < cfg.steps:
                 bar.close()
                 acc.end_training()
-                acc.print(f"[grpo] stopped by {rundir.SIGNALS[signals.asked]} after step {step + 1} of {cfg.steps}, "
+                acc.print(f"[grpo] stopped by {stopping.SIGNALS[signals.asked]} after step {step + 1} of {cfg.steps}, "
                           f"checkpoint saved; continue with: {resume_hint}")
                 raise SystemExit(signals.exit_code())
-    except rundir.Abandoned as e:  # SIGTERM/SIGHUP in a rollout, or any stop signal in an evaluation of the step
+    except stopping.Abandoned as e:  # SIGTERM/SIGHUP in a rollout, or any stop signal in an evaluation of the step
         bar.close()
         if run.done_steps == step:  # abandoned in the rollout: the state is the last step's, RNG included
             models.restore_rng(run.rng_at_step)
@@ -357,7 +357,7 @@ def train(run: Run, grpo_step) -> None:
             saved = run.done_steps
         where = (f"checkpoint of step {saved} saved; continue with: {resume_hint}" if saved else
                  f"no step had finished; --resume {run.dir} starts it again")
-        acc.print(f"\n[grpo] stopped by {rundir.SIGNALS[e.signame]} during step {step + 1}: {where}")
+        acc.print(f"\n[grpo] stopped by {stopping.SIGNALS[e.signame]} during step {step + 1}: {where}")
         acc.end_training()
         raise SystemExit(signals.exit_code()) from None
     except KeyboardInterrupt:  # the second Ctrl-C: stop at once; the step in progress is lost
@@ -381,7 +381,7 @@ def log_step(run: Run, step: int, m: dict, episodes: list) -> None:
         try:
             with run.stop_signals.abandoning():  # a stop signal leaves the evaluation; the step is logged and saved
                 m["eval/pass1"] = evaluate(run, f"step{step + 1}").get(f"eval/step{step + 1}/pass1")
-        except rundir.Abandoned as e:
+        except stopping.Abandoned as e:
             stopped = e
         m["eval_s"] = time.time() - t2
     samples = gather_object([e.to_json(tokens=True) for e in episodes[:max(0, cfg.log_episodes)]])

@@ -1,8 +1,8 @@
 """A run's directory: claimed at start (one run at a time: run.lock), opened once the run has loaded (--overwrite
 removes only a run's own files; --resume cuts the logs back to its checkpoint), the settings a --resume continues
 with (a run stopped before its first checkpoint starts again, a finished one is left as it is), and how a run ends
-outside its steps (a stop signal while it loads or evaluates, a collective that timed out), and the stop signals
-themselves (Ctrl-C, SIGTERM, SIGHUP: StopOnInterrupt)."""
+outside its steps (a stop signal while it loads or evaluates, a collective that timed out). The stop signals
+themselves are plumbing/stopping.py's."""
 from __future__ import annotations
 
 import contextlib
@@ -13,9 +13,7 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
-
-from plumbing import checkpoints, cli
+from plumbing import checkpoints, cli, stopping
 
 # What --resume lets a user change: how the run reaches its user simulator and how it reports and saves; none of it
 # changes the algorithm. A dead endpoint can be replaced on resume, under another model name if the new server
@@ -71,11 +69,11 @@ def stops(cfg, stop):
     and a collective that timed out, each in one line. The run directory's lock goes when the run does."""
     try:
         yield
-    except Abandoned as e:
+    except stopping.Abandoned as e:
         run_dir = Path(cfg.out_dir) if cfg.out_dir else None
         then = (f"continue with: accelerate launch grpo.py --resume {run_dir}" if run_dir and not cfg.overwrite and
                 (run_dir / "config.json").exists() else "run the same command again")
-        cli.main_print(f"\n[grpo] stopped by {SIGNALS[e.signame]} while loading or evaluating; {then}")
+        cli.main_print(f"\n[grpo] stopped by {stopping.SIGNALS[e.signame]} while loading or evaluating; {then}")
         raise SystemExit(stop.exit_code()) from None
     except RuntimeError as e:
         if not cli.is_collective_timeout(e):
@@ -202,14 +200,24 @@ def open_run(acc, run_dir: Path, config: dict, resume_step: int | None, changes:
         return
     present = [n for n in RUN_FILES if (run_dir / n).exists()]
     if resume_step is not None:
-        for name in LOGS:
-            dropped = cut_log(run_dir / name, resume_step)
-            if dropped:
-                print(f"[grpo] --resume at step {resume_step}: {dropped} line(s) of {name} after it moved to "
-                      f"{name}.cut", flush=True)
-        with open(run_dir / "resumes.jsonl", "a") as f:
-            f.write(json.dumps({"step": resume_step, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                "changed": changes}) + "\n")
+        for stale in sorted((run_dir / "checkpoints").glob("step-*.tmp")):  # a save cut short: its room comes first
+            print(f"[grpo] --resume: removing {stale.name}, a checkpoint whose save never finished", flush=True)
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            for name in LOGS:
+                dropped = cut_log(run_dir / name, resume_step)
+                if dropped:
+                    print(f"[grpo] --resume at step {resume_step}: {dropped} line(s) of {name} after it moved to "
+                          f"{name}.cut", flush=True)
+            with open(run_dir / "resumes.jsonl", "a") as f:
+                f.write(json.dumps({"step": resume_step, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                    "changed": changes}) + "\n")
+        except OSError as e:
+            if not checkpoints.out_of_room(e):
+                raise
+            raise SystemExit(f"grpo.py: --resume: cannot rewrite the logs of {run_dir}: {e.strerror or e} (is the "
+                             f"disk full or read-only?). The logs and checkpoints are as they were. Make room, then "
+                             f"run the same command again.") from None
     elif present and overwrite:
         print(f"[grpo] --overwrite: removing the earlier run's {', '.join(present)} from {run_dir}", flush=True)
         for name in sorted(present, key=lambda n: n == "config.json"):  # config.json last: cut short, it is still ours
@@ -225,18 +233,32 @@ def cut_log(path: Path, last_step: int) -> int:
     if not path.exists():
         return 0
     tmp, dropped = path.with_name(path.name + ".tmp"), 0
-    with open(path, encoding="utf-8", errors="replace") as src, open(tmp, "w", encoding="utf-8") as keep, \
-            open(path.with_name(path.name + ".cut"), "a", encoding="utf-8") as cut:
-        for line in src:
-            try:
-                ok = json.loads(line)["step"] <= last_step
-            except (ValueError, KeyError, TypeError):
-                ok = False
-            if ok:
-                keep.write(line)
-            elif line.strip():
-                cut.write(line if line.endswith("\n") else line + "\n")
-                dropped += 1
+    cut_path = path.with_name(path.name + ".cut")
+    cut_tmp = cut_path.with_name(cut_path.name + ".tmp")  # the old .cut and the new lines, replaced whole
+    try:
+        with open(path, encoding="utf-8", errors="replace") as src, open(tmp, "w", encoding="utf-8") as keep, \
+                open(cut_tmp, "w", encoding="utf-8") as cut:
+            if cut_path.exists():
+                with open(cut_path, encoding="utf-8", errors="replace") as old:
+                    shutil.copyfileobj(old, cut)
+            for line in src:
+                try:
+                    ok = json.loads(line)["step"] <= last_step
+                except (ValueError, KeyError, TypeError):
+                    ok = False
+                if ok:
+                    keep.write(line)
+                elif line.strip():
+                    cut.write(line if line.endswith("\n") else line + "\n")
+                    dropped += 1
+    except OSError:  # a full disk: nothing replaced, nothing left behind; a second try cuts the same lines once
+        tmp.unlink(missing_ok=True)
+        cut_tmp.unlink(missing_ok=True)
+        raise
+    if dropped:
+        os.replace(cut_tmp, cut_path)
+    else:
+        cut_tmp.unlink()
     os.replace(tmp, path)
     return dropped
 
@@ -291,129 +313,3 @@ def results_so_far(run) -> dict:
     """The "before" evaluation of a resumed run (eval-before.json), for its summary."""
     path = run.dir / "eval-before.json"
     return json.loads(path.read_text()) if run.first_step and path.exists() else {}
-
-
-class Abandoned(BaseException):
-    """A stop signal arrived where the work in progress is not worth finishing (loading, an evaluation, or, on one
-    process, a rollout under SIGTERM): raised from the signal handler to leave it at once. A BaseException, as
-    KeyboardInterrupt is: code that turns a failing tool, evaluator or user into that episode's error (`except
-    Exception`) must never take a stop signal for one."""
-
-    def __init__(self, signame: str):
-        super().__init__(signame)
-        self.signame = signame
-
-
-SIGNALS = {"SIGINT": "Ctrl-C", "SIGTERM": "SIGTERM", "SIGHUP": "SIGHUP"}
-
-
-class StopOnInterrupt:
-    """Ctrl-C, SIGTERM and SIGHUP (what Slurm and Kubernetes send before they preempt a job, and a closed terminal) as
-    a request to stop at the next safe point. The first one sets a flag that the loop reads once a step (`agreed`,
-    the same answer on every process) to save and stop cleanly; a second Ctrl-C, two seconds or more later, raises
-    KeyboardInterrupt as usual. (A launcher that forwards the terminal's SIGINT to its workers sends them a second
-    one at once: that one is not taken as the user's second Ctrl-C.) Inside `abandoning()` (loading, evaluations,
-    and on one process the rollout under SIGTERM or SIGHUP, whose grace period before SIGKILL is often 30 s) the
-    first signal raises Abandoned instead, so the caller saves what finished. A signal that the process inherited as
-    ignored (`nohup`, a background job of a script) stays ignored; exit status 128 + the signal's number."""
-
-    debounce_s = 2.0  # a second SIGINT sooner than this is the launcher's copy of the first
-
-    def __init__(self, program: str):
-        self.program, self.asked, self.at, self._old = program, None, 0.0, {}
-        self.abandon: set[str] = set()  # the signals that abandon the work in progress now
-        # several processes never abandon: one that left a rollout or an evaluation early would meet the others at
-        # a different collective; they finish the step together and stop after it
-        self.alone = int(os.environ.get("WORLD_SIZE", "1")) == 1
-
-    def __enter__(self):
-        import signal
-        import threading
-
-        if threading.current_thread() is threading.main_thread():  # signal handlers live on the main thread only
-            follow_launcher()
-            for name in SIGNALS:
-                sig = getattr(signal, name, None)
-                if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
-                    self._old[sig] = signal.signal(sig, self._handler)
-        return self
-
-    def _handler(self, signum, frame):
-        import signal
-        import time
-
-        name = signal.Signals(signum).name
-        if name == "SIGHUP":  # the terminal is gone: writing to it would raise EIO wherever the run is
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            for fd in (1, 2):
-                if os.isatty(fd):
-                    os.dup2(devnull, fd)
-            os.close(devnull)
-        if not self.asked:
-            self.asked, self.at = name, time.monotonic()
-            if name in self.abandon:
-                raise Abandoned(name)
-            try:
-                cli.main_print(f"\n[{self.program}] {SIGNALS[name]}: finishing this step, then saving a checkpoint and "
-                           "stopping" + (" (Ctrl-C again to stop at once)" if name == "SIGINT" else ""))
-            except OSError:
-                pass
-        elif name == "SIGINT" and time.monotonic() - self.at >= self.debounce_s:
-            raise KeyboardInterrupt
-
-    def abandoning(self, *names: str):
-        """`with ctrl_c.abandoning("SIGTERM", "SIGHUP"):` the first of these signals raises Abandoned in the block
-        (all three when none is named); one that arrived before the block raises at its start. With several
-        processes, nothing is abandoned (the signal only asks to stop after the step)."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def block():
-            before, self.abandon = self.abandon, set(names or SIGNALS) if self.alone else set()
-            try:
-                if self.asked in self.abandon:
-                    raise Abandoned(self.asked)
-                yield
-            finally:
-                self.abandon = before
-        return block()
-
-    def exit_code(self) -> int:
-        import signal
-
-        return 128 + int(getattr(signal, self.asked or "SIGINT"))
-
-    def __exit__(self, *exc):
-        import signal
-
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        return False
-
-    def agreed(self, acc) -> bool:
-        """Whether any process was asked to stop (a collective when there are several: call it on every one)."""
-        if acc.num_processes == 1:
-            return bool(self.asked)
-        return acc.reduce(torch.tensor(float(bool(self.asked)), device=acc.device), reduction="max").item() > 0
-
-
-def follow_launcher() -> None:
-    """Under `accelerate launch` with one process, the launcher runs this program as its child and dies of a SIGTERM
-    without passing it on: ask Linux to send this process SIGTERM when its parent dies, so it saves and stops
-    instead of training on, orphaned. Not when run from a shell (`nohup` must keep working)."""
-    import ctypes
-    import signal
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        parent = open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\0")
-    except OSError:
-        return
-    if not any(b"accelerate" in part for part in parent[:3]):
-        return
-    ppid = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-    if os.getppid() != ppid:  # it died before the request
-        os.kill(os.getpid(), signal.SIGTERM)

@@ -5,6 +5,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -725,7 +727,7 @@ def test_ctrl_c_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, ckpt
 
 
 def test_second_ctrl_c_stops_at_once_and_names_the_last_checkpoint(tmp_path, ckpt, monkeypatch, capsys, terminal_signals):
-    from plumbing import rundir
+    from plumbing import stopping
     from fast import batched_rollout as rollout_module
 
     real, calls = rollout_module.rollout, []
@@ -738,7 +740,7 @@ def test_second_ctrl_c_stops_at_once_and_names_the_last_checkpoint(tmp_path, ckp
         return real(*args, **kwargs)
 
     monkeypatch.setattr(rollout_module, "rollout", interrupted)
-    monkeypatch.setattr(rundir.StopOnInterrupt, "debounce_s", 0.0)
+    monkeypatch.setattr(stopping.StopOnInterrupt, "debounce_s", 0.0)
     run = tmp_path / "run"
     with pytest.raises(SystemExit) as e:
         grpo.main(grpo_args(ckpt, run, "--steps", "4", "--save-every", "1"))
@@ -993,9 +995,9 @@ def test_a_launcher_that_dies_takes_its_single_process_run_with_it(tmp_path):
     import time
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    child = (f"import sys, signal, time; sys.path.insert(0, {root!r}); from plumbing import rundir; "
+    child = (f"import sys, signal, time; sys.path.insert(0, {root!r}); from plumbing import stopping; "
              f"signal.signal(signal.SIGTERM, lambda *a: (open({str(tmp_path / 'got')!r}, 'w').write('SIGTERM'), "
-             "sys.exit(0))); rundir.follow_launcher(); print('ready', flush=True); time.sleep(60)")
+             "sys.exit(0))); stopping.follow_launcher(); print('ready', flush=True); time.sleep(60)")
     launcher = tmp_path / "accelerate-launch.py"  # its command line names accelerate, as the real one's does
     launcher.write_text(f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])")
     p = subprocess.Popen([sys.executable, str(launcher)], stdout=subprocess.PIPE, text=True)
@@ -1010,11 +1012,11 @@ def test_a_launcher_that_dies_takes_its_single_process_run_with_it(tmp_path):
 
 def test_a_signal_inherited_as_ignored_stays_ignored():
     """`nohup` and the background jobs of a script start with SIGINT (or SIGHUP) ignored: muarl leaves it so."""
-    from plumbing import rundir
+    from plumbing import stopping
 
     old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
-        with rundir.StopOnInterrupt("grpo"):
+        with stopping.StopOnInterrupt("grpo"):
             assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
             assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
@@ -1105,23 +1107,31 @@ def test_damaged_state_files_and_a_checkpoint_outside_the_run_are_named_in_one_l
         grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "3"])
 
 
-def test_a_full_disk_while_saving_stops_in_one_line_and_leaves_a_run_that_resumes(tmp_path, ckpt, monkeypatch):
+# What a full disk raises while a checkpoint is written, as each writer words it (the words measured by the next test)
+DISK_FULL = {"os": (OSError, "[Errno 28] No space left on device"),
+             "torch": (RuntimeError, "[enforce fail at inline_container.cc:672] . unexpected pos 5142976 vs 5142868"),
+             "safetensors": (RuntimeError, "Error while serializing: I/O error: No space left on device (os error 28)")}
+
+
+@pytest.mark.parametrize("writer", sorted(DISK_FULL))
+def test_a_full_disk_while_saving_stops_in_one_line_and_leaves_a_run_that_resumes(tmp_path, ckpt, monkeypatch, writer):
     import errno
 
     from plumbing import checkpoints
 
     real = checkpoints._save
+    kind, words = DISK_FULL[writer]
 
     def full(acc, run, step, final, tmp):
         if step == 2:
             (tmp / "accelerate").mkdir(parents=True)
             (tmp / "accelerate" / "optimizer.bin").write_bytes(b"\0" * 1000)  # half written when the disk filled
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise OSError(errno.ENOSPC, "No space left on device") if kind is OSError else kind(words)
         return real(acc, run, step, final, tmp)
 
     monkeypatch.setattr(checkpoints, "_save", full)
     run = tmp_path / "run"
-    with pytest.raises(SystemExit, match=r"writing the checkpoint of step 2 .* No space left on device \(is the disk "
+    with pytest.raises(SystemExit, match=rf"writing the checkpoint of step 2 .*{re.escape(words[-20:])} \(is the disk "
                        r"full or read-only\?\)\. The partial copy was removed; the newest checkpoint, step-000001, is "
                        r"untouched\. Make room, then: accelerate launch grpo.py --resume"):
         grpo.main(grpo_args(ckpt, run, "--steps", "3", "--save-every", "1"))
@@ -1129,3 +1139,70 @@ def test_a_full_disk_while_saving_stops_in_one_line_and_leaves_a_run_that_resume
     monkeypatch.undo()
     grpo.main(["--resume", str(run), "--env", FAKE_ENV])
     assert steps_logged(run) == [1, 2, 3]
+
+
+def test_the_writers_own_words_for_a_refused_write_are_recognised(tmp_path):
+    """torch's zip writer and safetensors word a short write in their own ways, not as an OSError: each is made to
+    fail for real (a file-size limit in a child process, what a full disk does to a write) and must read as a disk
+    that refused the bytes."""
+    code = ("import resource, signal, sys, torch; from safetensors.torch import save_file; "
+            "from plumbing import checkpoints; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (100000, 100000))\n"
+            "for name, write in (('torch', lambda p: torch.save({'w': torch.zeros(100000)}, p)), "
+            "('safetensors', lambda p: save_file({'w': torch.zeros(100000)}, p))):\n"
+            "    try:\n        write(sys.argv[1] + '/' + name)\n        print(name, 'wrote')\n"
+            "    except Exception as e:\n        print(name, checkpoints.out_of_room(e), type(e).__name__, str(e)[:120])\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=root, capture_output=True, text=True,
+                         timeout=120)
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert set(lines) == {"torch", "safetensors"}, out.stdout + out.stderr
+    assert all(v.startswith("True ") for v in lines.values()), lines
+
+
+def test_a_resume_on_a_full_disk_frees_the_cut_short_save_first_and_else_stops_in_one_line(tmp_path, ckpt,
+                                                                                          monkeypatch):
+    import errno
+
+    from plumbing import rundir
+
+    run = tmp_path / "run"
+    grpo.main(grpo_args(ckpt, run, "--steps", "2", "--save-every", "1"))
+    (run / "checkpoints" / "step-000003.tmp" / "accelerate").mkdir(parents=True)  # a save that never finished
+    (run / "checkpoints" / "step-000003.tmp" / "accelerate" / "optimizer.bin").write_bytes(b"\0" * 1000)
+    logs = {n: (run / n).read_bytes() for n in rundir.LOGS}
+    real = rundir.cut_log
+
+    def full(path, last_step):
+        assert not (run / "checkpoints" / "step-000003.tmp").exists(), "the cut-short save must go before the logs"
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(rundir, "cut_log", full)
+    with pytest.raises(SystemExit, match=r"--resume: cannot rewrite the logs of .*run: No space left on device \(is "
+                       r"the disk full or read-only\?\)\. The logs and checkpoints are as they were\. Make room"):
+        grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "3"])
+    assert {n: (run / n).read_bytes() for n in rundir.LOGS} == logs
+    monkeypatch.setattr(rundir, "cut_log", real)
+    grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "3"])
+    assert steps_logged(run) == [1, 2, 3]
+
+
+def test_cutting_a_log_on_a_full_disk_changes_nothing_and_leaves_nothing(tmp_path):
+    """The log is rewritten beside itself; a write refused half way (a file-size limit in a child process) leaves the
+    log, its .cut and the directory as they were, so that the next try cuts the same lines once."""
+    log = tmp_path / "episodes.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "text": "x" * 2000}) + "\n" for s in range(1, 101)))
+    (tmp_path / "episodes.jsonl.cut").write_text('{"step": 7}\n')
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    code = ("import resource, signal, sys; from pathlib import Path; from plumbing import checkpoints, rundir; "
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (50000, 50000))"
+            "\ntry:\n    rundir.cut_log(Path(sys.argv[1]), 60)\nexcept OSError as e:\n"
+            "    print('refused', checkpoints.out_of_room(e))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code, str(log)], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "refused True", out.stdout + out.stderr
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    from plumbing import rundir
+
+    assert rundir.cut_log(log, 60) == 40
+    assert [json.loads(line)["step"] for line in (tmp_path / "episodes.jsonl.cut").open()] == [7] + list(range(61, 101))
