@@ -308,14 +308,20 @@ def main(argv=None):
         with cli.option_errors("eval.py: --agent"):
             models.check_local(cfg.agent)
             config = memory.read_config(lora.base_chain(cfg.agent)[-1])  # adapters: the model at the chain's root
-            if config is not None and not cfg.rollout_batch and acc.device.type == "cuda" and cfg.memory_check:
-                # --rollout-batch 0 on a GPU: as many as it holds decode at once, the others wait in host memory
+            on_gpu = acc.device.type == "cuda"
+            if config is not None and not cfg.rollout_batch and (on_gpu or acc.device.type == "cpu" and
+                                                                 memory.cpu_room()) and cfg.memory_check:
+                # --rollout-batch 0: as many as the GPU (or the CPU's free host memory) holds decode at once, the
+                # others wait (on a GPU, in host memory)
                 decoding = memory.fitting_batch(config, live=live, bf16=bf16, max_context=cfg.max_context,
-                                                device_bytes=torch.cuda.get_device_properties(acc.device).total_memory,
+                                                device_bytes=torch.cuda.get_device_properties(acc.device).total_memory
+                                                if on_gpu else memory.cpu_room(),
                                                 prefill_tokens=RolloutConfig.prefill_tokens)
                 cfg.rollout_batch = decoding if decoding < live else 0
-                acc.print(f"[eval] --rollout-batch 0: {decoding} of this process's {live} episodes decode at once, "
-                          "as many as this GPU holds by the estimate (the others wait in host memory)")
+                if on_gpu or decoding < live:
+                    acc.print(f"[eval] --rollout-batch 0: {decoding} of this process's {live} episodes decode at "
+                              f"once, as many as {'this GPU holds' if on_gpu else 'the free host memory holds'} by "
+                              "the estimate (the others wait" + (" in host memory)" if on_gpu else ")"))
             if config is not None:  # before loading: weights and the decoding episodes' KV cache
                 memory.check_memory(config, world=acc.num_processes, sharded=False, bf16=bf16, reference=False,
                                    max_context=cfg.max_context, episodes=decoding, device=acc.device,

@@ -162,13 +162,31 @@ def host_memory_bytes() -> int:
         return 0
 
 
+def available_host_bytes() -> int:
+    """The host memory a new allocation can take now (Linux's MemAvailable: free and reclaimable), shared by every
+    process on the machine; the physical memory where the OS does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return host_memory_bytes()
+
+
+def cpu_room() -> int:
+    """What one process running on the CPU may take: the available host memory shared by this machine's processes."""
+    return available_host_bytes() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bool, max_context: int,
                  episodes: int, device, check: bool = True, program: str = "grpo.py", parked: int = 0,
                  inference: bool = False, prefill_tokens: int = 0, lora: int = 0, zero2: bool = False,
                  lora_base: int = 0) -> dict:
     """Print memory_estimate for this run; on a CUDA device, SystemExit when its peak exceeds the device's memory,
-    or when what all processes on this machine hold in host memory at once exceeds it (unless check is False),
-    naming the options that change it."""
+    or when what all processes on this machine hold in host memory at once exceeds it; on the CPU, when its peak
+    exceeds the host memory available now (unless check is False); each naming the options that change it."""
     shapes = meta_model(config)
     est = memory_estimate(sum(p.numel() for p in shapes.parameters()), world=world, sharded=sharded, bf16=bf16,
                           reference=reference, kv_bytes_per_token=kv_bytes_per_token(config, bf16),
@@ -181,6 +199,13 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
         print(f"[{program.removesuffix('.py')}] estimated memory per GPU ({backend}): "
               + ", ".join(f"{k} {gib(v)}" for k, v in est.items()) + " (activations not counted)", flush=True)
     device = torch.device(device)
+    if check and device.type == "cpu" and cpu_room() and est["peak"] > cpu_room():
+        raise SystemExit(
+            f"{program}: the estimated peak of {gib(est['peak'])} per process exceeds the {gib(cpu_room())} of host "
+            f"memory available to it on this machine (running on the CPU; the KV cache term, {gib(est['kv_cache'])}, "
+            f"assumes {episodes} decoding episodes at --max-context {max_context}). Set --rollout-batch (episodes "
+            "decoding at once), lower --max-context, --trials or --tasks-per-step, or use a smaller model; "
+            "--no-memory-check runs anyway.")
     if not check or device.type != "cuda":
         return est
     check_host(est, program, lora=bool(lora), parked=parked, max_context=max_context)
@@ -248,8 +273,8 @@ def check_host(est: dict, program: str, *, lora: bool = False, parked: int = 0, 
 
 def fitting_batch(config, *, live: int, device_bytes: int, bf16: bool, max_context: int, prefill_tokens: int = 0,
                   world: int = 1) -> int:
-    """For an evaluation (eval.py, --rollout-batch 0 on a GPU): the most of a process's `live` episodes that can
-    decode at once on a GPU of device_bytes by memory_estimate (inference) with its measured miss (ESTIMATE_MISSES),
+    """For an evaluation (eval.py, --rollout-batch 0): the most of a process's `live` episodes that can decode at
+    once on a GPU of device_bytes (or a CPU with that much host memory to spare) by memory_estimate (inference) with its measured miss (ESTIMATE_MISSES),
     the others waiting in host memory; at least 1, when even one does not fit (check_memory then says so)."""
     n_params = sum(p.numel() for p in meta_model(config).parameters())
     kv = kv_bytes_per_token(config, bf16)

@@ -84,6 +84,13 @@ def pass_hat_k(successes: int, trials: int, k: int) -> float:
     return comb(successes, k) / comb(trials, k) if trials >= k else float("nan")
 
 
+def reported_ks(trials: int) -> list[int]:
+    """The k of pass^k an evaluation reports: 2 to 8, then the powers of two, and the number of trials itself (an
+    evaluation of 1,000 trials reports 13, not 999)."""
+    ks = [k for k in range(2, 9)] + [2 ** i for i in range(4, trials.bit_length())] + [trials]
+    return sorted({k for k in ks if 2 <= k <= trials})
+
+
 def summarize(episodes: list[dict], trials: int, meta: dict[str, dict] | None = None) -> dict:
     """Summary over episode dicts (Episode.to_json()); infra-failed episodes are reported, not scored.
     `meta` (task id -> the task's meta dict) adds pass^1 per value of each string-valued meta field ("by_meta":
@@ -114,7 +121,7 @@ def summarize(episodes: list[dict], trials: int, meta: dict[str, dict] | None = 
         "tool_calls_per_episode": {k: v / max(1, len(scored)) for k, v in
                                    sum((Counter(e["tool_calls"]) for e in scored), Counter()).items()},
     }
-    for k in range(2, trials + 1):
+    for k in reported_ks(trials):
         vals = [pass_hat_k(t["successes"], t["trials"], k) for t in per_task.values() if t["trials"] >= k]
         summary[f"pass^{k}"] = sum(vals) / len(vals) if vals else float("nan")
     by_meta: dict[str, dict[str, list[float]]] = {}

@@ -406,6 +406,44 @@ def test_eval_with_nothing_scored_exits_non_zero(tmp_path, ckpt):
     assert s["scored"] == 0 and s["pass^1"] is None  # null: nothing was measured, not a score of 0
 
 
+def test_an_evaluation_on_the_cpu_decodes_what_the_free_host_memory_holds(tmp_path, ckpt, monkeypatch, capsys):
+    """`eval.py --trials 1000` on a CPU started every episode at once and was killed by the kernel at 23 GB, nothing
+    written. On the CPU, --rollout-batch 0 decodes as many episodes at once as the available host memory holds by
+    the estimate, the others waiting their turn; an explicit --rollout-batch beyond it is refused at start."""
+    from fast import batched_rollout
+    from fast.batched_rollout import RolloutConfig
+    from plumbing import memory
+
+    config = memory.read_config(str(ckpt))
+
+    def decoding(room):
+        return memory.fitting_batch(config, live=8, device_bytes=room, bf16=False, prefill_tokens=RolloutConfig.
+                                    prefill_tokens, max_context=evaluation.EvalConfig().max_context)
+    lo, hi = 1 << 20, 1 << 40  # the least room in which 4 decode at once
+    while lo < hi:
+        lo, hi = (lo, (lo + hi) // 2) if decoding((lo + hi) // 2) >= 4 else ((lo + hi) // 2 + 1, hi)
+    room = lo
+    assert decoding(room) == 4 and decoding(room - 1) == 3
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: room)
+    real, used = batched_rollout.rollout, []
+
+    def spy(model, tok, env, tasks, trials, user_sim, cfg, *args, **kwargs):
+        used.append(cfg.max_batch)
+        return real(model, tok, env, tasks, trials, user_sim, cfg, *args, **kwargs)
+    monkeypatch.setattr(batched_rollout, "rollout", spy)
+    common = ["--agent", str(ckpt), "--env", FAKE_ENV, "--num-tasks", "1", "--trials", "8", "--max-new-tokens", "8"]
+    evaluation.main(common + ["--out-dir", str(tmp_path / "ev")])
+    assert used == [decoding(room)]
+    assert f"{decoding(room)} of this process's 8 episodes decode at once, as many as the free host memory holds" \
+        in capsys.readouterr().out
+    assert json.loads((tmp_path / "ev" / "summary.json").read_text())["episodes"] == 8
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: int(room / memory.ESTIMATE_MISSES))  # 4's peak
+    with pytest.raises(SystemExit, match=r"exceeds the .* of host memory available to it on this machine \(running on "
+                       r"the CPU.*8 decoding episodes.*Set --rollout-batch"):
+        evaluation.main(common + ["--rollout-batch", "8", "--out-dir", str(tmp_path / "ev8")])
+    evaluation.main(common + ["--rollout-batch", "8", "--no-memory-check", "--out-dir", str(tmp_path / "ev8")])
+
+
 # ---- options checked at start ------------------------------------------------------------------------------------
 MAINS = {"grpo.py": grpo.main, "sft.py": sft.main, "eval.py": evaluation.main}
 

@@ -68,3 +68,18 @@ def test_summary_reports_intervals_rates_and_compare_pairs_by_group(tmp_path):
         evaluation.compare(str(tmp_path / "A"), str(tmp_path / "nowhere"))
     with pytest.raises(SystemExit, match="--compare takes two"):
         evaluation.main(["--compare", str(tmp_path / "A")])
+
+
+def test_an_evaluation_of_many_trials_reports_a_readable_set_of_pass_k():
+    """1,000 trials printed pass^2 to pass^1000 on one line; now 2 to 8, the powers of two and the trials, each the
+    same unbiased estimate (C(c, k) / C(n, k)) as before."""
+    rng = random.Random(0)
+    episodes = [{"task_id": t, "reward": float(rng.random() < 0.9), "turns": 2, "termination": "done", "infra_failed": False,
+                 "tool_calls": []} for t in range(3) for _ in range(1000)]
+    s = stats.summarize(episodes, 1000)
+    ks = [int(k.split("^")[1]) for k in evaluation.pass_keys(s)]
+    assert ks == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128, 256, 512, 1000]
+    successes = {t: sum(e["reward"] for e in episodes if e["task_id"] == t) for t in range(3)}
+    assert s["pass^16"] == pytest.approx(sum(stats.pass_hat_k(int(c), 1000, 16) for c in successes.values()) / 3)
+    assert [k for k in stats.summarize(episodes[:3], 3) if k.startswith("pass^") and "ci" not in k] == \
+        ["pass^1", "pass^2", "pass^3"] and stats.reported_ks(1) == []
