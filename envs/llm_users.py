@@ -90,8 +90,26 @@ class OpenAIUserSim(UserSim):
     async def _request(self, client, kwargs: dict):
         """One request, the reply as a message with .content and .tool_calls: the one method a simulator that speaks
         another protocol replaces. Raise ValueError or TimeoutError for a failure worth retrying (with backoff, up to
-        --user-retries), UserSimError for one that is not."""
-        return _usable_message(await client.chat.completions.create(**kwargs), "tools" in kwargs)
+        --user-retries), UserSimError for one that is not.
+
+        The body is read as it streams in and refused past MAX_REPLY_BYTES (the client would hold all of it: an
+        endless reply grew at ~350 MB/s until --user-timeout), asked uncompressed (a 200 KB gzip body decoded to 200
+        MB), and parsed here as the client would, leniently (ChatCompletion.construct), for _usable_message to check."""
+        from openai.types.chat import ChatCompletion
+
+        body = bytearray()
+        async with client.chat.completions.with_streaming_response.create(
+                **kwargs, extra_headers={"Accept-Encoding": "identity"}) as response:
+            async for chunk in response.iter_bytes():  # decoded chunk by chunk when a server compresses anyway
+                body += chunk
+                if len(body) > MAX_REPLY_BYTES:
+                    raise MalformedReply(f"the reply's body passed {MAX_REPLY_BYTES:,} bytes (MAX_REPLY_BYTES), more "
+                                         "than a chat completion a user says needs; not read further")
+        data = json.loads(body)  # ValueError: not JSON; RecursionError: nested past the parser's depth
+        if not isinstance(data, dict):
+            raise MalformedReply(f"the reply is not a chat completion (a JSON {type(data).__name__}): "
+                                 f"{bytes(body[:200])!r}")
+        return _usable_message(ChatCompletion.construct(**data), "tools" in kwargs)
 
     async def aclose(self) -> None:
         if self._loop is asyncio.get_running_loop():
@@ -133,6 +151,11 @@ class OpenAIUserSim(UserSim):
                                                       n_messages=len(messages)).content
                 state.history.append({"role": "tool", "tool_call_id": c["id"], "content": content})
         raise UserSimError(f"user simulator made more than {self.max_tool_rounds} rounds of tool calls")
+
+
+# The most bytes of a reply's body read (after any decoding): MAX_REPLY_CHARS of text, JSON-escaped (up to 6 bytes a
+# character), with its tool calls and the completion's fields around it.
+MAX_REPLY_BYTES = 4 * 2**20
 
 
 class MalformedReply(ValueError):

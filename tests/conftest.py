@@ -106,11 +106,12 @@ def ends_turns(model, tokenizer, gap=2.0, seed=0):
 class ChatServer:
     """A real OpenAI-compatible HTTP endpoint on 127.0.0.1: POST /v1/chat/completions. `script` decides each
     answer: a function (request body, request number) -> (status, message dict), or (status, bytes) for a raw body
-    that is not a chat completion (HTML, broken JSON), sent as it is. `drip`: seconds between the bytes of a body
-    (an endpoint that answers at once, then sends its reply a byte at a time)."""
+    that is not a chat completion (HTML, broken JSON), sent as it is, or (status, writer) where writer(handler) writes
+    the headers and body itself (an endless body, a compressed one). `drip`: seconds between the bytes of a body
+    (an endpoint that answers at once, then sends its reply a byte at a time). `headers`: each request's headers."""
 
     def __init__(self, script, drip: float = 0.0):
-        self.requests, self.script, lock = [], script, threading.Lock()
+        self.requests, self.headers, self.script, lock = [], [], script, threading.Lock()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -118,8 +119,16 @@ class ChatServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with lock:
                     server.requests.append((self.path, body))
+                    server.headers.append(dict(self.headers))
                     n = len(server.requests)
                 status, message = server.script(body, n)
+                if callable(message):
+                    self.send_response(status)
+                    try:
+                        message(self)
+                    except OSError:  # the client gave up
+                        pass
+                    return
                 if isinstance(message, bytes):
                     self.send_response(status)
                     self.send_header("Content-Type", "text/html" if message.startswith(b"<") else "application/json")

@@ -1,12 +1,14 @@
 """What happens to a run when something breaks: nothing a user had is lost, nothing fails silently, bad input is
 named. One test per failure mode of the README's table ("When something breaks"); the user-simulator ones talk to
 a real HTTP endpoint on the loopback (conftest.ChatServer) that fails in the way under test."""
+import functools
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -205,6 +207,65 @@ def test_malformed_or_empty_user_replies_are_retried_infra_errors(lm, tiny_tok, 
         assert ep.infra_failed and ep.termination == "infra_error"
         assert "user simulator 'sim' at" in ep.reward_info["error"] and "after 3 attempts" in ep.reward_info["error"]
     assert len(asked) == 3 * len(eps)  # each reply tried 1 + max_retries times
+
+
+def endless(handler):  # a 200 whose chunked body never ends, as fast as the socket takes it
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Transfer-Encoding", "chunked")
+    handler.end_headers()
+    chunk = b"x" * 65536
+    handler.server.sent = 0
+    head = b'{"id": "c1", "choices": [{"index": 0, "message": {"role": "assistant", "content": "'
+    handler.wfile.write(b"%x\r\n%s\r\n" % (len(head), head))
+    while True:
+        handler.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        handler.server.sent += len(chunk)
+
+
+@functools.cache
+def bomb() -> bytes:
+    import gzip
+
+    return gzip.compress(b'{"id": "c1", "choices": [{"index": 0, "message": {"role": "assistant", "content": "'
+                         + b" " * 200 * 2**20 + b'"}}]}', compresslevel=9)
+
+
+def gzip_bomb(handler):  # compressed although asked not to: 200 KB on the wire, 200 MB decoded
+    body = bomb()
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Encoding", "gzip")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+@pytest.mark.parametrize("writer", [endless, gzip_bomb], ids=["endless", "gzip-bomb"])
+def test_a_reply_body_is_refused_as_it_streams_past_its_cap_not_held_until_the_timeout(lm, tiny_tok, writer):
+    """An endless reply accumulated at ~350 MB/s until --user-timeout (3.4 GB at 8 s, ~20 GB at the default 60 s, per
+    request); a gzip bomb was decoded whole (1.2 GB) before the length cap refused it. The body is read as it comes
+    and refused past MAX_REPLY_BYTES, and asked uncompressed; the episodes end as retried infra errors, at once."""
+    from envs.llm_users import MAX_REPLY_BYTES
+
+    def script(body, n):  # openings succeed; every reply is the writer's
+        return (200, writer) if len(body["messages"]) > 3 else (200, {"content": "Hi, please help me."})
+
+    server = ChatServer(script)
+    try:
+        sim = make_user_sim("openai", base_url=server.url, api_key="k", model="sim", backoff=0.0, max_retries=1,
+                            timeout=60)
+        t0 = time.monotonic()
+        eps = rollout(lm, tiny_tok, FakeEnv(n_tasks=1), FakeEnv(n_tasks=1).tasks("train"), 2, sim, GREEDY)
+        took = time.monotonic() - t0
+    finally:
+        server.close()
+    for ep in eps:
+        assert ep.infra_failed and "after 2 attempts" in ep.reward_info["error"]
+        assert f"passed {MAX_REPLY_BYTES:,} bytes (MAX_REPLY_BYTES)" in ep.reward_info["error"]
+    assert took < 30, f"{took:.0f} s: the body was read until the timeout"
+    assert all({k.lower(): v for k, v in h.items()}["accept-encoding"] == "identity" for h in server.headers), \
+        server.headers
+    if writer is endless:  # what the server got into the socket before the client hung up: the cap and the buffers
+        assert server.httpd.sent < MAX_REPLY_BYTES + 32 * 2**20
 
 
 @pytest.mark.parametrize("reply, problem", [
