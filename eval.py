@@ -26,7 +26,7 @@ from typing import Annotated
 
 from plumbing import cli, lora, memory, metrics, models, shard, stats
 from plumbing.stats import summarize
-from fast.deadlines import guard
+from fast.deadlines import guard, prepare
 import muarl
 from plumbing.cli import SEEDS, TIMEOUTS, Range
 from plumbing.options import AttentionOptions, SamplingOptions, UserOptions
@@ -157,7 +157,7 @@ def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
             else:
                 agent = OpenAIAgent(cfg.agent.split(":", 1)[1], env.tools(task), cfg.agent_base_url, cfg.temperature)
                 agent = _ToolsAt(agent, env, task) if hasattr(env, "tools_at") else agent
-            session = guard(env.start(task), cfg.tool_timeout, remote=getattr(env, "slow_tools", False))
+            session = guard(env, task, cfg.tool_timeout, remote=getattr(env, "slow_tools", False))
             try:
                 messages, reward, info, termination = play(env, task, agent,
                                                            sim.sync_user(env, task, session) if sim else None,
@@ -291,6 +291,8 @@ def main(argv=None):
         options["root"] = cfg.acebench_root
     env, tasks = load_tasks(cfg.env, cfg.split, "eval.py", **options)
     tasks = tasks[:cfg.num_tasks] if cfg.num_tasks else tasks
+    if cfg.tool_timeout:
+        prepare(env)  # the keeper of the tool calls' probes, forked while this process is small (deadlines.py)
     acc = cli.make_accelerator(cfg.dist_timeout)
     t0 = time.time()
     if cfg.agent.startswith("openai:") or cfg.agent == "expert":

@@ -46,7 +46,6 @@ from dataclasses import dataclass
 
 import torch
 
-from fast import deadlines
 from fast.deadlines import guard
 from fast.engine import SlotPool, _prefill_openings, _Row, generate_turn
 from envs import Speaker, Termination, next_turn, opening_messages
@@ -196,7 +195,7 @@ def rollout(model, tokenizer, env, tasks: list, group_size: int, user_sim, cfg: 
     try:
         if cfg.reference:  # --rollout reference: rollout.py's loop, each episode alone, under the same guarantees
             return [reference_rollout(model, tokenizer, env, task, user_sim, cfg, sample=g,
-                                      session=guard(env.start(task), cfg.tool_timeout, remote=slow_tools),
+                                      session=guard(env, task, cfg.tool_timeout, remote=slow_tools),
                                       seed=episode_seed(seed, f"{i}:{task.id}", g))
                     for i, task in enumerate(tasks) for g in range(group_size)]
         return _rollout(model, tokenizer, env, tasks, group_size, user_sim, cfg, seed, users, local, slow_tools)
@@ -206,7 +205,6 @@ def rollout(model, tokenizer, env, tasks: list, group_size: int, user_sim, cfg: 
                 users.close()
         finally:
             model.train(was_training)
-            deadlines.PROBE.close()  # its copy of this process's memory would make the update copy every page
 
 
 def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, local, slow_tools) -> list[Episode]:
@@ -231,7 +229,7 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
         for g in range(group_size):
             ep = Episode(task_id=task.id, sample=g, tools=tools, user_retries=retried if g == 0 else 0)
             # fresh state per episode (docs/invariants.md, 4); its tool calls under a deadline
-            session = guard(env.start(task), cfg.tool_timeout, remote=getattr(env, "slow_tools", False))
+            session = guard(env, task, cfg.tool_timeout, remote=getattr(env, "slow_tools", False))
             # by the task's place in `tasks` too: a task drawn twice in a step gets two different groups
             row = _Row(ep, session, None, seed=episode_seed(seed, f"{i}:{task.id}", g))
             rows.append(row)

@@ -2,20 +2,26 @@
 
 A tool runs inside this process, against the episode's own database. Some calls never end in Python's terms: tau2
 retail's `calculate("9**9**9")` is one C-level big-integer power that holds the interpreter for minutes, and no
-thread, timer or signal handler can interrupt it. So each call is first tried in a forked copy of this process (the
-probe), which is killed at the deadline. Only a call that finished there runs here, for real: the same call on the
-same state, so its writes land once, in this process, and the two copies stay equal. A call that overran, or that
-killed the probe (a crash, out of memory), is answered with an error and never runs here.
+thread, timer or signal handler can interrupt it. So each call is first tried on a copy of the episode's session in
+another process (the probe), which is killed at the deadline. Only a call that finished there runs here, for real: the
+same call on the same state, so its writes land once, in this process. A call that overran, or that killed the probe
+(a crash, out of memory), is answered with an error and never runs here.
 
-The probe is forked at a rollout's first tool call and ended with the rollout: it answers calls over a pipe (about
-0.05 ms each) and is forked again, carrying every session's current state, when a call names a session it does not
-have or after it was killed. Its cost is copy-on-write: while it lives, each page of private memory this process
-writes is copied first (the engine's host blocks for waiting caches are shared mappings, and are not). On the tiny
-model on 2 CPU cores a GRPO step's rollout took 6.1 s against 4.3 s with --tool-timeout 0; a probe started by its
-own interpreter, holding only the environment, would avoid that (not done yet). An environment
-whose tools are remote (`slow_tools = True`) is not probed, since its calls are not safe to make twice: its calls wait
-at most the deadline in a thread and are then abandoned (the remote side may still act on them). Where this process
-cannot fork (not POSIX), calls run without a deadline, with one warning.
+The probe is not a fork of this process, which holds the model, its caches and, on a GPU, a CUDA context: while a
+forked copy lives, every page this process writes is first copied (a rollout took 1.5x as long beside one, and a GPU
+process would be forked with tens of GB of host memory). Instead each environment gets one small process, its keeper,
+forked once while this process is still small (`prepare`, which grpo.py and eval.py call right after they build the
+environment, before the model loads; else at the environment's first call), and probes are forked from the keeper.
+A probe holds a copy of each episode's session made as this process made it, `env.start(task)`, followed by the
+calls this process has run on it, in order: a probe that takes over after a kill replays them. A call travels to the
+keeper, which times it, and on to the probe over pipes (~0.1 ms). The copies are exact where `start` is a function of
+the task and each tool a function of the session's state (the environment contract, docs/invariants.md, 4); where
+they are not (a tool that draws random ids), the copies may drift, which can weaken the deadline's protection but
+never change a result: the call that counts is always this process's own.
+
+An environment whose tools are remote (`slow_tools = True`) is not probed, since its calls are not safe to make twice:
+its calls wait at most the deadline in a thread and are then abandoned (the remote side may still act on them). Where
+this process cannot fork (not POSIX), calls run without a deadline, with one warning.
 """
 from __future__ import annotations
 
@@ -32,19 +38,31 @@ from envs import ToolResult
 log = logging.getLogger("muarl")
 
 
-def guard(session, timeout: float, remote: bool = False):
-    """`session` whose call_tool runs under a deadline of `timeout` seconds (0: none)."""
+def prepare(env) -> None:
+    """Fork `env`'s keeper now, while this process is small (before the model loads): the probes are forked from it,
+    never from the process that holds the model. Without it, the keeper is forked at the environment's first call."""
+    if KEEPERS.usable and not getattr(env, "slow_tools", False):
+        KEEPERS.get(env).start()
+
+
+def guard(env, task, timeout: float, remote: bool = False):
+    """A fresh session of `task` (env.start) whose call_tool runs under a deadline of `timeout` seconds (0: none)."""
+    session = env.start(task)
     if not timeout or timeout <= 0:
         return session
-    return DeadlineSession(session, timeout, remote)
+    return DeadlineSession(session, env, task, timeout, remote)
 
 
 class DeadlineSession:
-    """An episode's session (envs.EnvSession) whose tool calls have a deadline; everything else passes through."""
+    """An episode's session (envs.EnvSession) whose tool calls have a deadline; everything else passes through (its
+    own fields are named so as not to hide a session's)."""
 
-    def __init__(self, session, timeout: float, remote: bool):
+    def __init__(self, session, env, task, timeout: float, remote: bool):
         self.session, self.timeout, self.remote = session, timeout, remote
         self.busy = threading.Lock()  # remote: an abandoned call may still run; the next waits for it
+        self._deadline_env, self._deadline_task = env, task
+        self._deadline_calls: list[tuple] = []  # the calls run here, in order: what a new probe replays
+        self._deadline_key: int | None = None  # its number at the keeper
 
     def __getattr__(self, name):
         return getattr(self.session, name)
@@ -54,7 +72,7 @@ class DeadlineSession:
         kwargs.update({"n_messages": n_messages} if n_messages is not None else {})
         if self.remote:
             return _in_thread(self, name, arguments, kwargs)
-        return PROBE.call(self.session, self.timeout, name, arguments, kwargs)
+        return KEEPERS.call(self, name, arguments, kwargs)
 
 
 def overran(name: str, timeout: float, what: str = "did not finish") -> ToolResult:
@@ -87,117 +105,226 @@ def _in_thread(guarded: DeadlineSession, name, arguments, kwargs) -> ToolResult:
                       "the call was abandoned (the remote side may still carry it out)", error=True)
 
 
-class _Probe:
-    """The forked copy of this process that tries each call first. One per process; calls are serialized (the
-    decoding thread and the user thread both call tools), so both copies see the calls in the same order."""
+class _Keepers:
+    """The keeper of each environment (weakly held: it ends with its environment)."""
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.pid, self.conn = None, None
-        self.sessions: dict[int, weakref.ref] = {}  # key -> session, as the next fork will see them
-        self.keys: dict[int, int] = {}  # id(session) -> key
-        self.forked_keys: set[int] = set()  # the sessions the live probe has
-        self.next_key = 0
+        self.by_env: dict[int, _Keeper] = {}
         self.usable = hasattr(os, "fork")
         self.warned = False
 
-    def key(self, session) -> int:
-        k = self.keys.get(id(session))
-        if k is not None and self.sessions[k]() is session:
-            return k
-        k, self.next_key = self.next_key, self.next_key + 1  # a new session (or a new one at a reused address)
-        self.keys[id(session)] = k
-        self.sessions[k] = weakref.ref(session, lambda _, k=k, i=id(session): self._forget(k, i))
-        return k
+    def get(self, env) -> _Keeper:
+        with self.lock:
+            keeper = self.by_env.get(id(env))
+            if keeper is None or keeper.env() is not env:  # none yet, or one of an environment at a reused address
+                if keeper is not None:
+                    keeper.close()
+                keeper = self.by_env[id(env)] = _Keeper(env)
+                weakref.finalize(env, self._drop, id(env), keeper)
+            return keeper
 
-    def _forget(self, key: int, ident: int) -> None:
-        self.sessions.pop(key, None)
-        if self.keys.get(ident) == key:
-            del self.keys[ident]
+    def _drop(self, ident: int, keeper: _Keeper) -> None:  # its environment is gone
+        keeper.close()
+        with self.lock:
+            if self.by_env.get(ident) is keeper:
+                del self.by_env[ident]
 
-    def call(self, session, timeout, name, arguments, kwargs) -> ToolResult:
+    def call(self, guarded: DeadlineSession, name, arguments, kwargs) -> ToolResult:
         if not self.usable:
             if not self.warned:
                 log.warning("tool calls run without a deadline: this platform cannot fork (--tool-timeout)")
                 self.warned = True
-            return session.call_tool(name, arguments, **kwargs)
+            return guarded.session.call_tool(name, arguments, **kwargs)
+        return self.get(guarded._deadline_env).call(guarded, name, arguments, kwargs)
+
+    def close(self) -> None:
+        """End every keeper and its probe (tests; a process ends them with itself)."""
         with self.lock:
-            key = self.key(session)
-            if self.pid is None or key not in self.forked_keys:
+            keepers, self.by_env = list(self.by_env.values()), {}
+        for k in keepers:
+            k.close()
+
+
+class _Keeper:
+    """This process's side of one environment's keeper. Calls are serialized (the decoding thread and the user thread
+    both call tools), so the probe sees them in the order they run here."""
+
+    def __init__(self, env):
+        self.env = weakref.ref(env)
+        self.lock = threading.Lock()
+        self.pid, self.conn = None, None
+        self.known: set[int] = set()  # the sessions the live keeper has
+        self.gone: list[int] = []  # sessions that ended since the last call: the keeper drops its copies
+        self.next_key = 0
+
+    def start(self) -> None:
+        with self.lock:
+            if self.pid is None:
+                self._fork()
+
+    def _forget(self, key: int) -> None:
+        self.gone.append(key)  # (a finalizer: no lock; the list is read under the lock, appended atomically)
+
+    def call(self, guarded: DeadlineSession, name, arguments, kwargs) -> ToolResult:
+        session, timeout = guarded.session, guarded.timeout
+        with self.lock:
+            if guarded._deadline_key is None:
+                guarded._deadline_key, self.next_key = self.next_key, self.next_key + 1
+                weakref.finalize(guarded, self._forget, guarded._deadline_key)
+            key = guarded._deadline_key
+            if self.pid is None:
                 try:
                     self._fork()
-                except OSError as e:  # no memory or processes left for a copy: this call runs without one
-                    log.warning("tool %s runs without its deadline: the copy that would try it could not be forked "
+                except OSError as e:  # no memory or processes left for a keeper: this call runs without one
+                    log.warning("tool %s runs without its deadline: the keeper of its probes could not be forked "
                                 "(%s)", name, e)
                     return session.call_tool(name, arguments, **kwargs)
+            new = None if key in self.known else (guarded._deadline_task, guarded._deadline_calls)
+            gone, self.gone = self.gone, []
             try:
-                self.conn.send_bytes(pickle.dumps((key, name, arguments, kwargs)))
-                answer = self.conn.recv_bytes() if self.conn.poll(timeout) else None
-            except (OSError, EOFError, pickle.PicklingError):
-                answer = b"crashed"
-            except BaseException:  # interrupted mid-call (a stop signal): the probe's answer would be the next's
+                self.conn.send_bytes(pickle.dumps((gone, key, new, name, arguments, kwargs, timeout)))
+                self.known.add(key)
+                # the keeper times the call itself; this wait only covers a keeper that stopped answering
+                wait = timeout * (2 + (len(new[1]) if new else 0)) + 10
+                answer = self.conn.recv_bytes() if self.conn.poll(wait) else b"error: the keeper did not answer"
+            except (OSError, EOFError, pickle.PicklingError) as e:
+                answer = f"error: the keeper failed ({type(e).__name__})".encode()
+            except BaseException:  # interrupted mid-call (a stop signal): the keeper's answer would be the next's
                 self._kill()
                 raise
-            if answer == b"raised":  # an ordinary exception: here it raises as it always did
+            if answer in (b"ok", b"raised"):  # it finished there: run it here, for real (raising as it always did)
+                guarded._deadline_calls.append((name, arguments, kwargs))
                 return session.call_tool(name, arguments, **kwargs)
-            if answer is None or answer == b"crashed" or answer.startswith(b"error:"):
+            if answer.startswith(b"error: the keeper"):
                 self._kill()
-                if answer is None:
-                    return overran(name, timeout)
-                why = answer.decode(errors="replace")[len("error:"):] if answer != b"crashed" else "the probe died"
-                return ToolResult(f"Error: tool {name} failed in a way that stopped it ({why.strip()[:300]}); "
-                                  "it changed nothing", error=True)
-            return session.call_tool(name, arguments, **kwargs)  # it finished there: run it here, for real
+            if answer == b"overran":
+                return overran(name, timeout)
+            why = answer.decode(errors="replace")[len("error:"):]
+            return ToolResult(f"Error: tool {name} failed in a way that stopped it ({why.strip()[:300]}); "
+                              "it changed nothing", error=True)
 
     def _fork(self) -> None:
         self._kill()
+        env = self.env()
         parent, child = Pipe()
         pid = os.fork()
-        if pid == 0:  # the probe: answers calls until the pipe closes; never returns
+        if pid == 0:  # the keeper: forks probes and times their calls until the pipe closes; never returns
             try:
                 parent.close()
-                _serve(child, {k: r() for k, r in list(self.sessions.items())})
+                _quiet_child()
+                _keep(child, env)
             finally:
                 os._exit(0)
         child.close()
-        self.pid, self.conn, self.forked_keys = pid, parent, set(self.sessions)
+        self.pid, self.conn, self.known = pid, parent, set()
 
     def close(self) -> None:
-        """End the probe (the rollout is over): while it lives, every page this process writes is first copied,
-        since the two share them (copy-on-write): a training step of the tiny model took 1.0 s instead of 0.57 s
-        beside a forked child."""
         with self.lock:
             self._kill()
 
     def _kill(self) -> None:
         if self.pid is None:
             return
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
-        self.conn.close()
+        _end(self.pid, self.conn)
         self.pid = self.conn = None
 
 
-def _serve(conn, sessions: dict) -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # stop signals are the parent's to handle
+def _end(pid: int, conn) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+    conn.close()
+
+
+def _quiet_child() -> None:
+    """A keeper's or probe's set-up: stop signals are the parent's to handle; it ends with its parent, however the
+    parent ends (Linux); it logs nothing (the parent logs what it runs)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    try:  # and the probe ends with its parent, however the parent ends (Linux)
+    try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-    logging.disable(logging.CRITICAL)  # the parent logs what it runs; a copy must not log twice
+    logging.disable(logging.CRITICAL)
+
+
+def _keep(conn, env) -> None:
+    """The keeper: for each call, the session's task and the calls run on it (sent when it is new here), a probe
+    (forked when there is none), the call timed there; the calls that finished are added to the session's record, so
+    that a probe forked after a kill can rebuild every session."""
+    sessions: dict[int, list] = {}  # key -> [task, calls]
+    probe = None  # (pid, conn, the keys it has)
     while True:
         try:
-            key, name, arguments, kwargs = pickle.loads(conn.recv_bytes())
+            gone, key, new, name, arguments, kwargs, timeout = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             return
+        for k in gone:
+            sessions.pop(k, None)
+        if new is not None:
+            sessions[key] = [new[0], list(new[1])]
+        if probe is None:
+            parent, child = Pipe()
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    parent.close()
+                    _quiet_child()
+                    _probe(child, env, {k: (t, list(c)) for k, (t, c) in sessions.items()})
+                finally:
+                    os._exit(0)
+            child.close()
+            probe = (pid, parent, set(sessions))
+        pid, pconn, has = probe
+        task, calls = sessions[key]
         try:
-            sessions[key].call_tool(name, arguments, **kwargs)
+            pconn.send_bytes(pickle.dumps((gone, key, None if key in has else (task, calls), name, arguments,
+                                           kwargs)))
+            has.add(key)
+            has.difference_update(gone)
+            ready = pconn.poll(timeout * (1 + len(calls))) and pconn.recv_bytes() == b"ready"  # its copy, rebuilt
+            answer = pconn.recv_bytes() if ready and pconn.poll(timeout) else b"overran"
+        except (OSError, EOFError):
+            answer = b"error: the probe died"
+        if answer in (b"ok", b"raised"):
+            calls.append((name, arguments, kwargs))
+        else:
+            _end(pid, pconn)
+            probe = None
+        conn.send_bytes(answer)
+
+
+def _probe(conn, env, sessions: dict) -> None:
+    """A probe: each session's copy made on its first call (env.start, then the calls run on it so far), then each
+    call run on it, answering how it ended."""
+    copies = {}
+    while True:
+        try:
+            gone, key, new, name, arguments, kwargs = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return
+        for k in gone:
+            copies.pop(k, None)
+            sessions.pop(k, None)
+        if new is not None:
+            sessions[key] = new
+        if key not in copies:
+            task, calls = sessions[key]
+            copy = env.start(task)
+            for n, a, kw in calls:  # each of them finished before, here and there
+                try:
+                    copy.call_tool(n, a, **kw)
+                except Exception:
+                    pass
+            copies[key] = copy
+        conn.send_bytes(b"ready")
+        try:
+            copies[key].call_tool(name, arguments, **kwargs)
             conn.send_bytes(b"ok")
         except (MemoryError, RecursionError) as e:  # would take the parent down too: the call is not run there
             conn.send_bytes(f"error: {type(e).__name__}: {e}".encode(errors="replace"))
@@ -209,4 +336,4 @@ def _serve(conn, sessions: dict) -> None:
             return
 
 
-PROBE = _Probe()
+KEEPERS = _Keepers()

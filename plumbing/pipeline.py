@@ -17,6 +17,7 @@ import torch
 
 from plumbing import checkpoints, cli, lora, memory, metrics, models, rundir, shard, stopping
 import muarl
+from fast import deadlines
 from fast.logprobs import token_logprobs
 from plumbing.options import check_activation_checkpointing, validate
 
@@ -124,6 +125,8 @@ def start(cfg, resume_from: Path | None, changes: dict) -> Run:
         lora.check_base_kept(cfg.init_from or cfg.model, run_dir, "grpo.py: --overwrite")
     cfg.out_dir = str(run_dir)
     env, tasks = load_tasks(cfg.env, cfg.split, "grpo.py", **({"reward": cfg.env_reward} if cfg.env_reward else {}))
+    if cfg.tool_timeout:
+        deadlines.prepare(env)  # the keeper of the tool calls' probes, forked before the model loads (deadlines.py)
     if cfg.report_to:  # its files in the run directory (TensorBoard's: RUN_DIR/<run name>/)
         from accelerate.tracking import filter_trackers
 

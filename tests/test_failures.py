@@ -867,24 +867,34 @@ class _Tools:
         return ToolResult(str(self.db))
 
 
+class _ToolsEnv:
+    """An environment whose sessions are _Tools (session_class: another kind)."""
+
+    def __init__(self, session_class=None):
+        self.session_class = session_class or _Tools
+
+    def start(self, task):
+        return self.session_class()
+
+
 def test_a_tool_call_past_its_deadline_or_killing_its_process_is_an_error_that_changes_nothing():
     import time
 
     from fast import deadlines
 
-    session = deadlines.guard(_Tools(), 1.0)
+    session = deadlines.guard(_ToolsEnv(), None, 1.0)
     assert session.call_tool("write", {"x": 1}) == ToolResult("[1]")
     t0 = time.monotonic()
     res = session.call_tool("power", {"exponent": 10**9})  # minutes in C
     assert res.error and "did not finish within its deadline of 1 s (--tool-timeout)" in res.content
     assert time.monotonic() - t0 < 10
     assert session.call_tool("power", {"exponent": 10}) == ToolResult("16")
-    # the copy that tries each call is forked again with this process's state: the write before is still there
+    # the copy that tries each call is made again (the session's start, then the calls that ran): the write is there
     assert session.call_tool("write", {"x": 2}) == ToolResult("[1, 2]")
     res = session.call_tool("die", {})  # would end this process; ends only the copy
     assert res.error and "changed nothing" in res.content
     assert session.call_tool("write", {"x": 3}) == ToolResult("[1, 2, 3]") and session.session.db == [1, 2, 3]
-    assert deadlines.guard(_Tools(), 0).__class__ is _Tools  # --tool-timeout 0: no deadline
+    assert deadlines.guard(_ToolsEnv(), None, 0).__class__ is _Tools  # --tool-timeout 0: no deadline
     with pytest.raises(KeyError):  # an ordinary exception (a bug of the session's) raises here as it always did
         session.call_tool("write", {})
     assert session.call_tool("write", {"x": 4}) == ToolResult("[1, 2, 3, 4]")
@@ -897,9 +907,10 @@ def test_a_call_interrupted_mid_way_leaves_no_answer_behind_for_the_next(monkeyp
 
     from fast import deadlines
 
-    session = deadlines.guard(_Tools(), 1.0)
+    env = _ToolsEnv()
+    session = deadlines.guard(env, None, 1.0)
     assert session.call_tool("write", {"x": 1}) == ToolResult("[1]")
-    conn_class = type(deadlines.PROBE.conn)
+    conn_class = type(deadlines.KEEPERS.get(env).conn)
 
     def interrupted(conn, timeout):
         time.sleep(0.2)  # the probe has answered by now
@@ -928,7 +939,7 @@ def test_a_remote_tool_past_its_deadline_is_abandoned_and_the_session_takes_one_
                 gate.wait(10)
             return super().call_tool(name, arguments, requestor)
 
-    session = deadlines.guard(Remote(), 0.5, remote=True)
+    session = deadlines.guard(_ToolsEnv(Remote), None, 0.5, remote=True)
     t0 = time.monotonic()
     res = session.call_tool("slow", {"x": 1})
     assert res.error and "was abandoned" in res.content and time.monotonic() - t0 < 5

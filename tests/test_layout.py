@@ -53,7 +53,7 @@ ALLOWED = {  # module -> the project modules it may import
     "plumbing.pipeline": {"envs", "plumbing.cli", "muarl", "plumbing.models", "fast.logprobs", "plumbing.options",
                           "fast.batched_rollout", "plumbing.users", "plumbing.stats", "plumbing.shard", "plumbing.memory",
                           "plumbing.checkpoints", "plumbing.metrics", "plumbing.lora", "plumbing.rundir",
-                          "plumbing.stopping"},
+                          "plumbing.stopping", "fast.deadlines"},
     "sft": {"envs", "plumbing.cli", "muarl", "plumbing.models", "fast.logprobs", "plumbing.options", "plumbing.shard",
             "plumbing.checkpoints", "plumbing.lora", "plumbing.coldstart", "plumbing.memory", "plumbing.users"},
     "eval": {"envs", "plumbing.cli", "muarl", "plumbing.models", "fast.batched_rollout", "plumbing.memory",

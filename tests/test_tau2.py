@@ -476,12 +476,13 @@ def test_gold_conformance_full(domain):
 
 def test_a_calculation_that_never_ends_is_stopped_at_the_deadline_and_the_episode_goes_on(retail):
     """tau2 retail's calculate("9**9**9") is one C-level big-integer power (minutes): no thread or signal stops it,
-    so the call is tried in a forked copy first and killed there (deadlines.py); the episode's session goes on."""
+    so the call is tried on a copy of the session in another process first and killed there (deadlines.py); the
+    episode's session goes on."""
     import time
 
     from fast import deadlines
 
-    session = deadlines.guard(retail.start(retail.tasks("test")[0]), 1.0)
+    session = deadlines.guard(retail, retail.tasks("test")[0], 1.0)
     t0 = time.monotonic()
     res = session.call_tool("calculate", {"expression": "9**9**9"})
     assert res.error and "deadline of 1 s" in res.content and time.monotonic() - t0 < 10
