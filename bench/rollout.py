@@ -25,6 +25,10 @@ its end-of-turn token, so its output-embedding row is pushed up (`end_turns_soon
 tokens. Sampling is seeded per variant; the variants' samples differ, so throughput is reported per generated
 token (tokens/s), with the tokens and context lengths of each run.
 
+With --deadline it measures what the tool deadline costs (fast/deadlines.py): the same workload as the latency bench
+below, with an instant user, each round once with grpo.py's --tool-timeout 30 and once with 0, which goes first
+alternating; the median of --rounds (at least 3) each way, and how many tool calls went through the deadline.
+
 With --user-latency S [--user-jitter J] it measures instead how much of a slow user's latency the engine hides.
 Workload: the default run's cold start (`--agent`, default: grpo.py's own cold start, made and cached if missing)
 on 8 shop tasks x 4 samples, up to 14 turns (`--tasks`, `--group`, `--turns` change it), sampling at grpo.py's
@@ -170,12 +174,7 @@ def latency_bench(args):
     """--user-latency: the wall time with an instant and a slow user against the critical-path bound."""
     from envs import make_env
 
-    if args.agent:
-        agent = args.agent
-    else:
-        import sft
-
-        agent = sft.cold_start("tiny", "shop", "train", 0, False, 0.6, 0.5)  # grpo.py's defaults
+    agent = args.agent or default_agent()
     env = make_env("shop")
     model, tok = models.load_model(agent, env=env)
     tasks = env.tasks("train")[:args.tasks]
@@ -217,6 +216,57 @@ def latency_bench(args):
           f"{sum(opens) * args.group} for their {len(opens) * args.group} episodes")
 
 
+def deadline_bench(args):
+    """--deadline: the rollout with every tool call under the deadline (--tool-timeout 30, grpo.py's default) against
+    none (0), interleaved round by round, on the latency bench's workload with an instant user."""
+    import statistics
+
+    from envs import make_env
+    from fast import deadlines
+
+    agent = args.agent or default_agent()
+    env = make_env("shop")
+    deadlines.prepare(env)  # as grpo.py and eval.py do: the keeper forked before the model loads
+    model, tok = models.load_model(agent, env=env)
+    tasks = env.tasks("train")[:args.tasks]
+    cfg = dict(temperature=0.7, max_new_tokens=128, max_turns=args.turns)
+    calls = [0]
+    real = deadlines.DeadlineSession.call_tool
+
+    def counted(self, *a, **kw):  # the calls that went through the deadline (none may be exempted)
+        calls[0] += 1
+        return real(self, *a, **kw)
+    deadlines.DeadlineSession.call_tool = counted
+    print(f"agent {agent}; {len(tasks)} shop tasks x {args.group}, max_turns {args.turns}, temperature 0.7, "
+          f"scripted user; torch threads {torch.get_num_threads()}")
+
+    def play(timeout, seed):
+        calls[0] = 0
+        t = time.perf_counter()
+        eps = rollout(model, tok, env, tasks, args.group, make_user_sim("scripted"),
+                      RolloutConfig(**cfg, tool_timeout=timeout), seed=seed)
+        return time.perf_counter() - t, sum(sum(e.tool_calls.values()) for e in eps), calls[0]
+
+    play(30.0, 0)  # warm-up, both ways
+    play(0.0, 0)
+    walls = {30.0: [], 0.0: []}
+    for r in range(args.rounds):
+        for timeout in ((30.0, 0.0) if r % 2 == 0 else (0.0, 30.0)):  # which goes first alternates
+            wall, n, guarded = play(timeout, 1 + r)
+            walls[timeout].append(wall)
+            print(f"round {r} --tool-timeout {timeout:g}: {wall:.2f} s, {n} tool calls, {guarded} of them through "
+                  "the deadline", flush=True)
+    on, off = statistics.median(walls[30.0]), statistics.median(walls[0.0])
+    print(f"median over {args.rounds} rounds: {on:.2f} s with the deadline, {off:.2f} s without -> {on / off:.3f}x "
+          "(target <= 1.05x)")
+
+
+def default_agent() -> str:
+    import sft
+
+    return sft.cold_start("tiny", "shop", "train", 0, False, 0.6, 0.5)  # grpo.py's defaults
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", type=int, default=8)
@@ -229,11 +279,15 @@ def main():
     ap.add_argument("--variants", default="cache,reencode,single")
     ap.add_argument("--user-latency", type=float, default=None, help="seconds a user reply takes (the latency bench)")
     ap.add_argument("--user-jitter", type=float, default=0.5, help="+- seconds around --user-latency (uniform)")
-    ap.add_argument("--agent", default="", help="the latency bench's agent (default: grpo.py's cold start)")
+    ap.add_argument("--agent", default="", help="the latency and deadline benches' agent (default: grpo.py's cold "
+                    "start)")
+    ap.add_argument("--deadline", action="store_true", help="the rollout with the tool deadline against without")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.turns = args.turns or (14 if args.user_latency is not None else 12)
+    args.turns = args.turns or (14 if args.user_latency is not None or args.deadline else 12)
+    if args.deadline:
+        return deadline_bench(args)
     if args.user_latency is not None:
         if args.user_latency < 0 or args.user_jitter < 0:
             ap.error("--user-latency and --user-jitter must be >= 0")

@@ -101,8 +101,9 @@ class Environment(Protocol):
     name: str
     # slow_tools = True when a tool call takes time or acts on a remote service: the rollout then runs tool calls
     # from its user thread while other episodes decode, and the tool deadline (fast/deadlines.py) does not try a
-    # call first in a forked copy of the process (a remote call is not safe to make twice). Default False: every
-    # call runs twice, once in the forked probe, whose effects are thrown away, then for real.
+    # call first on a copy of the session in another process (a remote call is not safe to make twice). Default
+    # False: every call runs twice, once on the probe's copy (made by start(task) and the calls so far), whose
+    # effects are thrown away, then for real.
 
     def tasks(self, split: str) -> list[Task]:
         """Tasks of a split ("train", "test", ...). Raises ValueError naming the known splits."""

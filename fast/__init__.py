@@ -7,6 +7,6 @@ it to that twin. A first reader skips this folder.
     batched_rollout.py   many episodes at once over the engine, users answered from their own thread
                                                                       (twin: rollout.reference_rollout)
     opening.py           a group's opening through the policy once in the update   (twin: each episode whole)
-    deadlines.py         every tool call under a deadline, tried first in a forked copy of the process
+    deadlines.py         every tool call under a deadline, tried first on a copy of its session in a probe process
 
 Nothing here imports plumbing/ or an entry point (tests/test_layout.py)."""

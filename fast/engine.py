@@ -76,8 +76,8 @@ def _host_block(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     # An anonymous mapping starts on a page, and so does the tensor's storage: torch asks whether memory is pinned
     # at the storage's start (Tensor.is_pinned), which for an aligned slice of a larger block lies outside the pages
     # registered, and it would answer no for memory that is page-locked. The mapping is shared (mmap's default) on
-    # purpose: while deadlines.py's forked probe lives, writes to it copy no pages (private memory's would), and
-    # fork does not copy it eagerly as it does private pages pinned for DMA. The tensor keeps the mmap object alive;
+    # purpose: if this process is forked while the block lives, writes to it copy no pages (private memory's
+    # would), and fork does not copy it eagerly as it does private pages pinned for DMA. The tensor keeps the mmap object alive;
     # nothing else holds it, so nothing can close it under the tensor.
     block = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype)[:numel]
     if pin:  # never unregistered: a block is reused, and kept until the process ends, as torch keeps pinned blocks

@@ -5,6 +5,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -1249,6 +1250,52 @@ def test_a_full_disk_while_saving_stops_in_one_line_and_leaves_a_run_that_resume
     monkeypatch.undo()
     grpo.main(["--resume", str(run), "--env", FAKE_ENV])
     assert steps_logged(run) == [1, 2, 3]
+
+
+def _du(path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def test_a_real_full_disk_stops_the_save_in_one_line_and_the_resume_frees_what_a_cut_short_save_left(tmp_path, ckpt):
+    """On a real small filesystem (a tmpfs, where this process may mount one, as root can): the second checkpoint
+    does not fit. The run stops in one line and removes its partial copy; a --resume on the disk still full first
+    removes a cut-short save (as a kill -9 mid-save leaves), then stops again at the save, in one line; with room
+    made, it finishes."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root")
+    sizing = tmp_path / "sizing"
+    grpo.main(grpo_args(ckpt, sizing, "--steps", "1", "--save-every", "1"))
+    one = _du(sizing / "checkpoints" / "step-000001")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    size = (_du(sizing) + one // 2) // 4096 * 4096  # room for the run and its first checkpoint, half the second's
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)]).returncode:
+        pytest.skip("no tmpfs could be mounted here")
+    try:
+        run = disk / "run"
+        with pytest.raises(SystemExit, match=r"writing the checkpoint of step 2 .* \(is the disk full or read-only\?\)\. "
+                           r"The partial copy was removed; the newest checkpoint, step-000001, is untouched"):
+            grpo.main(grpo_args(ckpt, run, "--steps", "3", "--save-every", "1"))
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest.json", "step-000001"]
+        cut_short = run / "checkpoints" / "step-000002.tmp"  # what a kill -9 mid-save leaves
+        shutil.copytree(run / "checkpoints" / "step-000001" / "model", cut_short / "model")
+        fill = disk / "fill"
+        with open(fill, "wb") as f:  # the rest of the disk
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        with pytest.raises(SystemExit, match=r"writing the checkpoint of step 2 .* \(is the disk full"):
+            grpo.main(["--resume", str(run), "--env", FAKE_ENV])
+        assert not cut_short.exists() and steps_logged(run) == [1, 2]  # the log is cut back on the next resume
+        fill.unlink()
+        subprocess.run(["mount", "-o", f"remount,size={size + 3 * one}", str(disk)], check=True)  # room made
+        grpo.main(["--resume", str(run), "--env", FAKE_ENV])
+        assert steps_logged(run) == [1, 2, 3]
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
 
 
 def test_the_writers_own_words_for_a_refused_write_are_recognised(tmp_path):
