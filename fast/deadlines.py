@@ -50,7 +50,10 @@ def guard(env, task, timeout: float, remote: bool = False):
     session = env.start(task)
     if not timeout or timeout <= 0:
         return session
-    return DeadlineSession(session, env, task, timeout, remote)
+    guarded = DeadlineSession(session, env, task, timeout, remote)
+    if not remote:
+        KEEPERS.register(guarded)  # the probe makes its copy now, while the episode decodes
+    return guarded
 
 
 class DeadlineSession:
@@ -130,6 +133,10 @@ class _Keepers:
             if self.by_env.get(ident) is keeper:
                 del self.by_env[ident]
 
+    def register(self, guarded: DeadlineSession) -> None:
+        if self.usable:
+            self.get(guarded._deadline_env).register(guarded)
+
     def call(self, guarded: DeadlineSession, name, arguments, kwargs) -> ToolResult:
         if not self.usable:
             if not self.warned:
@@ -166,27 +173,45 @@ class _Keeper:
     def _forget(self, key: int) -> None:
         self.gone.append(key)  # (a finalizer: no lock; the list is read under the lock, appended atomically)
 
+    def _ready(self, guarded: DeadlineSession, what: str) -> bool:
+        """Under the lock: the session's key, and a keeper to send to (False: none could be forked)."""
+        if guarded._deadline_key is None:
+            guarded._deadline_key, self.next_key = self.next_key, self.next_key + 1
+            weakref.finalize(guarded, self._forget, guarded._deadline_key)
+        if self.pid is None:
+            try:
+                self._fork()
+            except OSError as e:  # no memory or processes left for a keeper
+                log.warning("%s runs without its deadline: the keeper of its probes could not be forked (%s)", what, e)
+                return False
+        return True
+
+    def register(self, guarded: DeadlineSession) -> None:
+        """A new session: the probe makes its copy at once, not at the session's first call (tau2 retail's start
+        takes ~0.2 s), answering nothing."""
+        with self.lock:
+            if not self._ready(guarded, "a new session"):
+                return
+            gone, self.gone = self.gone, []
+            try:
+                self.conn.send_bytes(pickle.dumps((gone, guarded._deadline_key, (guarded._deadline_task, []), None)))
+                self.known.add(guarded._deadline_key)
+            except (OSError, pickle.PicklingError):  # its first call will tell (and send it again)
+                pass
+
     def call(self, guarded: DeadlineSession, name, arguments, kwargs) -> ToolResult:
         session, timeout = guarded.session, guarded.timeout
         with self.lock:
-            if guarded._deadline_key is None:
-                guarded._deadline_key, self.next_key = self.next_key, self.next_key + 1
-                weakref.finalize(guarded, self._forget, guarded._deadline_key)
+            if not self._ready(guarded, f"tool {name}"):
+                return session.call_tool(name, arguments, **kwargs)
             key = guarded._deadline_key
-            if self.pid is None:
-                try:
-                    self._fork()
-                except OSError as e:  # no memory or processes left for a keeper: this call runs without one
-                    log.warning("tool %s runs without its deadline: the keeper of its probes could not be forked "
-                                "(%s)", name, e)
-                    return session.call_tool(name, arguments, **kwargs)
             new = None if key in self.known else (guarded._deadline_task, guarded._deadline_calls)
             gone, self.gone = self.gone, []
             try:
-                self.conn.send_bytes(pickle.dumps((gone, key, new, name, arguments, kwargs, timeout)))
+                self.conn.send_bytes(pickle.dumps((gone, key, new, (name, arguments, kwargs, timeout))))
                 self.known.add(key)
                 # the keeper times the call itself; this wait only covers a keeper that stopped answering
-                wait = timeout * (2 + (len(new[1]) if new else 0)) + 10
+                wait = timeout * (2 + len(guarded._deadline_calls)) + 120  # past the keeper's own waits
                 answer = self.conn.recv_bytes() if self.conn.poll(wait) else b"error: the keeper did not answer"
             except (OSError, EOFError, pickle.PicklingError) as e:
                 answer = f"error: the keeper failed ({type(e).__name__})".encode()
@@ -261,7 +286,7 @@ def _keep(conn, env) -> None:
     probe = None  # (pid, conn, the keys it has)
     while True:
         try:
-            gone, key, new, name, arguments, kwargs, timeout = pickle.loads(conn.recv_bytes())
+            gone, key, new, call = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             return
         for k in gone:
@@ -283,16 +308,23 @@ def _keep(conn, env) -> None:
         pid, pconn, has = probe
         task, calls = sessions[key]
         try:
-            pconn.send_bytes(pickle.dumps((gone, key, None if key in has else (task, calls), name, arguments,
-                                           kwargs)))
+            pconn.send_bytes(pickle.dumps((gone, key, None if key in has else (task, calls),
+                                           call and call[:3])))
             has.add(key)
             has.difference_update(gone)
-            ready = pconn.poll(timeout * (1 + len(calls))) and pconn.recv_bytes() == b"ready"  # its copy, rebuilt
+            if call is None:  # a new session: the probe makes its copy; nothing to answer
+                continue
+            timeout = call[3]
+            ready = pconn.poll(timeout * (1 + len(calls)) + 60) and pconn.recv_bytes() == b"ready"  # its copy made
             answer = pconn.recv_bytes() if ready and pconn.poll(timeout) else b"overran"
         except (OSError, EOFError):
+            if call is None:
+                _end(pid, pconn)
+                probe = None
+                continue
             answer = b"error: the probe died"
         if answer in (b"ok", b"raised"):
-            calls.append((name, arguments, kwargs))
+            calls.append(call[:3])
         else:
             _end(pid, pconn)
             probe = None
@@ -305,7 +337,7 @@ def _probe(conn, env, sessions: dict) -> None:
     copies = {}
     while True:
         try:
-            gone, key, new, name, arguments, kwargs = pickle.loads(conn.recv_bytes())
+            gone, key, new, call = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             return
         for k in gone:
@@ -322,6 +354,9 @@ def _probe(conn, env, sessions: dict) -> None:
                 except Exception:
                     pass
             copies[key] = copy
+        if call is None:  # made ahead of its first call
+            continue
+        name, arguments, kwargs = call
         conn.send_bytes(b"ready")
         try:
             copies[key].call_tool(name, arguments, **kwargs)

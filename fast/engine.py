@@ -77,8 +77,8 @@ def _host_block(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     # at the storage's start (Tensor.is_pinned), which for an aligned slice of a larger block lies outside the pages
     # registered, and it would answer no for memory that is page-locked. The mapping is shared (mmap's default) on
     # purpose: if this process is forked while the block lives, writes to it copy no pages (private memory's
-    # would), and fork does not copy it eagerly as it does private pages pinned for DMA. The tensor keeps the mmap object alive;
-    # nothing else holds it, so nothing can close it under the tensor.
+    # would), and fork does not copy it eagerly as it does private pages pinned for DMA. The tensor keeps the mmap
+    # object alive; nothing else holds it, so nothing can close it under the tensor.
     block = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype)[:numel]
     if pin:  # never unregistered: a block is reused, and kept until the process ends, as torch keeps pinned blocks
         err = int(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), nbytes, 1))  # 1: cudaHostRegisterPortable

@@ -901,6 +901,32 @@ def test_a_tool_call_past_its_deadline_or_killing_its_process_is_an_error_that_c
     assert session.call_tool("write", {"x": 4}) == ToolResult("[1, 2, 3, 4]")
 
 
+def test_once_its_keeper_is_made_no_tool_call_forks_the_process_that_holds_the_model(monkeypatch):
+    """The probes are forked from the environment's keeper, made before the model loads (grpo.py and eval.py call
+    deadlines.prepare): a forked copy of a process holding the model makes it copy every page it writes while the
+    copy lives (a rollout took 1.5x as long), and on a GPU would fork a CUDA context. Calls, an overrun, a crash and
+    the copies made again after them all happen without this process forking once."""
+    import time
+
+    from fast import deadlines
+
+    env = _ToolsEnv()
+    deadlines.prepare(env)
+
+    def no_fork():
+        raise AssertionError("a tool call forked the process that holds the model")
+    monkeypatch.setattr(os, "fork", no_fork)
+    a, b = deadlines.guard(env, None, 1.0), deadlines.guard(env, None, 1.0)
+    assert a.call_tool("write", {"x": 1}) == ToolResult("[1]") and b.call_tool("write", {"x": 5}) == ToolResult("[5]")
+    t0 = time.monotonic()
+    assert a.call_tool("power", {"exponent": 10**9}).error and time.monotonic() - t0 < 10
+    assert a.call_tool("die", {}).error
+    # the probe forked again by the keeper rebuilt both copies from their sessions' starts and calls
+    assert a.call_tool("write", {"x": 2}) == ToolResult("[1, 2]") and b.call_tool("write", {"x": 6}) == ToolResult(
+        "[5, 6]")
+    assert a.session.db == [1, 2] and b.session.db == [5, 6]
+
+
 def test_a_call_interrupted_mid_way_leaves_no_answer_behind_for_the_next(monkeypatch):
     """A stop signal (or any exception) between asking the probe and reading its answer: the next call must not
     read that stale answer as its own (it would then run, for real, a call nobody timed)."""
