@@ -274,8 +274,9 @@ def check_host(est: dict, program: str, *, lora: bool = False, parked: int = 0, 
 def fitting_batch(config, *, live: int, device_bytes: int, bf16: bool, max_context: int, prefill_tokens: int = 0,
                   world: int = 1) -> int:
     """For an evaluation (eval.py, --rollout-batch 0): the most of a process's `live` episodes that can decode at
-    once on a GPU of device_bytes (or a CPU with that much host memory to spare) by memory_estimate (inference) with its measured miss (ESTIMATE_MISSES),
-    the others waiting in host memory; at least 1, when even one does not fit (check_memory then says so)."""
+    once on a GPU of device_bytes (or a CPU with that much host memory to spare) by memory_estimate (inference)
+    with its measured miss (ESTIMATE_MISSES), the others waiting; at least 1, when even one does not fit
+    (check_memory then says so)."""
     n_params = sum(p.numel() for p in meta_model(config).parameters())
     kv = kv_bytes_per_token(config, bf16)
 
