@@ -28,7 +28,7 @@ from accelerate.utils import gather_object
 
 import sft
 from fast import batched_rollout
-from plumbing import cli, lora, metrics, models, pipeline, rundir, shard, stopping
+from plumbing import cli, lora, metrics, models, options, pipeline, rundir, shard, stopping
 from plumbing.batches import micro_batches
 from plumbing.cli import Range
 from loss import ADVANTAGES, CORRECTIONS, CREDIT, grpo_loss, normalizer_count, uniform_groups
@@ -217,7 +217,7 @@ def train_on_episodes(episodes, model, ref_model, opt, sched, acc, cfg: Config, 
 def main(argv=None):
     """The paper's pipeline, phase by phase. Ctrl-C, SIGTERM or SIGHUP save what finished and stop (rundir.stops)."""
     cli.cuda_allocator_defaults()  # before CUDA starts: expandable segments, unless the user set the allocator
-    cfg, resume_from, changes = rundir.options(Config, argv, pipeline.RECIPES)
+    cfg, resume_from, changes = rundir.options(Config, argv, options.RECIPES)
     if rundir.finished(cfg, resume_from):  # nothing left to do, nothing rewritten
         return None
     with stopping.StopOnInterrupt("grpo") as stop, rundir.stops(cfg, stop):

@@ -172,17 +172,17 @@ def make_env(name: str, **options) -> Environment:
                      "'bfcl:<multi_turn|multi_turn_base|...>', 'acebench:agent' or 'package.module:ClassName'")
 
 
-def load_tasks(name: str, split: str, program: str, **options) -> tuple[Environment, list[Task]]:
+def load_tasks(name: str, split: str, program: str, option: str = "--env", **options) -> tuple[Environment, list[Task]]:
     """make_env(name) and its split's tasks, at an entry point's start: an environment or split it does not know stops
-    `program` in one line naming the option (--env, --split) and the known values."""
+    `program` in one line naming the option (`option`, --split) and the known values."""
     try:
         env = make_env(name, **options)
     except ValueError as e:
-        raise SystemExit(f"{program}: --env {name}: {e}") from None
+        raise SystemExit(f"{program}: {option} {name}: {e}") from None
     try:
         return env, env.tasks(split)
     except ValueError as e:
-        raise SystemExit(f"{program}: --split {split}: {e}") from None
+        raise SystemExit(f"{program}: {'--split' if option == '--env' else option} {split}: {e}") from None
 
 
 # Parameter type names of BFCL-style function docs (BFCL, ACEBench) -> JSON Schema's, which OpenAI tools use.

@@ -1,7 +1,8 @@
 """plumbing/options.py: the option groups of the entry points, each defined once: how the agent samples (grpo.py,
 eval.py), the simulated user (grpo.py, sft.py, eval.py), LoRA adapters (grpo.py, sft.py), and grpo.py's start and run
 options (pipeline.py reads them; the algorithm's own are grpo.Algorithm), with `validate`, the check of grpo.py's
-options at start, and the checks grpo.py and sft.py share. An entry point's config dataclass inherits the groups it
+options at start, and the checks grpo.py and sft.py share; the paper's recipe (`--recipe paper`, RECIPES) and
+--freeze applied to a model. An entry point's config dataclass inherits the groups it
 needs; `cli.parse_config` lists each group under its own header in --help, and a subclass may give a field another
 default (grpo.py samples the tiny model at 0.7; eval.py's user is GPT-4.1)."""
 from __future__ import annotations
@@ -130,6 +131,10 @@ class StartOptions:
     expert's user turns whatever the agent says; envs/shop.py) or 'tau2:<retail|airline|telecom|mock>'"""
     split: str = "train"
     """task split trained on"""
+    eval_env: str = ""
+    """the environment of the held-out evaluations (before, after, --eval-every: its test split) when it is not --env:
+    '--env shop:static --eval-env shop' trains with the user who says everything at once and measures against the one
+    who says only what it is asked, so the asking rate's curve shows what the static user did not teach"""
     env_reward: str = ""
     """tau2 only: 'db' for the paper's training simplification (database check only); '' for tau2's full reward"""
 
@@ -242,3 +247,34 @@ def check_max_context(tokenizer, env, tasks: list, max_context: int, program: st
     if over:
         cli.main_print(f"[{program.split('.')[0]}] warning: --max-context {max_context}: {len(over)} of {which} open "
                    f"with more tokens (up to {max(over)}); their episodes end at once as context_limit")
+
+
+RECIPES = {
+    # The paper's recipe (its RL settings and released training script): Qwen3 non-thinking, a GPT-4o user, 32 tasks
+    # x 8 per step, lr 1e-6.
+    # Needs a cold-start checkpoint: --init-from runs/sft-qwen3 (see sft.py).
+    "paper": dict(model="Qwen/Qwen3-8B", env="tau2:retail", env_reward="db", user_sim="openai", user_model="gpt-4o",
+                  tasks_per_step=32, group_size=8, lr=1e-6, max_new_tokens=1024, max_context=32768,
+                  micro_batch_size=1, bf16=True, gradient_checkpointing=True, steps=200, eval_tasks=0,
+                  save_every=10, keep_checkpoints=2, temperature=1.0,
+                  # 8 episodes decode at once, the rest park their caches in host memory (docs/gpus.md, precision
+                  # and memory: what the estimate gives for Qwen3-8B at 32k)
+                  rollout_batch=8),
+}
+
+
+def freeze(model, pattern: str) -> int:
+    """Stop training the parameters whose name matches `pattern` (re.search); returns how many values that froze."""
+    import re
+
+    try:
+        rx = re.compile(pattern)
+    except re.error as e:
+        raise SystemExit(f"grpo.py: --freeze: {pattern!r} is not a regular expression ({e})")
+    hit = [p for name, p in model.named_parameters() if rx.search(name)]
+    if not hit:
+        names = ", ".join(n for n, _ in list(model.named_parameters())[:6])
+        raise SystemExit(f"grpo.py: --freeze: {pattern!r} matches no parameter name (they look like: {names}, ...)")
+    for p in hit:
+        p.requires_grad_(False)
+    return sum(p.numel() for p in hit)

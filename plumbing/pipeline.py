@@ -1,4 +1,4 @@
-"""plumbing/pipeline.py: the run around the GRPO step (grpo.grpo_step): the paper's recipe, the run's record (Run),
+"""plumbing/pipeline.py: the run around the GRPO step (grpo.grpo_step): the run's record (Run),
 its set-up in two phases (`start`: the Accelerator, run directory, environment, user; `load`: policy and optimizer,
 frozen reference, resumed state), the policy as the rollout decodes with it, greedy evaluation, each step's logs, the
 loop of steps with its checkpoints and stop signals, and the summary. Machinery: a first reader skips it; grpo.main
@@ -19,21 +19,7 @@ from plumbing import checkpoints, cli, lora, memory, metrics, models, rundir, sh
 import muarl
 from fast import deadlines
 from fast.logprobs import token_logprobs
-from plumbing.options import check_activation_checkpointing, validate
-
-
-RECIPES = {
-    # The paper's recipe (its RL settings and released training script): Qwen3 non-thinking, a GPT-4o user, 32 tasks
-    # x 8 per step, lr 1e-6.
-    # Needs a cold-start checkpoint: --init-from runs/sft-qwen3 (see sft.py).
-    "paper": dict(model="Qwen/Qwen3-8B", env="tau2:retail", env_reward="db", user_sim="openai", user_model="gpt-4o",
-                  tasks_per_step=32, group_size=8, lr=1e-6, max_new_tokens=1024, max_context=32768,
-                  micro_batch_size=1, bf16=True, gradient_checkpointing=True, steps=200, eval_tasks=0,
-                  save_every=10, keep_checkpoints=2, temperature=1.0,
-                  # 8 episodes decode at once, the rest park their caches in host memory (docs/gpus.md, precision
-                  # and memory: what the estimate gives for Qwen3-8B at 32k)
-                  rollout_batch=8),
-}
+from plumbing.options import check_activation_checkpointing, freeze, validate
 
 
 @dataclass
@@ -43,6 +29,7 @@ class Run:
     acc: Any                         # the Accelerator
     dir: Path                        # the run directory
     env: Any                         # the environment (envs.Environment)
+    eval_env: Any                    # the held-out evaluations' (--eval-env; else env itself)
     tasks: list                      # the training split's tasks
     user_sim: Any                    # the simulated user (envs.users.UserSim)
     resume_from: Path | None = None  # the checkpoint a --resume continues from
@@ -82,23 +69,6 @@ def load_reference(start: str, device, seed: int = 0, attn_implementation=None):
     return ref.eval().requires_grad_(False)
 
 
-def freeze(model, pattern: str) -> int:
-    """Stop training the parameters whose name matches `pattern` (re.search); returns how many values that froze."""
-    import re
-
-    try:
-        rx = re.compile(pattern)
-    except re.error as e:
-        raise SystemExit(f"grpo.py: --freeze: {pattern!r} is not a regular expression ({e})")
-    hit = [p for name, p in model.named_parameters() if rx.search(name)]
-    if not hit:
-        names = ", ".join(n for n, _ in list(model.named_parameters())[:6])
-        raise SystemExit(f"grpo.py: --freeze: {pattern!r} matches no parameter name (they look like: {names}, ...)")
-    for p in hit:
-        p.requires_grad_(False)
-    return sum(p.numel() for p in hit)
-
-
 # ---------------------------------------------------------------------------------------------------------
 def start(cfg, resume_from: Path | None, changes: dict) -> Run:
     """What a run needs before its policy, checked: the Accelerator, the run directory, the environment and its
@@ -125,8 +95,13 @@ def start(cfg, resume_from: Path | None, changes: dict) -> Run:
         lora.check_base_kept(cfg.init_from or cfg.model, run_dir, "grpo.py: --overwrite")
     cfg.out_dir = str(run_dir)
     env, tasks = load_tasks(cfg.env, cfg.split, "grpo.py", **({"reward": cfg.env_reward} if cfg.env_reward else {}))
+    eval_env = env
+    if cfg.eval_env and cfg.eval_env != cfg.env:
+        eval_env = load_tasks(cfg.eval_env, "test", "grpo.py", "--eval-env",
+                              **({"reward": cfg.env_reward} if cfg.env_reward else {}))[0]
     if cfg.tool_timeout:
-        deadlines.prepare(env)  # the keeper of the tool calls' probes, forked before the model loads (deadlines.py)
+        for e in {id(e): e for e in (env, eval_env)}.values():
+            deadlines.prepare(e)  # the keeper of the tool calls' probes, forked before the model loads (deadlines.py)
     if cfg.report_to:  # its files in the run directory (TensorBoard's: RUN_DIR/<run name>/)
         from accelerate.tracking import filter_trackers
 
@@ -137,12 +112,16 @@ def start(cfg, resume_from: Path | None, changes: dict) -> Run:
     if cfg.user_sim == "hf":  # each process loaded its own copy of the user: the same one?
         shard.check_same_weights(acc, user_sim.sim.model, f"--user-model {cfg.user_model}")
     if cfg.user_sim == "scripted":  # fail now, not after the model has loaded
-        try:
-            env.scripted_user(tasks[0])
-        except NotImplementedError:
-            raise SystemExit(f"grpo.py: --user-sim: {cfg.env} has no scripted user; use --user-sim openai or hf")
-    return Run(cfg=cfg, acc=acc, dir=run_dir, env=env, tasks=tasks, user_sim=user_sim, resume_from=resume_from,
-               changes=changes)
+        checks = [(cfg.env, env, tasks[0])]
+        if eval_env is not env and cfg.eval_tasks and eval_env.tasks("test"):
+            checks.append((cfg.eval_env, eval_env, eval_env.tasks("test")[0]))
+        for name, e, task in checks:
+            try:
+                e.scripted_user(task)
+            except NotImplementedError:
+                raise SystemExit(f"grpo.py: --user-sim: {name} has no scripted user; use --user-sim openai or hf")
+    return Run(cfg=cfg, acc=acc, dir=run_dir, env=env, eval_env=eval_env, tasks=tasks, user_sim=user_sim,
+               resume_from=resume_from, changes=changes)
 
 
 def load(run: Run) -> None:
@@ -154,6 +133,8 @@ def load(run: Run) -> None:
     cfg, acc, env, tasks, resume_from, run_dir = run.cfg, run.acc, run.env, run.tasks, run.resume_from, run.dir
     load_policy(run)
     check_max_context(run.tok, env, tasks, cfg.max_context)
+    if run.eval_env is not env and cfg.eval_tasks:
+        check_max_context(run.tok, run.eval_env, run.eval_env.tasks("test")[:cfg.eval_tasks], cfg.max_context)
     run.first_step = checkpoints.load(acc, resume_from, cfg.tasks_per_step, run.sched) if resume_from else 0
     if resume_from:
         acc.print(f"[grpo] resumed from {resume_from} at step {run.first_step}")
@@ -289,9 +270,9 @@ def evaluate(run, tag: str) -> dict:
     cfg, acc = run.cfg, run.acc
     if not cfg.eval_tasks:
         return {}
-    test = run.env.tasks("test")[:cfg.eval_tasks]
+    test = run.eval_env.tasks("test")[:cfg.eval_tasks]
     with decoding(run) as policy:
-        eps = rollout(policy, run.tok, run.env, test[acc.process_index::acc.num_processes], 1, run.user_sim,
+        eps = rollout(policy, run.tok, run.eval_env, test[acc.process_index::acc.num_processes], 1, run.user_sim,
                       replace(run.sampling, greedy=True))
     eps = gather_object([e.to_json(tokens=True) for e in eps])
     s = summarize(eps, 1, {t.id: t.meta for t in test})
@@ -305,10 +286,13 @@ def evaluate(run, tag: str) -> dict:
         return {f"eval/{tag}/pass1": None, f"eval/{tag}/tasks": s["tasks"]}
     kinds = "; ".join(f"{k}: " + ", ".join(f"{v} {r['pass^1']:.2f}" for v, r in vs.items())
                       for k, vs in list(s.get("by_meta", {}).items())[:2])
-    acc.print(f"[grpo] eval ({tag}) on {s['tasks']} test tasks, greedy: pass^1 = {s['pass^1']:.3f}"
-              + (f" ({kinds})" if kinds else ""))
+    where = f" of {cfg.eval_env}" if run.eval_env is not run.env else ""
+    rates = "".join(f", {k} {r['rate']:.2f}" for k, r in s.get("rates", {}).items())
+    acc.print(f"[grpo] eval ({tag}) on {s['tasks']} test tasks{where}, greedy: pass^1 = {s['pass^1']:.3f}"
+              + (f" ({kinds})" if kinds else "") + rates)
     out = {f"eval/{tag}/pass1": s["pass^1"], f"eval/{tag}/tasks": s["tasks"],
-           f"eval/{tag}/by_meta": s.get("by_meta", {})}
+           f"eval/{tag}/by_meta": s.get("by_meta", {}),  # the reward's checks over the episodes that record them
+           f"eval/{tag}/rates": {k: r["rate"] for k, r in s.get("rates", {}).items()}}
     if tag == "before" and acc.is_main_process:  # a resumed run's summary still holds it
         cli.write_json_atomic(run.dir / "eval-before.json", out)
     return out
@@ -383,7 +367,9 @@ def log_step(run: Run, step: int, m: dict, episodes: list) -> None:
         t2 = time.time()
         try:
             with run.stop_signals.abandoning():  # a stop signal leaves the evaluation; the step is logged and saved
-                m["eval/pass1"] = evaluate(run, f"step{step + 1}").get(f"eval/step{step + 1}/pass1")
+                held = evaluate(run, f"step{step + 1}")
+                m["eval/pass1"] = held.get(f"eval/step{step + 1}/pass1")
+                m.update({f"eval/{k}": v for k, v in held.get(f"eval/step{step + 1}/rates", {}).items()})
         except stopping.Abandoned as e:
             stopped = e
         m["eval_s"] = time.time() - t2

@@ -23,7 +23,7 @@ RESUMABLE = ("steps", "user_base_url", "user_model", "user_concurrency", "user_t
              "report_to", "log_episodes", "save_every", "keep_checkpoints", "memory_check", "dist_timeout",
              "eval_every", "lora_decode")
 # Options added after runs were saved, as those runs ran: a run resumes as it started unless told otherwise.
-BEFORE_THEY_EXISTED = {"lora_decode": "unmerged"}
+BEFORE_THEY_EXISTED = {"lora_decode": "unmerged", "eval_env": ""}
 
 
 def options(Config, argv, recipes: dict) -> tuple:
@@ -292,12 +292,14 @@ def resume_settings(path: Path, cfg, given: set, resumable: tuple) -> tuple[dict
     with the options given on the command line that may change (`resumable`; an option equal to the saved value is
     no change). Returns (settings, changes: name -> [saved, new]); any other change is refused, naming it."""
     saved = {**BEFORE_THEY_EXISTED, **saved_settings(path)}
-    env = saved.get("env", "shop")  # (absent: the default, shop)
-    if not (isinstance(env, str) and (env == "shop" or env.startswith(SHIPPED_ENVS))) and not (
-            "env" in given and cfg.env == env):  # a run directory never chooses code to import and run
-        raise SystemExit(f"grpo.py: --resume: the run's environment, {env!r} in its saved settings, is not one "
-                         "muarl ships (shop, tau2:, bfcl:, acebench:), and a run directory may not choose code to "
-                         f"import: name it again on the command line, --resume {path} --env {env}")
+    for key in ("env", "eval_env"):
+        env = saved.get(key, "shop" if key == "env" else "")  # (absent: the default)
+        if not (isinstance(env, str) and (env in ("shop", "") or env.startswith(SHIPPED_ENVS))) and not (
+                key in given and getattr(cfg, key) == env):  # a run directory never chooses code to import and run
+            option, what = ("--env", "environment") if key == "env" else ("--eval-env", "evaluations' environment")
+            raise SystemExit(f"grpo.py: --resume: the run's {what}, {env!r} in its saved settings, is not one muarl "
+                             "ships (shop, tau2:, bfcl:, acebench:), and a run directory may not choose code to "
+                             f"import: name it again on the command line, --resume {path} {option} {env}")
     changes = {k: [saved.get(k), getattr(cfg, k)] for k in sorted(given - {"resume"})
                if k == "recipe" or saved.get(k) != getattr(cfg, k)}
     fixed = [k for k in changes if k not in resumable]

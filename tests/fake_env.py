@@ -185,3 +185,10 @@ class CappedEnv(RightEnv):
 
     def __init__(self, n_tasks=64, user_turns=100, nan_task=""):
         super().__init__(n_tasks, user_turns, nan_task)
+
+
+class OtherEnv(FakeEnv):
+    """FakeEnv whose tasks have other ids ("other-test-0", ...): an environment told apart in what a run evaluated."""
+
+    def tasks(self, split):
+        return [Task(id=f"other-{t.id}", user_scenario=t.user_scenario) for t in super().tasks(split)]

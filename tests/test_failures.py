@@ -1217,6 +1217,26 @@ def test_a_run_directory_never_chooses_code_to_import(tmp_path, ckpt):
     assert steps_logged(run) == [1, 2]
 
 
+def test_eval_env_evaluates_on_another_environment_and_a_resume_names_a_plug_in_one_again(tmp_path, ckpt, capsys):
+    """--eval-env: the held-out evaluations (before, after, --eval-every) run on its test split, not --env's (train
+    with shop:static, measure against shop's dynamic user). Like --env, a plug-in one is taken from a run directory
+    only when named again on the command line."""
+    other = "tests.fake_env:OtherEnv"
+    run = tmp_path / "run"
+    grpo.main(grpo_args(ckpt, run, "--steps", "1", "--eval-tasks", "3", "--eval-env", other))
+    for tag in ("before", "after"):
+        ids = [json.loads(line)["task_id"] for line in open(run / f"eval-{tag}.jsonl")]
+        assert sorted(ids) == ["other-test-0", "other-test-1", "other-test-2"]
+    assert f"eval (before) on 3 test tasks of {other}" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"the run's evaluations' environment, 'tests.fake_env:OtherEnv' in its saved "
+                                         r"settings, is not one muarl ships .* --resume .* --eval-env tests.fake_env"):
+        grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "2"])
+    grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--eval-env", other, "--steps", "2"])
+    assert steps_logged(run) == [1, 2]
+    with pytest.raises(SystemExit, match=r"grpo.py: --eval-env nope: unknown environment 'nope'"):
+        grpo.main(grpo_args(ckpt, tmp_path / "bad", "--eval-env", "nope"))
+
+
 def test_damaged_state_files_and_a_checkpoint_outside_the_run_are_named_in_one_line(tmp_path, ckpt, capsys):
     """latest.json naming another run's checkpoint by absolute path made --resume train and write into that run,
     exit 0 (round 3): only a step-N beside it is taken, else the newest complete step of this run, saying so. A

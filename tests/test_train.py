@@ -546,16 +546,18 @@ def test_copy_loss_matches_a_loop(tiny_tok, tiny_lm):
 def test_plot_curves_writes_a_png_with_each_curve(tmp_path):
     rows = [{"step": i + 1, "reward_mean": i / 9, "all_correct_ratio": 0.1, "all_wrong_ratio": 0.5, "turns_mean": 7.0,
              "response_tokens_mean": 40.0, "kl": 0.001 * i, "entropy": 1.5, "reward_info/unconfirmed_writes": 0.3,
-             "reward_info/asked_refund": 0.5, **({"eval/pass1": 0.4} if i == 4 else {})} for i in range(10)]
+             "reward_info/asked_refund": 0.5, **({"eval/pass1": 0.4, "eval/asked_refund": 0.3} if i == 4 else {})}
+            for i in range(10)]
     from plumbing.metrics import plot_curves
 
-    drawn = plot_curves(rows, tmp_path / "c.png", before=0.2, after=0.6)
+    drawn = plot_curves(rows, tmp_path / "c.png", before=0.2, after=0.6, asked=(0.1, 0.7))
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert drawn == {
         "reward": ["reward (sampled episodes)", "mean of the last 5 steps", "test pass^1 before (0.20, greedy)",
                    "test pass^1 after (0.60, greedy)", "held-out test pass^1 (greedy)"],
         "group outcomes": ["groups all correct", "groups all wrong", "episodes that wrote without a yes",
-                           "refund episodes that asked where it goes"],
+                           "refund episodes that asked where it goes",
+                           "held-out refund episodes that asked (greedy)"],
         "episode length": ["agent turns per episode", "sampled tokens per episode"],
         "KL and entropy": ["KL to the reference (k3)", "policy entropy"]}
     # From a run directory, as `python eval.py --plot RUN_DIR` does; a line cut short by a crash is skipped.
