@@ -12,7 +12,9 @@ memory out and is shared, so absolute speeds drift; ratios within a round are wh
   old       RolloutConfig(decode_attention="model")          (not by default) as cache, the decoding steps through
             the model's own attention (sdpa with a padding mask) instead of decode.grouped_decode_attention
   compiled  RolloutConfig(compile_decode="on")               (not by default) as cache, the decoder's step through
-            torch.compile (on by default on a GPU only; its compile time is spent in the warm-up)
+            torch.compile (off by default; its compile time is spent in the warm-up)
+  graphs    RolloutConfig(decode_graphs="on")                (not by default) as cache, the step over fixed buffers
+            by bucket (fast/graphs.py): on the CPU the body a GPU captures, run eagerly
   lora      as cache, on the model with LoRA adapters of rank 16 on every projection, unmerged (grpo.py
             --lora-decode unmerged), not by default; B = 0, so it plays the very same tokens: the ratio is the cost
             of the adapters' extra matmuls
@@ -112,9 +114,11 @@ class KeepTalking:
 def step_cost(model, batch: int, context: int, steps: int = 30, cfg: RolloutConfig | None = None) -> float:
     """Seconds per decoding step (decode.decode_step: the decoder's forward for one token a row, and the draw) of
     `batch` rows over `context` cached tokens: how much batching can buy on this device at all (on a small CPU a
-    step's cost grows with the batch; on a GPU it stays nearly flat). `cfg`: its decode_attention, compile_decode."""
+    step's cost grows with the batch; on a GPU it stays nearly flat). `cfg`: its decode_attention, compile_decode,
+    decode_graphs (the step over fixed buffers, graphs.py: captured on a GPU, its capture in the warm-up steps)."""
     from fast.decode import decode_attention, decode_step
     from fast.engine import SlotPool, _cache, _mask, _View
+    from fast.graphs import step_graphs
 
     cfg = cfg or RolloutConfig(compile_decode="off")
     dev = model.device
@@ -126,13 +130,19 @@ def step_cost(model, batch: int, context: int, steps: int = 30, cfg: RolloutConf
     seeds = torch.arange(batch, device=dev)
     view = _View(pool, 0)
     cache = _cache(pool, view)
+    graphs = step_graphs(model, pool, cfg) if batch > 1 else None
     with decode_attention(model, cfg.decode_attention):
         for i in range(steps + 3):
             if i == 3:
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
                 t = time.perf_counter()
-            view.set(lens, 1, context + i + 1)
-            tok = decode_step(model, cache, tok, _mask(lens, 1, view.seen, pool, cfg), lens[:, None],
-                              seeds, cfg)[0][:, None]
+            if graphs is not None:
+                tok = graphs.step(tok, lens, seeds, context + i + 1)[0][:, None]
+            else:
+                view.set(lens, 1, context + i + 1)
+                tok = decode_step(model, cache, tok, _mask(lens, 1, view.seen, pool, cfg), lens[:, None],
+                                  seeds, cfg)[0][:, None]
             lens = lens + 1
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -305,7 +315,8 @@ def main():
     variants = {"cache": RolloutConfig(**base), "reencode": RolloutConfig(**base, reuse_cache=False),
                 "single": RolloutConfig(**base, max_batch=1), "sync": RolloutConfig(**base, refill_below=0),
                 "old": RolloutConfig(**base, decode_attention="model", compile_decode="off"),
-                "compiled": RolloutConfig(**base, compile_decode="on")}
+                "compiled": RolloutConfig(**base, compile_decode="on"),
+                "graphs": RolloutConfig(**base, decode_graphs="on")}
     adapted = [k for k in ("lora", "lora-merged") if k in args.variants.split(",")]
     variants = {k: variants[k] for k in args.variants.split(",") if k not in adapted}
     nets = {k: model for k in variants}

@@ -4,6 +4,8 @@ it to that twin. A first reader skips this folder.
     logprobs.py          per-token log-probs through a chunked output layer   (twin: a plain log-softmax)
     decode.py            one decoding step of the batch, grouped-query attention on the cache, the draw
     engine.py            batched decoding, each episode's KV cache kept in its slot across turns
+    graphs.py            the decoding step over fixed buffers by bucket, replayed as CUDA graphs
+                                                                      (twin: the eager step, decode.decode_step)
     batched_rollout.py   many episodes at once over the engine, users answered from their own thread
                                                                       (twin: rollout.reference_rollout)
     opening.py           a group's opening through the policy once in the update   (twin: each episode whole)

@@ -48,6 +48,7 @@ import torch
 
 from fast.deadlines import guard
 from fast.engine import SlotPool, _prefill_openings, _Row, generate_turn
+from fast.graphs import step_graphs
 from envs import Speaker, Termination, next_turn, opening_messages
 from envs.users import UserSimError, close_user_sim, opening_retries, reply_problem, retries_of
 from muarl import Episode, TurnEnd, prompt_ids, stop_token_ids
@@ -79,6 +80,10 @@ class RolloutConfig(Sampling):
     heads per key-value head (decode.grouped_decode_attention); 'model' the model's own sdpa or eager attention with
     an additive mask, which copies the cache to every query head first (repeat_kv)"""
     compile_decode: str = "off"
+    decode_graphs: str = "off"
+    """'on': the decoding step over fixed buffers by bucket of rows and columns (graphs.py), captured as CUDA graphs
+    on a GPU and replayed, run eagerly on the CPU (the same tokens); 'auto': on a GPU only; 'off' (the default until it
+    is timed on a GPU: bench/gpu.py)"""
     """'on': the decoder's forward for one token a row through torch.compile (decode.decode_step; the draw stays
     eager); 'auto': on a GPU only; 'off' (the default until it is timed on a GPU: on this project's CPU it gains
     ~1.1x a rollout after a compile of 10-45 s, bench/README.md)"""
@@ -96,14 +101,15 @@ class RolloutConfig(Sampling):
         on a GPU, the caches of the episodes that lose their slot wait in pinned host memory."""
         if opts.decode_attention not in ("grouped", "model"):
             raise SystemExit(f"--decode-attention: {opts.decode_attention!r} is not 'grouped' or 'model'")
-        if opts.compile_decode not in ("auto", "on", "off"):
-            raise SystemExit(f"--compile-decode: {opts.compile_decode!r} is not 'auto', 'on' or 'off'")
+        for name in ("compile_decode", "decode_graphs"):
+            if getattr(opts, name) not in ("auto", "on", "off"):
+                raise SystemExit(f"--{name.replace('_', '-')}: {getattr(opts, name)!r} is not 'auto', 'on' or 'off'")
         if opts.rollout not in ("engine", "reference"):
             raise SystemExit(f"--rollout: {opts.rollout!r} is not 'engine' or 'reference'")
         return cls(temperature=opts.temperature or 1e-5, top_p=opts.top_p, greedy=opts.temperature == 0,
                    max_new_tokens=opts.max_new_tokens, max_context=opts.max_context, max_turns=opts.max_turns,
                    tool_timeout=opts.tool_timeout, decode_attention=opts.decode_attention,
-                   compile_decode=opts.compile_decode,
+                   compile_decode=opts.compile_decode, decode_graphs=opts.decode_graphs,
                    reuse_cache=opts.reuse_cache, max_batch=opts.rollout_batch, reference=opts.rollout == "reference",
                    park_device="cpu" if opts.rollout_batch and on_gpu else "")
 
@@ -248,6 +254,7 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
     live = [r for r in rows if not r.ep.termination]
     # every live episode's cache in a slot of max_context positions, or max_batch slots and the others spilled
     pool = SlotPool(model, min(cfg.max_batch or len(live), len(live)) or 1, cfg.max_context, cfg.park_device)
+    pool.graphs = step_graphs(model, pool, cfg)
     _prefill_openings(model, pool, [g for g in groups if g], cfg, eot_ids[0])
     waiting: dict[concurrent.futures.Future, _Row] = {}  # rows whose tools or user reply are on their way
 

@@ -133,6 +133,7 @@ class SlotPool:
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
         self.capacity, self.owner = capacity, [None] * slots
+        self.graphs = None  # the decoding step by bucket over this pool (graphs.StepGraphs), when --decode-graphs
         self.spill_device = torch.device(spill_device) if spill_device else self.device
         self.pin = self.spill_device.type == "cpu" and self.device.type == "cuda"
 
@@ -371,9 +372,12 @@ def generate_turn(model, pool: SlotPool, rows: list[_Row], cfg, stops: list[int]
         while True:
             if longest >= pool.capacity - 1:  # (not expected: budget stops a row first)
                 raise RuntimeError(f"decoding past the cache slots' {pool.capacity} positions (max_context)")
-            view.set(lens, 1, longest + 1)
-            tok, lp = decode_step(model, cache, tok, _mask(lens, 1, view.seen, pool, cfg), lens[:, None],
-                                  seeds, cfg)
+            if pool.graphs is not None:  # the same step over fixed buffers, replayed as a CUDA graph (graphs.py)
+                tok, lp = pool.graphs.step(tok, lens, seeds, longest + 1)
+            else:
+                view.set(lens, 1, longest + 1)
+                tok, lp = decode_step(model, cache, tok, _mask(lens, 1, view.seen, pool, cfg), lens[:, None],
+                                      seeds, cfg)
             lens, longest, done = lens + 1, longest + 1, []
             # one device-to-host copy a step (token ids are exact in float32): the loop's only per-step host sync
             drawn, logps = torch.stack([tok.float(), lp]).tolist()

@@ -46,6 +46,10 @@ class SamplingOptions:
     """the decoder's step through torch.compile: 'on', 'off', or 'auto' (on a GPU only); where compiling fails it
     warns once and decodes eagerly. Off by default, on a GPU too: on an H200 it compiled for 114 s a shape, and again
     for every shape a run meets"""
+    decode_graphs: str = "off"
+    """the decoding step over fixed buffers, captured as CUDA graphs and replayed (fast/graphs.py): 'on', 'off', or
+    'auto' (on a GPU only; on the CPU 'on' runs the same body eagerly); where a capture fails it warns once and
+    decodes eagerly. Off by default until it is timed on a GPU (bench/gpu.py)"""
     rollout: str = "engine"
     """how episodes are played: 'engine' (fast/batched_rollout.py: many at once, each KV cache kept across turns) or
     'reference' (rollout.py's reference_rollout: one at a time with model.generate, the loop a reader read; the same

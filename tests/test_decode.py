@@ -260,3 +260,114 @@ def test_a_step_that_will_not_compile_warns_once_and_decodes_eagerly(lm, tiny_to
                                             RolloutConfig(**{**cfg.__dict__, "compile_decode": "on"}))]
     assert got == want
     assert sum("compiling the decoding step failed" in str(w.message) for w in caught) == 1
+
+
+# ---- the decoding step over fixed buffers (fast/graphs.py): everything but the capture, on the CPU ---------------
+def test_the_graphed_step_plays_the_eager_tokens(lm, tiny_tok, monkeypatch):
+    """--decode-graphs on (on the CPU: the body a GPU captures, run eagerly): the greedy and the sampled episodes of
+    the eager step, with rows leaving and joining mid-turn and the pool smaller than the batch (max_batch); the
+    logprobs recorded within float32 rounding (the attention reads the bucket's columns, masked past each row)."""
+    from fast import graphs
+
+    steps = []
+    real = graphs.StepGraphs.step
+    monkeypatch.setattr(graphs.StepGraphs, "step", lambda self, *a: steps.append(a[-1]) or real(self, *a))
+    env = FakeEnv(n_tasks=3)
+
+    def run(how, **kw):
+        cfg = RolloutConfig(max_new_tokens=24, max_turns=3, decode_graphs=how, **kw)
+        return rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), cfg, seed=5)
+
+    for kw in (dict(greedy=True), dict(temperature=0.9), dict(temperature=0.9, top_p=0.8, max_batch=4)):
+        eager, body = run("off", **kw), run("on", **kw)
+        assert [e.input_ids for e in body] == [e.input_ids for e in eager]
+        for a, b in zip(body, eager):
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    assert steps  # the graphed step did run ('on'), and 'auto' leaves the CPU's step eager
+    n = len(steps)
+    assert [e.input_ids for e in run("auto", greedy=True)] == [e.input_ids for e in run("off", greedy=True)]
+    assert len(steps) == n
+
+
+def test_the_buckets_never_exceed_the_pool_and_round_up():
+    from fast.graphs import col_bucket, row_bucket
+
+    assert [row_bucket(b, 6) for b in (1, 2, 3, 4, 5, 6)] == [2, 2, 4, 4, 6, 6]
+    assert [col_bucket(s, 4096) for s in (1, 128, 129, 1000, 1025, 2000, 4000)] == [128, 128, 256, 1024, 1152,
+                                                                                      2048, 4096]
+    assert col_bucket(5000, 4096) == 4096 and all(col_bucket(s, 1 << 20) - s < max(128, s // 8) for s in
+                                                   range(1, 40000, 37))
+
+
+def _graph_body(lm, tiny_tok, rows=3, slots=4):
+    """A pool of `slots` slots with `rows` rows of different lengths, and the graphed step over it."""
+    from fast import engine, graphs
+
+    pool = engine.SlotPool(lm, slots, 128)
+    cfg = RolloutConfig(temperature=0.9)
+    steps = graphs.StepGraphs(lm, pool, cfg, capture=False)
+    lens = torch.tensor([7, 30, 12][:rows])
+    return pool, steps, cfg, lens
+
+
+def test_the_graphed_body_never_reads_the_host(lm, tiny_tok):
+    """A CUDA graph cannot hold a host sync (an .item(), a nonzero, a data-dependent shape): the body's ops, recorded
+    on the CPU by a dispatch mode, include none of them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fast.decode import decode_attention
+
+    syncing = ("_local_scalar_dense", "nonzero", "item", "is_nonzero", "equal", "masked_select", "unique",
+               "repeat_interleave", "_unique2", "bincount")
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    pool, steps, cfg, lens = _graph_body(lm, tiny_tok)
+    b = steps.bucket(len(lens), int(lens.max()) + 1)
+    b.lens[:3] = lens
+    with torch.no_grad(), decode_attention(lm, "grouped"), Record():
+        steps._body(b)
+    assert len(seen) > 50 and not [op for op in seen if op in syncing], sorted(set(seen))
+
+
+def test_every_tensor_the_graphed_body_reads_keeps_its_address(lm, tiny_tok):
+    """A graph replays over the memory it was captured with: every tensor the body reads that it did not make (the
+    bucket's buffers, the pool's, the weights) is at the same address on every call of the bucket, and the body
+    makes its outputs where the bucket keeps them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fast.decode import decode_attention
+
+    def inputs():
+        made, read = set(), set()
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                flat = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+                read.update(t.untyped_storage().data_ptr() for t in flat if isinstance(t, torch.Tensor)
+                            and t.untyped_storage().data_ptr() not in made)
+                out = func(*args, **(kwargs or {}))
+                made.update(t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves(out)
+                            if isinstance(t, torch.Tensor))
+                return out
+
+        with torch.no_grad(), decode_attention(lm, "grouped"), Record():
+            steps._body(b)
+        return read
+
+    pool, steps, cfg, lens = _graph_body(lm, tiny_tok)
+    b = steps.bucket(len(lens), int(lens.max()) + 1)
+    b.lens[:3] = lens
+    first = inputs()
+    b.lens[:3] += 1  # the next step: new values in the same buffers
+    b.tok[:3] = b.out_tok[:3, None]
+    garbage = [torch.randn(1000) for _ in range(20)]  # the allocator's other blocks in use
+    assert inputs() == first and garbage
+    fixed = {t.untyped_storage().data_ptr() for t in [b.tok, b.lens, b.seeds, b.columns, b.view.rows, b.out_tok,
+                                                        b.out_lp, *pool.k, *pool.v, *lm.parameters()]}
+    assert first <= fixed | {p.untyped_storage().data_ptr() for p in lm.buffers()}, "the body read a tensor it " \
+        "neither made nor keeps"

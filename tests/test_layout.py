@@ -34,7 +34,8 @@ ALLOWED = {  # module -> the project modules it may import
     "fast.engine": {"fast.decode", "muarl"},
     "fast.opening": {"fast.logprobs", "fast.decode"},
     "fast.deadlines": {"envs"},
-    "fast.batched_rollout": {"envs", "muarl", "rollout", "fast.engine", "fast.deadlines"},
+    "fast.graphs": {"fast.decode", "fast.engine"},
+    "fast.batched_rollout": {"envs", "muarl", "rollout", "fast.engine", "fast.deadlines", "fast.graphs"},
     "plumbing.cli": set(),
     "plumbing.lora": set(),
     "plumbing.shard": set(),
@@ -65,7 +66,8 @@ ALLOWED = {  # module -> the project modules it may import
              "plumbing.shard", "plumbing.stopping"},
 
 }
-BELOW_ENVS = ("toolcall", "muarl", "loss", "fast.logprobs", "fast.decode", "fast.engine", "fast.opening",
+BELOW_ENVS = ("toolcall", "muarl", "loss", "fast.logprobs", "fast.decode", "fast.engine", "fast.graphs",
+              "fast.opening",
               "plumbing.cli", "plumbing.lora", "plumbing.models", "plumbing.shard",
               "plumbing.memory", "plumbing.metrics", "plumbing.stats")
 # The reading path's lines (README.md, "Reading it"), docstrings included: what a first reading can afford.
