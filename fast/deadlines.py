@@ -29,6 +29,7 @@ import logging
 import os
 import pickle
 import signal
+import itertools
 import threading
 import weakref
 from multiprocessing.connection import Pipe
@@ -112,7 +113,7 @@ class _Keepers:
     """The keeper of each environment (weakly held: it ends with its environment)."""
 
     def __init__(self):
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # a finalizer (_drop) can run on this thread while it is held
         self.by_env: dict[int, _Keeper] = {}
         self.usable = hasattr(os, "fork")
         self.warned = False
@@ -163,7 +164,6 @@ class _Keeper:
         self.pid, self.conn = None, None
         self.known: set[int] = set()  # the sessions the live keeper has
         self.gone: list[int] = []  # sessions that ended since the last call: the keeper drops its copies
-        self.next_key = 0
 
     def start(self) -> None:
         with self.lock:
@@ -176,7 +176,7 @@ class _Keeper:
     def _ready(self, guarded: DeadlineSession, what: str) -> bool:
         """Under the lock: the session's key, and a keeper to send to (False: none could be forked)."""
         if guarded._deadline_key is None:
-            guarded._deadline_key, self.next_key = self.next_key, self.next_key + 1
+            guarded._deadline_key = next(_KEYS)
             weakref.finalize(guarded, self._forget, guarded._deadline_key)
         if self.pid is None:
             try:
@@ -192,28 +192,43 @@ class _Keeper:
         with self.lock:
             if not self._ready(guarded, "a new session"):
                 return
-            gone, self.gone = self.gone, []
             try:
-                self.conn.send_bytes(pickle.dumps((gone, guarded._deadline_key, (guarded._deadline_task, []), None)))
+                message = pickle.dumps((self.gone, guarded._deadline_key, (guarded._deadline_task, []), None))
+            except Exception:  # a task that cannot be copied: its first call says so (and runs without the probe)
+                return
+            try:
+                self.conn.send_bytes(message)
+                self.gone = []
                 self.known.add(guarded._deadline_key)
-            except (OSError, pickle.PicklingError):  # its first call will tell (and send it again)
-                pass
+            except OSError:  # the keeper is gone: its first call forks another and sends the session again
+                self._kill()
+            except BaseException:  # interrupted mid-send (a stop signal): a cut-short message would desync the keeper
+                self._kill()
+                raise
 
     def call(self, guarded: DeadlineSession, name, arguments, kwargs) -> ToolResult:
         session, timeout = guarded.session, guarded.timeout
         with self.lock:
             if not self._ready(guarded, f"tool {name}"):
+                guarded._deadline_calls.append((name, arguments, kwargs))  # what a later probe's copy replays
                 return session.call_tool(name, arguments, **kwargs)
             key = guarded._deadline_key
             new = None if key in self.known else (guarded._deadline_task, guarded._deadline_calls)
-            gone, self.gone = self.gone, []
             try:
-                self.conn.send_bytes(pickle.dumps((gone, key, new, (name, arguments, kwargs, timeout))))
+                message = pickle.dumps((self.gone, key, new, (name, arguments, kwargs, timeout)))
+            except Exception as e:  # a task or arguments that cannot be copied to the probe: run without it
+                log.warning("tool %s runs without its deadline: its session's task or arguments cannot be sent to "
+                            "the probe (%s: %s)", name, type(e).__name__, e)
+                guarded._deadline_calls.append((name, arguments, kwargs))
+                return session.call_tool(name, arguments, **kwargs)
+            try:
+                self.conn.send_bytes(message)
+                self.gone = []
                 self.known.add(key)
                 # the keeper times the call itself; this wait only covers a keeper that stopped answering
                 wait = timeout * (2 + len(guarded._deadline_calls)) + 120  # past the keeper's own waits
                 answer = self.conn.recv_bytes() if self.conn.poll(wait) else b"error: the keeper did not answer"
-            except (OSError, EOFError, pickle.PicklingError) as e:
+            except (OSError, EOFError) as e:
                 answer = f"error: the keeper failed ({type(e).__name__})".encode()
             except BaseException:  # interrupted mid-call (a stop signal): the keeper's answer would be the next's
                 self._kill()
@@ -237,19 +252,19 @@ class _Keeper:
         if pid == 0:  # the keeper: forks probes and times their calls until the pipe closes; never returns
             try:
                 parent.close()
-                _quiet_child()
+                _quiet_child(die_with_parent=False)  # it ends when this process's end of the pipe closes
                 _keep(child, env)
             finally:
                 os._exit(0)
         child.close()
-        self.pid, self.conn, self.known = pid, parent, set()
+        self.pid, self.conn, self.known, self.owner = pid, parent, set(), os.getpid()
 
     def close(self) -> None:
         with self.lock:
             self._kill()
 
     def _kill(self) -> None:
-        if self.pid is None:
+        if self.pid is None or self.owner != os.getpid():  # (in a forked child: not its keeper to end)
             return
         _end(self.pid, self.conn)
         self.pid = self.conn = None
@@ -264,11 +279,19 @@ def _end(pid: int, conn) -> None:
     conn.close()
 
 
-def _quiet_child() -> None:
-    """A keeper's or probe's set-up: stop signals are the parent's to handle; it ends with its parent, however the
-    parent ends (Linux); it logs nothing (the parent logs what it runs)."""
+def _quiet_child(die_with_parent: bool = True) -> None:
+    """A keeper's or probe's set-up: stop signals are the parent's to handle; a probe ends with its keeper, however
+    the keeper ends (Linux: the death signal follows the thread that forked it, and a keeper is single-threaded; a
+    keeper, which any thread of the trainer may fork, ends instead when the trainer's end of its pipe closes); it logs
+    nothing (the parent logs what it runs)."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    for keeper in list(KEEPERS.by_env.values()):  # the other keepers' pipes are not this child's to hold open
+        if keeper.conn is not None:
+            keeper.conn.close()
+    if not die_with_parent:
+        logging.disable(logging.CRITICAL)
+        return
     try:
         import ctypes
 
@@ -299,6 +322,7 @@ def _keep(conn, env) -> None:
             if pid == 0:
                 try:
                     parent.close()
+                    conn.close()  # the trainer's pipe is the keeper's alone: its end must close with the keeper
                     _quiet_child()
                     _probe(child, env, {k: (t, list(c)) for k, (t, c) in sessions.items()})
                 finally:
@@ -372,3 +396,4 @@ def _probe(conn, env, sessions: dict) -> None:
 
 
 KEEPERS = _Keepers()
+_KEYS = itertools.count()  # sessions' numbers at their keepers: one counter for the process, never reused

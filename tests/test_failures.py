@@ -927,6 +927,32 @@ def test_once_its_keeper_is_made_no_tool_call_forks_the_process_that_holds_the_m
     assert a.session.db == [1, 2] and b.session.db == [5, 6]
 
 
+def test_a_keeper_forked_by_a_thread_outlives_it_and_a_task_it_cannot_copy_runs_without_a_probe(caplog):
+    """A keeper forked from a thread that then ends (the user thread of one rollout, with a dual-control user's tools)
+    keeps serving the next rollout's calls (Linux's death signal follows the forking thread, so a keeper ends with
+    its pipe instead); a session whose task cannot be sent to the probe (not picklable) runs its calls here, saying
+    so, and nothing crashes."""
+    import logging
+    import threading
+
+    from fast import deadlines
+
+    env = _ToolsEnv()
+    first = []
+    t = threading.Thread(target=lambda: first.append(deadlines.guard(env, None, 1.0).call_tool("write", {"x": 1})))
+    t.start()
+    t.join()
+    assert first == [ToolResult("[1]")]
+    pid = deadlines.KEEPERS.get(env).pid
+    session = deadlines.guard(env, None, 1.0)
+    assert session.call_tool("write", {"x": 2}) == ToolResult("[2]") and deadlines.KEEPERS.get(env).pid == pid
+    assert session.call_tool("power", {"exponent": 10**9}).error  # the deadline still holds
+    with caplog.at_level(logging.WARNING, logger="muarl"):
+        odd = deadlines.guard(env, lambda: None, 1.0)  # a task the probe cannot be sent
+        assert odd.call_tool("write", {"x": 3}) == ToolResult("[3]")
+    assert "cannot be sent to the probe" in caplog.text
+
+
 def test_a_call_interrupted_mid_way_leaves_no_answer_behind_for_the_next(monkeypatch):
     """A stop signal (or any exception) between asking the probe and reading its answer: the next call must not
     read that stale answer as its own (it would then run, for real, a call nobody timed)."""
