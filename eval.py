@@ -311,14 +311,13 @@ def main(argv=None):
             models.check_local(cfg.agent)
             config = memory.read_config(lora.base_chain(cfg.agent)[-1])  # adapters: the model at the chain's root
             on_gpu = acc.device.type == "cuda"
-            if config is not None and not cfg.rollout_batch and (on_gpu or acc.device.type == "cpu" and
-                                                                 memory.cpu_room()) and cfg.memory_check:
+            room = (torch.cuda.get_device_properties(acc.device).total_memory if on_gpu else
+                    memory.cpu_room() if acc.device.type == "cpu" else 0)
+            if config is not None and not cfg.rollout_batch and room and cfg.memory_check:
                 # --rollout-batch 0: as many as the GPU (or the CPU's free host memory) holds decode at once, the
                 # others wait (on a GPU, in host memory)
                 decoding = memory.fitting_batch(config, live=live, bf16=bf16, max_context=cfg.max_context,
-                                                device_bytes=torch.cuda.get_device_properties(acc.device).total_memory
-                                                if on_gpu else memory.cpu_room(),
-                                                prefill_tokens=RolloutConfig.prefill_tokens)
+                                                device_bytes=room, prefill_tokens=RolloutConfig.prefill_tokens)
                 cfg.rollout_batch = decoding if decoding < live else 0
                 if on_gpu or decoding < live:
                     acc.print(f"[eval] --rollout-batch 0: {decoding} of this process's {live} episodes decode at "

@@ -199,9 +199,10 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
         print(f"[{program.removesuffix('.py')}] estimated memory per GPU ({backend}): "
               + ", ".join(f"{k} {gib(v)}" for k, v in est.items()) + " (activations not counted)", flush=True)
     device = torch.device(device)
-    if check and device.type == "cpu" and cpu_room() and est["peak"] > cpu_room():
+    room = cpu_room() if check and device.type == "cpu" else 0  # read once: it moves with the machine's other work
+    if room and est["peak"] > room:
         raise SystemExit(
-            f"{program}: the estimated peak of {gib(est['peak'])} per process exceeds the {gib(cpu_room())} of host "
+            f"{program}: the estimated peak of {gib(est['peak'])} per process exceeds the {gib(room)} of host "
             f"memory available to it on this machine (running on the CPU; the KV cache term, {gib(est['kv_cache'])}, "
             f"assumes {episodes} decoding episodes at --max-context {max_context}). Set --rollout-batch (episodes "
             "decoding at once), lower --max-context, --trials or --tasks-per-step, or use a smaller model; "
