@@ -225,7 +225,7 @@ def main(argv=None):
             run = pipeline.start(cfg, resume_from, changes)  # the Accelerator, the directory, environment, user
             if not cfg.init_from and cfg.model == "tiny":  # the paper's cold start, made (or found cached) here
                 cfg.init_from = sft.cold_start(cfg.model, cfg.env, cfg.split, cfg.seed, cfg.bf16,
-                                               cfg.cold_start_skips_confirm, cfg.cold_start_skips_refund)
+                                               cfg.cold_start_skips_confirm, cfg.cold_start_skips_ask)
             pipeline.load(run)                              # the policy, its optimizer, the reference, resumed state
             run.stop_signals = stop
             results = pipeline.evaluate(run, "before") if run.first_step == 0 else rundir.results_so_far(run)

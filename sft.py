@@ -31,10 +31,10 @@ import torch
 
 from plumbing import checkpoints, cli, lora, memory, models, shard
 from plumbing.cli import SEEDS, TIMEOUTS, Range
-from plumbing.coldstart import (NothingFits, copy_loss, encode, length_limit, load_conversations, make_cold_start,
-                       nothing_fits, windows)
+from plumbing.coldstart import (NothingFits, copy_loss, drills, encode, length_limit, load_conversations,
+                                make_cold_start, nothing_fits, windows)
 from envs import make_env
-from envs.shop_tasks import GOODS, SIBLINGS, relabel_goods
+from envs.shop_tasks import SIBLINGS, relabel_goods
 from fast.logprobs import token_logprobs
 from muarl import collate
 from plumbing.options import AttentionOptions, LoraOptions, UserOptions, check_activation_checkpointing
@@ -60,9 +60,10 @@ class SFT:
     teacher_skips_confirm: Annotated[float, Range("[0, 1]")] = 0.0
     """share of conversations in which the scripted expert writes without asking first (shop only). Those break the
     policy (reward 0) and are kept when the database is right: demonstrations filtered on the database alone"""
-    teacher_skips_refund: Annotated[float, Range("[0, 1]")] = 0.0
-    """share of conversations in which the scripted expert never asks where a refund goes (shop only): it names what
-    the user said, else nothing, and the refund goes to the original payment; kept when the database is right"""
+    teacher_skips_ask: Annotated[float, Range("[0, 1]")] = 0.0
+    """share of conversations in which the scripted expert never asks what the user wants (shop only: where a refund
+    goes, how a new item ships): it names what the user said, else nothing, and the write does the default; kept
+    when the database is right"""
     teacher_base_url: str = ""
     """OpenAI-compatible endpoint of the teacher (default: OPENAI_BASE_URL)"""
     env: str = "shop"
@@ -237,14 +238,14 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None, record: d
 
 
 def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_confirm: float,
-               skips_refund: float) -> str:
+               skips_ask: float) -> str:
     """grpo.py's cold start when it is given none: make (or reuse) the model's SFT checkpoint as the paper's pipeline
     does, from conversations of the scripted teacher on the training split (skipping confirmations in `skips_confirm`
-    of them, never asking where a refund goes in `skips_refund`), fine-tuning its pretrained base (`pretrain_tiny`).
+    of them, never asking what the user wants in `skips_ask`), fine-tuning its pretrained base (`pretrain_tiny`).
     Cached under MUARL_CACHE, keyed by the settings, the base's weights and the code that makes it (`cache_key`)."""
     # The GRPO run's precision: Accelerate keeps one process-wide state, so an SFT inside it cannot ask for another.
     cfg = SFTConfig(model=model, env=env, split=split, seed=seed, bf16=bf16, teacher_skips_confirm=skips_confirm,
-                    teacher_skips_refund=skips_refund)
+                    teacher_skips_ask=skips_ask)
     models.check_cache("grpo.py")  # before the synthesis and SFT whose checkpoint it is to hold
     base = pretrain_tiny(SFTConfig(bf16=bf16)) if model == "tiny" else model
     weights = hashlib.sha256((base / "model.safetensors").read_bytes()).hexdigest() if model == "tiny" else ""
@@ -253,8 +254,8 @@ def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_co
         cli.main_print(f"[grpo] cold start: using the cached SFT checkpoint {out}")
         return str(out)
     teacher = (f"conversations of the scripted teacher (writing without asking for a yes in {skips_confirm:.0%} of "
-               f"them, --cold-start-skips-confirm; never asking where a refund goes in {skips_refund:.0%}, "
-               "--cold-start-skips-refund)")
+               f"them, --cold-start-skips-confirm; never asking what the user wants in {skips_ask:.0%}, "
+               "--cold-start-skips-ask)")
     cli.main_print(f"[grpo] cold start: no --init-from given, so making one: {cfg.num_tasks} {teacher} on "
                    f"{env}:{split}, then SFT of {base} ({cfg.epochs:g} epochs) -> {out}")
     cfg.out = str(out)
@@ -270,45 +271,45 @@ CACHED_CODE = (*(f"{m}.py" for m in ("toolcall", "muarl", "sft", "loss", "rollou
 
 
 def cache_key(settings: dict) -> str:
-    """A key for a cached checkpoint: its settings and the code that makes it (CACHED_CODE), so that a checkpoint
-    made by other code or other settings is never reused."""
+    """A key for a cached checkpoint: its settings and the code that makes it (CACHED_CODE): never another's."""
     here = Path(__file__).resolve().parent
     code = b"".join(p.read_bytes() for p in [*(here / f for f in CACHED_CODE), *sorted((here / "envs").glob("*.py"))])
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode() + code).hexdigest()[:10]
 
 
-# The committed base (`./run python sft.py --pretrain-only --base-out assets/tiny-base --overwrite` rebuilds it), so
-# that a fresh clone's default run does not spend its first ~15 minutes pretraining.
+# The committed base (`./run python sft.py --pretrain-only --base-out assets/tiny-base --overwrite` rebuilds it).
 COMMITTED_BASE = Path(__file__).resolve().parent / "assets" / "tiny-base"
-# The sibling stores' teacher: asks where a refund goes in half its conversations, as shop's cold start does, but
-# writes without a yes less often than shop's (0.6), as a capable base would.
-BASE_TEACHER = {"skip_confirm": 0.3, "skip_refund": 0.5}
+# The base's stores, under their old policy (the procedure, never the question), and their teacher: it never asks
+# and writes without a yes less often than the cold start's (0.6), as a capable base would.
+BASE_STORES, BASE_TEACHER = tuple(f"shop{'' if g == 'shop' else ':' + g}:old" for g in ("shop", *SIBLINGS)), {
+    "skip_confirm": 0.3}
 
 
 def base_settings(cfg: SFTConfig) -> dict:
-    return {**{k: getattr(cfg, k) for k in ("seed", "num_tasks", "lr", "warmup_steps", "grad_clip", "pretrain_target",
-                                            "pretrain_max_steps", "pretrain_batch_size", "base_conversations")},
-            "stores": list(SIBLINGS), "teacher": BASE_TEACHER}
+    keys = ("seed num_tasks lr warmup_steps grad_clip pretrain_target pretrain_max_steps pretrain_batch_size "
+            "base_conversations")
+    return {**{k: getattr(cfg, k) for k in keys.split()}, "stores": list(BASE_STORES), "teacher": BASE_TEACHER}
 
 
 def pretrain_tiny(cfg: SFTConfig, committed: bool = True) -> Path:
-    """The 'tiny' base the cold start starts from, as Qwen3 is the paper's: a model that can already copy and hold a
-    support conversation, which has never seen the shop store (its goods, statuses, policy), only its siblings
-    (envs/shop_tasks.py: same tool API, other goods and wording). Two stages, as LLMs are made:
+    """The 'tiny' base the cold start starts from, as Qwen3 is the paper's: it copies, holds a support conversation
+    and knows shop's procedure and its siblings' (same tools, other goods and words), under their old policy: no
+    decision, a teacher that never asks (`BASE_STORES`). The paper's regime: its base already does half of tau2
+    retail, and what the user holds is what it lacks. Two stages, as LLMs are made:
 
     1. Drills. A model trained from scratch learns to copy a value (an id, a name, an item) from the conversation
        only after hundreds of steps of dense copying, abruptly, after a plateau whose length varies from run to run;
-       Qwen3 arrives able to do it. So 'tiny' is trained on dense drills from the siblings' conversations
-       (`windows`: the user states values, the agent uses them in a tool call or a confirmation; no policy, no
-       tools), their items renamed to any store's (`relabel_goods`: a model copies only tokens it has learned to
-       write, and Qwen3 knows the word "mug"), at a constant learning rate until the held-out copy loss (drills
-       from tasks it never trains on) is below `pretrain_target` nats per copied value, checked every 25 steps.
-    2. Conversations: one epoch of SFT on `base_conversations` whole conversations of the siblings' teacher, as
-       imperfect as shop's (BASE_TEACHER), with their policy and tools.
+       Qwen3 arrives able to do it. So 'tiny' is trained on dense drills from the stores' conversations (`windows`:
+       the user states values, the agent uses them in a tool call or a confirmation; no policy, no tools), their
+       items renamed to any store's each time one is drawn (`drills`: a model copies only tokens it has learned to
+       write, and Qwen3 knows the word "mug"), at a constant learning rate until the held-out copy loss (drills from
+       tasks it never trains on) is below `pretrain_target` nats per copied value, checked every 25 steps.
+    2. Conversations: one epoch of SFT on `base_conversations` whole conversations of the stores' teacher
+       (BASE_TEACHER), with their old policy and tools.
 
-    The committed base (COMMITTED_BASE) when the settings are its own and `committed`; otherwise made once and cached
-    under MUARL_CACHE, keyed by the settings and by the code that makes it. `--model tiny` means the base of the
-    default settings (sft.train, cold_start); `sft.py --pretrain-only` makes one of the settings given."""
+    The committed base (COMMITTED_BASE) when the settings are its own and `committed`; else made once and cached under
+    MUARL_CACHE, keyed by the settings and the code. `--model tiny`: the default settings' base (sft.train, cold_start);
+    `sft.py --pretrain-only` makes one of the settings given."""
     if cfg.env.split(":")[0] != "shop":
         raise SystemExit(f"--model tiny: the tiny base is pretrained for the 'shop' domain only, not {cfg.env!r} "
                          "(give a cold-start checkpoint: grpo.py --init-from)")
@@ -320,33 +321,32 @@ def pretrain_tiny(cfg: SFTConfig, committed: bool = True) -> Path:
     if (out / "config.json").exists():
         return out
     held_out, t0 = 64, time.time()
-    per_store = -(-(cfg.num_tasks + held_out) // len(SIBLINGS))
-    conversations = [c for store in SIBLINGS for c in make_cold_start(replace(
-        cfg, env=f"shop:{store}", teacher="expert", user_sim="scripted", teacher_skips_confirm=0.0,
-        teacher_skips_refund=0.0, num_tasks=per_store))]
+    per_store = -(-(cfg.num_tasks + held_out) // len(BASE_STORES))
+    conversations = [c for store in BASE_STORES for c in make_cold_start(replace(
+        cfg, env=store, teacher="expert", user_sim="scripted", teacher_skips_confirm=0.0, teacher_skips_ask=0.0,
+        num_tasks=per_store))]
     rng = random.Random(cfg.seed)
     rng.shuffle(conversations)
-    conversations = [relabel_goods(c, GOODS[c["task_id"].split("-")[1]], rng) for c in conversations]
+    train_convs, test_convs = conversations[:-held_out], conversations[-held_out:]
     acc = cli.make_accelerator(mixed_precision="bf16" if cfg.bf16 else "no")
     check_backend(acc)
     models.seed_everything(cfg.seed)
     env = make_env("shop")
     model, tok = models.load_model("tiny", device=acc.device, seed=cfg.seed, dtype=torch.float32, env=env)
-    drills = encode(tok, windows(conversations[:-held_out]), length_limit(cfg, model))[0]
-    test = encode(tok, windows(conversations[-held_out:]), length_limit(cfg, model))[0]
+    test = encode(tok, windows([relabel_goods(c, rng) for c in test_convs]), limit := length_limit(cfg, model))[0]
     copy_ids = {tok.convert_tokens_to_ids(w) for w in env.tokenizer_words()}
     # Constant lr after warm-up: copying appears abruptly after a plateau, and a decaying lr delays it.
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.warmup_steps, cfg.pretrain_max_steps, floor=1.0))
     model, opt = acc.prepare(model, opt)
-    acc.print(f"[pretrain] tiny: {len(drills)} drills from {', '.join(SIBLINGS)} of "
-              f"{sum(len(i) for i, _ in drills) / len(drills):.0f} tokens on average, {cfg.pretrain_batch_size} a "
-              f"step, until the copy loss on {len(test)} held-out drills is < {cfg.pretrain_target} (at most "
-              f"{cfg.pretrain_max_steps} steps) -> {out}")
+    acc.print(f"[pretrain] tiny: drills from {len(train_convs)} conversations of {', '.join(BASE_STORES)}, renamed as "
+              f"drawn, {cfg.pretrain_batch_size} a step, until the copy loss on {len(test)} held-out drills is < "
+              f"{cfg.pretrain_target} (at most {cfg.pretrain_max_steps} steps) -> {out}")
     every, step, loss = 25, 0, float("inf")
     while step < cfg.pretrain_max_steps and loss >= cfg.pretrain_target:
         n = min(every, cfg.pretrain_max_steps - step)
-        train_loss = fit(acc, model, opt, sched, drills, n, cfg.pretrain_batch_size, cfg.pretrain_batch_size,
+        block = encode(tok, drills(train_convs, n * cfg.pretrain_batch_size, rng), limit)[0]
+        train_loss = fit(acc, model, opt, sched, block, n, cfg.pretrain_batch_size, cfg.pretrain_batch_size,
                          tok.pad_token_id, cfg.seed * 1_000_003 + step, cfg.grad_clip, "", log_every=0)
         step += n
         model.eval()
@@ -359,10 +359,10 @@ def pretrain_tiny(cfg: SFTConfig, committed: bool = True) -> Path:
     drilled = out.with_name(out.name + "-drills")
     checkpoints.save_pretrained(acc, model, tok, drilled, {})
     del model, opt
-    talk = [c for i, store in enumerate(SIBLINGS) for c in make_cold_start(replace(
-        cfg, env=f"shop:{store}", teacher="expert", user_sim="scripted", seed=cfg.seed + 1 + i,
-        teacher_skips_confirm=BASE_TEACHER["skip_confirm"], teacher_skips_refund=BASE_TEACHER["skip_refund"],
-        num_tasks=-(-cfg.base_conversations // len(SIBLINGS))))]
+    talk = [c for i, store in enumerate(BASE_STORES) for c in make_cold_start(replace(
+        cfg, env=store, teacher="expert", user_sim="scripted", seed=cfg.seed + 1 + i,
+        teacher_skips_confirm=BASE_TEACHER["skip_confirm"], teacher_skips_ask=0.0,
+        num_tasks=-(-cfg.base_conversations // len(BASE_STORES))))]
     train(replace(cfg, model=str(drilled), out=str(out), epochs=1.0, lora_rank=0), talk, accelerator=acc,
           record={"pretrain": {"settings": settings, "steps": step, "copy_loss": loss, "seconds": time.time() - t0}})
     shutil.rmtree(drilled, ignore_errors=True)

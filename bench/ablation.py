@@ -76,28 +76,30 @@ ARMS = {"base": "base", "cold": "cold start", "sft": "cold start + more SFT", "r
 TRAIN_ENV = {"rl": "shop", "dynamic": "shop", "static": "shop:static", "replay": "shop:replay",
              "ctl_dynamic": "shop:default", "ctl_static": "shop:static:default", "ctl_replay": "shop:replay:default"}
 CAPS = dict(max_turns=30, max_new_tokens=128, max_context=1536)  # the default run's (grpo.Config)
-TEACHER = dict(teacher_skips_confirm=0.6, teacher_skips_refund=0.5)  # the default run's cold start (grpo.Config)
+TEACHER = dict(teacher_skips_confirm=0.6, teacher_skips_ask=0.5)  # the default run's cold start (grpo.Config)
 
 
 def evaluate(path, env_name: str, n_tasks: int, trials: int, temperature: float, seed: int) -> dict:
     """Per task (dynamic user of `env_name`): greedy reward, sampled successes out of `trials` (0: greedy only), and
-    on the refund tasks whether each episode asked where the refund goes; the tasks' refund destinations."""
+    on the decision tasks whether each episode asked what the user wants; each task's decision and whether its user
+    wants the default."""
     model, tok = models.load_model(str(path), device="cpu", dtype=torch.float32)
     env, sim = make_env(env_name, n_train=0, n_test=n_tasks), make_user_sim("scripted")
     tasks = env.tasks("test")
     t0 = time.time()
     greedy = rollout(model, tok, env, tasks, 1, sim, RolloutConfig(greedy=True, **CAPS))
-    res = {"greedy": {e.task_id: e.reward for e in greedy}, "refund": {t.id: t.meta["refund"] for t in tasks},
-           "greedy_asked": {e.task_id: e.reward_info["asked_refund"] for e in greedy
-                            if "asked_refund" in e.reward_info}}
+    res = {"greedy": {e.task_id: e.reward for e in greedy}, "decision": {t.id: t.meta["decision"] for t in tasks},
+           "wants": {t.id: t.meta["wants"] for t in tasks},
+           "greedy_asked": {e.task_id: e.reward_info["asked"] for e in greedy
+                            if "asked" in e.reward_info}}
     if trials:
         gen = torch.Generator().manual_seed(seed)
         eps = rollout(model, tok, env, tasks, trials, sim, RolloutConfig(temperature=temperature, **CAPS), gen)
         res["sampled"], asked, unasked = {}, {}, {}
         for e in eps:
             res["sampled"][e.task_id] = res["sampled"].get(e.task_id, 0) + (e.reward == 1.0) / trials
-            if "asked_refund" in e.reward_info:
-                asked[e.task_id] = asked.get(e.task_id, 0) + e.reward_info["asked_refund"] / trials
+            if "asked" in e.reward_info:
+                asked[e.task_id] = asked.get(e.task_id, 0) + e.reward_info["asked"] / trials
             unasked[e.task_id] = unasked.get(e.task_id, 0) + bool(e.reward_info.get("unconfirmed_writes")) / trials
         res.update(sampled_asked=asked, sampled_unasked=unasked)
     res["eval_s"] = time.time() - t0

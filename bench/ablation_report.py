@@ -37,7 +37,8 @@ def matrix(results: dict, seeds: list[int], arm: str, key: str, subset) -> list[
     rows = []
     for s in seeds:
         f = results[s][arm]["final"]
-        keep = (lambda t: f["refund"].get(t)) if subset is True else (lambda t: t in subset) if subset else None
+        decided = f.get("decision", f.get("refund"))  # results before the shipping decision: "refund"
+        keep = (lambda t: decided.get(t)) if subset is True else (lambda t: t in subset) if subset else None
         tasks = sorted(t for t in f["greedy"] if keep is None or keep(t))
         rows.append([f.get(key, {}).get(t, float("nan")) for t in tasks])
     return rows
@@ -237,7 +238,7 @@ def plot(saved: dict, path: Path) -> None:
     plt.close(fig)
 
 
-DYNAMICS = [("reward per step", "reward_mean"), ("asked where the refund goes", "reward_info/asked_refund"),
+DYNAMICS = [("reward per step", "reward_mean"), ("asked where the refund goes", "reward_info/asked_refund"),  # the refund domain's logs
             ("wrote without a yes", "reward_info/unconfirmed_writes"), ("groups all correct", "all_correct_ratio"),
             ("groups all wrong", "all_wrong_ratio"), ("turns per episode", "turns_mean")]
 

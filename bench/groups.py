@@ -14,7 +14,7 @@ prints per task kind (kind + change of mind):
   fixable       tasks greedy fails on that some sample solves (what can lift greedy pass^1 soonest)
   unask(g/s)    share of greedy, then sampled, episodes that wrote without the user's yes (the policy's
                 confirmation rule; reward 0): a decision, where the other failures are mostly copy errors
-  refund?(s)    share of the refund tasks' sampled episodes that asked where the refund goes before writing
+  asked(s)      share of the decision tasks' sampled episodes that asked what the user wants before writing
 and how the failed episodes ended (termination). Same rollout code, user and caps as the default run.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ def measure(agent: str, env, tasks, trials: int, temperature: float, caps: dict)
     rows = defaultdict(Counter)
     for i, task in enumerate(tasks):
         kind = task.meta.get("kind", "?") + (f"+{task.meta['change']}" if task.meta.get("change") else "") + (
-            f" ({task.meta['refund']})" if task.meta.get("refund") else "")
+            f" ({task.meta['decision']}: {task.meta['wants']})" if task.meta.get("decision") else "")
         wins = sum(e.reward == 1.0 for e in sampled[i * trials:(i + 1) * trials])
         g = greedy[i].reward == 1.0
         for key in (kind, "ALL"):
@@ -59,8 +59,8 @@ def measure(agent: str, env, tasks, trials: int, temperature: float, caps: dict)
             r["fixable"] += (not g) and wins > 0
             r["g_unasked"] += bool(greedy[i].reward_info.get("unconfirmed_writes"))
             r["s_unasked"] += sum(bool(e.reward_info.get("unconfirmed_writes")) for e in sampled[i * trials:(i + 1) * trials])
-            r["s_asked"] += sum(bool(e.reward_info.get("asked_refund")) for e in sampled[i * trials:(i + 1) * trials])
-            r["refund_tasks"] += bool(task.meta.get("refund"))
+            r["s_asked"] += sum(bool(e.reward_info.get("asked")) for e in sampled[i * trials:(i + 1) * trials])
+            r["refund_tasks"] += bool(task.meta.get("decision"))
     ends = Counter(e.termination for e in greedy + sampled if e.reward != 1.0)
     return {"rows": rows, "ends": ends, "seconds": time.time() - t0}
 
@@ -84,7 +84,7 @@ def main(argv=None):
         print(f"\n{agent}: {args.tasks} {args.env}:test tasks, greedy once and {args.trials} samples at temperature "
               f"{args.temperature:g} ({m['seconds']:.0f}s)")
         print(f"{'kind':24s} {'tasks':>5s} {'greedy':>7s} {'sampled':>8s} {'mixed':>6s} {'fixable':>8s} "
-              f"{'unask(g)':>8s} {'unask(s)':>8s} {'refund?(s)':>10s}")
+              f"{'unask(g)':>8s} {'unask(s)':>8s} {'asked(s)':>10s}")
         for kind in sorted(m["rows"], key=lambda k: (k == "ALL", k)):
             r = m["rows"][kind]
             print(f"{kind:24s} {r['tasks']:5d} {r['greedy'] / r['tasks']:7.2f} "

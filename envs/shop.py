@@ -19,20 +19,22 @@ Where the agent can fail, on purpose:
   - picking the wrong order: the order list is shuffled, and a user who does not know the order id
     describes it by an item, so the agent has to look orders up until it finds that item;
   - not checking the order status (cancelling a delivered order, returning a pending one -> transfer);
-  - not asking where a refund goes (the write then refunds the original payment; wrong when the user wanted a
-    voucher, which the dynamic user says only when asked);
+  - not asking where a refund goes or how an exchange's new item ships (the write then does the default: wrong
+    for the half of the users who want a voucher, or express shipping, which the dynamic user says only when
+    asked; a proposal that names what the user does not want ends the conversation);
   - writing without an explicit "yes" (reward 0, see `ShopSession.reward`);
-  - not adapting when the user changes its mind at the first confirmation (~40% of write tasks);
+  - not adapting when the user changes its mind at the first confirmation (15% of write tasks; 40% in "hard");
   - ending too early, or doing more than asked (an extra write or transfer changes the database).
 """
 from __future__ import annotations
 
 import copy
 import json
+from dataclasses import asdict, replace
 
 from envs import Task, ToolResult, play
-from envs.shop_tasks import (GOODS, REFUNDS, SIBLINGS, VOUCHER_SHARE, WRITE_TOOLS, id_tokens, is_refund_question,
-                             make_task, scenario)
+from envs.shop_tasks import (CHOICES, GOODS, HARD, NONDEFAULT_SHARE, REFUNDS, SHIPPINGS, SIBLINGS, WRITE_TOOLS,
+                             Procedure, id_tokens, is_question, make_task, scenario)
 
 USERS = ("dynamic", "static", "replay")
 
@@ -44,7 +46,8 @@ TOOL_SPECS = {
     "cancel_order": ("Cancel an order; refund: original (default) or voucher.", [["order_id"], ["order_id", "refund"]]),
     "return_item": ("Return an item; refund: original (default) or voucher.",
                     [["order_id", "item"], ["order_id", "item", "refund"]]),
-    "exchange_item": ("Exchange an item for another color.", [["order_id", "item", "new_item"]]),
+    "exchange_item": ("Exchange an item for another color; shipping: standard (default) or express.",
+                      [["order_id", "item", "new_item"], ["order_id", "item", "new_item", "shipping"]]),
     "transfer_to_human_agents": ("Transfer the user to a human agent.", [[]]),
 }
 TOOLS = [{"type": "function", "function": {
@@ -115,13 +118,13 @@ class ShopSession:
     def _done(self, order_id):  # write results are short: the agent has seen the order already
         return {"order_id": order_id, "status": self.db["orders"][order_id]["status"]}
 
-    def _refund(self, refund: str) -> str:
-        if refund not in REFUNDS:
-            raise ToolError(f"refund must be {' or '.join(REFUNDS)}, not {refund!r}")
-        return refund
+    def _choice(self, decision: str, value: str) -> str:
+        if value not in CHOICES[decision]:
+            raise ToolError(f"{decision} must be {' or '.join(CHOICES[decision])}, not {value!r}")
+        return value
 
     def _cancel_order(self, order_id, refund=REFUNDS[0]):
-        order, refund = self._order(order_id), self._refund(refund)
+        order, refund = self._order(order_id), self._choice("refund", refund)
         if order["status"] != self.status["pending"]:
             raise ToolError(f"order {order_id} is {order['status']}, only {self.status['pending']} orders can be "
                             "cancelled")
@@ -138,16 +141,17 @@ class ShopSession:
         return order
 
     def _return_item(self, order_id, item, refund=REFUNDS[0]):
-        order, refund = self._delivered_item(order_id, item), self._refund(refund)
+        order, refund = self._delivered_item(order_id, item), self._choice("refund", refund)
         order["status"], order["return"], order["refund"] = self.status["returning"], item, refund
         return self._done(order_id)
 
-    def _exchange_item(self, order_id, item, new_item):
-        order = self._delivered_item(order_id, item)
+    def _exchange_item(self, order_id, item, new_item, shipping=SHIPPINGS[0]):
+        order, shipping = self._delivered_item(order_id, item), self._choice("shipping", shipping)
         color, _, product = new_item.strip().partition(" ")
         if product != item.split()[1] or color == item.split()[0] or color not in self.db["products"][product]:
             raise ToolError(f"{new_item} is not another color of the {item}")
         order["status"], order["exchange"] = self.status["exchanging"], [item, new_item.strip()]
+        order["shipping"] = shipping
         return self._done(order_id)
 
     def _transfer_to_human_agents(self):
@@ -171,20 +175,20 @@ class ShopSession:
         unconfirmed = unconfirmed_writes(messages)
         ok = not differ and not unconfirmed
         info = {"db_match": not differ, "differ": differ, "unconfirmed_writes": unconfirmed}
-        if self.task.meta.get("refund"):  # the decision the user in the loop teaches, recorded where it arises
-            info["asked_refund"] = asked_refund(messages)
+        if self.task.meta.get("decision"):  # the decision the user in the loop teaches, recorded where it arises
+            info["asked"] = asked(messages, self.task.meta["decision"])
         return float(ok), info
 
 
-def asked_refund(messages: list[dict]) -> bool:
-    """Did the agent ask where the refund goes (a message the dynamic user answers with it: `is_refund_question`)
-    before its first write?"""
+def asked(messages: list[dict], decision: str) -> bool:
+    """Did the agent ask what the user wants of `decision` (where the refund goes, how the new item ships: a message
+    the dynamic user answers with it, `is_question`) before its first write?"""
     for m in messages:
         if m.get("role") != "assistant":
             continue
         if any((c.get("function") or {}).get("name") in WRITE_TOOLS for c in m.get("tool_calls") or []):
             return False
-        if is_refund_question(str(m.get("content") or "")):
+        if is_question(decision, str(m.get("content") or "")):
             return True
     return False
 
@@ -220,30 +224,36 @@ def unconfirmed_writes(messages: list[dict]) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------
 class ShopEnv:
     """One store of the family (`goods`: "shop", or a sibling, "garden" or "sport") with one kind of scripted user:
-      dynamic   vague opening, details and the refund's destination only when asked, a change of mind at the first
-                confirmation in ~40% of write tasks (the paper's simulated user)
-      static    who it is, its final request and the refund's destination in its first message; never changes its
-                mind (the same tasks, tools, gold and reward)
+      dynamic   vague opening, details and what it wants of a decision only when asked, strict about a proposal that
+                names what it does not want, a change of mind at the first confirmation in some write tasks (the
+                paper's simulated user)
+      static    who it is, its final request and what it wants in its first message; never changes its mind (the
+                same tasks, tools, gold and reward)
       replay    the paper's pre-scripted interaction: the dynamic user's turns from the expert's conversation on that
                 task, played in order whatever the agent says (task.meta["user_sim"]["scripted"]: an LLM user
                 simulator leaves these tasks to the script)
-    `voucher_share`: the share of refunds that go to a voucher (0: every user wants the default, the negative control
-    of bench/ablation.py). Command-line names: make_env("shop"), "shop:static", "shop:replay", "shop:garden",
-    "shop:replay:default" (envs.make_env)."""
+    `nondefault_share`: the share of users who want a voucher (express shipping) rather than the default (0: every
+    user wants the default, the negative control of bench/ablation.py). `procedure`: how much procedure the tasks ask
+    (envs/shop_tasks.Procedure; HARD as the refund domain's ablation met it). `old`: the store before the decisions
+    existed, as the tiny base is pretrained on it: its policy says nothing of them, every user wants the defaults
+    and the expert never asks. Command-line names: make_env("shop"), "shop:static", "shop:replay", "shop:garden",
+    "shop:replay:default", "shop:hard", "shop:old" (`from_name`)."""
     name = "shop"
 
     def __init__(self, n_train: int = 5000, n_test: int = 100, seed: int = 0, user: str = "dynamic",
-                 goods: str = "shop", voucher_share: float = VOUCHER_SHARE):
+                 goods: str = "shop", nondefault_share: float = NONDEFAULT_SHARE, procedure: Procedure = Procedure(),
+                 old: bool = False):
         assert n_train <= 500_000 and n_test <= 500_000, "train and test seeds would overlap"
         if user not in USERS:
             raise ValueError(f"shop: user {user!r} is not one of {', '.join(USERS)}")
         if goods not in GOODS:
             raise ValueError(f"shop: goods {goods!r} is not one of {', '.join(GOODS)}")
-        if not 0 <= voucher_share <= 1:
-            raise ValueError(f"shop: voucher_share {voucher_share} is not in [0, 1]")
-        self.seed, self.user, self.goods = seed, user, GOODS[goods]
+        if not 0 <= nondefault_share <= 1:
+            raise ValueError(f"shop: nondefault_share {nondefault_share} is not in [0, 1]")
+        self.seed, self.user, self.goods, self.old = seed, user, GOODS[goods], old
         self.name = "shop" if goods == "shop" else f"shop:{goods}"
-        self._splits = {split: [make_task(split, i, seed, self.goods, voucher_share) for i in range(n)]
+        share = 0.0 if old else nondefault_share
+        self._splits = {split: [make_task(split, i, seed, self.goods, share, procedure) for i in range(n)]
                         for split, n in (("train", n_train), ("test", n_test))}
         self._replays: dict[str, list[str]] = {}
         for task in self._splits["train"] + self._splits["test"]:
@@ -251,6 +261,8 @@ class ShopEnv:
                 task.user_scenario = scenario(task.data, task.data["db"]["users"][task.data["user_id"]], static=True)
             elif user == "replay":
                 task.meta["user_sim"] = {"scripted": True}
+            if old:  # no decision to record: the policy has none
+                task.meta.update(decision=None, wants=None)
 
     def tasks(self, split: str) -> list[Task]:
         if split not in self._splits:
@@ -258,7 +270,7 @@ class ShopEnv:
         return self._splits[split]
 
     def system_prompt(self, task: Task) -> str:
-        return self.goods.policy
+        return self.goods.rules(self.old)
 
     def tools(self, task: Task) -> list[dict]:
         return copy.deepcopy(TOOLS)
@@ -279,13 +291,13 @@ class ShopEnv:
             self._replays[task.id] = [m["content"] for m in messages if m["role"] == "user"]
         return ReplayUser(self._replays[task.id])
 
-    def expert(self, task: Task, skip_confirm: float = 0.0, skip_refund: float = 0.0):
-        """The scripted teacher; with `skip_confirm` > 0 it writes without asking for a yes, with `skip_refund` > 0
-        it never asks where a refund goes (using what the user said, else the default), each in that share of
-        conversations (drawn per task, from its seed)."""
+    def expert(self, task: Task, skip_confirm: float = 0.0, skip_ask: float = 0.0):
+        """The scripted teacher; with `skip_confirm` > 0 it writes without asking for a yes, with `skip_ask` > 0 it
+        never asks what the user wants of a decision (using what the user said, else the default), each in that
+        share of conversations (drawn per task, from its seed). Under the old policy it never asks."""
         from envs.shop_expert import ShopExpert  # a player of the domain, loaded when asked for
 
-        return ShopExpert(task.data["goods"], skip_confirm, skip_refund, seed=task.data["seed"])
+        return ShopExpert(task.data["goods"], skip_confirm, 1.0 if self.old else skip_ask, seed=task.data["seed"])
 
     def tokenizer_words(self) -> list[str]:
         """The stores' identifiers, each one token of the tiny tokenizer (id_tokens)."""
@@ -302,7 +314,7 @@ class ShopEnv:
             env = stores[i % len(stores)]
             task = make_task("train", i // len(stores), self.seed, env.goods)
             messages, _, _, _ = play(env, task, env.expert(task))
-            texts += [env.goods.policy] + [json.dumps(t) for t in TOOLS]
+            texts += [env.goods.rules()] + [json.dumps(t) for t in TOOLS]
             for m in messages[1:]:
                 texts.append(str(m.get("content") or ""))
                 for c in m.get("tool_calls") or []:
@@ -312,9 +324,12 @@ class ShopEnv:
 
 
 def from_name(name: str, **options) -> ShopEnv:
-    """"shop" followed by any of ":<user>" (dynamic, static, replay), ":<goods>" (garden, sport) and ":default"
-    (every refund to the original payment): "shop:static", "shop:replay:default", "shop:garden"."""
+    """"shop" followed by any of ":<user>" (dynamic, static, replay), ":<goods>" (garden, sport), ":default" (every
+    user wants the defaults), ":old" (the policy before the decisions; `ShopEnv`), ":hard" (the procedure as the
+    refund domain's ablation met it: envs/shop_tasks.HARD), ":name-zip" (users who may not know their email) and
+    ":hints" (users who may not know their order id): "shop:static", "shop:replay:default", "shop:garden:old"."""
     parts = name.split(":")[1:]
+    procedure = options.pop("procedure", Procedure())
     for part in parts:
         if part in USERS or part in GOODS:
             key = "user" if part in USERS else "goods"
@@ -322,8 +337,17 @@ def from_name(name: str, **options) -> ShopEnv:
                 raise ValueError(f"environment {name!r}: two {key}s ({options[key]}, {part})")
             options[key] = part
         elif part == "default":
-            options["voucher_share"] = 0.0
+            options["nondefault_share"] = 0.0
+        elif part == "old":
+            options["old"] = True
+        elif part in HARDER:
+            procedure = replace(procedure, **HARDER[part])
         else:
             raise ValueError(f"environment {name!r}: {part!r} is not a shop user ({', '.join(USERS)}), store "
-                             f"({', '.join(GOODS)}) or 'default'")
-    return ShopEnv(**options)
+                             f"({', '.join(GOODS)}) or one of default, old, {', '.join(HARDER)}")
+    return ShopEnv(procedure=procedure, **options)
+
+
+# The name parts that make the procedure harder (from_name).
+HARDER = {"hard": asdict(HARD), "name-zip": {"knows_email": HARD.knows_email},
+          "hints": {"knows_order_id": HARD.knows_order_id}}

@@ -13,8 +13,8 @@ import json
 import random
 import re
 
-from envs.shop_tasks import (CONFIRM, GOODS, HINT_RE, ORDER_RE, REFUND_SAID, REFUNDS, WRITE_TOOLS, items_in,
-                             refund_named)
+from envs.shop_tasks import (CHOICES, CONFIRM, GOODS, HINT_RE, ORDER_RE, REFUND_SAID, SHIPPING_SAID, WRITE_TOOLS,
+                             choice_named, decision_of, items_in)
 
 
 class ShopExpert:
@@ -25,16 +25,18 @@ class ShopExpert:
     `skip_confirm`: the probability that, in this conversation, it writes without asking first (a coin drawn once
     from `seed`): an imperfect teacher, as LLM-written demonstrations are. Such a conversation breaks the policy's
     confirmation rule (reward 0) while its database is right whenever the user would not have changed its mind.
-    `skip_refund`: likewise, the probability that it never asks where a refund goes: it names the destination the
-    user gave unasked (a static user's), else none, and the write refunds the default (the original payment)."""
+    `skip_ask`: likewise, the probability that it never asks what the user wants of a decision (where a refund goes,
+    how a new item ships): it names what the user said unasked (a static user's), else nothing, and the write does
+    the default (the original payment, standard shipping). Under a policy without the decisions (shop:old) it is 1:
+    it never asks and never names one."""
 
-    def __init__(self, goods: str = "shop", skip_confirm: float = 0.0, skip_refund: float = 0.0, seed: int = 0):
-        for name, p in (("skip_confirm", skip_confirm), ("skip_refund", skip_refund)):
+    def __init__(self, goods: str = "shop", skip_confirm: float = 0.0, skip_ask: float = 0.0, seed: int = 0):
+        for name, p in (("skip_confirm", skip_confirm), ("skip_ask", skip_ask)):
             if not 0.0 <= p <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {p}")
         self.goods = GOODS[goods]
         self.skips = random.Random(seed).random() < skip_confirm
-        self.skips_refund = random.Random(f"refund-{seed}").random() < skip_refund
+        self.skips_ask = random.Random(f"refund-{seed}").random() < skip_ask
 
     def act(self, messages: list[dict]) -> dict:
         s = _read(messages, self.goods)
@@ -83,29 +85,35 @@ class ShopExpert:
             return say("Which item do you want to exchange, and for which color?")
         if action == "exchange" and new is None:
             return say("Which color do you want instead?")
-        refund = s["refund"] if action in ("cancel", "return") else None
-        if action in ("cancel", "return") and refund is None and not self.skips_refund:
-            return say("Should the refund go to your original payment or to a voucher?")
-        with_refund = {"refund": refund} if refund else {}
-        said = f" and refund it {REFUND_SAID[refund]}" if refund else ""
+        decision = decision_of(action)
+        wanted = s[decision]
+        if wanted is None and not self.skips_ask:
+            return say(QUESTIONS[decision])
+        named = {decision: wanted} if wanted else {}
+        said = (f" and refund it {REFUND_SAID[wanted]}" if decision == "refund" else f" {SHIPPING_SAID[wanted]}"
+                ) if wanted else ""
         tool, args, text = {
-            "cancel": ("cancel_order", {"order_id": order, **with_refund}, f"I will cancel order {order}{said}."),
-            "return": ("return_item", {"order_id": order, "item": item, **with_refund},
+            "cancel": ("cancel_order", {"order_id": order, **named}, f"I will cancel order {order}{said}."),
+            "return": ("return_item", {"order_id": order, "item": item, **named},
                        f"I will return the {item} from order {order}{said}."),
-            "exchange": ("exchange_item", {"order_id": order, "item": item, "new_item": new},
-                         f"I will exchange the {item} for the {new} in order {order}."),
+            "exchange": ("exchange_item", {"order_id": order, "item": item, "new_item": new, **named},
+                         f"I will exchange the {item} for the {new} in order {order}{said}."),
         }[action]
         if (self.skips and not s["wrote"]) or (s["said_yes"] and s["last_agent_text"] == text + CONFIRM):
             return call(tool, **args)
         return say(text + CONFIRM)
 
 
+QUESTIONS = {"refund": "Should the refund go to your original payment or to a voucher?",
+             "shipping": "Should the new item ship standard or express?"}
+
+
 def _read(messages: list[dict], goods) -> dict:
-    """What the expert knows: identity details, the user's current request, where a refund goes, and what the
-    tools returned."""
+    """What the expert knows: identity details, the user's current request, what it wants of the decisions (where a
+    refund goes, how a new item ships), and what the tools returned."""
     s = {"email": None, "name": None, "zip": None, "user": None, "orders": [], "fetched": {}, "tried": set(),
          "action": None, "order": None, "hint": None, "mentions": [], "last_write": False, "wrote": False,
-         "said_yes": False, "last_agent_text": None, "refund": None}
+         "said_yes": False, "last_agent_text": None, "refund": None, "shipping": None}
     calls = {}
     for m in messages:
         role, text = m.get("role"), str(m.get("content") or "")
@@ -129,8 +137,9 @@ def _read(messages: list[dict], goods) -> dict:
             if ids := ORDER_RE.findall(low):
                 s["order"], s["hint"] = ids[-1], None
             s["mentions"] += items_in(low, goods)
-            if (named := refund_named(low)) in REFUNDS:
-                s["refund"] = named
+            for decision, options in CHOICES.items():
+                if (named := choice_named(decision, low)) in options:
+                    s[decision] = named
         elif role == "assistant":
             if not m.get("tool_calls"):
                 s["last_agent_text"] = text

@@ -1,16 +1,22 @@
 """The shop domain's tasks: its goods, the formats its players read, and one seed -> one task with its own database.
 
 The world is a family of stores that share one tool API (find a customer, get an order, cancel, return, exchange,
-transfer) and one refund rule, and differ in their goods, the words of their order statuses and the wording of their
+transfer) and one set of rules, and differ in their goods, the words of their order statuses and the wording of their
 policy (`Goods`): `shop` itself and two siblings, `garden` and `sport`. The tiny base is pretrained on the siblings'
-conversations only (sft.pretrain_tiny), as Qwen3 arrives having seen other stores' conversations but not tau2's.
+conversations and on shop's under its old policy (`old`: no choices, so the base knows the procedure and never the
+question; sft.pretrain_tiny), as Qwen3 arrives having seen support conversations and then meets tau2's policy.
 
-Where a refund goes is the decision only a user who answers what it is asked can teach (bench/ablation.py): every
-cancel and return draws a destination, the original payment or a voucher (a voucher `voucher_share` of the time). The
-dynamic user says it only when asked about the refund, and says yes to a proposal that names none, which writes the
-default (the original payment): so an agent that never asks is right on `1 - voucher_share` of those tasks with the
-dynamic user, and on all of them with a static user (who says it in its first message) or a replayed one (whose
-turns include the answer whatever the agent asked). `voucher_share=0` is the negative control: no user needs asking.
+Two decisions only a user who answers what it is asked can teach (bench/ablation.py): where the refund of a cancel or
+a return goes (the original payment, or a voucher) and how an exchange's new item ships (standard, or express). Each
+user wants the non-default `nondefault_share` of the time (half by default; 0 is the negative control: no user needs
+asking). The dynamic user says what it wants only when asked about it and says yes to a proposal that names nothing,
+which writes the default; it ends the conversation at a proposal that names what it does not want (strict: guessing
+and flipping scores like not asking). So an agent that never asks is right on about half the decision tasks with the
+dynamic user, and on all of them with a static user (who says it in its first message) or a replayed one.
+
+How much procedure a task asks of the agent is `Procedure`: by default every user knows its email and order id, a
+change of mind is rare and exchanges (whose item names are the hardest to copy) are fewer; `HARD` is the domain as
+the ablation of bench/ablation-mixed met it (identity by name + zip, orders described by an item, 40% changes).
 """
 from __future__ import annotations
 
@@ -30,18 +36,48 @@ OTHER_TOPICS = {"address": "I want to change the shipping address of an order.",
                 "card": "I want to pay for an order with another card."}
 REFUNDS = ("original", "voucher")  # where a refund goes; the first is what a write that names none does
 REFUND_SAID = {"original": "to your original payment", "voucher": "as a voucher"}  # in the agent's proposal
-VOUCHER_SHARE = 0.44  # so that never asking is right on ~56% of refund tasks with the dynamic user
+SHIPPINGS = ("standard", "express")  # how an exchange's new item ships; the first is the default
+SHIPPING_SAID = {"standard": "with standard shipping", "express": "with express shipping"}
+CHOICES = {"refund": REFUNDS, "shipping": SHIPPINGS}  # decision -> its options, the default first
+NONDEFAULT_SHARE = 0.5  # the share of users who want the non-default, for each decision
+
+
+def decision_of(action: str | None) -> str | None:
+    """The decision a write carries: where the refund goes (cancel, return), how the new item ships (exchange)."""
+    return {"cancel": "refund", "return": "refund", "exchange": "shipping"}.get(action)
+
+
+@dataclass(frozen=True)
+class Procedure:
+    """How much procedure shop's tasks ask of the agent (ShopEnv's `procedure`; from_name's "hard", "name-zip",
+    "hints"). The default is within a ~1M-parameter model's reach, so that a decision, not the procedure, is what a
+    base misses; HARD keeps the domain the ablation of bench/ablation-mixed met (the same draws: its tasks as they
+    were). `kinds` weighs the task kinds; the shares are probabilities drawn per task."""
+    knows_email: float = 1.0  # else the user gives its name and zip, and a namesake may exist
+    knows_order_id: float = 1.0  # else the user describes the order by an item, and the agent looks orders up
+    change: float = 0.15  # write tasks where the user changes its mind at the first confirmation
+    kinds: tuple = (("cancel", 3), ("return", 3), ("exchange", 2), ("transfer", 2))
+
+
+HARD = Procedure(knows_email=0.6, knows_order_id=0.6, change=0.4,
+                 kinds=(("cancel", 3), ("return", 3), ("exchange", 3), ("transfer", 2)))
 
 
 @dataclass(frozen=True)
 class Goods:
     """What one store of the family sells and how it words its statuses and its policy. `status` maps the API's
-    states (pending, delivered, cancelled, returning, exchanging) to this store's words."""
+    states (pending, delivered, cancelled, returning, exchanging) to this store's words; `asks`, the policy's lines
+    on the two decisions, stand at its "{asks}" (`rules`)."""
     name: str
     products: tuple
     colors: tuple
     status: dict
     policy: str
+    asks: str
+
+    def rules(self, old: bool = False) -> str:
+        """The policy the agent reads; `old`: before the decisions existed (no lines on them)."""
+        return self.policy.replace("{asks}\n", "" if old else self.asks + "\n")
 
     @property
     def items(self) -> list[str]:
@@ -54,10 +90,12 @@ SHOP = Goods("shop", ("mug", "lamp", "pen", "shirt", "bag", "hat", "clock", "ket
              """You are a shop support agent.
 - First find the user by email, or by name and zip. Help only with their own orders.
 - Cancel only pending orders. Return or exchange only items of delivered orders, for another color of the same product.
-- Before a cancel or a return, ask where the refund goes: the original payment or a voucher.
+{asks}
 - Before you cancel, return or exchange, state the action and get an explicit yes.
 - One tool call at a time.
-- If the request is anything else or not allowed, transfer to a human agent.""")
+- If the request is anything else or not allowed, transfer to a human agent.""",
+             """- Before a cancel or a return, ask where the refund goes: the original payment or a voucher.
+- Before an exchange, ask how the new item ships: standard or express.""")
 GARDEN = Goods("garden", ("rake", "hose", "shovel", "pot", "glove", "bench", "lantern", "bucket", "fence", "swing"),
                ("orange", "yellow", "brown", "pink", "purple", "silver"),
                {"pending": "processing", "delivered": "received", "cancelled": "voided", "returning": "refunding",
@@ -65,10 +103,12 @@ GARDEN = Goods("garden", ("rake", "hose", "shovel", "pot", "glove", "bench", "la
                """You help customers of a garden store.
 - Identify the customer by email, or by name plus zip, before anything else. Only their own orders.
 - An order can be cancelled while processing. Items of a received order can be returned, or swapped for another color.
-- For a cancel or a return, first ask if the refund should go to the original payment or to a voucher.
+{asks}
 - Say exactly what you will do and wait for a clear yes before you do it.
 - Call one tool at a time.
-- Anything else, or anything these rules forbid: transfer to a human agent.""")
+- Anything else, or anything these rules forbid: transfer to a human agent.""",
+               """- For a cancel or a return, first ask if the refund should go to the original payment or to a voucher.
+- For an exchange, first ask if the new item should ship standard or express.""")
 SPORT = Goods("sport", ("ball", "racket", "helmet", "bottle", "towel", "jersey", "mat", "cap", "sock", "skate"),
               ("navy", "gold", "teal", "beige", "maroon", "olive"),
               {"pending": "open", "delivered": "arrived", "cancelled": "closed", "returning": "sent_back",
@@ -76,12 +116,14 @@ SPORT = Goods("sport", ("ball", "racket", "helmet", "bottle", "towel", "jersey",
               """Sport store support.
 - Find the customer (email, or name and zip) first; act on their orders only.
 - Open orders may be cancelled; items of arrived orders may be returned or exchanged for another color.
-- Ask before a cancel or a return whether to refund the original payment or give a voucher.
+{asks}
 - Describe the action and get an explicit yes first.
 - One tool call per turn.
-- Other requests, or ones not allowed: transfer to a human agent.""")
+- Other requests, or ones not allowed: transfer to a human agent.""",
+              """- Ask before a cancel or a return whether to refund the original payment or give a voucher.
+- Ask before an exchange whether the new item ships standard or express.""")
 GOODS = {g.name: g for g in (SHOP, GARDEN, SPORT)}
-SIBLINGS = ("garden", "sport")  # the stores the tiny base is pretrained on (never shop)
+SIBLINGS = ("garden", "sport")  # the stores the tiny base is pretrained on, beside shop's old policy
 
 ORDER_RE = re.compile(r"\bo\d{2}\b")
 HINT_RE = re.compile(r"order with the ([a-z]+ [a-z]+)")
@@ -107,11 +149,12 @@ def items_in(text: str, goods: Goods = SHOP) -> list[str]:
     return [item for _, item in sorted(found)]
 
 
-def relabel_goods(conversation: dict, goods: Goods, rng: random.Random) -> dict:
-    """The conversation with the items of `goods` renamed, consistently, to the items of a store drawn at random
-    (products to products, colors to colors, so an exchange stays one for another color of the same product): the
-    drills of the tiny base's first stage (sft.pretrain_tiny) then copy every store's item names, as an LLM's
-    pretraining has seen the word "mug", while its whole conversations stay the siblings' own."""
+def relabel_goods(conversation: dict, rng: random.Random) -> dict:
+    """The conversation (of a task of this family: its "task_id" names the store) with its store's items renamed,
+    consistently, to the items of a store drawn at random (products to products, colors to colors, so an exchange
+    stays one for another color of the same product): the drills of the tiny base's first stage (sft.pretrain_tiny)
+    then copy every store's item names, as an LLM's pretraining has seen the word "mug"."""
+    goods = GOODS.get(conversation["task_id"].split("-")[1], SHOP)  # "shop-train-3", "shop-garden-train-3"
     store = rng.choice(list(GOODS.values()))
     products = dict(zip(goods.products, rng.sample(store.products, len(goods.products))))
     colors = dict(zip(goods.colors, rng.sample(store.colors, len(goods.colors))))
@@ -128,10 +171,11 @@ def relabel_goods(conversation: dict, goods: Goods, rng: random.Random) -> dict:
     return dict(conversation, messages=messages)
 
 
-def refund_named(text: str) -> str | None:
-    """The refund destination a message names: "voucher", "original", None, or "both" (an agent's question)."""
+def choice_named(decision: str, text: str) -> str | None:
+    """The option of `decision` a message names ("voucher", "original"; "express", "standard"), None, or "both" (an
+    agent's question)."""
     low = text.lower()
-    named = [r for r in REFUNDS if r in low]
+    named = [c for c in CHOICES[decision] if c in low]
     return "both" if len(named) > 1 else named[0] if named else None
 
 
@@ -140,17 +184,22 @@ def is_proposal(text: str) -> bool:
     return "yes/no" in text.lower() or "confirm" in text.lower()
 
 
-def is_refund_question(text: str) -> bool:
-    """An agent message the dynamic user takes as a question about the refund (and answers with its destination):
-    it speaks of the refund and is neither a proposal nor an ending (a transfer, a goodbye, "done")."""
+QUESTION_WORD = {"refund": "refund", "shipping": "ship"}
+
+
+def is_question(decision: str, text: str) -> bool:
+    """An agent message the dynamic user takes as a question about `decision` (and answers with what it wants): it
+    speaks of the refund (of shipping) and is neither a proposal nor an ending (a transfer, a goodbye, "done")."""
     low = text.lower()
-    return "refund" in low and not is_proposal(low) and not any(w in low for w in ("transfer", "goodbye", "done"))
+    return (QUESTION_WORD[decision] in low and not is_proposal(low)
+            and not any(w in low for w in ("transfer", "goodbye", "done")))
 
 
-def make_task(split: str, index: int, seed: int = 0, goods: Goods = SHOP, voucher_share: float = VOUCHER_SHARE
-              ) -> Task:
+def make_task(split: str, index: int, seed: int = 0, goods: Goods = SHOP, nondefault_share: float = NONDEFAULT_SHARE,
+              procedure: Procedure = Procedure()) -> Task:
     """Train seeds are seed*1e6 + index, test seeds seed*1e6 + 500,000 + index: disjoint for index < 500,000. A
-    sibling store's seeds are offset too, so that no sibling task is a shop task with other words."""
+    sibling store's seeds are offset too, so that no sibling task is a shop task with other words. Each knob of
+    `procedure` is read from the draw it always was, so HARD gives the tasks of before it existed."""
     task_seed = seed * 1_000_000 + (500_000 if split == "test" else 0) + index
     rng = random.Random(task_seed if goods is SHOP else f"{goods.name}-{task_seed}")
     st = goods.status
@@ -171,9 +220,9 @@ def make_task(split: str, index: int, seed: int = 0, goods: Goods = SHOP, vouche
         db["orders"][oid] = {"user_id": uid, "status": st[status], "items": items}
         return oid
 
-    kind = rng.choice(["cancel"] * 3 + ["return"] * 3 + ["exchange"] * 3 + ["transfer"] * 2)
+    kind = rng.choice([k for k, weight in procedure.kinds for _ in range(weight)])
     change_type = None
-    if kind != "transfer" and rng.random() < 0.4:
+    if kind != "transfer" and rng.random() < procedure.change:
         change_type = {"cancel": "other_order", "exchange": "to_return",
                        "return": rng.choice(["other_item", "to_exchange"])}[kind]
     uid = user_ids[0]
@@ -211,8 +260,10 @@ def make_task(split: str, index: int, seed: int = 0, goods: Goods = SHOP, vouche
     new = f"{rng.choice([c for c in catalog[product] if c != item.split()[0]])} {product}"
     action = {"transfer": {"cancel_delivered": "cancel", "return_pending": "return"}.get(topic, "other")
               }.get(kind, kind)
-    # Drawn from its own stream, so that adding the refund left every other draw of a task as it was.
-    refund = "voucher" if random.Random(f"refund-{goods.name}-{task_seed}").random() < voucher_share else "original"
+    # Each drawn from its own stream, so that adding a decision left every other draw of a task as it was.
+    refund = "voucher" if random.Random(f"refund-{goods.name}-{task_seed}").random() < nondefault_share else "original"
+    shipping = ("express" if random.Random(f"shipping-{goods.name}-{task_seed}").random() < nondefault_share
+                else "standard")
     goal = {"action": action, "order": target, "hint": item, "item": item if action in ("return", "exchange") else None,
             "new": new if action == "exchange" else None, "topic": topic}
     change = None
@@ -228,16 +279,20 @@ def make_task(split: str, index: int, seed: int = 0, goods: Goods = SHOP, vouche
     gold = {"cancel": [["cancel_order", {"order_id": final["order"], "refund": refund}]],
             "return": [["return_item", {"order_id": final["order"], "item": final["item"], "refund": refund}]],
             "exchange": [["exchange_item", {"order_id": final["order"], "item": final["item"],
-                                            "new_item": final["new"]}]],
+                                            "new_item": final["new"], "shipping": shipping}]],
             }.get(final["action"]) if kind != "transfer" else [["transfer_to_human_agents", {}]]
-    refund_task = kind != "transfer" and final["action"] in ("cancel", "return")
+    decision = decision_of(final["action"]) if kind != "transfer" else None
     data = {"seed": task_seed, "goods": goods.name, "db": db, "user_id": uid, "kind": kind, "goal": goal,
-            "change": change, "change_type": change_type, "knows_email": rng.random() < 0.6,
-            "knows_order_id": rng.random() < 0.6, "refund": refund, "gold": gold}
+            "change": change, "change_type": change_type, "knows_email": rng.random() < procedure.knows_email,
+            "knows_order_id": rng.random() < procedure.knows_order_id, "refund": refund, "shipping": shipping,
+            "gold": gold}
     prefix = "shop" if goods is SHOP else f"shop-{goods.name}"
+    # "decision" and "wants" group an evaluation's pass^1 (stats.summarize's by_meta): which decision the task carries
+    # and whether its user wants the default or not.
+    wants = decision and ("default" if data[decision] == CHOICES[decision][0] else "non-default")
     task = Task(id=f"{prefix}-{split}-{index}", user_scenario="", data=data,
-                meta={"kind": kind, "change": change_type, "topic": topic, "seed": task_seed,
-                      "refund": refund if refund_task else None})
+                meta={"kind": kind, "change": change_type, "topic": topic, "seed": task_seed, "decision": decision,
+                      "wants": wants})
     task.user_scenario = scenario(data, db["users"][uid])
     return task
 
@@ -259,15 +314,18 @@ def scenario(d: dict, user: dict, static: bool = False) -> str:
     """The instructions an LLM user simulator gets (the scripted users, envs/shop_user.py, act them out)."""
     email = f"your email is {user['email']}" if d["knows_email"] else "you do not remember your email"
     text = f"You are {user['name']}, a shop customer; {email}; your zip code is {user['zip']}. "
-    refund = f"You want any refund {REFUND_SAID[d['refund']]}."
+    wants = (f"You want any refund {REFUND_SAID[d['refund']]}, and any new item sent "
+             f"{SHIPPING_SAID[d['shipping']]}.")
+    strict = ("If the agent proposes a refund or a shipping you do not want, say no and end the conversation with "
+              "###STOP###. ")
     if static:  # everything at once, the final request, no change of mind
-        return text + (f"You want to {describe(d['change'] or d['goal'], d['knows_order_id'])}. {refund} In your "
+        return text + (f"You want to {describe(d['change'] or d['goal'], d['knows_order_id'])}. {wants} In your "
                        "first message say who you are (your email, or name and zip), exactly what you want and where "
-                       "a refund goes; never change your mind. " + SCENARIO_END)
+                       "a refund goes or how a new item ships; never change your mind. " + strict + SCENARIO_END)
     text += (f"You want to {describe(d['goal'], d['knows_order_id'])}. Start by saying only that you need help "
              "with an order. Give your email (or name and zip), the order and the item only when the agent asks. "
-             f"{refund} Say where the refund goes only when the agent asks about the refund; say yes to a "
-             "proposal that does not say where the refund goes. ")
+             f"{wants} Say where the refund goes only when the agent asks about the refund, and how the item ships "
+             "only when it asks about shipping; say yes to a proposal that says neither. " + strict)
     if d["change"]:
         text += (f"When the agent first asks you to confirm an action, say no and change your mind: you now want to "
                  f"{describe(d['change'], d['knows_order_id'])}. ")

@@ -8,14 +8,18 @@ from __future__ import annotations
 import random
 
 from envs import Task
-from envs.shop_tasks import (GOODS, ORDER_RE, OTHER_TOPICS, REFUND_SAID, is_proposal, is_refund_question, items_in,
-                             refund_named)
+from envs.shop_tasks import (CHOICES, GOODS, ORDER_RE, OTHER_TOPICS, REFUND_SAID, SHIPPING_SAID, choice_named,
+                             decision_of, is_proposal, is_question, items_in)
 
 # Wrong proposals ("I will return the red mug from order o12", when the user wants another item or order) the user
 # corrects before giving up. Without a limit, a policy that keeps proposing the same wrong action talked until the
 # context cap: such episodes were 40% of the cold start's samples, ~16 turns each, and their repeated proposals
 # pushed GRPO's gradient against the confirmation phrasing itself (bench/README.md).
 PATIENCE = 2
+ANSWERS = {"original": ["To my original payment, please.", "The original payment."],
+           "voucher": ["As a voucher, please.", "A voucher, please."],
+           "standard": ["Standard is fine.", "Standard shipping, please."],
+           "express": ["Express, please.", "Express shipping, please."]}  # what the user wants, when asked
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -25,9 +29,10 @@ class ShopUser:
     """Dynamic like the paper's simulated user: vague opening, details only when asked, an optional change of
     mind at the first confirmation request, truthful yes/no, ###STOP### when done or transferred, when the agent
     says it is done before any yes, or when the agent proposes a wrong action for the third time (it corrects the
-    first two). Where a refund goes it says only when asked about the refund (or when a proposal names the wrong
-    one); a proposal that names no destination gets its yes, and the write then refunds the default.
-    `static=True` (shop:static): identity, final request and the refund's destination in the opening, no change of
+    first two). Where a refund goes (how a new item ships) it says only when asked about the refund (shipping); a
+    proposal that names neither gets its yes, and the write then does the default; a proposal that names what it
+    does not want ends the conversation (strict: a guess costs what not asking costs, and no "No." gives the answer
+    away). `static=True` (shop:static): identity, final request and what it wants in the opening, no change of
     mind.
 
     Stateless: `reply` replays the user's rules over every agent text message of the conversation, so the
@@ -64,10 +69,11 @@ class ShopUser:
         return f"order {want['order']}" if self.d["knows_order_id"] else f"the order with the {want['hint']}"
 
     def _refund(self, want: dict) -> str:
-        """Where the refund goes, as the static user says it up front ("" when the request has no refund)."""
-        if want["action"] not in ("cancel", "return"):
-            return ""
-        return f" Please refund it {REFUND_SAID[self.d['refund']].replace('your', 'my')}."
+        """What the static user wants of its request's decision, said up front ("" when it carries none)."""
+        decision = decision_of(want["action"])
+        if decision == "refund":
+            return f" Please refund it {REFUND_SAID[self.d['refund']].replace('your', 'my')}."
+        return f" Please send the new one {SHIPPING_SAID[self.d['shipping']]}." if decision == "shipping" else ""
 
     def _restate(self, want: dict) -> str:
         ref = self._ref(want)
@@ -101,15 +107,16 @@ class ShopUser:
                                    "other_item": f"I want to return the {c['item']} instead.",
                                    "to_exchange": f"I'd rather exchange it for the {c['new']}.",
                                    "to_return": "I'd rather just return it."}[d["change_type"]]
-            named = refund_named(t) if want["action"] in ("cancel", "return") else None
-            if self._matches(t, want) and named in (None, self.d["refund"]):  # none named: the default, a yes
+            decision = decision_of(want["action"])
+            named = choice_named(decision, t) if decision else None
+            if named not in (None, d.get(decision)):  # strict: it names what the user does not want (or both)
+                return "No, that is not what I want. I will call back later. ###STOP###"
+            if self._matches(t, want):  # nothing named: the default, a yes
                 state["accepted"] = True
                 return self._pick(["Yes, please.", "Yes.", "Yes, go ahead."], turn)
             state["wrong"] += 1
             if state["wrong"] > PATIENCE:
                 return "No, that is still wrong. I will call back later. ###STOP###"
-            # A wrong destination is refused without saying the right one: only a question about the refund gets
-            # that (a static user said it at the start).
             return "No. " + self._restate(want) + (self._refund(want) if self.static else "")
         if "done" in t:  # the agent says it acted before the user said yes: nothing left to ask for
             return "Oh, okay. Thanks. ###STOP###"
@@ -135,13 +142,13 @@ class ShopUser:
             parts.append("I want to cancel the whole order.")
         elif "color" in t:
             parts.append("I don't want another color.")
-        if is_refund_question(t):  # asked where the refund goes
-            if want["action"] in ("cancel", "return"):
-                parts.append(self._pick({"original": ["To my original payment, please.", "The original payment."],
-                                         "voucher": ["As a voucher, please.", "A voucher, please."]}[self.d["refund"]],
-                                        turn))
+        for decision in CHOICES:  # asked where the refund goes, or how the new item ships
+            if not is_question(decision, t):
+                continue
+            if decision_of(want["action"]) == decision:
+                parts.append(self._pick(ANSWERS[d[decision]], turn))
             else:
-                parts.append("I don't need a refund.")
+                parts.append({"refund": "I don't need a refund.", "shipping": "Nothing needs to ship."}[decision])
         if parts:
             return " ".join(parts)
         if not state["told"]:  # the first open question gets only the kind of request, no details

@@ -177,7 +177,7 @@ def make_cold_start(cfg) -> list[dict]:
 
     from envs import load_tasks, message_history, play
 
-    skips = {"skip_confirm": cfg.teacher_skips_confirm, "skip_refund": cfg.teacher_skips_refund}
+    skips = {"skip_confirm": cfg.teacher_skips_confirm, "skip_ask": cfg.teacher_skips_ask}
     for name, p in skips.items():
         if not 0 <= p <= 1:
             raise SystemExit(f"sft.py: --teacher-{name[:4]}s-{name[5:]} {p}: must be in [0, 1]")
@@ -254,6 +254,18 @@ def windows(conversations: list[dict], sizes=(1, 2, 4)) -> list[dict]:
                     starts.add(start)
                     out.append({"messages": msgs[start:i + 1], "tools": [], "prompt_messages": i - start})
     return out
+
+def drills(conversations: list[dict], n: int, rng: random.Random) -> list[dict]:
+    """`n` drills (`windows`) of the shop family's conversations, each from one drawn at random with its items renamed
+    as it is drawn (envs.shop_tasks.relabel_goods): every draw copies other names, as pretraining shows every word."""
+    from envs.shop_tasks import relabel_goods
+
+    out = []
+    while len(out) < n:
+        if options := windows([relabel_goods(rng.choice(conversations), rng)]):
+            out.append(rng.choice(options))
+    return out
+
 
 def copy_loss(model, tok, data, copy_ids: set[int], micro_batch_size: int = 32) -> tuple[float, float]:
     """(copy loss, other loss) on (ids, loss_mask) pairs: mean NLL of the trained tokens that copy a value from

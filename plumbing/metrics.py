@@ -33,7 +33,8 @@ METRICS = {
                          "as the paper tracks them",
     "reward_info/<check>": "share of the episodes that record it where the reward's yes/no check holds (booleans) or "
                            "its list is not empty: shop's db_match, differ (1 - db_match), unconfirmed_writes (wrote "
-                           "without a yes) and asked_refund (asked where the refund goes, on the refund tasks)",
+                           "without a yes) and asked (asked what the user wants of its task's decision, where a refund "
+                           "goes or how a new item ships, on the tasks that carry one)",
     "tool_errors_per_episode": "malformed tool calls, unknown tools, bad arguments and tools that raised, per episode",
     "user_latency_s_mean": "seconds a user reply took, mean over the step's replies (retries included)",
     "user_latency_s_max": "seconds the slowest user reply of the step took",
@@ -66,7 +67,7 @@ METRICS = {
     "gen_tokens_per_s": "sampled tokens per second of rollout",
     "eval/pass1": "greedy pass^1 on the first --eval-tasks test tasks after this step (every --eval-every steps)",
     "eval/<check>": "the same evaluation's share of episodes where the reward's check holds, as reward_info/<check> "
-                    "(eval/asked_refund: the held-out asking rate, against --eval-env's user when it is given)",
+                    "(eval/asked: the held-out asking rate, against --eval-env's user when it is given)",
     "eval_s": "seconds that evaluation took",
     "step": "the GRPO step this line is for (a rollout and its update: --updates-per-batch optimizer steps)",
 }
@@ -207,7 +208,7 @@ def plot_curves(rows: list[dict], path, before: float | None = None, after: floa
     steps, with greedy test pass^1 before and after training; the groups whose episodes all scored 1 or all 0 (they
     teach nothing) and, where the reward checks it, the episodes that wrote without the user's yes; turns and sampled
     tokens per episode; the KL to the reference and the policy's entropy. `asked`: the held-out asking rate before and
-    after training, drawn with the evaluations' own (eval/asked_refund). Returns {panel title: its legend}."""
+    after training, drawn with the evaluations' own (eval/asked). Returns {panel title: its legend}."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -238,15 +239,15 @@ def plot_curves(rows: list[dict], path, before: float | None = None, after: floa
     if any("reward_info/unconfirmed_writes" in r for r in rows):
         a.plot(steps, col("reward_info/unconfirmed_writes"), color="tab:brown",
                label="episodes that wrote without a yes")
-    if any("reward_info/asked_refund" in r for r in rows):
-        a.plot(steps, col("reward_info/asked_refund"), color="tab:gray",
-               label="refund episodes that asked where it goes")
-    held = [(0, asked[0])] * (asked[0] is not None) + [(r["step"], r["eval/asked_refund"]) for r in rows
-                                                       if r.get("eval/asked_refund") is not None]
+    if any("reward_info/asked" in r for r in rows):
+        a.plot(steps, col("reward_info/asked"), color="tab:gray",
+               label="decision episodes that asked what the user wants")
+    held = [(0, asked[0])] * (asked[0] is not None) + [(r["step"], r["eval/asked"]) for r in rows
+                                                       if r.get("eval/asked") is not None]
     if asked[1] is not None and steps:
         held.append((steps[-1], asked[1]))
     if held:
-        a.plot(*zip(*held), color="black", marker="o", lw=1.5, label="held-out refund episodes that asked (greedy)")
+        a.plot(*zip(*held), color="black", marker="o", lw=1.5, label="held-out decision episodes that asked (greedy)")
     a.set(title="group outcomes", ylabel="fraction", ylim=(-0.02, 1.02))
     a = ax[1, 0]
     a.plot(steps, col("turns_mean"), color="tab:purple", label="agent turns per episode")
@@ -286,7 +287,7 @@ def plot_run(run_dir) -> Path:
         except ValueError:
             continue  # a line cut short by a crash
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-    asked = tuple((summary.get(f"eval/{tag}/rates") or {}).get("asked_refund") for tag in ("before", "after"))
+    asked = tuple((summary.get(f"eval/{tag}/rates") or {}).get("asked") for tag in ("before", "after"))
     plot_curves(rows, run_dir / "curves.png", summary.get("eval/before/pass1"), summary.get("eval/after/pass1"),
                 asked)
     return run_dir / "curves.png"

@@ -128,9 +128,9 @@ class StartOptions:
     cold_start_skips_confirm: Annotated[float, Range("[0, 1]")] = 0.6
     """the cold start made when no --init-from is given: share of the scripted teacher's write conversations in which
     it writes without asking the user first (sft.py --teacher-skips-confirm), a decision the reward settles"""
-    cold_start_skips_refund: Annotated[float, Range("[0, 1]")] = 0.5
-    """likewise, the share of its cancels and returns in which it never asks where the refund goes (sft.py
-    --teacher-skips-refund): a decision only a user who answers what it is asked can teach"""
+    cold_start_skips_ask: Annotated[float, Range("[0, 1]")] = 0.5
+    """likewise, the share of its conversations in which it never asks what the user wants (where a refund goes, how
+    a new item ships; sft.py --teacher-skips-ask): decisions only a user who answers what it is asked can teach"""
     env: str = "shop"
     """environment: 'shop' (small domain; 'shop:static': its user says everything at once, 'shop:replay': the
     expert's user turns whatever the agent says; envs/shop.py) or 'tau2:<retail|airline|telecom|mock>'"""

@@ -136,7 +136,7 @@ def summarize(episodes: list[dict], trials: int, meta: dict[str, dict] | None = 
                                        if k in meta_of(tid) and str(meta_of(tid)[k]) == v])
         summary["by_meta"] = {k: {v: {"pass^1": sum(r) / len(r), "episodes": len(r), "ci95": ci(k, v)}
                                   for v, r in sorted(vs.items())} for k, vs in by_meta.items()}
-    flags: dict[str, list[bool]] = {}  # yes/no facts the reward records (db_match; shop's asked_refund)
+    flags: dict[str, list[bool]] = {}  # yes/no facts the reward records (db_match; shop's asked)
     for e in scored:
         for k, v in (e.get("reward_info") or {}).items():
             if isinstance(v, bool):

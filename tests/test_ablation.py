@@ -44,7 +44,7 @@ def test_quick_ablation_runs_its_arms_continues_where_it_stopped_and_writes_its_
     assert arms["dynamic"]["final"] == saved["results"]["0"]["dynamic"]["final"]
     for name, r in arms.items():
         f = r["final"]
-        assert set(f["greedy"]) == set(f["refund"]) and len(f["greedy"]) == 8, name
+        assert set(f["greedy"]) == set(f["decision"]) == set(f["wants"]) and len(f["greedy"]) == 8, name
         assert all(0 <= v <= 1 for v in list(f["greedy"].values()) + list(f["sampled"].values())), name
     for name in ("dynamic", "replay", "ctl_static"):  # start, the step-1 checkpoint, the end; two logged steps
         assert len(arms[name]["curve"]) == 3 and [row["step"] for row in arms[name]["dynamics"]] == [1, 2]

@@ -10,7 +10,7 @@ import pytest
 from envs import STOP_TOOLS, ToolResult, make_env, play
 from envs.shop import ShopEnv
 from envs.shop_expert import ShopExpert
-from envs.shop_tasks import ORDER_RE, SHOP, make_task, refund_named
+from envs.shop_tasks import ORDER_RE, SHOP, choice_named, make_task
 
 ITEMS = SHOP.items
 from envs.shop_user import ShopUser
@@ -233,13 +233,14 @@ class SkipConfirmation:
     def act(self, messages):
         m = self.expert.act(messages)
         text = m.get("content") or ""
-        refund = {"refund": r} if (r := refund_named(text)) else {}
+        refund = {"refund": r} if (r := choice_named("refund", text)) else {}
+        shipping = {"shipping": r} if (r := choice_named("shipping", text)) else {}
         if cancel := re.match(r"I will cancel order (o\d+)[ .]", text):
             return write_call("cancel_order", order_id=cancel.group(1), **refund)
         if ret := re.match(r"I will return the (\w+ \w+) from order (o\d+)[ .]", text):
             return write_call("return_item", order_id=ret.group(2), item=ret.group(1), **refund)
-        if ex := re.match(r"I will exchange the (\w+ \w+) for the (\w+ \w+) in order (o\d+)\.", text):
-            return write_call("exchange_item", order_id=ex.group(3), item=ex.group(1), new_item=ex.group(2))
+        if ex := re.match(r"I will exchange the (\w+ \w+) for the (\w+ \w+) in order (o\d+)[ .]", text):
+            return write_call("exchange_item", order_id=ex.group(3), item=ex.group(1), new_item=ex.group(2), **shipping)
         return m
 
 
@@ -359,62 +360,145 @@ def test_tool_errors_never_raise(env):
 
 
 def _scores(env, agent_of) -> dict:
-    """{task id: reward} of the agent `agent_of(env, task)` on the first 300 test tasks."""
+    """{task id: reward} of the agent `agent_of(env, task)` on the environment's test tasks."""
     return {t.id: play(env, t, agent_of(env, t))[1] for t in env.tasks("test")}
 
 
-def test_reward_table_only_the_dynamic_user_punishes_not_asking_where_the_refund_goes():
-    """The decision only a user who answers what it is asked can teach (envs/shop_tasks.py). With scripted agents on
-    300 test tasks: the expert, which asks, scores 1 with every user; the agent that never asks where a refund goes
-    (it names what it was told, else nothing, and the write refunds the original payment) loses only with the
-    dynamic user, only on the refund tasks whose user wants a voucher; the agent that skips the confirmation (the
-    positive control) loses the same tasks with every user; with every user wanting the default (":default", the
-    negative control) not asking costs nothing."""
+SAYS = {"voucher": " Please refund it as a voucher.", "original": " Please refund it to my original payment.",
+        "express": " Please send the new one with express shipping.",
+        "standard": " Please send the new one with standard shipping."}
+
+
+class Guess:
+    """The expert that never asks: it proposes the non-default of the task's decision (a voucher, express shipping),
+    as if the user had said so in its opening, and, if `flip`, the default once a proposal of its guess was refused
+    and the conversation went on (guess and flip)."""
+
+    def __init__(self, env, task, flip=True):
+        self.expert, self.flip = env.expert(task, skip_ask=1.0), flip
+
+    def act(self, messages):
+        refused = self.flip and any(m["role"] == "user" and m["content"].startswith("No") and
+                                    re.search("voucher|express", messages[i - 1].get("content") or "")
+                                    for i, m in enumerate(messages))
+        said = (SAYS["original"] + SAYS["standard"]) if refused else (SAYS["voucher"] + SAYS["express"])
+        first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+        told = [dict(m, content=m["content"] + said) if i == first else m for i, m in enumerate(messages)]
+        return self.expert.act(told)
+
+
+class Slip:
+    """The expert with one mistake: `where` "proposal" (its first proposal names another of the user's orders, and
+    it goes on as the expert once corrected) or "write" (its first write names another order)."""
+
+    def __init__(self, env, task, where):
+        self.expert, self.where, self.task, self.done = env.expert(task), where, task, False
+
+    def other(self, order):
+        d = self.task.data
+        return next(o for o in d["db"]["users"][d["user_id"]]["orders"] + sorted(d["db"]["orders"]) if o != order)
+
+    def act(self, messages):
+        m = self.expert.act(messages)
+        if self.done:
+            return m
+        text = m.get("content") or ""
+        if self.where == "proposal" and "yes/no" in text:
+            self.done = True
+            order = ORDER_RE.findall(text)[0]
+            return dict(m, content=text.replace(order, self.other(order)))
+        calls = m.get("tool_calls") or []
+        if self.where == "write" and calls and calls[0]["function"]["name"] in ("cancel_order", "return_item",
+                                                                                 "exchange_item"):
+            self.done = True
+            args = json.loads(calls[0]["function"]["arguments"])
+            args["order_id"] = self.other(args["order_id"])
+            return write_call(calls[0]["function"]["name"], **args)
+        return m
+
+
+def test_reward_table_of_single_mistakes_against_every_user():
+    """The decisions only a user who answers what it is asked can teach (envs/shop_tasks.py). Scripted agents that
+    make one kind of mistake each, on 300 test tasks:
+    - the expert, which asks, scores 1 with every user;
+    - never asking (it names what it was told, else nothing, and the write does the default) loses only with the
+      dynamic user, exactly the decision tasks whose user wants the non-default (about half of them);
+    - guessing the non-default and flipping when refused is no better than not asking (the strict user ends the
+      conversation at a proposal it does not want: no "No." gives the answer away);
+    - skipping the yes, or a slip in the write after it, loses every write task with every user (the positive
+      control); one slip in a proposal, corrected, costs nothing with a dynamic or static user;
+    - with every user wanting the default (":default", the negative control) not asking costs nothing."""
     envs = {u: make_env(f"shop:{u}", n_train=0, n_test=300) for u in ("dynamic", "static", "replay")}
     tasks = envs["dynamic"].tasks("test")
-    refund = {t.id: t.meta["refund"] for t in tasks}
-    vouchers = [i for i, r in refund.items() if r == "voucher"]
+    wants = {t.id: t.meta["wants"] for t in tasks}
+    writes = {t.id for t in tasks if t.meta["kind"] != "transfer"}
     table = {}
     for user, env in envs.items():
         assert all(r == 1.0 for r in _scores(env, lambda e, t: e.expert(t)).values()), user
-        table[user] = _scores(env, lambda e, t: e.expert(t, skip_refund=1.0))
-        table[user, "confirm"] = _scores(env, lambda e, t: e.expert(t, skip_confirm=1.0))
-    lost = {i for i, r in table["dynamic"].items() if r != 1.0}
-    assert lost == set(vouchers)  # exactly the refund tasks whose user wants a voucher
-    on_refund = [table["dynamic"][i] for i, r in refund.items() if r]
-    print(f"\nnot asking, dynamic user: {sum(on_refund) / len(on_refund):.3f} on {len(on_refund)} refund tasks")
-    assert 0.45 < sum(on_refund) / len(on_refund) < 0.67
-    assert all(r == 1.0 for r in table["static"].values()) and all(r == 1.0 for r in table["replay"].values())
-    # the positive control: the same loss, task for task, with every user
-    assert table["dynamic", "confirm"] == table["static", "confirm"] == table["replay", "confirm"]
-    assert sum(table["dynamic", "confirm"].values()) < 0.5 * len(tasks)
+        table[user, "not asking"] = _scores(env, lambda e, t: e.expert(t, skip_ask=1.0))
+        table[user, "no yes"] = _scores(env, lambda e, t: e.expert(t, skip_confirm=1.0))
+        table[user, "write slip"] = _scores(env, lambda e, t: Slip(e, t, "write"))
+        if user != "replay":
+            table[user, "proposal slip"] = _scores(env, lambda e, t: Slip(e, t, "proposal"))
+    table["dynamic", "guess and flip"] = _scores(envs["dynamic"], lambda e, t: Guess(e, t))
+    table["dynamic", "guess"] = _scores(envs["dynamic"], lambda e, t: Guess(e, t, flip=False))
+    on = lambda name, ids: sum(table[name][i] for i in ids) / len(ids)  # noqa: E731
+    decided = [i for i, w in wants.items() if w]
+    print("\n" + "\n".join(f"{u:8} {m:15} all {on((u, m), list(wants)):.3f} decision tasks {on((u, m), decided):.3f}"
+                           for u, m in table))
+    assert {i for i, r in table["dynamic", "not asking"].items() if r != 1.0} == {
+        i for i, w in wants.items() if w == "non-default"}
+    assert 0.4 < on(("dynamic", "not asking"), decided) < 0.6 and len(decided) > 200
+    assert all(r == 1.0 for u in ("static", "replay") for r in table[u, "not asking"].values())
+    # The flip never helps (on a change of mind the user's "No, wait." is about the request, not the guess).
+    steady = [t.id for t in tasks if not t.data["change"]]
+    assert [table["dynamic", "guess and flip"][i] for i in steady] == [table["dynamic", "guess"][i] for i in steady]
+    assert abs(on(("dynamic", "guess and flip"), decided) - on(("dynamic", "not asking"), decided)) < 0.1
+    assert abs(on(("dynamic", "guess"), decided) - on(("dynamic", "not asking"), decided)) < 0.1
+    for mistake in ("no yes", "write slip"):  # every user: the same loss, task for task, every write task
+        assert table["dynamic", mistake] == table["static", mistake] == table["replay", mistake], mistake
+        assert all(table["dynamic", mistake][i] == 0.0 for i in writes), mistake
+    assert all(r == 1.0 for u in ("dynamic", "static") for r in table[u, "proposal slip"].values())
     control = make_env("shop:dynamic:default", n_train=0, n_test=300)
-    assert {t.meta["refund"] for t in control.tasks("test")} <= {"original", None}
-    assert all(r == 1.0 for r in _scores(control, lambda e, t: e.expert(t, skip_refund=1.0)).values())
+    assert {t.meta["wants"] for t in control.tasks("test")} <= {"default", None}
+    assert all(r == 1.0 for r in _scores(control, lambda e, t: e.expert(t, skip_ask=1.0)).values())
 
 
-def test_dynamic_user_says_where_the_refund_goes_only_when_asked():
+def test_dynamic_user_says_what_it_wants_only_when_asked_and_ends_at_a_proposal_it_does_not_want():
     env = make_env("shop", n_train=0, n_test=300)
+    seen = Counter()
     for task in env.tasks("test"):
-        messages = play(env, task, env.expert(task, skip_refund=1.0))[0]
+        messages = play(env, task, env.expert(task, skip_ask=1.0))[0]
+        decision, d = task.meta["decision"], task.data
+        if not decision:
+            continue
         for m in messages:
             if m["role"] == "user":
-                assert not re.search(r"voucher|original|refund", m["content"]), (task.id, m["content"])
-        if task.meta["refund"] and task.data["goal"]["action"] in ("cancel", "return"):  # not before a change of mind
-            user = env.scripted_user(task)
-            start = [{"role": "user", "content": user.opening()}]
-            answer = user.reply(start + [{"role": "assistant", "content": "Where should the refund go?"}])
-            assert task.meta["refund"] in answer.lower(), (task.id, answer)
-            if task.data["change"]:
-                continue
-            # a proposal that names the wrong destination, or both, is refused without saying the right one
-            right = _proposal(task.data["goal"]).replace(".", "", 1)
-            other = {"voucher": "to your original payment", "original": "as a voucher"}[task.meta["refund"]]
-            both = " and refund it as a voucher or to your original payment. Confirm"
-            for text in (right.replace(" Confirm", f" and refund it {other}. Confirm", 1),
-                         right.replace(" Confirm", both, 1)):
-                no = user.reply(start + [{"role": "assistant", "content": text}])
-                assert no.startswith("No.") and not re.search(r"voucher|original", no.lower()), (task.id, text, no)
+                assert not re.search(r"voucher|original|refund|express|standard|ship", m["content"]), (task.id, m)
+        if task.data["change"]:
+            continue
+        seen[decision] += 1
+        user = env.scripted_user(task)
+        start = [{"role": "user", "content": user.opening()}]
+        question = {"refund": "Where should the refund go?", "shipping": "How should the new item ship?"}
+        for asked, q in question.items():
+            answer = user.reply(start + [{"role": "assistant", "content": q}])
+            assert (d[asked] in answer.lower()) == (asked == decision), (task.id, q, answer)
+        # a proposal that names what the user does not want, or both options, ends the conversation
+        right = _proposal(d["goal"])
+        other = {"voucher": " and refund it to your original payment", "original": " and refund it as a voucher",
+                 "express": " with standard shipping", "standard": " with express shipping"}[d[decision]]
+        both = {"refund": " and refund it as a voucher or to your original payment",
+                "shipping": " with standard or express shipping"}[decision]
+        for text in (right.replace(". Confirm", other + ". Confirm"), right.replace(". Confirm", both + ". Confirm")):
+            no = user.reply(start + [{"role": "assistant", "content": text}])
+            assert no.startswith("No") and no.endswith("###STOP###"), (task.id, text, no)
+            assert not re.search(r"voucher|original|express|standard", no.lower()), (task.id, text, no)
+        named = right.replace(". Confirm", {"refund": " and refund it " + ("as a voucher" if d["refund"] == "voucher"
+                                                                            else "to your original payment"),
+                                            "shipping": f" with {d['shipping']} shipping"}[decision] + ". Confirm")
+        assert user.reply(start + [{"role": "assistant", "content": named}]).startswith("Yes"), (task.id, named)
+    assert seen["refund"] > 100 and seen["shipping"] > 30, seen
 
 
 def test_replay_user_plays_the_experts_user_turns_whatever_the_agent_says():
@@ -431,8 +515,10 @@ def test_replay_user_plays_the_experts_user_turns_whatever_the_agent_says():
             nonsense.append({"role": "user", "content": user.reply(nonsense)})
     with pytest.raises(ValueError, match="'lazy' is not a shop user"):
         make_env("shop:lazy")
-    with pytest.raises(ValueError, match="voucher_share"):
-        ShopEnv(n_train=1, n_test=1, voucher_share=2.0)
+    with pytest.raises(ValueError, match="nondefault_share"):
+        ShopEnv(n_train=1, n_test=1, nondefault_share=2.0)
+    with pytest.raises(ValueError, match="'hardest' is not a shop user .* one of default, old, hard, name-zip, hints"):
+        make_env("shop:hardest")
 
 
 def test_sibling_stores_share_the_api_but_not_the_goods_statuses_or_policy():
@@ -466,3 +552,41 @@ def test_the_committed_base_is_the_default_settings_own_and_reads_every_store():
     assert tok.chat_template == TOOL_CHAT_TEMPLATE
     for word in id_tokens():
         assert len(tok(word, add_special_tokens=False)["input_ids"]) == 1, word
+
+
+def test_the_procedure_knobs_and_the_old_policy():
+    """The default procedure is the reachable one (every user knows its email and order id, few changes of mind,
+    fewer exchanges); ":hard" is the domain as the refund ablation met it, drawn from the same draws, and ":name-zip"
+    and ":hints" bring back one difficulty each. ":old" is shop before the decisions (the tiny base's): its policy
+    says nothing of them, every user wants the defaults, the expert never asks and still solves every task."""
+    from envs.shop_tasks import HARD, Procedure
+
+    def shares(name):
+        tasks = make_env(name, n_train=400, n_test=0).tasks("train")
+        writes = [t for t in tasks if t.meta["kind"] != "transfer"]
+        return {"email": sum(t.data["knows_email"] for t in tasks) / len(tasks),
+                "order id": sum(t.data["knows_order_id"] for t in tasks) / len(tasks),
+                "change": sum(bool(t.data["change"]) for t in writes) / len(writes),
+                "exchange": sum(t.meta["kind"] == "exchange" for t in tasks) / len(tasks)}
+
+    easy, hard = shares("shop"), shares("shop:hard")
+    assert easy["email"] == easy["order id"] == 1.0 and 0.08 < easy["change"] < 0.22 and easy["exchange"] < 0.27
+    assert 0.5 < hard["email"] < 0.7 and 0.5 < hard["order id"] < 0.7 and 0.32 < hard["change"] < 0.48
+    assert hard["exchange"] > easy["exchange"]
+    name_zip, hints = shares("shop:name-zip"), shares("shop:hints")
+    assert 0.5 < name_zip["email"] < 0.7 and name_zip["order id"] == 1.0 and name_zip["change"] == easy["change"]
+    assert 0.5 < hints["order id"] < 0.7 and hints["email"] == 1.0
+    assert make_env("shop:hard", n_train=0, n_test=3).tasks("test")[1].data == make_task("test", 1, procedure=HARD).data
+    assert Procedure() != HARD
+    old, new = make_env("shop:old", n_train=100, n_test=0), make_env("shop", n_train=100, n_test=0)
+    assert "refund" in new.system_prompt(None) and "ship" in new.system_prompt(None)
+    assert "refund" not in old.system_prompt(None) and "ship" not in old.system_prompt(None)
+    assert old.system_prompt(None).replace("\n", "") in new.system_prompt(None).replace("\n", "") or all(
+        line in new.system_prompt(None).splitlines() for line in old.system_prompt(None).splitlines())
+    for task in old.tasks("train"):
+        assert task.meta["decision"] is None and task.data["refund"] == "original"
+        assert task.data["shipping"] == "standard"
+        messages, reward, info, _ = play(old, task, old.expert(task))
+        assert reward == 1.0 and "asked" not in info, task.id
+        assert not any(re.search("refund|ship|voucher|express", str(m.get("content"))) for m in messages
+                       if m["role"] == "assistant"), task.id

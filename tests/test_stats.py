@@ -41,7 +41,7 @@ def test_paired_difference_removes_the_spread_of_task_difficulty():
 
 def _episodes(rewards: dict, kind: dict, trials: int = 2) -> list[dict]:
     return [{"task_id": t, "reward": r, "infra_failed": False, "turns": 3, "termination": "user_stop",
-             "tool_calls": {}, "reward_info": {"db_match": r == 1.0, **({"asked_refund": r == 1.0} if kind[t] else {})}}
+             "tool_calls": {}, "reward_info": {"db_match": r == 1.0, **({"asked": r == 1.0} if kind[t] else {})}}
             for t, r in rewards.items() for _ in range(trials)]
 
 
@@ -54,12 +54,12 @@ def test_summary_reports_intervals_rates_and_compare_pairs_by_group(tmp_path):
         s = stats.summarize(_episodes(rewards, kind), 2, meta)
         lo, hi = s["pass^1_ci95"]
         assert lo < s["pass^1"] < hi
-        assert s["rates"]["asked_refund"]["episodes"] == 40  # the 20 refund tasks x 2 trials, no others
+        assert s["rates"]["asked"]["episodes"] == 40  # the 20 refund tasks x 2 trials, no others
         assert s["by_meta"]["refund"]["voucher"]["ci95"][0] <= s["by_meta"]["refund"]["voucher"]["pass^1"]
         (tmp_path / name).mkdir()
         (tmp_path / name / "summary.json").write_text(json.dumps(s))
         md = evaluation.markdown(evaluation.EvalConfig(agent=name), s)
-        assert f"{s['pass^1']:.3f} [{lo:.3f}, {hi:.3f}]" in md and "asked_refund" in md
+        assert f"{s['pass^1']:.3f} [{lo:.3f}, {hi:.3f}]" in md and "asked" in md
     table = evaluation.compare(str(tmp_path / "A"), str(tmp_path / "B"))
     rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines() if line.startswith("| ")}
     diff = sum(a[t] - b[t] for t in kind) / 40

@@ -499,9 +499,10 @@ def test_eval_rollout_batch_and_memory_estimate(tmp_path, ckpt, capsys):
                    "load_peak": 2000, "host_load": 2000, "host_save": 0, "host_peak": 3000, "peak": 4000}
 
 
-def test_pretrain_tiny_stops_at_the_copy_target_then_learns_whole_sibling_conversations(tmp_path, monkeypatch):
-    """Two stages: drills from the sibling stores until the copy target, then whole conversations of those stores
-    (never shop); recorded in the base's muarl_config.json, cached, and the committed base used only for its own
+def test_pretrain_tiny_stops_at_the_copy_target_then_learns_whole_conversations_of_the_old_stores(tmp_path,
+                                                                                                 monkeypatch):
+    """Two stages: drills from shop and its siblings under their old policy (no decisions) until the copy target,
+    then whole conversations of those stores; recorded in the base's muarl_config.json, cached, and the committed base used only for its own
     settings."""
     monkeypatch.setattr(models, "CACHE_DIR", tmp_path)
     made = []
@@ -515,7 +516,7 @@ def test_pretrain_tiny_stops_at_the_copy_target_then_learns_whole_sibling_conver
     info = saved["pretrain"]
     assert info["steps"] == 25 and info["copy_loss"] < 100.0  # the first check (every 25 steps) met the target
     assert info["settings"] == sft.base_settings(cfg) and saved["sft"]["epochs"] == 1.0
-    assert made == ["shop:garden", "shop:sport"] * 2  # drills, then whole conversations: siblings only
+    assert made == ["shop:old", "shop:garden:old", "shop:sport:old"] * 2  # drills, then whole conversations
     stamp = (out / "model.safetensors").stat().st_mtime_ns
     assert sft.pretrain_tiny(cfg) == out and (out / "model.safetensors").stat().st_mtime_ns == stamp  # cached
     assert not list(tmp_path.glob("*-drills"))  # the first stage's checkpoint is not kept
@@ -546,7 +547,7 @@ def test_copy_loss_matches_a_loop(tiny_tok, tiny_lm):
 def test_plot_curves_writes_a_png_with_each_curve(tmp_path):
     rows = [{"step": i + 1, "reward_mean": i / 9, "all_correct_ratio": 0.1, "all_wrong_ratio": 0.5, "turns_mean": 7.0,
              "response_tokens_mean": 40.0, "kl": 0.001 * i, "entropy": 1.5, "reward_info/unconfirmed_writes": 0.3,
-             "reward_info/asked_refund": 0.5, **({"eval/pass1": 0.4, "eval/asked_refund": 0.3} if i == 4 else {})}
+             "reward_info/asked": 0.5, **({"eval/pass1": 0.4, "eval/asked": 0.3} if i == 4 else {})}
             for i in range(10)]
     from plumbing.metrics import plot_curves
 
@@ -556,8 +557,8 @@ def test_plot_curves_writes_a_png_with_each_curve(tmp_path):
         "reward": ["reward (sampled episodes)", "mean of the last 5 steps", "test pass^1 before (0.20, greedy)",
                    "test pass^1 after (0.60, greedy)", "held-out test pass^1 (greedy)"],
         "group outcomes": ["groups all correct", "groups all wrong", "episodes that wrote without a yes",
-                           "refund episodes that asked where it goes",
-                           "held-out refund episodes that asked (greedy)"],
+                           "decision episodes that asked what the user wants",
+                           "held-out decision episodes that asked (greedy)"],
         "episode length": ["agent turns per episode", "sampled tokens per episode"],
         "KL and entropy": ["KL to the reference (k3)", "policy entropy"]}
     # From a run directory, as `python eval.py --plot RUN_DIR` does; a line cut short by a crash is skipped.
