@@ -84,8 +84,8 @@ class SFT:
     """'tiny' pretraining stops here at the latest (and says that it missed the target)"""
     pretrain_batch_size: Annotated[int, Range("[1, inf)")] = 32
     """drills per pretraining step, over all processes"""
-    base_conversations: Annotated[int, Range("[1, inf)")] = 1200
-    """'tiny' pretraining's second stage: whole conversations of the sibling stores it is fine-tuned on"""
+    base_conversations: Annotated[int, Range("[1, inf)")] = 2400
+    """'tiny' pretraining's second stage: whole conversations it is fine-tuned on, half of them shop's"""
     base_out: str = ""
     """with --pretrain-only: also copy the base here (assets/tiny-base is the committed one)"""
     lr: Annotated[float, Range("(0, inf)")] = 4e-3
@@ -279,16 +279,16 @@ def cache_key(settings: dict) -> str:
 
 # The committed base (`./run python sft.py --pretrain-only --base-out assets/tiny-base --overwrite` rebuilds it).
 COMMITTED_BASE = Path(__file__).resolve().parent / "assets" / "tiny-base"
-# The base's stores, under their old policy (the procedure, never the question), and their teacher: it never asks
-# and writes without a yes less often than the cold start's (0.6), as a capable base would.
-BASE_STORES, BASE_TEACHER = tuple(f"shop{'' if g == 'shop' else ':' + g}:old" for g in ("shop", *SIBLINGS)), {
-    "skip_confirm": 0.3}
+# The base's stores under their old policy (the procedure, never the question), their shares of its conversations,
+# and their teacher: it never asks, and writes without a yes in 30% of them as the cold start's does (COLD_TEACHER).
+BASE_STORES = {"shop:old": 0.5, **{f"shop:{g}:old": 0.5 / len(SIBLINGS) for g in SIBLINGS}}
+BASE_TEACHER = {"skip_confirm": 0.3}
 
 
 def base_settings(cfg: SFTConfig) -> dict:
     keys = ("seed num_tasks lr warmup_steps grad_clip pretrain_target pretrain_max_steps pretrain_batch_size "
             "base_conversations")
-    return {**{k: getattr(cfg, k) for k in keys.split()}, "stores": list(BASE_STORES), "teacher": BASE_TEACHER}
+    return {**{k: getattr(cfg, k) for k in keys.split()}, "stores": BASE_STORES, "teacher": BASE_TEACHER}
 
 
 def pretrain_tiny(cfg: SFTConfig, committed: bool = True) -> Path:
@@ -305,7 +305,7 @@ def pretrain_tiny(cfg: SFTConfig, committed: bool = True) -> Path:
        write, and Qwen3 knows the word "mug"), at a constant learning rate until the held-out copy loss (drills from
        tasks it never trains on) is below `pretrain_target` nats per copied value, checked every 25 steps.
     2. Conversations: one epoch of SFT on `base_conversations` whole conversations of the stores' teacher
-       (BASE_TEACHER), with their old policy and tools.
+       (BASE_TEACHER), half of them shop's, with their old policy and tools.
 
     The committed base (COMMITTED_BASE) when the settings are its own and `committed`; else made once and cached under
     MUARL_CACHE, keyed by the settings and the code. `--model tiny`: the default settings' base (sft.train, cold_start);
@@ -359,10 +359,10 @@ def pretrain_tiny(cfg: SFTConfig, committed: bool = True) -> Path:
     drilled = out.with_name(out.name + "-drills")
     checkpoints.save_pretrained(acc, model, tok, drilled, {})
     del model, opt
-    talk = [c for i, store in enumerate(BASE_STORES) for c in make_cold_start(replace(
+    talk = [c for i, (store, part) in enumerate(BASE_STORES.items()) for c in make_cold_start(replace(
         cfg, env=store, teacher="expert", user_sim="scripted", seed=cfg.seed + 1 + i,
         teacher_skips_confirm=BASE_TEACHER["skip_confirm"], teacher_skips_ask=0.0,
-        num_tasks=-(-cfg.base_conversations // len(BASE_STORES))))]
+        num_tasks=round(cfg.base_conversations * part)))]
     train(replace(cfg, model=str(drilled), out=str(out), epochs=1.0, lora_rank=0), talk, accelerator=acc,
           record={"pretrain": {"settings": settings, "steps": step, "copy_loss": loss, "seconds": time.time() - t0}})
     shutil.rmtree(drilled, ignore_errors=True)

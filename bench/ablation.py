@@ -68,6 +68,7 @@ import sft  # noqa: E402
 from fast.batched_rollout import RolloutConfig, rollout  # noqa: E402
 from plumbing.users import make_user_sim  # noqa: E402
 from envs import make_env  # noqa: E402
+from envs.shop import COLD_TEACHER  # noqa: E402
 
 ARMS = {"base": "base", "cold": "cold start", "sft": "cold start + more SFT", "rl": "GRPO, no cold start",
         "dynamic": "cold start + GRPO, dynamic user", "static": "cold start + GRPO, static user",
@@ -76,7 +77,7 @@ ARMS = {"base": "base", "cold": "cold start", "sft": "cold start + more SFT", "r
 TRAIN_ENV = {"rl": "shop", "dynamic": "shop", "static": "shop:static", "replay": "shop:replay",
              "ctl_dynamic": "shop:default", "ctl_static": "shop:static:default", "ctl_replay": "shop:replay:default"}
 CAPS = dict(max_turns=30, max_new_tokens=128, max_context=1536)  # the default run's (grpo.Config)
-TEACHER = dict(teacher_skips_confirm=0.6, teacher_skips_ask=0.5)  # the default run's cold start (grpo.Config)
+TEACHER = dict(teacher_skips_confirm=COLD_TEACHER["skip_confirm"], teacher_skips_ask=COLD_TEACHER["skip_ask"])
 
 
 def evaluate(path, env_name: str, n_tasks: int, trials: int, temperature: float, seed: int) -> dict:

@@ -36,7 +36,11 @@ from envs import Task, ToolResult, play
 from envs.shop_tasks import (CHOICES, GOODS, HARD, NONDEFAULT_SHARE, REFUNDS, SHIPPINGS, SIBLINGS, WRITE_TOOLS,
                              Procedure, id_tokens, is_question, make_task, scenario)
 
-USERS = ("dynamic", "static", "replay")
+USERS = ("dynamic", "static", "replay", "teacher")
+# The cold start's teacher (grpo.py's defaults, --cold-start-skips-confirm and --cold-start-skips-ask): it writes
+# without a yes in this share of its conversations and never asks what the user wants in this one. The "teacher" user
+# replays the dynamic user's side of its conversations: the paper's pre-scripted (static) data.
+COLD_TEACHER = {"skip_confirm": 0.3, "skip_ask": 0.7}
 
 # name -> (description, the accepted sets of string arguments). Short on purpose: with a byte-level BPE every
 # schema costs ~45 tokens of JSON scaffolding plus its words, in every prompt (one lookup tool, not two, for that).
@@ -232,6 +236,8 @@ class ShopEnv:
       replay    the paper's pre-scripted interaction: the dynamic user's turns from the expert's conversation on that
                 task, played in order whatever the agent says (task.meta["user_sim"]["scripted"]: an LLM user
                 simulator leaves these tasks to the script)
+      teacher   the same, from the cold-start teacher's conversation on that task (COLD_TEACHER: it asks what the user
+                wants in 30% of them), as the paper's static data is the conversations its cold start was made of
     `nondefault_share`: the share of users who want a voucher (express shipping) rather than the default (0: every
     user wants the default, the negative control of bench/ablation.py). `procedure`: how much procedure the tasks ask
     (envs/shop_tasks.Procedure; HARD as the refund domain's ablation met it). `old`: the store before the decisions
@@ -259,7 +265,7 @@ class ShopEnv:
         for task in self._splits["train"] + self._splits["test"]:
             if user == "static":  # an LLM user simulator reads the scenario: it must be the static one too
                 task.user_scenario = scenario(task.data, task.data["db"]["users"][task.data["user_id"]], static=True)
-            elif user == "replay":
+            elif user in ("replay", "teacher"):
                 task.meta["user_sim"] = {"scripted": True}
             if old:  # no decision to record: the policy has none
                 task.meta.update(decision=None, wants=None)
@@ -284,10 +290,11 @@ class ShopEnv:
     def scripted_user(self, task: Task):
         from envs.shop_user import ReplayUser, ShopUser  # players of the domain, loaded when asked for
 
-        if self.user != "replay":
+        if self.user not in ("replay", "teacher"):
             return ShopUser(task, static=self.user == "static")
-        if task.id not in self._replays:  # the expert's conversation with the dynamic user, once per task
-            messages = play(self, task, self.expert(task), ShopUser(task))[0]
+        if task.id not in self._replays:  # the expert's (teacher's) conversation with the dynamic user, once per task
+            teacher = self.expert(task, **(COLD_TEACHER if self.user == "teacher" else {}))
+            messages = play(self, task, teacher, ShopUser(task))[0]
             self._replays[task.id] = [m["content"] for m in messages if m["role"] == "user"]
         return ReplayUser(self._replays[task.id])
 
@@ -324,7 +331,7 @@ class ShopEnv:
 
 
 def from_name(name: str, **options) -> ShopEnv:
-    """"shop" followed by any of ":<user>" (dynamic, static, replay), ":<goods>" (garden, sport), ":default" (every
+    """"shop" followed by any of ":<user>" (dynamic, static, replay, teacher), ":<goods>" (garden, sport), ":default" (every
     user wants the defaults), ":old" (the policy before the decisions; `ShopEnv`), ":hard" (the procedure as the
     refund domain's ablation met it: envs/shop_tasks.HARD), ":name-zip" (users who may not know their email) and
     ":hints" (users who may not know their order id): "shop:static", "shop:replay:default", "shop:garden:old"."""

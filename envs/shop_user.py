@@ -145,8 +145,9 @@ class ShopUser:
         for decision in CHOICES:  # asked where the refund goes, or how the new item ships
             if not is_question(decision, t):
                 continue
-            if decision_of(want["action"]) == decision:
-                parts.append(self._pick(ANSWERS[d[decision]], turn))
+            if decision_of(want["action"]) == decision:  # and what it wants, restated as above
+                restated = self._restate(want)
+                parts.append(self._pick(ANSWERS[d[decision]], turn) + ("" if restated in parts else " " + restated))
             else:
                 parts.append({"refund": "I don't need a refund.", "shipping": "Nothing needs to ship."}[decision])
         if parts:

@@ -17,6 +17,7 @@ from plumbing.models import ATTENTION
 from plumbing.users import check_user_sim
 from plumbing.cli import SEEDS, TIMEOUTS, Range
 from envs import opening_messages
+from envs.shop import COLD_TEACHER
 from loss import ADVANTAGES, AGGS, CORRECTIONS, CREDIT, POLICY_LOSSES, RATIO_LEVELS
 from muarl import prompt_ids
 
@@ -125,15 +126,17 @@ class StartOptions:
     """policy to start from: 'tiny', 'smollm2-135m', a checkpoint directory or a hub id (Qwen/Qwen3-8B)"""
     init_from: str = ""
     """cold-start (SFT) checkpoint to start from; with --model tiny and none given, one is made and cached"""
-    cold_start_skips_confirm: Annotated[float, Range("[0, 1]")] = 0.6
+    cold_start_skips_confirm: Annotated[float, Range("[0, 1]")] = COLD_TEACHER["skip_confirm"]
     """the cold start made when no --init-from is given: share of the scripted teacher's write conversations in which
     it writes without asking the user first (sft.py --teacher-skips-confirm), a decision the reward settles"""
-    cold_start_skips_ask: Annotated[float, Range("[0, 1]")] = 0.5
+    cold_start_skips_ask: Annotated[float, Range("[0, 1]")] = COLD_TEACHER["skip_ask"]
     """likewise, the share of its conversations in which it never asks what the user wants (where a refund goes, how
     a new item ships; sft.py --teacher-skips-ask): decisions only a user who answers what it is asked can teach"""
     env: str = "shop"
-    """environment: 'shop' (small domain; 'shop:static': its user says everything at once, 'shop:replay': the
-    expert's user turns whatever the agent says; envs/shop.py) or 'tau2:<retail|airline|telecom|mock>'"""
+    """environment: 'shop' (small domain; 'shop:static': its user says everything at once, 'shop:replay' and
+    'shop:teacher': the user's turns of the expert's, or the cold-start teacher's, conversation whatever the agent
+    says; ':default' every user wants the defaults, ':hard' the harder procedure; envs/shop.py) or
+    'tau2:<retail|airline|telecom|mock>'"""
     split: str = "train"
     """task split trained on"""
     eval_env: str = ""

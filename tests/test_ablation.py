@@ -168,3 +168,27 @@ def test_two_runs_share_a_directory_seed_by_seed(tmp_path, base, monkeypatch):
     assert "seed 0: another run holds it" in (out / "log.txt").read_text()
     with pytest.raises(SystemExit, match="--threads"):
         ablation.main(["--quick", "--threads", "-1", "--base", base, "--out", str(out)])
+
+
+def test_the_gates_count_what_they_say(base, tmp_path):
+    """bench/gates.py: its figures from hand-made episodes (no decision needed = transfers and users who want the
+    default; asking counted on the decision tasks only; a group is mixed when some but not all of it succeeds), then
+    the script end to end on a fresh model, with its bands judged and written."""
+    import gates
+    from types import SimpleNamespace as E
+
+    tasks = [E(meta={"decision": "refund", "wants": "non-default"}), E(meta={"decision": "shipping", "wants": "default"}),
+             E(meta={"decision": None, "wants": None})]
+    greedy = [E(reward=0.0, reward_info={"asked": True}), E(reward=1.0, reward_info={"asked": False}),
+              E(reward=1.0, reward_info={"unconfirmed_writes": []})]
+    sampled = [E(reward=r, reward_info={"asked": a}) for r, a in ((1.0, True), (0.0, False), (0.0, True), (0.0, True),
+                                                                   (1.0, None), (1.0, None))]
+    f = gates.figures(greedy, sampled, tasks, 2)
+    assert f["greedy pass^1"] == 2 / 3 and f["greedy pass^1, no decision needed"] == 1.0
+    assert f["greedy pass^1, non-default users"] == 0.0 and f["greedy asked, decision tasks"] == 0.5
+    assert f["sampled asked, decision tasks"] == 0.75 and f["groups mixed"] == 1 / 3 and f["sampled pass^1"] == 0.5
+    out = tmp_path / "gates.json"
+    judged = gates.main(["--stage", "coldstart", "--agent", base, "--tasks", "3", "--trials", "2", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["gates"] == judged and set(judged) == {"sampled asked, decision tasks", "groups mixed"}
+    assert saved["figures"]["tasks"] == 3 and 0 <= saved["figures"]["groups mixed"] <= 1

@@ -427,6 +427,7 @@ def test_reward_table_of_single_mistakes_against_every_user():
       conversation at a proposal it does not want: no "No." gives the answer away);
     - skipping the yes, or a slip in the write after it, loses every write task with every user (the positive
       control); one slip in a proposal, corrected, costs nothing with a dynamic or static user;
+    - the replay of the cold-start teacher's conversations rewards not asking over asking;
     - with every user wanting the default (":default", the negative control) not asking costs nothing."""
     envs = {u: make_env(f"shop:{u}", n_train=0, n_test=300) for u in ("dynamic", "static", "replay")}
     tasks = envs["dynamic"].tasks("test")
@@ -459,6 +460,14 @@ def test_reward_table_of_single_mistakes_against_every_user():
         assert table["dynamic", mistake] == table["static", mistake] == table["replay", mistake], mistake
         assert all(table["dynamic", mistake][i] == 0.0 for i in writes), mistake
     assert all(r == 1.0 for u in ("dynamic", "static") for r in table[u, "proposal slip"].values())
+    # The replay of the cold-start teacher's own conversations (the paper's static data) does not reward asking: its
+    # turns follow a teacher that asks in 30% of them, so an agent that asks falls out of step more often.
+    teacher = make_env("shop:teacher", n_train=0, n_test=300)
+    asks = _scores(teacher, lambda e, t: e.expert(t))
+    quiet = _scores(teacher, lambda e, t: e.expert(t, skip_ask=1.0))
+    print(f"teacher  asks {sum(asks[i] for i in decided) / len(decided):.3f}, never asks "
+          f"{sum(quiet[i] for i in decided) / len(decided):.3f} on the decision tasks")
+    assert sum(asks[i] for i in decided) < sum(quiet[i] for i in decided)
     control = make_env("shop:dynamic:default", n_train=0, n_test=300)
     assert {t.meta["wants"] for t in control.tasks("test")} <= {"default", None}
     assert all(r == 1.0 for r in _scores(control, lambda e, t: e.expert(t, skip_ask=1.0)).values())
