@@ -279,9 +279,10 @@ def cache_key(settings: dict) -> str:
 
 # The committed base (`./run python sft.py --pretrain-only --base-out assets/tiny-base --overwrite` rebuilds it).
 COMMITTED_BASE = Path(__file__).resolve().parent / "assets" / "tiny-base"
-# The base's stores under their old policy (the procedure, never the question), their shares of its conversations,
-# and their teacher: it never asks, and writes without a yes in 30% of them as the cold start's does (COLD_TEACHER).
-BASE_STORES = {"shop:old": 0.5, **{f"shop:{g}:old": 0.5 / len(SIBLINGS) for g in SIBLINGS}}
+# The base's stores under their old policy (the procedure, never the question: shop's users want the defaults, the
+# siblings' say their wishes unasked, so it copies a wish it hears), their shares of its conversations, and their
+# teacher: it never asks; it writes without a yes in 30% of them, as the cold start's does (COLD_TEACHER).
+BASE_STORES = {"shop:old:default": 0.5, **{f"shop:{g}:static:old": 0.5 / len(SIBLINGS) for g in SIBLINGS}}
 BASE_TEACHER = {"skip_confirm": 0.3}
 
 
@@ -304,8 +305,7 @@ def pretrain_tiny(cfg: SFTConfig, committed: bool = True) -> Path:
        items renamed to any store's each time one is drawn (`drills`: a model copies only tokens it has learned to
        write, and Qwen3 knows the word "mug"), at a constant learning rate until the held-out copy loss (drills from
        tasks it never trains on) is below `pretrain_target` nats per copied value, checked every 25 steps.
-    2. Conversations: one epoch of SFT on `base_conversations` whole conversations of the stores' teacher
-       (BASE_TEACHER), half of them shop's, with their old policy and tools.
+    2. Conversations: one epoch of SFT on `base_conversations` whole conversations of BASE_STORES (BASE_TEACHER).
 
     The committed base (COMMITTED_BASE) when the settings are its own and `committed`; else made once and cached under
     MUARL_CACHE, keyed by the settings and the code. `--model tiny`: the default settings' base (sft.train, cold_start);

@@ -241,8 +241,9 @@ class ShopEnv:
     `nondefault_share`: the share of users who want a voucher (express shipping) rather than the default (0: every
     user wants the default, the negative control of bench/ablation.py). `procedure`: how much procedure the tasks ask
     (envs/shop_tasks.Procedure; HARD as the refund domain's ablation met it). `old`: the store before the decisions
-    existed, as the tiny base is pretrained on it: its policy says nothing of them, every user wants the defaults
-    and the expert never asks. Command-line names: make_env("shop"), "shop:static", "shop:replay", "shop:garden",
+    were in its policy, as the tiny base is pretrained on it: the policy says nothing of them and the expert never
+    asks (it names what a user says unasked: a static user's wishes are still honoured; with ":default", every user
+    wants the defaults). Command-line names: make_env("shop"), "shop:static", "shop:replay", "shop:garden",
     "shop:replay:default", "shop:hard", "shop:old" (`from_name`)."""
     name = "shop"
 
@@ -258,8 +259,7 @@ class ShopEnv:
             raise ValueError(f"shop: nondefault_share {nondefault_share} is not in [0, 1]")
         self.seed, self.user, self.goods, self.old = seed, user, GOODS[goods], old
         self.name = "shop" if goods == "shop" else f"shop:{goods}"
-        share = 0.0 if old else nondefault_share
-        self._splits = {split: [make_task(split, i, seed, self.goods, share, procedure) for i in range(n)]
+        self._splits = {split: [make_task(split, i, seed, self.goods, nondefault_share, procedure) for i in range(n)]
                         for split, n in (("train", n_train), ("test", n_test))}
         self._replays: dict[str, list[str]] = {}
         for task in self._splits["train"] + self._splits["test"]:
@@ -267,8 +267,6 @@ class ShopEnv:
                 task.user_scenario = scenario(task.data, task.data["db"]["users"][task.data["user_id"]], static=True)
             elif user in ("replay", "teacher"):
                 task.meta["user_sim"] = {"scripted": True}
-            if old:  # no decision to record: the policy has none
-                task.meta.update(decision=None, wants=None)
 
     def tasks(self, split: str) -> list[Task]:
         if split not in self._splits:
@@ -331,10 +329,10 @@ class ShopEnv:
 
 
 def from_name(name: str, **options) -> ShopEnv:
-    """"shop" followed by any of ":<user>" (dynamic, static, replay, teacher), ":<goods>" (garden, sport), ":default" (every
-    user wants the defaults), ":old" (the policy before the decisions; `ShopEnv`), ":hard" (the procedure as the
-    refund domain's ablation met it: envs/shop_tasks.HARD), ":name-zip" (users who may not know their email) and
-    ":hints" (users who may not know their order id): "shop:static", "shop:replay:default", "shop:garden:old"."""
+    """"shop" followed by any of ":<user>" (dynamic, static, replay, teacher), ":<goods>" (garden, sport), ":default"
+    (every user wants the defaults), ":old" (the policy without the decisions, an expert that never asks; `ShopEnv`),
+    ":hard" (the procedure as the refund domain's ablation met it: envs/shop_tasks.HARD), ":name-zip" (users who may
+    not know their email) and ":hints" (users who may not know their order id): "shop:static", "shop:old:default"."""
     parts = name.split(":")[1:]
     procedure = options.pop("procedure", Procedure())
     for part in parts:

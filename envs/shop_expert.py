@@ -13,8 +13,8 @@ import json
 import random
 import re
 
-from envs.shop_tasks import (CHOICES, CONFIRM, GOODS, HINT_RE, ORDER_RE, REFUND_SAID, SHIPPING_SAID, WRITE_TOOLS,
-                             choice_named, decision_of, items_in)
+from envs.shop_tasks import (CHOICES, CONFIRM, GOODS, HINT_RE, ORDER_RE, WRITE_TOOLS, choice_named, decision_of,
+                             items_in, proposed)
 
 
 class ShopExpert:
@@ -90,8 +90,7 @@ class ShopExpert:
         if wanted is None and not self.skips_ask:
             return say(QUESTIONS[decision])
         named = {decision: wanted} if wanted else {}
-        said = (f" and refund it {REFUND_SAID[wanted]}" if decision == "refund" else f" {SHIPPING_SAID[wanted]}"
-                ) if wanted else ""
+        said = proposed(decision, wanted) if wanted else ""
         tool, args, text = {
             "cancel": ("cancel_order", {"order_id": order, **named}, f"I will cancel order {order}{said}."),
             "return": ("return_item", {"order_id": order, "item": item, **named},

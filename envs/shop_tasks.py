@@ -35,11 +35,18 @@ OTHER_TOPICS = {"address": "I want to change the shipping address of an order.",
                 "compensation": "My order came late. I want compensation.",
                 "card": "I want to pay for an order with another card."}
 REFUNDS = ("original", "voucher")  # where a refund goes; the first is what a write that names none does
-REFUND_SAID = {"original": "to your original payment", "voucher": "as a voucher"}  # in the agent's proposal
+REFUND_SAID = {"original": "to your original payment", "voucher": "as a voucher"}  # as the user says it
 SHIPPINGS = ("standard", "express")  # how an exchange's new item ships; the first is the default
 SHIPPING_SAID = {"standard": "with standard shipping", "express": "with express shipping"}
 CHOICES = {"refund": REFUNDS, "shipping": SHIPPINGS}  # decision -> its options, the default first
 NONDEFAULT_SHARE = 0.5  # the share of users who want the non-default, for each decision
+
+
+def proposed(decision: str, value: str) -> str:
+    """How the agent's proposal names what the user wants ("... order o12 (refund: voucher). Confirm (yes/no)?"): the
+    user's own word, where the model writes it next, so that naming it is a copy (a phrase chosen before the word,
+    "as a voucher" against "to your original payment", was a decision the tiny cold start did not learn to make)."""
+    return f" ({decision}: {value})"
 
 
 def decision_of(action: str | None) -> str | None:

@@ -567,7 +567,8 @@ def test_the_procedure_knobs_and_the_old_policy():
     """The default procedure is the reachable one (every user knows its email and order id, few changes of mind,
     fewer exchanges); ":hard" is the domain as the refund ablation met it, drawn from the same draws, and ":name-zip"
     and ":hints" bring back one difficulty each. ":old" is shop before the decisions (the tiny base's): its policy
-    says nothing of them, every user wants the defaults, the expert never asks and still solves every task."""
+    says nothing of them and the expert never asks; with ":default" (every user wants the defaults) it still solves
+    every task."""
     from envs.shop_tasks import HARD, Procedure
 
     def shares(name):
@@ -587,15 +588,23 @@ def test_the_procedure_knobs_and_the_old_policy():
     assert 0.5 < hints["order id"] < 0.7 and hints["email"] == 1.0
     assert make_env("shop:hard", n_train=0, n_test=3).tasks("test")[1].data == make_task("test", 1, procedure=HARD).data
     assert Procedure() != HARD
-    old, new = make_env("shop:old", n_train=100, n_test=0), make_env("shop", n_train=100, n_test=0)
+    old, new = make_env("shop:old:default", n_train=100, n_test=0), make_env("shop", n_train=100, n_test=0)
     assert "refund" in new.system_prompt(None) and "ship" in new.system_prompt(None)
     assert "refund" not in old.system_prompt(None) and "ship" not in old.system_prompt(None)
     assert old.system_prompt(None).replace("\n", "") in new.system_prompt(None).replace("\n", "") or all(
         line in new.system_prompt(None).splitlines() for line in old.system_prompt(None).splitlines())
     for task in old.tasks("train"):
-        assert task.meta["decision"] is None and task.data["refund"] == "original"
-        assert task.data["shipping"] == "standard"
+        assert task.data["refund"] == "original" and task.data["shipping"] == "standard"
         messages, reward, info, _ = play(old, task, old.expert(task))
-        assert reward == 1.0 and "asked" not in info, task.id
+        assert reward == 1.0 and not info.get("asked"), task.id
         assert not any(re.search("refund|ship|voucher|express", str(m.get("content"))) for m in messages
                        if m["role"] == "assistant"), task.id
+    # The siblings' static users say their wishes unasked, and the expert that never asks still honours them: the
+    # base learns to copy a wish it hears, never to ask for one.
+    static = make_env("shop:garden:static:old", n_train=100, n_test=0)
+    named = 0
+    for task in static.tasks("train"):
+        messages, reward, info, _ = play(static, task, static.expert(task))
+        assert reward == 1.0 and not info.get("asked"), task.id
+        named += any(re.search(r"\((refund|shipping): (voucher|express)\)", str(m.get("content"))) for m in messages)
+    assert named > 25
