@@ -21,8 +21,10 @@ the committed `tiny` base that has seen only shop's sibling stores (sft.pretrain
   rl         GRPO from the base with the dynamic user, no cold start
   dynamic    cold + GRPO with the dynamic user (the paper's method)
   static     cold + GRPO with the static user (who it is, what it wants and where the refund goes, all at once)
-  replay     cold + GRPO with the replayed user (the paper's pre-scripted interaction: the expert's user turns for the
-             task, in order, whatever the agent says)
+  replay     cold + GRPO with the replayed user (the expert's user turns for the task, in order, whatever the agent
+             says)
+  teacher    cold + GRPO with the replay of the cold-start teacher's own conversation on the task (the paper's
+             pre-scripted interaction: the static data its cold start was made of; shop:teacher)
   ctl_*      the negative control: dynamic, static and replay again where every user wants the default refund
              (shop:<user>:default), evaluated there: asking is never needed, so the three must not differ
 
@@ -72,10 +74,12 @@ from envs.shop import COLD_TEACHER  # noqa: E402
 
 ARMS = {"base": "base", "cold": "cold start", "sft": "cold start + more SFT", "rl": "GRPO, no cold start",
         "dynamic": "cold start + GRPO, dynamic user", "static": "cold start + GRPO, static user",
-        "replay": "cold start + GRPO, replayed user", "ctl_dynamic": "control: GRPO, dynamic user",
+        "replay": "cold start + GRPO, replayed user", "teacher": "cold start + GRPO, replay of the teacher",
+        "ctl_dynamic": "control: GRPO, dynamic user",
         "ctl_static": "control: GRPO, static user", "ctl_replay": "control: GRPO, replayed user"}
 TRAIN_ENV = {"rl": "shop", "dynamic": "shop", "static": "shop:static", "replay": "shop:replay",
-             "ctl_dynamic": "shop:default", "ctl_static": "shop:static:default", "ctl_replay": "shop:replay:default"}
+             "teacher": "shop:teacher", "ctl_dynamic": "shop:default", "ctl_static": "shop:static:default",
+             "ctl_replay": "shop:replay:default"}
 CAPS = dict(max_turns=30, max_new_tokens=128, max_context=1536)  # the default run's (grpo.Config)
 TEACHER = dict(teacher_skips_confirm=COLD_TEACHER["skip_confirm"], teacher_skips_ask=COLD_TEACHER["skip_ask"])
 
@@ -238,7 +242,8 @@ def mean(d: dict) -> float:
     return sum(d.values()) / max(1, len(d))
 
 
-ORDER = ["base", "cold", "dynamic", "sft", "static", "replay", "rl", "ctl_dynamic", "ctl_static", "ctl_replay"]
+ORDER = ["base", "cold", "dynamic", "sft", "static", "teacher", "replay", "rl", "ctl_dynamic", "ctl_static",
+         "ctl_replay"]
 
 
 def main(argv=None):
@@ -289,7 +294,8 @@ def main(argv=None):
     if unknown:
         raise SystemExit(f"bench/ablation.py: --arms: {', '.join(unknown)} not among {', '.join(ORDER)}")
     needs = {"sft": ["cold", "dynamic"], "rl": ["base"]}
-    needs.update({a: ["cold"] for a in ("dynamic", "static", "replay", "ctl_dynamic", "ctl_static", "ctl_replay")})
+    needs.update({a: ["cold"] for a in ("dynamic", "static", "replay", "teacher", "ctl_dynamic", "ctl_static",
+                                        "ctl_replay")})
     out = Path(args.out or f"runs/ablation-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"

@@ -17,12 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from plumbing import stats  # noqa: E402
 from ablation import ARMS, ORDER  # noqa: E402
 
-PAIRS = [("dynamic", "static"), ("dynamic", "replay"), ("dynamic", "sft"), ("dynamic", "cold"), ("cold", "base"),
-         ("rl", "base"), ("static", "cold"), ("replay", "cold"), ("ctl_dynamic", "ctl_static"),
-         ("ctl_dynamic", "ctl_replay")]
+PAIRS = [("dynamic", "static"), ("dynamic", "teacher"), ("dynamic", "replay"), ("dynamic", "sft"), ("dynamic", "cold"),
+         ("cold", "base"), ("rl", "base"), ("static", "cold"), ("teacher", "cold"), ("replay", "cold"),
+         ("ctl_dynamic", "ctl_static"), ("ctl_dynamic", "ctl_replay")]
 COLORS = {"base": "#7f7f7f", "cold": "#bcbd22", "sft": "#1f77b4", "rl": "#2ca02c", "dynamic": "#d62728",
-          "static": "#ff7f0e", "replay": "#9467bd", "ctl_dynamic": "#e377c2", "ctl_static": "#8c564b",
-          "ctl_replay": "#17becf"}
+          "static": "#ff7f0e", "replay": "#9467bd", "teacher": "#17becf", "ctl_dynamic": "#e377c2",
+          "ctl_static": "#8c564b", "ctl_replay": "#aec7e8"}
 
 
 def load(out: Path) -> dict:

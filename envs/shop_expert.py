@@ -103,8 +103,9 @@ class ShopExpert:
         return say(text + CONFIRM)
 
 
-QUESTIONS = {"refund": "Should the refund go to your original payment or to a voucher?",
-             "shipping": "Should the new item ship standard or express?"}
+# The questions name no option: the user's answer is then the one place near the proposal where its word stands,
+# and naming it is a copy (asked "original payment or voucher?", the tiny cold start named either, as if at random).
+QUESTIONS = {"refund": "Where should the refund go?", "shipping": "How should the new item ship?"}
 
 
 def _read(messages: list[dict], goods) -> dict:

@@ -517,7 +517,7 @@ def test_pretrain_tiny_stops_at_the_copy_target_then_learns_whole_conversations_
     assert info["steps"] == 25 and info["copy_loss"] < 100.0  # the first check (every 25 steps) met the target
     assert info["settings"] == sft.base_settings(cfg) and saved["sft"]["epochs"] == 1.0
     # drills, then whole conversations
-    assert made == ["shop:old:default", "shop:garden:static:old", "shop:sport:static:old"] * 2
+    assert made == ["shop:old:default", "shop:garden:old:default", "shop:sport:old:default"] * 2
     stamp = (out / "model.safetensors").stat().st_mtime_ns
     assert sft.pretrain_tiny(cfg) == out and (out / "model.safetensors").stat().st_mtime_ns == stamp  # cached
     assert not list(tmp_path.glob("*-drills"))  # the first stage's checkpoint is not kept
