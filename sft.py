@@ -263,8 +263,8 @@ def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_co
     return str(out)
 
 
-# What a cached base or cold start depends on, besides envs/: the episode's tokens, tokenizer and model, data and
-# drills, the SFT loop and its log-probabilities, backend calls, the teacher's user simulator, Accelerator, options.
+# What a cached base or cold start depends on besides envs/: the episode's tokens, tokenizer, model, data, drills, the
+# SFT loop and its log-probabilities, backend calls, the teacher's user simulator, Accelerator, options.
 CACHED_CODE = (*(f"{m}.py" for m in ("toolcall", "muarl", "sft", "loss", "rollout")),
                *(f"fast/{m}.py" for m in ("logprobs", "batched_rollout", "engine", "decode")),
                *(f"plumbing/{m}.py" for m in ("models", "coldstart", "shard", "cli", "options", "lora", "checkpoints")))
@@ -279,17 +279,17 @@ def cache_key(settings: dict) -> str:
 
 # The committed base (`./run python sft.py --pretrain-only --base-out assets/tiny-base --overwrite` rebuilds it).
 COMMITTED_BASE = Path(__file__).resolve().parent / "assets" / "tiny-base"
-# The base's stores under their old policy, every user wanting the defaults (the procedure, never the question), their
-# shares of its conversations, and their teacher: it never asks; it writes without a yes in 30% of them, as the cold
-# start's does (COLD_TEACHER). Siblings whose static users say their wishes unasked made a worse base (bench/README.md).
+# The base's stores under their old policy, users wanting the defaults (the procedure, never the question), their shares
+# of its conversations; its teacher never asks, and skips the yes in 30% as the cold start's (COLD_TEACHER) does.
 BASE_STORES = {"shop:old:default": 0.5, **{f"shop:{g}:old:default": 0.5 / len(SIBLINGS) for g in SIBLINGS}}
-BASE_TEACHER = {"skip_confirm": 0.3}
+BASE_TEACHER, BASE_WISHES = {"skip_confirm": 0.3}, 1.0  # the share of proposal drills given a wish (with_wish)
 
 
 def base_settings(cfg: SFTConfig) -> dict:
     keys = ("seed num_tasks lr warmup_steps grad_clip pretrain_target pretrain_max_steps pretrain_batch_size "
             "base_conversations")
-    return {**{k: getattr(cfg, k) for k in keys.split()}, "stores": BASE_STORES, "teacher": BASE_TEACHER}
+    return {**{k: getattr(cfg, k) for k in keys.split()}, "stores": BASE_STORES, "teacher": BASE_TEACHER,
+            "wishes": BASE_WISHES}
 
 
 def pretrain_tiny(cfg: SFTConfig, committed: bool = True) -> Path:
@@ -298,13 +298,13 @@ def pretrain_tiny(cfg: SFTConfig, committed: bool = True) -> Path:
     decision, a teacher that never asks (`BASE_STORES`). The paper's regime: its base already does half of tau2
     retail, and what the user holds is what it lacks. Two stages, as LLMs are made:
 
-    1. Drills. A model trained from scratch learns to copy a value (an id, a name, an item) from the conversation
-       only after hundreds of steps of dense copying, abruptly, after a plateau whose length varies from run to run;
-       Qwen3 arrives able to do it. So 'tiny' is trained on dense drills from the stores' conversations (`windows`:
-       the user states values, the agent uses them in a tool call or a confirmation; no policy, no tools), their
-       items renamed to any store's each time one is drawn (`drills`: a model copies only tokens it has learned to
-       write, and Qwen3 knows the word "mug"), at a constant learning rate until the held-out copy loss (drills from
-       tasks it never trains on) is below `pretrain_target` nats per copied value, checked every 25 steps.
+    1. Drills. A model trained from scratch copies a value (an id, a name, an item) only after hundreds of steps of
+       dense copying, abruptly, after a plateau of varying length; Qwen3 arrives able to. So 'tiny' trains on drills
+       of the stores' conversations (`windows`: the user states values, the agent uses them; no policy, no tools),
+       items renamed to any store's as drawn (`drills`: a model copies only tokens it has learned to write, and Qwen3
+       knows "mug"), a wish added to those ending in a proposal (shop_tasks.with_wish: it copies a wish it hears,
+       nothing asks for one), at a constant learning rate until the held-out copy loss (drills from tasks it never
+       trains on) is below `pretrain_target` nats per copied value, checked every 25 steps.
     2. Conversations: one epoch of SFT on `base_conversations` whole conversations of BASE_STORES (BASE_TEACHER).
 
     The committed base (COMMITTED_BASE) when the settings are its own and `committed`; else made once and cached under
@@ -345,7 +345,7 @@ def pretrain_tiny(cfg: SFTConfig, committed: bool = True) -> Path:
     every, step, loss = 25, 0, float("inf")
     while step < cfg.pretrain_max_steps and loss >= cfg.pretrain_target:
         n = min(every, cfg.pretrain_max_steps - step)
-        block = encode(tok, drills(train_convs, n * cfg.pretrain_batch_size, rng), limit)[0]
+        block = encode(tok, drills(train_convs, n * cfg.pretrain_batch_size, rng, BASE_WISHES), limit)[0]
         train_loss = fit(acc, model, opt, sched, block, n, cfg.pretrain_batch_size, cfg.pretrain_batch_size,
                          tok.pad_token_id, cfg.seed * 1_000_003 + step, cfg.grad_clip, "", log_every=0)
         step += n

@@ -20,6 +20,7 @@ the ablation of bench/ablation-mixed met it (identity by name + zip, orders desc
 """
 from __future__ import annotations
 
+import json
 import random
 import re
 from dataclasses import dataclass
@@ -176,6 +177,36 @@ def relabel_goods(conversation: dict, rng: random.Random) -> dict:
                                for c in m["tool_calls"]]
         messages.append(m)
     return dict(conversation, messages=messages)
+
+
+# Stand-ins for a wish in the base's drills (`with_wish`): a model that must copy any of them learns to copy a wish,
+# where the two options of each decision could be told apart without copying anything.
+WISH_WORDS = [f"{a}{b}" for a in ("ko", "ma", "pi", "ru", "se", "ta", "vo", "zu") for b in ("bel", "dor", "fin", "lum")]
+PROPOSAL_RE = re.compile(r"^I will (cancel|return|exchange) .*\. Confirm \(yes/no\)\?$")
+
+
+def with_wish(window: dict, rng: random.Random) -> dict | None:
+    """A drill window (coldstart.windows) that ends in a proposal, or in the write a proposal in it led to, with a wish
+    added: the user message before the proposal says one (a word of WISH_WORDS or an option of the decision, "Ship it
+    rubel, please."), the proposal names it as the agent names a wish (`proposed`) and the write carries it; None for
+    another window. The base learns to copy a wish it hears under the old policy, where nothing ever asks for one."""
+    msgs = [dict(m) for m in window["messages"]]
+    at = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"
+              and PROPOSAL_RE.match(str(m.get("content") or ""))), default=None)
+    said_at = max((i for i in range(at or 0) if msgs[i]["role"] == "user"), default=None)
+    calls = msgs[-1].get("tool_calls") or []
+    writes = len(calls) == 1 and calls[0]["function"]["name"] in WRITE_TOOLS
+    if at is None or said_at is None or not (at == len(msgs) - 1 or (writes and at == len(msgs) - 3)):
+        return None
+    decision = decision_of(PROPOSAL_RE.match(msgs[at]["content"]).group(1))
+    word = rng.choice(WISH_WORDS + list(CHOICES[decision]))
+    said = {"refund": f"Refund it to {word}, please.", "shipping": f"Ship it {word}, please."}[decision]
+    msgs[said_at]["content"] = f"{msgs[said_at]['content']} {said}"
+    msgs[at]["content"] = msgs[at]["content"].replace(". Confirm", f"{proposed(decision, word)}. Confirm")
+    if writes:
+        args = {**json.loads(calls[0]["function"]["arguments"]), decision: word}
+        msgs[-1]["tool_calls"] = [dict(calls[0], function=dict(calls[0]["function"], arguments=json.dumps(args)))]
+    return dict(window, messages=msgs)
 
 
 def choice_named(decision: str, text: str) -> str | None:

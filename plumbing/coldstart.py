@@ -255,15 +255,17 @@ def windows(conversations: list[dict], sizes=(1, 2, 4)) -> list[dict]:
                     out.append({"messages": msgs[start:i + 1], "tools": [], "prompt_messages": i - start})
     return out
 
-def drills(conversations: list[dict], n: int, rng: random.Random) -> list[dict]:
+def drills(conversations: list[dict], n: int, rng: random.Random, wishes: float = 0.0) -> list[dict]:
     """`n` drills (`windows`) of the shop family's conversations, each from one drawn at random with its items renamed
-    as it is drawn (envs.shop_tasks.relabel_goods): every draw copies other names, as pretraining shows every word."""
-    from envs.shop_tasks import relabel_goods
+    as it is drawn (envs.shop_tasks.relabel_goods): every draw copies other names, as pretraining shows every word.
+    A drill that ends in a proposal gets a wish to copy (envs.shop_tasks.with_wish) with probability `wishes`."""
+    from envs.shop_tasks import relabel_goods, with_wish
 
     out = []
     while len(out) < n:
         if options := windows([relabel_goods(rng.choice(conversations), rng)]):
-            out.append(rng.choice(options))
+            drill = rng.choice(options)
+            out.append((rng.random() < wishes and with_wish(drill, rng)) or drill)
     return out
 
 
