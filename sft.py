@@ -282,7 +282,7 @@ COMMITTED_BASE = Path(__file__).resolve().parent / "assets" / "tiny-base"
 # The base's stores under their old policy, users wanting the defaults (the procedure, never the question), their shares
 # of its conversations; its teacher never asks, and skips the yes in 30% as the cold start's (COLD_TEACHER) does.
 BASE_STORES = {"shop:old:default": 0.5, **{f"shop:{g}:old:default": 0.5 / len(SIBLINGS) for g in SIBLINGS}}
-BASE_TEACHER, BASE_WISHES = {"skip_confirm": 0.3}, 1.0  # the share of proposal drills given a wish (with_wish)
+BASE_TEACHER, BASE_WISHES = {"skip_confirm": 0.3}, 0.5  # the share of proposal drills given a wish (with_wish)
 
 
 def base_settings(cfg: SFTConfig) -> dict:

@@ -608,3 +608,35 @@ def test_the_procedure_knobs_and_the_old_policy():
         assert reward == 1.0 and not info.get("asked"), task.id
         named += any(re.search(r"\((refund|shipping): (voucher|express)\)", str(m.get("content"))) for m in messages)
     assert named > 25
+
+
+def test_a_wish_drill_names_in_the_proposal_and_the_write_what_the_user_said():
+    """The base's drills (sft.pretrain_tiny) under the old policy: a window that ends in a proposal, or in the write
+    the proposal led to, gets a wish in the user message before the proposal, and the proposal and the write carry
+    exactly that word; other windows are left alone."""
+    import random
+    from plumbing.coldstart import windows
+    from envs.shop_tasks import WISH_WORDS, with_wish
+
+    env = make_env("shop:old:default", n_train=40, n_test=0)
+    rng, seen = random.Random(0), Counter()
+    for task in env.tasks("train"):
+        conv = {"messages": play(env, task, env.expert(task))[0], "task_id": task.id}
+        for window in windows([conv]):
+            wished = with_wish(window, rng)
+            last = window["messages"][-1]
+            if wished is None:
+                assert not re.match(r"I will (cancel|return|exchange)", str(last.get("content") or ""))
+                continue
+            word = re.search(r"(?:Refund it to|Ship it) (\w+), please\.", json.dumps(wished["messages"])).group(1)
+            assert word in WISH_WORDS + ["original", "voucher", "standard", "express"]
+            texts = [str(m.get("content") or "") for m in wished["messages"]]
+            assert sum(f": {word}). Confirm (yes/no)?" in t for t in texts) == 1
+            if wished["messages"][-1].get("tool_calls"):
+                args = json.loads(wished["messages"][-1]["tool_calls"][0]["function"]["arguments"])
+                assert word in args.values()
+                seen["write"] += 1
+            else:
+                seen["proposal"] += 1
+            assert window["messages"][-1] is last and "please." not in json.dumps(window["messages"][-1])
+    assert seen["write"] > 10 and seen["proposal"] > 10, seen
