@@ -10,13 +10,14 @@ MUA-RL's ablation (TAU2 Retail, Qwen3-32B): base 50.2, cold start 58.2, RL only 
 claim that an agent trained while a user answers what it asks learns what fixed conversations cannot teach. Here, on
 the shop domain (envs/shop_tasks.py), whose refund destination only a user who answers what it is asked reveals
 (the dynamic user says it when asked, and says yes to a proposal that names none, which refunds the default), from
-the committed `tiny` base that has seen only shop's sibling stores (sft.pretrain_tiny), for each seed:
+the committed `tiny` base (sft.pretrain_tiny: shop and its siblings under their old policy, no decisions), for each
+seed:
 
   base       the base itself
-  cold       cold start: SFT on the imperfect teacher's shop conversations (it writes without a yes in 60% of them,
-             never asks where the refund goes in 50%; kept when the database is right), as the default run's, but
-             with the users of --cold-users (dynamic and static: half the tasks each), so that every arm starts
-             from a model that can talk to its user
+  cold       cold start: SFT on the imperfect teacher's shop conversations (envs.shop.COLD_TEACHER: it writes without
+             a yes in 30% of them, never asks what the user wants in 70%; kept when the database is right), as the
+             default run's, but with the users of --cold-users (dynamic and static: half the tasks each), so that
+             every arm starts from a model that can talk to its user
   sft        cold + more SFT of the same teacher on new conversations, for as many CPU seconds as arm `dynamic` took
   rl         GRPO from the base with the dynamic user, no cold start
   dynamic    cold + GRPO with the dynamic user (the paper's method)

@@ -52,7 +52,7 @@ class ShopUser:
             u = self.user
             who = f"My email is {u['email']}." if self.d["knows_email"] else f"I'm {u['name']}, zip code {u['zip']}."
             want = self.d["change"] or self.d["goal"]
-            return f"Hi. {who} {self._restate(want)}{self._refund(want)}"
+            return f"Hi. {who} {self._restate(want)}{self._wish(want)}"
         return self._pick(["Hi, I need help with an order.", "Hello, can you help me with my order?",
                           "Hi there, I have a problem with an order."], 0)
 
@@ -68,7 +68,7 @@ class ShopUser:
     def _ref(self, want: dict) -> str:
         return f"order {want['order']}" if self.d["knows_order_id"] else f"the order with the {want['hint']}"
 
-    def _refund(self, want: dict) -> str:
+    def _wish(self, want: dict) -> str:
         """What the static user wants of its request's decision, said up front ("" when it carries none)."""
         decision = decision_of(want["action"])
         if decision == "refund":
@@ -117,7 +117,7 @@ class ShopUser:
             state["wrong"] += 1
             if state["wrong"] > PATIENCE:
                 return "No, that is still wrong. I will call back later. ###STOP###"
-            return "No. " + self._restate(want) + (self._refund(want) if self.static else "")
+            return "No. " + self._restate(want) + (self._wish(want) if self.static else "")
         if "done" in t:  # the agent says it acted before the user said yes: nothing left to ask for
             return "Oh, okay. Thanks. ###STOP###"
         parts = []

@@ -546,7 +546,7 @@ def test_sibling_stores_share_the_api_but_not_the_goods_statuses_or_policy():
 
 def test_the_committed_base_is_the_default_settings_own_and_reads_every_store():
     """assets/tiny-base (sft.COMMITTED_BASE) is what `--model tiny` starts from with the default settings: made with
-    them, by the siblings only, and its tokenizer still makes every identifier of every store one token and renders
+    them, from the old stores (sft.BASE_STORES), and its tokenizer still makes every identifier of every store one token and renders
     the current tool template. Rebuild it with `./run python sft.py --pretrain-only --base-out assets/tiny-base
     --overwrite` when one of these fails."""
     import sft
