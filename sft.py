@@ -58,12 +58,11 @@ class SFT:
     teacher: str = "expert"
     """cold-start teacher when --data is empty: 'expert' (scripted, small domain) or an OpenAI-compatible model"""
     teacher_skips_confirm: Annotated[float, Range("[0, 1]")] = 0.0
-    """share of conversations in which the scripted expert writes without asking first (shop only). Those break the
-    policy (reward 0) and are kept when the database is right: demonstrations filtered on the database alone"""
+    """share of conversations in which the scripted expert writes without asking for a yes (shop only): kept when the
+    database is right (reward 0: demonstrations filtered on the database alone)"""
     teacher_skips_ask: Annotated[float, Range("[0, 1]")] = 0.0
-    """share of conversations in which the scripted expert never asks what the user wants (shop only: where a refund
-    goes, how a new item ships): it names what the user said, else nothing, and the write does the default; kept
-    when the database is right"""
+    """share of conversations in which the scripted expert never asks what the user wants (shop only: refund, shipping):
+    it names what the user said, else nothing, and the write does the default; kept when the database is right"""
     teacher_base_url: str = ""
     """OpenAI-compatible endpoint of the teacher (default: OPENAI_BASE_URL)"""
     env: str = "shop"
@@ -84,6 +83,8 @@ class SFT:
     """'tiny' pretraining stops here at the latest (and says that it missed the target)"""
     pretrain_batch_size: Annotated[int, Range("[1, inf)")] = 32
     """drills per pretraining step, over all processes"""
+    tiny_width: Annotated[int, Range("[64, inf)")] = 128
+    """hidden size of the 'tiny' model pretrained here, a multiple of 64: 128 ~ 1M parameters, 256 ~ 3.5M"""
     base_conversations: Annotated[int, Range("[1, inf)")] = 2400
     """'tiny' pretraining's second stage: whole conversations it is fine-tuned on, half of them shop's"""
     base_out: str = ""
@@ -263,8 +264,7 @@ def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_co
     return str(out)
 
 
-# What a cached base or cold start depends on besides envs/: the episode's tokens, tokenizer, model, data, drills, the
-# SFT loop and its log-probabilities, backend calls, the teacher's user simulator, Accelerator, options.
+# What a cached base or cold start depends on besides envs/ (tokens, tokenizer, model, data, SFT loop, options ...).
 CACHED_CODE = (*(f"{m}.py" for m in ("toolcall", "muarl", "sft", "loss", "rollout")),
                *(f"fast/{m}.py" for m in ("logprobs", "batched_rollout", "engine", "decode")),
                *(f"plumbing/{m}.py" for m in ("models", "coldstart", "shard", "cli", "options", "lora", "checkpoints")))
@@ -289,30 +289,29 @@ def base_settings(cfg: SFTConfig) -> dict:
     keys = ("seed num_tasks lr warmup_steps grad_clip pretrain_target pretrain_max_steps pretrain_batch_size "
             "base_conversations")
     return {**{k: getattr(cfg, k) for k in keys.split()}, "stores": BASE_STORES, "teacher": BASE_TEACHER,
-            "wishes": BASE_WISHES}
+            "wishes": BASE_WISHES, "width": cfg.tiny_width}
 
 
 def pretrain_tiny(cfg: SFTConfig, committed: bool = True) -> Path:
     """The 'tiny' base the cold start starts from, as Qwen3 is the paper's: it copies, holds a support conversation
-    and knows shop's procedure and its siblings' (same tools, other goods and words), under their old policy: no
+    and knows shop's procedure and its siblings' (same tools, other goods and words) under their old policy: no
     decision, a teacher that never asks (`BASE_STORES`). The paper's regime: its base already does half of tau2
-    retail, and what the user holds is what it lacks. Two stages, as LLMs are made:
+    retail; what the user holds is what it lacks. Two stages, as LLMs are made:
 
     1. Drills. A model trained from scratch copies a value (an id, a name, an item) only after hundreds of steps of
-       dense copying, abruptly, after a plateau of varying length; Qwen3 arrives able to. So 'tiny' trains on drills
-       of the stores' conversations (`windows`: the user states values, the agent uses them; no policy, no tools),
-       items renamed to any store's as drawn (`drills`: a model copies only tokens it has learned to write, and Qwen3
-       knows "mug"), a wish added to those ending in a proposal (shop_tasks.with_wish: it copies a wish it hears,
-       nothing asks for one), at a constant learning rate until the held-out copy loss (drills from tasks it never
-       trains on) is below `pretrain_target` nats per copied value, checked every 25 steps.
+       dense copying, abruptly, after a plateau; Qwen3 arrives able to. So it trains on drills of the stores'
+       conversations (`windows`: the user states values, the agent uses them), items renamed as drawn (`drills`: a
+       model copies only tokens it has learned to write), a wish added to those ending in a proposal (`with_wish`),
+       at a constant lr until the held-out copy loss (nats per copied value) is below `pretrain_target`.
     2. Conversations: one epoch of SFT on `base_conversations` whole conversations of BASE_STORES (BASE_TEACHER).
 
     The committed base (COMMITTED_BASE) when the settings are its own and `committed`; else made once and cached under
-    MUARL_CACHE, keyed by the settings and the code. `--model tiny`: the default settings' base (sft.train, cold_start);
-    `sft.py --pretrain-only` makes one of the settings given."""
+    MUARL_CACHE, keyed by the settings and the code (`sft.py --pretrain-only` makes one of the settings given)."""
     if cfg.env.split(":")[0] != "shop":
         raise SystemExit(f"--model tiny: the tiny base is pretrained for the 'shop' domain only, not {cfg.env!r} "
                          "(give a cold-start checkpoint: grpo.py --init-from)")
+    if cfg.tiny_width % 64:
+        raise SystemExit(f"sft.py: --tiny-width {cfg.tiny_width}: give a multiple of 64 (heads of 32, half as many kv)")
     settings = base_settings(cfg)
     made = COMMITTED_BASE / "muarl_config.json"
     if committed and made.exists() and json.loads(made.read_text())["pretrain"]["settings"] == settings:
@@ -332,7 +331,8 @@ def pretrain_tiny(cfg: SFTConfig, committed: bool = True) -> Path:
     check_backend(acc)
     models.seed_everything(cfg.seed)
     env = make_env("shop")
-    model, tok = models.load_model("tiny", device=acc.device, seed=cfg.seed, dtype=torch.float32, env=env)
+    model, tok = models.load_model("tiny", device=acc.device, seed=cfg.seed, dtype=torch.float32, env=env,
+                                   tiny_width=cfg.tiny_width)
     test = encode(tok, windows([relabel_goods(c, rng) for c in test_convs]), limit := length_limit(cfg, model))[0]
     copy_ids = {tok.convert_tokens_to_ids(w) for w in env.tokenizer_words()}
     # Constant lr after warm-up: copying appears abruptly after a plateau, and a decaying lr delays it.

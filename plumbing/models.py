@@ -139,15 +139,16 @@ def env_tokenizer(env, vocab_size: int = 4096):
     return tiny_tokenizer(texts, vocab_size, True, words)
 
 
-def tiny_config(vocab_size: int, arch: str = "llama", **overrides):
-    """A standard architecture at about a million parameters. Llama rather than Qwen3 by default: Qwen3's
+def tiny_config(vocab_size: int, arch: str = "llama", width: int = 128, **overrides):
+    """A standard architecture of `width` (a multiple of 64; heads of 32, half as many key-value heads, an MLP of 3x):
+    about a million parameters at 128, 3.5 million at 256. Llama rather than Qwen3 by default: Qwen3's
     per-head query/key norms bound attention logits at init (about sqrt(head_dim)), which slows a tiny model
     learning to copy an id from one position among a thousand."""
     from transformers import LlamaConfig, Qwen3Config
 
-    cfg = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
-               tie_word_embeddings=True, rope_theta=10000.0)
+    cfg = dict(vocab_size=vocab_size, hidden_size=width, intermediate_size=3 * width, num_hidden_layers=4,
+               num_attention_heads=width // 32, num_key_value_heads=width // 64, head_dim=32,
+               max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=10000.0)
     cfg.update(overrides)
     return (LlamaConfig if arch == "llama" else Qwen3Config)(**cfg)
 
@@ -253,11 +254,11 @@ def real_weights_on_every_process():
 
 
 def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, seed: int = 0,
-               merge_adapters: bool = False, env=None):
+               merge_adapters: bool = False, env=None, tiny_width: int = 128):
     """(model, tokenizer) for `tiny`, `smollm2-135m`, a local checkpoint directory, or a hub id (Qwen3 ...).
 
-    `tiny` is freshly initialized (seeded), its tokenizer trained on `env`'s text: it is meant to be trained from
-    scratch on that environment.
+    `tiny` is freshly initialized (seeded, `tiny_width` wide), its tokenizer trained on `env`'s text: it is meant to
+    be trained from scratch on that environment.
     An adapter checkpoint (lora.py; PEFT's format) is loaded on its base, in `dtype`, as a peft model that computes
     what was trained; with merge_adapters, as a plain model with the adapters folded into the weights (a start for
     training: grpo.py --init-from)."""
@@ -283,7 +284,7 @@ def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, 
     tok = load_tokenizer(name, env)
     if name == "tiny":
         torch.manual_seed(seed)
-        cfg = tiny_config(len(tok), pad_token_id=tok.pad_token_id, eos_token_id=end_of_turn_id(tok))
+        cfg = tiny_config(len(tok), width=tiny_width, pad_token_id=tok.pad_token_id, eos_token_id=end_of_turn_id(tok))
         cfg._attn_implementation = attn
         model = AutoModelForCausalLM.from_config(cfg).to(dtype)
     else:

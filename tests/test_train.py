@@ -509,9 +509,12 @@ def test_pretrain_tiny_stops_at_the_copy_target_then_learns_whole_conversations_
     real = coldstart.make_cold_start
     monkeypatch.setattr(sft, "make_cold_start", lambda cfg: made.append(cfg.env) or real(cfg))
     cfg = sft.SFTConfig(num_tasks=8, pretrain_target=100.0, pretrain_max_steps=50, pretrain_batch_size=8,
-                        base_conversations=8)
+                        base_conversations=8, tiny_width=64)
     out = sft.pretrain_tiny(cfg)
     assert out != sft.COMMITTED_BASE and out.parent == tmp_path
+    shape = json.loads((out / "config.json").read_text())  # --tiny-width: heads of 32, half as many kv, MLP 3x
+    assert (shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"],
+            shape["intermediate_size"]) == (64, 2, 1, 192)
     saved = json.loads((out / "muarl_config.json").read_text())
     info = saved["pretrain"]
     assert info["steps"] == 25 and info["copy_loss"] < 100.0  # the first check (every 25 steps) met the target
@@ -523,6 +526,8 @@ def test_pretrain_tiny_stops_at_the_copy_target_then_learns_whole_conversations_
     assert not list(tmp_path.glob("*-drills"))  # the first stage's checkpoint is not kept
     with pytest.raises(SystemExit, match="shop"):
         sft.pretrain_tiny(sft.SFTConfig(env="tau2:retail"))
+    with pytest.raises(SystemExit, match="--tiny-width 96: give a multiple of 64"):
+        sft.pretrain_tiny(sft.SFTConfig(tiny_width=96))
 
 
 def test_copy_loss_matches_a_loop(tiny_tok, tiny_lm):
