@@ -16,7 +16,7 @@ Checks, in order; each is PASS, FAIL or SKIP (with why) and its figures, in OUT/
              0 and 2, with parking in host memory on and off, with the prefill in chunks, and with a user whose
              replies take 10-90 ms, fetched while the other episodes decode (invariant 5, on this device), and
              with the decoding step replayed as CUDA graphs (--decode-graphs on; on the CPU, their body); the
-             parked caches' host blocks page-locked (engine._host_block)
+             parked caches' host blocks page-locked (pool._host_block)
   flash      bf16: the trainer's log-probs of the same episodes with flash-attn against sdpa (the rollout's own
              attention is decode.py's either way)
   kv_peak    peak GPU memory of a rollout at long contexts against memory.memory_estimate (weights + KV cache), on
@@ -215,6 +215,7 @@ def versions(device):
 def engine(model, tok, env, tasks, device):
     """Greedy: the engine (batched, KV cache across turns) plays exactly the reference rollout's episodes, also with
     its decoding step replayed as CUDA graphs (--decode-graphs on)."""
+    from fast import pool as pool_module  # the kept pool; the parked caches' host blocks: page-locked in place
     from fast.batched_rollout import RolloutConfig, rollout
     from plumbing.users import make_user_sim
     from rollout import reference_rollout
@@ -230,14 +231,20 @@ def engine(model, tok, env, tasks, device):
     for name, cfg, user in (("all", base, sim), ("max_batch 2", with_(max_batch=2), sim),
                             ("parked", with_(max_batch=2, park_device="cpu"), sim),
                             ("prefill chunks", with_(prefill_tokens=256), sim), ("slow user", base, slow),
-                            ("graphed", with_(decode_graphs="on"), sim)):  # captured CUDA graphs (CPU: their body)
+                            ("graphed", with_(decode_graphs="on"), sim),  # captured CUDA graphs (CPU: their body)
+                            ("graphed again", with_(decode_graphs="on"), sim)):  # the kept pool, its graphs replayed
+        t = time.perf_counter()
         eps = rollout(model, tok, env, tasks, 1, user, cfg)
         same = sum(a.input_ids == b.input_ids and a.loss_mask == b.loss_mask for a, b in zip(eps, ref))
         figs[name] = f"{same}/{len(ref)} equal"
         ok &= same == len(ref)
-    from fast import engine as engine_module  # the parked caches' host blocks: page-locked in place (cudaHostRegister)
+        if name.startswith("graphed"):  # what keeping the pool saves: the first rollout captures, the next replays
+            steps = pool_module._KEPT[str(device)].graphs
+            figs[name] += (f", {time.perf_counter() - t:.2f} s, {len(steps.buckets)} buckets, {steps.replays} "
+                           f"replays{', failed: ' + steps.failed[:80] if steps.failed else ''}")
 
-    blocks = [b for free in engine_module._HOST_BLOCKS.values() for b in free]
+    pool_module._KEPT.clear()  # the kept pool let go: later checks measure their own memory
+    blocks = [b for free in pool_module._HOST_BLOCKS.values() for b in free]
     pinned = sum(b.is_pinned() and b.data_ptr() % 4096 == 0 for b in blocks)  # cudaHostRegister'd in place
     figs["parked host blocks"] = f"{len(blocks)}, {pinned} page-aligned and page-locked"
     ok &= bool(blocks) and (pinned == len(blocks) or device.type != "cuda")  # (a pool on the CPU pins nothing)

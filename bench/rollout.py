@@ -117,8 +117,9 @@ def step_cost(model, batch: int, context: int, steps: int = 30, cfg: RolloutConf
     step's cost grows with the batch; on a GPU it stays nearly flat). `cfg`: its decode_attention, compile_decode,
     decode_graphs (the step over fixed buffers, graphs.py: captured on a GPU, its capture in the warm-up steps)."""
     from fast.decode import decode_attention, decode_step
-    from fast.engine import SlotPool, _cache, _mask, _View
-    from fast.graphs import step_graphs
+    from fast.engine import _cache, _mask, _View
+    from fast.graphs import graphs_on, step_graphs
+    from fast.pool import SlotPool
 
     cfg = cfg or RolloutConfig(compile_decode="off")
     dev = model.device
@@ -130,7 +131,7 @@ def step_cost(model, batch: int, context: int, steps: int = 30, cfg: RolloutConf
     seeds = torch.arange(batch, device=dev)
     view = _View(pool, 0)
     cache = _cache(pool, view)
-    graphs = step_graphs(model, pool, cfg) if batch > 1 else None
+    graphs = step_graphs(model, pool, cfg) if graphs_on(cfg, dev, batch) else None
     with decode_attention(model, cfg.decode_attention):
         for i in range(steps + 3):
             if i == 3:

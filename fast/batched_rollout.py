@@ -8,7 +8,7 @@ decoding (tests/test_rollout.py). Machinery: skip it on a first read.
                        cfg=RolloutConfig())          # len(episodes) == 8 * len(tasks), a task's 8 consecutive
 
 All live episodes decode together; a row that ends its turn leaves the batch at once (it trades its cache slot with
-the batch's last row: engine.SlotPool), so a long turn never makes short ones pay. The cache is kept across turns,
+the batch's last row: pool.SlotPool), so a long turn never makes short ones pay. The cache is kept across turns,
 in the episode's slot: at the next turn only the tokens not yet in it (the agent's last sampled token and the delta
 of tool results or user reply) are prefilled. `reuse_cache=False` re-encodes the whole conversation every turn
 instead; with greedy decoding both give the same tokens (docs/invariants.md, 5, tested). Only full-attention models
@@ -47,8 +47,9 @@ from dataclasses import dataclass
 import torch
 
 from fast.deadlines import guard
-from fast.engine import SlotPool, _prefill_openings, _Row, generate_turn
-from fast.graphs import step_graphs
+from fast.engine import _prefill_openings, _Row, generate_turn
+from fast.graphs import graphs_on, step_graphs
+from fast.pool import _compute_dtype_device, rollout_pool
 from envs import Speaker, Termination, next_turn, opening_messages
 from envs.users import UserSimError, close_user_sim, opening_retries, reply_problem, retries_of
 from muarl import Episode, TurnEnd, prompt_ids, stop_token_ids
@@ -252,9 +253,14 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
                 group.append(row)
         groups.append(group)
     live = [r for r in rows if not r.ep.termination]
-    # every live episode's cache in a slot of max_context positions, or max_batch slots and the others spilled
-    pool = SlotPool(model, min(cfg.max_batch or len(live), len(live)) or 1, cfg.max_context, cfg.park_device)
-    pool.graphs = step_graphs(model, pool, cfg)
+    # every live episode's cache in a slot of max_context positions, or max_batch slots and the others spilled; with
+    # the graphed step, the process's pool (kept for the next rollout with its graphs: a slot for every episode,
+    # live or not, so that the next rollout of the run has the same shape)
+    every = min(cfg.max_batch or len(rows), len(rows))
+    graphed = graphs_on(cfg, _compute_dtype_device(model)[1], every)
+    slots = every if graphed else min(cfg.max_batch or len(live), len(live)) or 1
+    pool = rollout_pool(model, slots, cfg.max_context, cfg.park_device, keep=graphed)
+    pool.graphs = step_graphs(model, pool, cfg) if graphed else None
     _prefill_openings(model, pool, [g for g in groups if g], cfg, eot_ids[0])
     waiting: dict[concurrent.futures.Future, _Row] = {}  # rows whose tools or user reply are on their way
 

@@ -2,7 +2,7 @@
 
 `decode_step` runs the decoder's forward for one new token a row (`decode_logits`) and draws each row's token
 (`_sample`). The engine's attention is `grouped_decode_attention`, registered with transformers and switched on for
-the engine's forwards only (`decode_attention`): each row attends to its own slot of the cache (engine.SlotPool)
+the engine's forwards only (`decode_attention`): each row attends to its own slot of the cache (pool.SlotPool)
 through a boolean mask, and the query heads that share a key-value head read its cache once, where transformers'
 padded sdpa and eager paths first copy the cache to every query head. The draw inverts each row's
 cumulative distribution at a uniform that is a function of the episode's seed and the position drawn

@@ -1,23 +1,17 @@
 """The batched decoding engine under batched_rollout.rollout: each live episode (a row) keeps its KV cache in a slot
-of one preallocated pool across turns, and the rows decode together.
-
-`SlotPool` holds, per layer, one buffer [slots, kv_heads, max_context, head_dim]; a row's cache lies at the
-left of its slot, with its own length, so a row joins or leaves a batch without the others' caches being stacked,
-parked or copied, and the cache exists once (the memory estimate's kv_cache term, memory.py, is the pool). A batch
-is slots 0..B-1: `place` moves only the rows that are not there yet (a row waiting on its user keeps its slot until
-another row needs it; with fewer slots than rows, a displaced row's cache spills to `spill_device`, pinned host
-memory on a GPU, with asynchronous copies). Each row writes its new keys and values at its own length
-(`_SlotLayer`), and attends through a boolean mask [B, 1, W, L] built from the lengths, with decode.py's attention.
+of one preallocated pool across turns (pool.SlotPool), and the rows decode together. Each row writes its new keys
+and values at its own length (`_SlotLayer`), and attends through a boolean mask [B, 1, W, L] built from the
+lengths, with decode.py's attention.
 
 `generate_turn` decodes the current agent turn of a batch: it prefills what each row has not seen (all rows at once,
 each from its own length, in column chunks of `prefill_tokens`), then decodes one token a row a step; a row that
 stops leaves the batch by trading slots with the batch's last row. `_prefill_openings` prefills a task's opening
-once for its group. Each decoding step (the decoder's forward, the draw) is decode.py's. The episode loop that
-drives it (tools, users, rewards) is batched_rollout.py; the settings are batched_rollout.RolloutConfig.
+once for its group. Each decoding step (the decoder's forward, the draw) is decode.py's, or graphs.py's over fixed
+buffers. The episode loop that drives it (tools, users, rewards) is batched_rollout.py; the settings are
+batched_rollout.RolloutConfig.
 """
 from __future__ import annotations
 
-import mmap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,11 +19,12 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from fast.decode import decode_attention, decode_step, with_cache
+from fast.pool import SlotPool, _Spilled
 from muarl import TurnEnd
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The pool of per-episode cache slots
+# A row, and what a forward over slots reads and writes
 # ---------------------------------------------------------------------------------------------------------
 @dataclass(eq=False)
 class _Row:
@@ -55,172 +50,6 @@ class _Row:
         if self.spilled is not None:
             self.spilled.drop()
         self.slot, self.kv_len, self.spilled = -1, 0, None
-
-
-# Host memory for the caches of rows without a slot: blocks of one size, one a row (every layer's keys and values at
-# the pool's capacity), taken back when the row gets a slot again and kept for the next rollout. A cache of n
-# positions fills the front of its block contiguously ([layers, 2, kv_heads, n, head_dim]): a copy between a GPU and
-# a strided host view goes through a pageable temporary and waits, so only a contiguous one is asynchronous. Pinned
-# blocks are page-locked in place (cudaHostRegister): torch's pinned allocator rounds every block up to a power of two
-# (up to twice the bytes) and keeps freed blocks by size, so caches spilled at many lengths would hold more than the
-# estimate's host_kv_cache.
-_HOST_BLOCKS: dict[tuple, list[torch.Tensor]] = {}  # free blocks by (elements, dtype, pinned)
-
-
-def _host_block(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A free block of `numel` elements, 1-D, starting on a page boundary; page-locked when `pin`."""
-    free = _HOST_BLOCKS.setdefault((numel, dtype, pin), [])
-    if free:
-        return free.pop()
-    nbytes = -(-numel * dtype.itemsize // 4096) * 4096  # whole pages
-    # An anonymous mapping starts on a page, and so does the tensor's storage: torch asks whether memory is pinned
-    # at the storage's start (Tensor.is_pinned), which for an aligned slice of a larger block lies outside the pages
-    # registered, and it would answer no for memory that is page-locked. The mapping is shared (mmap's default) on
-    # purpose: if this process is forked while the block lives, writes to it copy no pages (private memory's
-    # would), and fork does not copy it eagerly as it does private pages pinned for DMA. The tensor keeps the mmap
-    # object alive; nothing else holds it, so nothing can close it under the tensor.
-    block = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype)[:numel]
-    if pin:  # never unregistered: a block is reused, and kept until the process ends, as torch keeps pinned blocks
-        err = int(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), nbytes, 1))  # 1: cudaHostRegisterPortable
-        if err:  # no fallback: the failed call leaves its error pending, and the next kernel launch would raise it
-            raise RuntimeError(
-                f"engine: page-locking {nbytes / 2**30:.2f} GiB of host memory for a waiting episode's KV cache failed "
-                f"(cudaHostRegister: cudaError {err}). Fewer episodes wait off the GPU with a larger --rollout-batch "
-                "(0: every episode decodes in a slot of its own), a lower --max-context or --tasks-per-step.")
-    return block
-
-
-class _Spilled:
-    """One cache out of its slot, the front of a block (host memory, or spill_device's), read by `users` rows (a
-    group's opening is spilled once for the siblings that found no slot); the block is free again when each has let
-    go. `kv` per layer (keys, values), each [kv_heads, n, head_dim], contiguous."""
-
-    rescued = 0  # blocks given back by the garbage collector, not by drop() (a rollout that raised): 0 normally
-
-    def __init__(self, block: torch.Tensor, shape: tuple, users: int, free: list | None):
-        self.packed = block[:torch.Size(shape).numel()].view(shape)  # [layers, 2, kv_heads, n, head_dim]
-        self.kv = [(layer[0], layer[1]) for layer in self.packed]
-        self.block, self.users, self.free = block, users, free
-
-    def drop(self) -> None:
-        self.users -= 1
-        if self.users == 0 and self.free is not None:
-            self.free.append(self.block)
-
-    def __del__(self):
-        if self.users > 0 and self.free is not None:
-            self.users = 0
-            self.free.append(self.block)
-            _Spilled.rescued += 1
-
-
-class SlotPool:
-    """Every decoding row's KV cache, in `slots` slots of `capacity` positions (max_context) per layer. A real token
-    is written at most at position max_context - 2 (the last sampled token is never fed), so the last column is
-    scratch, where the padding of a prefill goes when it would run past the slot. Rows without a slot keep
-    their cache in host memory (`spill_device`: pinned when the pool is on a GPU, copied asynchronously in the
-    stream's order) until `place` gives them one back."""
-
-    def __init__(self, model, slots: int, capacity: int, spill_device: str = ""):
-        cfg = model.config.get_text_config(decoder=True)
-        if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
-            raise NotImplementedError("rollout's KV cache slots support full-attention models only")
-        self.dtype, self.device = _compute_dtype_device(model)
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = (slots, kv_heads, capacity, head_dim)
-        # zeros, not garbage: a masked column is still multiplied (0 x NaN would poison attention)
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
-        self.capacity, self.owner = capacity, [None] * slots
-        self.graphs = None  # the decoding step by bucket over this pool (graphs.StepGraphs), when --decode-graphs
-        self.spill_device = torch.device(spill_device) if spill_device else self.device
-        self.pin = self.spill_device.type == "cpu" and self.device.type == "cuda"
-
-    def take(self, row: _Row, slot: int) -> None:
-        """Give `row` the free `slot`, bringing its cache there (from its old slot, or back from host memory)."""
-        assert self.owner[slot] is None, "take: the slot is not free"
-        n = row.kv_len
-        if row.slot >= 0:
-            self.copy_slot(row.slot, slot, n)
-        elif row.spilled is not None:
-            for (k, v), (hk, hv) in zip(zip(self.k, self.v), row.spilled.kv):
-                k[slot, :, :n].copy_(hk, non_blocking=True)
-                v[slot, :, :n].copy_(hv, non_blocking=True)
-        if row.slot >= 0:
-            self.owner[row.slot] = None
-        if row.spilled is not None:  # its block is the next spill's (in the stream's order: read before rewritten)
-            row.spilled.drop()
-        row.pool, row.slot, row.spilled, self.owner[slot] = self, slot, None, row
-
-    def copy_slot(self, src: int, dst: int, n: int) -> None:
-        for k, v in zip(self.k, self.v):
-            k[dst, :, :n], v[dst, :, :n] = k[src, :, :n], v[src, :, :n]
-
-    def spill(self, row: _Row) -> None:
-        """Move `row`'s cache out of its slot to spill_device; the slot is free."""
-        row.spilled = self.copy_out(row.slot, row.kv_len, 1)
-        self.owner[row.slot], row.slot = None, -1
-
-    def copy_out(self, slot: int, n: int, users: int) -> _Spilled:
-        """The first n positions of `slot`, every layer, copied to a block of spill_device for `users` rows."""
-        layers, kv_heads, capacity, head_dim = len(self.k), *self.k[0].shape[1:]
-        shape = (layers, 2, kv_heads, n, head_dim)
-        if self.spill_device.type == "cpu":
-            numel = layers * 2 * kv_heads * capacity * head_dim
-            block, free = _host_block(numel, self.dtype, self.pin), _HOST_BLOCKS[(numel, self.dtype, self.pin)]
-        else:  # on a device: from its caching allocator, freed with the spill (held only while the row waits)
-            block, free = torch.empty(torch.Size(shape).numel(), dtype=self.dtype, device=self.spill_device), None
-        spilled = _Spilled(block, shape, users, free)
-        for (k, v), (hk, hv) in zip(zip(self.k, self.v), spilled.kv):
-            hk.copy_(k[slot, :, :n], non_blocking=self.pin)
-            hv.copy_(v[slot, :, :n], non_blocking=self.pin)
-        return spilled
-
-    def swap(self, a: int, b: int) -> None:
-        """Trade the contents and owners of slots a and b (one row's cache of one layer held twice, at most)."""
-        ra, rb = self.owner[a], self.owner[b]
-        na, nb = (ra.kv_len if ra else 0), (rb.kv_len if rb else 0)
-        for buf in self.k + self.v:
-            tmp = torch.empty_like(buf[a, :, :na]).copy_(buf[a, :, :na])
-            buf[a, :, :nb] = buf[b, :, :nb]
-            buf[b, :, :na] = tmp
-        self.owner[a], self.owner[b] = rb, ra
-        for r, s in ((ra, b), (rb, a)):
-            if r is not None:
-                r.slot = s
-
-    def place(self, rows: list[_Row]) -> list[_Row]:
-        """Put `rows` in slots 0..len(rows)-1, moving as few caches as it can: a row already there stays, the other
-        rows there go to a free slot beyond (else spill), and each row of `rows` outside takes a freed slot. Returns
-        `rows` in slot order."""
-        n, inside = len(rows), {id(r) for r in rows}
-        if n > len(self.owner):
-            raise ValueError(f"a batch of {n} rows in a pool of {len(self.owner)} slots")
-        for s in range(n):  # a row in the way trades places with a row of the batch beyond, else moves or spills
-            other = self.owner[s]
-            if other is None or id(other) in inside:
-                continue
-            beyond = next((r.slot for r in rows if r.slot >= n), None)
-            free = next((t for t in range(n, len(self.owner)) if self.owner[t] is None), None)
-            if beyond is not None:
-                self.swap(s, beyond)
-            elif free is not None:
-                self.take(other, free)
-            else:
-                self.spill(other)
-        free = [s for s in range(n) if self.owner[s] is None]
-        for r in rows:
-            if not 0 <= r.slot < n:
-                self.take(r, free.pop())
-        return sorted(rows, key=lambda r: r.slot)
-
-    def acquire(self, row: _Row) -> bool:
-        """A free slot for `row` (which has none), if there is one."""
-        free = next((s for s, o in enumerate(self.owner) if o is None), None)
-        if free is not None:
-            self.take(row, free)
-        return free is not None
 
 
 class _View:
@@ -271,16 +100,6 @@ def _mask(lens: torch.Tensor, width: int, seen: int, pool: SlotPool, cfg) -> tor
         return torch.zeros(mask.shape, dtype=pool.dtype, device=mask.device).masked_fill(~mask, torch.finfo(
             pool.dtype).min)
     return mask
-
-
-def _compute_dtype_device(model) -> tuple[torch.dtype, torch.device]:
-    """The dtype attention's keys and values are used in, and the device: autocast's dtype when it is on (a --bf16
-    run keeps fp32 master weights and computes in bf16, so a parameter's dtype would make its cache fp32, twice the
-    memory), else the weights' dtype as the forward sees them (under FSDP2, gathered in the mixed-precision dtype)."""
-    weight = model.get_input_embeddings().weight
-    if torch.is_autocast_enabled(weight.device.type):
-        return torch.get_autocast_dtype(weight.device.type), weight.device
-    return weight.dtype, weight.device
 
 
 # ---------------------------------------------------------------------------------------------------------

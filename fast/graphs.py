@@ -6,7 +6,7 @@ launch, but only over the memory it was captured with, at the shapes it was capt
 here as a body that reads only fixed buffers: per bucket of rows and columns (`row_bucket`, `col_bucket`), the
 tokens, lengths and seeds of its rows ([Bb]), the pool's key and value buffers, the model's weights. A batch of B
 rows fills the first B of a bucket's Bb; the padding rows get the last column of the pool (`capacity - 1`, scratch:
-never a real token's, engine.SlotPool) as their length, so their keys and values go only there. The columns the
+never a real token's, pool.SlotPool) as their length, so their keys and values go only there. The columns the
 attention reads are rounded up to the bucket's Lb; the mask keeps each row's own length, so a row's result is the
 eager step's. Rows, columns, mask and positions are computed from the lengths inside the body, and the draw is the
 counter-based one (decode._sample over uniform_noise: no generator state), so nothing in the body reads the host.
@@ -14,11 +14,15 @@ counter-based one (decode._sample over uniform_noise: no generator state), so no
 On CUDA (`capture`) each bucket is captured at its first use, after one eager run of the body (which writes the same
 keys and values the replay then writes again), into one memory pool shared by the buckets, and replayed from then
 on; where a capture fails it warns once and the step runs eagerly. On the CPU the same body runs eagerly: the tests
-compare its tokens with the engine's eager step. The graphs live as long as the pool (one rollout): the weights a
-graph reads (autocast's bf16 copies, LoRA's folded weights, FSDP2's gathered ones) may move between rollouts.
+compare its tokens with the engine's eager step. The graphs live as long as their pool, which the process keeps
+from one rollout to the next (pool.rollout_pool), and are replayed again in the next rollout when the weights they
+read are where they were (`weights_key`: every parameter and buffer at the same address; LoRA's adapters folded into
+the base in place keep them, FSDP2's gathered weights may not), and never when autocast casts the weights (its copies
+live only as long as one rollout's autocast): then, and for another sampling, they are captured again.
 """
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import torch
@@ -65,7 +69,7 @@ class _Bucket:
 
 
 class StepGraphs:
-    """The decoding step of one pool (engine.SlotPool) by bucket: `step` copies a batch's tokens, lengths and seeds
+    """The decoding step of one pool (pool.SlotPool) by bucket: `step` copies a batch's tokens, lengths and seeds
     into its bucket's buffers, runs the body (or replays its graph) and returns the drawn tokens and their logprobs
     for the batch's rows."""
 
@@ -73,6 +77,7 @@ class StepGraphs:
         if len(pool.owner) < 2:
             raise ValueError("the graphed decoding step needs a pool of at least 2 slots")
         self.model, self.pool, self.cfg, self.capture = model, pool, cfg, capture
+        self.key = graph_key(model, cfg)  # what its graphs read besides its buffers and the pool (None: unkeepable)
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
         self.failed = None  # why a capture failed: every bucket then runs eagerly
@@ -134,21 +139,48 @@ class StepGraphs:
         self.replays += 1
 
 
+def weights_key(model) -> tuple | None:
+    """Where the model's weights are: every parameter's and buffer's address, dtype and shape; None when autocast
+    would cast a floating parameter to its own dtype (the copies it caches go when the rollout's autocast ends)."""
+    device = next(model.parameters()).device.type
+    tensors = list(itertools.chain(model.parameters(), model.buffers()))
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        if any(t.is_floating_point() and t.dtype != dtype for t in model.parameters()):
+            return None
+    return tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in tensors)
+
+
+def graph_key(model, cfg) -> tuple | None:
+    """What a kept step's graphs were captured for: the model (its weights' addresses) and the draw (the sampling
+    settings are constants inside a graph); None when nothing can be kept."""
+    where = weights_key(model)
+    return None if where is None else (id(model), where, cfg.greedy, cfg.temperature, cfg.top_p)
+
+
 _SAID: set[str] = set()
 
 
-def step_graphs(model, pool, cfg) -> StepGraphs | None:
-    """The pool's graphed step when cfg.decode_graphs asks for it ('on'; 'auto': on a GPU) and the step allows it,
-    else None (the eager step), saying once why not. A pool of one slot (one episode) decodes eagerly."""
-    on_gpu = pool.device.type == "cuda"
-    if cfg.decode_graphs == "off" or cfg.decode_graphs == "auto" and not on_gpu or len(pool.owner) < 2:
-        return None
+def graphs_on(cfg, device: torch.device, slots: int) -> bool:
+    """Whether a rollout decodes with the graphed step: cfg.decode_graphs asks for it ('on'; 'auto': on a GPU) and
+    the step allows it, saying once why not. A pool of one slot (one episode) decodes eagerly."""
+    on_gpu = device.type == "cuda"
+    if cfg.decode_graphs == "off" or cfg.decode_graphs == "auto" and not on_gpu or slots < 2:
+        return False
     why = ("it takes the grouped attention (--decode-attention grouped)" if cfg.decode_attention != "grouped" else
            "--compile-decode compiles the same step" if cfg.compile_decode == "on" or
            cfg.compile_decode == "auto" and on_gpu else None)
-    if why:
-        if why not in _SAID:
-            _SAID.add(why)
-            warnings.warn(f"--decode-graphs: not used: {why}; the step runs as it is")
-        return None
-    return StepGraphs(model, pool, cfg, capture=on_gpu)
+    if why and why not in _SAID:
+        _SAID.add(why)
+        warnings.warn(f"--decode-graphs: not used: {why}; the step runs as it is")
+    return not why
+
+
+def step_graphs(model, pool, cfg) -> StepGraphs:
+    """The pool's graphed step for this rollout: the one it kept from the last (its graphs replayed again) when that
+    was captured for this model, at these weights' addresses, with this draw; else a new one (the old graphs freed)."""
+    kept = pool.graphs
+    if kept is not None and kept.key is not None and kept.key == graph_key(model, cfg):  # (a failed one: eager)
+        return kept
+    pool.graphs = None  # its buckets and graphs go before new ones are captured
+    return StepGraphs(model, pool, cfg, capture=pool.device.type == "cuda")

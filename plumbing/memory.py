@@ -18,7 +18,8 @@ ESTIMATE_MISSES = 1.55
 def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf16: bool = False,
                     reference: bool = True, kv_bytes_per_token: int = 0, max_context: int = 0,
                     episodes: int = 0, parked: int = 0, unit: int = 0, inference: bool = False,
-                    prefill: int = 0, lora: int = 0, zero2: bool = False, lora_base: int = 0) -> dict:
+                    prefill: int = 0, lora: int = 0, zero2: bool = False, lora_base: int = 0,
+                    kept_pool: bool = False) -> dict:
     """Bytes per GPU, by what holds them, for a policy of n_params parameters trained with AdamW (or, with
     `inference`, only evaluated, as eval.py does: its weights in the compute dtype and the KV cache, nothing else).
 
@@ -33,6 +34,8 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
     prefill: activation bytes of one prefill forward (prefill_bytes), held during the rollout beside its KV cache.
     lora: parameters of LoRA adapters (lora.adapter_params); then the base is frozen in the compute dtype (`weights`),
       and master_weights, gradients and optimizer count the adapters only; no reference (the adapters switched off).
+    kept_pool: the KV cache's pool is kept from one rollout to the next (the graphed decoding step, pool.rollout_pool),
+      so the update holds it too.
 
       weights         the full weights in the compute dtype, as the forward uses them: FSDP2 gathers them for the
                       rollout; DDP keeps them (in fp32 these are the master weights themselves, counted there;
@@ -46,7 +49,7 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
                       precision path, so kl is 0 until the policy moves) (/ N under FSDP2); 0 without a KL term
       kv_cache        kv_bytes_per_token x max_context x episodes: the worst case, every episode at the context cap
       host_kv_cache   the same for the parked episodes, in host memory (not GPU memory: not in the peaks); its
-                      blocks are kept from the first rollout that parks an episode to the end (engine._host_block)
+                      blocks are kept from the first rollout that parks an episode to the end (pool._host_block)
       prefill         one prefill forward's activations (the rollout prefills in chunks of prefill_tokens)
       host_load       host memory while loading: one full fp32 model per process (the policy, then the reference)
       host_save       host memory of the one process that writes a checkpoint's model directory: the whole fp32
@@ -59,10 +62,10 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
                       the parked caches' blocks are still held when a checkpoint is written), host_base added to the
                       latter
     The rollout holds weights + master_weights + optimizer + reference + kv_cache + prefill; the update holds
-    master_weights + gradients + optimizer + reference (+ weights under DDP); loading holds, under DDP, the whole
-    fp32 policy (and its reduction buckets) and then the reference; under FSDP2 (shard.load_device: loaded in host
-    memory, then sharded) the shards of both plus one unit whole; `peak` is the largest. The optimizer's moments
-    appear at the first update.
+    master_weights + gradients + optimizer + reference (+ weights under DDP, + kv_cache when kept_pool); loading
+    holds, under DDP, the whole fp32 policy (and its reduction buckets) and then the reference; under FSDP2
+    (shard.load_device: loaded in host memory, then sharded) the shards of both plus one unit whole; `peak` is the
+    largest. The optimizer's moments appear at the first update.
     Other activations, logits chunks and the allocator's slack are not counted: leave room for them (how much:
     bench/README.md, kv_peak).
     """
@@ -81,7 +84,7 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
                "optimizer": lora * 8, "reference": 0, "kv_cache": kv, "prefill": prefill, "host_kv_cache": host_kv}
         held = est["weights"] + est["master_weights"] + est["optimizer"] + (lora * 4 if grads == 2 else 0)
         est["rollout_peak"] = held + kv + prefill
-        est["update_peak"] = held + lora * 4
+        est["update_peak"] = held + lora * 4 + (kv if kept_pool else 0)
         est["load_peak"] = n_params * compute + lora * 4 * grads
         est["host_load"] = n_params * compute
         est["host_save"] = lora * 4  # the adapters only, in fp32
@@ -103,6 +106,7 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
     held += n_params * 4 if grads == 2 else 0  # DDP allocates its reduction buckets at wrap time and keeps them
     est["rollout_peak"] = held + est["weights"] + est["kv_cache"] + prefill
     est["update_peak"] = held + est["gradients"] // grads + (0 if sharded else est["weights"])
+    est["update_peak"] += kv if kept_pool else 0
     if sharded:
         est["load_peak"] = (n_params * 4 // shards) * (2 if reference else 1) + unit * 4
     else:
@@ -183,7 +187,7 @@ def cpu_room() -> int:
 def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bool, max_context: int,
                  episodes: int, device, check: bool = True, program: str = "grpo.py", parked: int = 0,
                  inference: bool = False, prefill_tokens: int = 0, lora: int = 0, zero2: bool = False,
-                 lora_base: int = 0) -> dict:
+                 lora_base: int = 0, kept_pool: bool = False) -> dict:
     """Print memory_estimate for this run; on a CUDA device, SystemExit when its peak exceeds the device's memory,
     or when what all processes on this machine hold in host memory at once exceeds it; on the CPU, when its peak
     exceeds the host memory available now (unless check is False); each naming the options that change it."""
@@ -191,7 +195,7 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
     est = memory_estimate(sum(p.numel() for p in shapes.parameters()), world=world, sharded=sharded, bf16=bf16,
                           reference=reference, kv_bytes_per_token=kv_bytes_per_token(config, bf16),
                           max_context=max_context, episodes=episodes, parked=parked, unit=largest_unit(shapes),
-                          inference=inference, lora=lora, zero2=zero2, lora_base=lora_base,
+                          inference=inference, lora=lora, zero2=zero2, lora_base=lora_base, kept_pool=kept_pool,
                           prefill=rollout_prefill(config, bf16, prefill_tokens, max_context, episodes))
     backend = backend_name(world, sharded, zero2)
     backend += f", LoRA adapters of {lora:,} parameters" if lora else ""

@@ -165,6 +165,7 @@ def load_policy(run) -> None:
 
     def check_memory(config):
         from fast.batched_rollout import RolloutConfig
+        from fast.graphs import graphs_on
 
         per_process = cfg.tasks_per_step // acc.num_processes * cfg.group_size
         live = max(per_process, -(-cfg.eval_tasks // acc.num_processes))
@@ -174,7 +175,8 @@ def load_policy(run) -> None:
                            reference=cfg.kl_coef > 0 and not cfg.lora_rank, max_context=cfg.max_context,
                            episodes=decoding, parked=live - decoding if acc.device.type != "cpu" else 0,
                            device=acc.device, check=cfg.memory_check, prefill_tokens=RolloutConfig.prefill_tokens,
-                           lora=adapters, lora_base=memory.lora_base_params(config, cfg))
+                           lora=adapters, lora_base=memory.lora_base_params(config, cfg),
+                           kept_pool=graphs_on(cfg, acc.device, decoding))  # the graphed step keeps its pool
     # Before loading, when the start names a config (a directory, a hub id, adapters on one of those)
     config = memory.read_config(lora.base_chain(start)[-1])
     if config is not None:

@@ -289,6 +289,85 @@ def test_the_graphed_step_plays_the_eager_tokens(lm, tiny_tok, monkeypatch):
     assert len(steps) == n
 
 
+def test_the_graphed_step_keeps_its_pool_and_graphs_from_one_rollout_to_the_next(lm, tiny_tok, monkeypatch):
+    """With --decode-graphs the process keeps one pool (pool.rollout_pool) and its graphed step: the next rollout of
+    the same shape decodes in the very same buffers with the very same step (its buckets; on a GPU, their graphs)
+    while the weights stay where they are, updated in place as the optimizer does, and plays the eager step's tokens
+    for the new weights. A parameter moved elsewhere or another draw gives a new step; autocast casting the weights
+    keeps none; a rollout of another shape gets a new pool and the old one is let go; the eager step keeps nothing."""
+    import copy
+
+    from fast import batched_rollout, graphs
+    from fast import pool as pools
+
+    model = copy.deepcopy(lm)
+    made = []
+    real = pools.rollout_pool
+    monkeypatch.setattr(batched_rollout, "rollout_pool", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    monkeypatch.setattr(pools, "_KEPT", {})
+    env = FakeEnv(n_tasks=3)
+
+    def run(how, **kw):
+        cfg = RolloutConfig(max_new_tokens=24, max_turns=3, decode_graphs=how, **kw)
+        return [e.input_ids for e in rollout(model, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), cfg,
+                                             seed=5)]
+
+    run("on", greedy=True)
+    first, kept_step = made[0], made[0].graphs
+    buffers, buckets = [t.data_ptr() for t in first.k + first.v], dict(kept_step.buckets)
+    assert buckets and pools._KEPT == {"cpu": first}
+    with torch.no_grad():  # an optimizer's step: the same tensors, new values
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    graphed = run("on", greedy=True)
+    again = made[-1]
+    assert again is first and again.graphs is kept_step  # the same pool and step, its buckets kept
+    assert all(kept_step.buckets[k] is b for k, b in buckets.items())
+    assert [t.data_ptr() for t in again.k + again.v] == buffers
+    assert graphed == run("off", greedy=True)  # the new weights' tokens
+    assert pools._KEPT == {}  # the eager step keeps no pool
+    run("on", greedy=True)
+    again = made[-1]  # a new pool (the eager run let the kept one go), kept from now on
+    kept_step = again.graphs
+    run("on", temperature=0.9)  # another draw: the same pool, a new step
+    assert made[-1] is again and again.graphs is not kept_step
+    sampled_step = again.graphs
+    first_weight = next(model.parameters())
+    first_weight.data = first_weight.data.clone()  # a weight moved: its graphs would read the old address
+    run("on", temperature=0.9)
+    assert made[-1] is again and again.graphs is not sampled_step
+    run("on", greedy=True, max_batch=4)  # another shape: a new pool, the old one no longer kept
+    assert made[-1] is not again and len(made[-1].owner) == 4 and pools._KEPT == {"cpu": made[-1]}
+    assert all(o is None for o in made[-1].owner)  # every row gave its slot back
+    # the autocast rule: fp32 weights cast by autocast cannot be kept; weights already in its dtype can
+    assert graphs.weights_key(model) is not None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert graphs.weights_key(model) is None
+        assert graphs.weights_key(copy.deepcopy(model).to(torch.bfloat16)) is not None
+
+
+def test_the_kept_pool_is_zeroed_and_counted_in_the_update(lm):
+    """A kept pool comes back zeroed (a NaN an earlier rollout left would poison the masked columns: 0 x NaN), at
+    the same addresses; the memory estimate counts it in the update's peak when it is kept."""
+    from fast import pool as pools
+    from plumbing import memory
+
+    pools._KEPT.clear()
+    a = pools.rollout_pool(lm, 3, 64, keep=True)
+    a.k[0][1, 0, 5] = float("nan")
+    a.owner[1] = object()
+    b = pools.rollout_pool(lm, 3, 64, keep=True)
+    assert b is a and not any(t.isnan().any() or t.any() for t in b.k + b.v) and b.owner == [None] * 3
+    assert pools.rollout_pool(lm, 3, 32, keep=True) is not a  # another capacity
+    pools.rollout_pool(lm, 3, 32, keep=False)
+    assert pools._KEPT == {}
+    kw = dict(kv_bytes_per_token=1000, max_context=100, episodes=4)
+    for lora in (0, 10):
+        plain, kept = (memory.memory_estimate(10**6, lora=lora, kept_pool=k, **kw) for k in (False, True))
+        assert kept["update_peak"] - plain["update_peak"] == 4 * 100 * 1000 == kept["kv_cache"]
+        assert kept["rollout_peak"] == plain["rollout_peak"]
+
+
 def test_the_buckets_never_exceed_the_pool_and_round_up():
     from fast.graphs import col_bucket, row_bucket
 
@@ -301,9 +380,10 @@ def test_the_buckets_never_exceed_the_pool_and_round_up():
 
 def _graph_body(lm, tiny_tok, rows=3, slots=4):
     """A pool of `slots` slots with `rows` rows of different lengths, and the graphed step over it."""
-    from fast import engine, graphs
+    from fast import graphs
+    from fast.pool import SlotPool
 
-    pool = engine.SlotPool(lm, slots, 128)
+    pool = SlotPool(lm, slots, 128)
     cfg = RolloutConfig(temperature=0.9)
     steps = graphs.StepGraphs(lm, pool, cfg, capture=False)
     lens = torch.tensor([7, 30, 12][:rows])

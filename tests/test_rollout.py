@@ -757,8 +757,9 @@ def test_the_slot_pool_moves_caches_intact(tiny_lm):
     """SlotPool.place puts a batch in slots 0..B-1 (rows already there stay; rows in the way trade places, move to a
     free slot or spill to the host), swap trades two slots: every row's cache is still its own afterwards."""
     from fast import engine
+    from fast.pool import SlotPool
 
-    pool = engine.SlotPool(tiny_lm, 4, 16)
+    pool = SlotPool(tiny_lm, 4, 16)
     rows = [engine._Row(None, None, None) for _ in range(6)]
     want = {}
     for i, r in enumerate(rows[:4]):
@@ -801,7 +802,7 @@ def test_the_cache_is_never_held_twice(lm, tiny_tok, monkeypatch):
     Counted at the allocation calls the engine makes (torch.zeros, torch.empty, torch.empty_like, torch.frombuffer)."""
     import sys
 
-    from fast import engine
+    from fast import pool
     from plumbing import memory
 
     made, blocks = [], []
@@ -811,13 +812,13 @@ def test_the_cache_is_never_held_twice(lm, tiny_tok, monkeypatch):
         def counting(*a, real=real, **k):
             t = real(*a, **k)
             caller = sys._getframe(1)
-            if caller.f_globals.get("__name__") == "fast.engine":
+            if caller.f_globals.get("__name__") in ("fast.engine", "fast.pool"):
                 (blocks if caller.f_code.co_name == "_host_block" else made).append(t.numel() * t.element_size())
             return t
 
         monkeypatch.setattr(torch, name, counting)
-    monkeypatch.setattr(engine, "_HOST_BLOCKS", {})  # no block left over from another test
-    rescued = engine._Spilled.rescued
+    monkeypatch.setattr(pool, "_HOST_BLOCKS", {})  # no block left over from another test
+    rescued = pool._Spilled.rescued
     cfg = lm.config
     row_layer = cfg.num_key_value_heads * 800 * cfg.head_dim * 4  # one row of one layer, at max_context 800
     episode = memory.kv_bytes_per_token(cfg, bf16=False) * 800  # one episode's cache at max_context
@@ -837,9 +838,9 @@ def test_the_cache_is_never_held_twice(lm, tiny_tok, monkeypatch):
         spilled.append(len(blocks))
     # no spill with a slot each; spills with 2 slots, in blocks the next rollout took back; every block free at the end
     assert spilled[0] == 0 and spilled[1] > 0 and spilled[2] == 0
-    assert [len(free) for free in engine._HOST_BLOCKS.values()] == [spilled[1]]
+    assert [len(free) for free in pool._HOST_BLOCKS.values()] == [spilled[1]]
     # each block's storage starts where the block does, on a page: Tensor.is_pinned asks at the storage's start, so
     # a block page-locked in place (on a GPU) reads as pinned only then
     assert all(b.untyped_storage().data_ptr() == b.data_ptr() and b.data_ptr() % 4096 == 0
-               for free in engine._HOST_BLOCKS.values() for b in free)
-    assert engine._Spilled.rescued == rescued  # each given back by the rows that read it, none by the collector
+               for free in pool._HOST_BLOCKS.values() for b in free)
+    assert pool._Spilled.rescued == rescued  # each given back by the rows that read it, none by the collector

@@ -362,7 +362,7 @@ def test_parked_caches_are_counted_in_host_memory(tiny_lm, monkeypatch, capsys):
     assert parked["peak"] == alone["peak"] and parked["kv_cache"] == kv * 4096 * 8
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**40))
     # room for 3 processes' parked caches and the writer's checkpoint beside them (the model in fp32, under DDP): the
-    # caches' host blocks stay allocated from the first rollout on (engine._host_block), saves included
+    # caches' host blocks stay allocated from the first rollout on (pool._host_block), saves included
     assert parked["host_save"] == 400 and parked["host_peak"] == kv * 4096 * 24 + 400
     save = 4 * sum(p.numel() for p in tiny_lm.parameters())
     monkeypatch.setattr(memory, "host_memory_bytes", lambda: kv * 4096 * 24 * 3 + save)
