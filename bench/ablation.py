@@ -8,10 +8,10 @@
 
 MUA-RL's ablation (TAU2 Retail, Qwen3-32B): base 50.2, cold start 58.2, RL only 61.6, cold start + RL 67.3; and its
 claim that an agent trained while a user answers what it asks learns what fixed conversations cannot teach. Here, on
-the shop domain (envs/shop_tasks.py), whose refund destination only a user who answers what it is asked reveals
-(the dynamic user says it when asked, and says yes to a proposal that names none, which refunds the default), from
-the committed `tiny` base (sft.pretrain_tiny: shop and its siblings under their old policy, no decisions), for each
-seed:
+the shop domain (envs/shop_tasks.py), whose decisions (where a refund goes, how an exchange's new item ships) only a
+user who answers what it is asked reveals (the dynamic user says its wish when asked; a proposal naming what it does
+not want ends the conversation), from the committed `tiny` base (sft.pretrain_tiny: shop and its siblings under
+their old policy, no decisions), for each seed:
 
   base       the base itself
   cold       cold start: SFT on the imperfect teacher's shop conversations (envs.shop.COLD_TEACHER: it writes without
@@ -21,19 +21,19 @@ seed:
   sft        cold + more SFT of the same teacher on new conversations, for as many CPU seconds as arm `dynamic` took
   rl         GRPO from the base with the dynamic user, no cold start
   dynamic    cold + GRPO with the dynamic user (the paper's method)
-  static     cold + GRPO with the static user (who it is, what it wants and where the refund goes, all at once)
+  static     cold + GRPO with the static user (who it is, what it wants and what it wishes, all at once)
   replay     cold + GRPO with the replayed user (the expert's user turns for the task, in order, whatever the agent
              says)
   teacher    cold + GRPO with the replay of the cold-start teacher's own conversation on the task (the paper's
              pre-scripted interaction: the static data its cold start was made of; shop:teacher)
-  ctl_*      the negative control: dynamic, static and replay again where every user wants the default refund
+  ctl_*      the negative control: dynamic, static and replay again where every user wants the defaults
              (shop:<user>:default), evaluated there: asking is never needed, so the three must not differ
 
-Every arm is evaluated against the dynamic user (ctl_* against shop:default's, who wants the default refund) on the
-same first --eval-tasks test tasks: greedy pass^1 and sampled pass^1 (--trials a task at --temperature, GRPO's), on
-all tasks and on the refund tasks (where the decision arises), and the share of refund episodes that asked where the
-refund goes before writing. Intervals: 95%, bootstrap over seeds and tasks together (stats.bootstrap_ci_seeds);
-differences paired by seed and task.
+Every arm is evaluated against the dynamic user (ctl_* against shop:default's, and again against the real mix:
+`final_mix`) on the same first --eval-tasks test tasks: greedy pass^1 and sampled pass^1 (--trials a task at
+--temperature, GRPO's), on all tasks and on the decision tasks, and the share of decision episodes that asked what
+the user wants before writing; each task's decision and whether its user wants the default. Intervals: 95%,
+bootstrap over seeds and tasks together (stats.bootstrap_ci_seeds); differences paired by seed and task.
 
 Each arm's result is written to --out/results.json as soon as it is measured, so a run that stops keeps what finished
 and, started again with the same --out, continues with the next arm (an arm cut short is run again from its start;
@@ -193,7 +193,8 @@ def run_arm(arm: str, seed: int, done: dict, base: str, args, out: Path, log) ->
     for step, path in ckpts[:-1]:
         curve.append((seconds * sum(step_s[:step]) / sum(step_s), mean(ev(path, 0)["greedy"])))
     final = ev(ckpts[-1][1])
-    return {"final": final, "seconds": seconds, "cpu_s": cpu_s, "dynamics": rows,
+    mix = {"final_mix": ev(ckpts[-1][1], env="shop")} if arm.startswith("ctl_") else {}  # and against the real mix
+    return {"final": final, **mix, "seconds": seconds, "cpu_s": cpu_s, "dynamics": rows,
             "curve": curve + [(seconds, mean(final["greedy"]))]}
 
 

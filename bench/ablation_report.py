@@ -33,12 +33,15 @@ def load(out: Path) -> dict:
 
 def matrix(results: dict, seeds: list[int], arm: str, key: str, subset) -> list[list[float]]:
     """[seeds, tasks] of a per-task value (`key` of the arm's final evaluation), on all tasks (subset False), the
-    refund tasks (True) or the tasks whose ids are in `subset` (a set)."""
+    decision tasks (True), those whose user wants the non-default ("non-default") or the tasks whose ids are in
+    `subset` (a set)."""
     rows = []
     for s in seeds:
         f = results[s][arm]["final"]
         decided = f.get("decision", f.get("refund"))  # results before the shipping decision: "refund"
-        keep = (lambda t: decided.get(t)) if subset is True else (lambda t: t in subset) if subset else None
+        keep = ((lambda t: decided.get(t)) if subset is True else
+                (lambda t: f.get("wants", {}).get(t) == "non-default") if subset == "non-default" else
+                (lambda t: t in subset) if subset else None)
         tasks = sorted(t for t in f["greedy"] if keep is None or keep(t))
         rows.append([f.get(key, {}).get(t, float("nan")) for t in tasks])
     return rows
@@ -82,15 +85,16 @@ def table(saved: dict) -> str:
              f"shop:default's) on the first {st['eval_tasks']} test tasks; sampled: {st['trials']} episodes a task at "
              f"temperature {st['temperature']:g}. Mean over seeds and tasks [95% interval, bootstrap over seeds and "
              "tasks; with 5 seeds the percentile bootstrap over seeds is somewhat optimistic].", "",
-             "| arm | seeds | greedy pass^1 | greedy, refund tasks | sampled pass^1 | sampled, refund tasks | asked "
-             "where the refund goes (sampled, refund tasks) | wrote without a yes (sampled) | CPU seconds of "
-             "training |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| arm | seeds | greedy pass^1 | greedy, decision tasks | greedy, non-default users | sampled pass^1 | "
+             "sampled, decision tasks | asked what the user wants (sampled, decision tasks) | wrote without a yes "
+             "(sampled) | CPU seconds of training |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for a in arms:
         have = [s for s in seeds if a in results[s]]
         secs = statistics.mean(cpu_seconds(results[s][a]) for s in have)
         lines.append(f"| {a}: {ARMS[a]} | {len(have)} | {cell(score(results, a, 'greedy'))} | "
-                     f"{cell(score(results, a, 'greedy', True))} | {cell(score(results, a, 'sampled'))} | "
+                     f"{cell(score(results, a, 'greedy', True))} | "
+                     f"{cell(score(results, a, 'greedy', 'non-default'))} | {cell(score(results, a, 'sampled'))} | "
                      f"{cell(score(results, a, 'sampled', True))} | {cell(score(results, a, 'sampled_asked', True))} | "
                      f"{cell(score(results, a, 'sampled_unasked'))} | {secs:.0f} |")
     lines += ["", "Paired differences (task by task within each seed):", "",
