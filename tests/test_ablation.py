@@ -107,6 +107,23 @@ def test_the_predictions_take_their_verdicts_from_paired_intervals():
     assert "| +0.000 [+0.000, +0.000] | held (interval within +-0.000) |" not in rows["the cold start is above the base"]
     assert "not shown" in rows["the cold start is above the base"]  # equal on every task: no gain shown
     assert "| 0 |  | not run |" in rows["RL without a cold start is above the base"]
+    # results with the users' wishes (issue 51's domain) are judged by its pre-registered predictions: the asking
+    # rate on the decision tasks (sampled), pass^1 on the users wanting the non-default
+    asks = {"dynamic": (1, 1, 0), "static": (0, 0, 0), "teacher": (0, 1, 0)}
+    wins = {"dynamic": (1, 0, 1), "static": (0, 0, 1), "teacher": (0, 0, 1)}
+    tasks = ("t1", "t2", "t3")
+    results = {s: {a: {"final": {"greedy": dict(zip(tasks, wins[a])), "sampled": dict(zip(tasks, wins[a])),
+                                 "sampled_asked": dict(zip(tasks[:2], asks[a])),
+                                 "greedy_asked": dict(zip(tasks[:2], asks[a])),
+                                 "decision": {"t1": "refund", "t2": "shipping", "t3": None},
+                                 "wants": {"t1": "non-default", "t2": "default", "t3": None}},
+                       "seconds": 1.0, "curve": []} for a in asks} for s in (0, 1, 2)}
+    rows = {r.split(" | ")[0].lstrip("| "): r for r in ablation_report.predictions(results) if r.startswith("| ")}
+    assert set(rows) >= {p[0] for p in ablation_report.PREDICTIONS_DECISIONS}
+    assert "| +1.000 [+1.000, +1.000] | held |" in rows["primary: dynamic asks more than static (+0.3 or more)"]
+    assert "| +0.500 [" in rows["primary: dynamic asks more than the teacher's replay (+0.4 or more)"]
+    nondefault = ablation_report.score(results, "dynamic", "greedy", "non-default", "static")
+    assert nondefault["tasks"] == 1 and nondefault["mean"] == 1.0  # t1 alone
     assert ablation_report.verdict({"ci": [-0.2, -0.1]}, "above") == "refuted (below 0)"
     assert ablation_report.verdict({"ci": [-0.05, 0.02]}, "none") == "held (interval within +-0.050)"
 
