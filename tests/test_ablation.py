@@ -49,6 +49,8 @@ def test_quick_ablation_runs_its_arms_continues_where_it_stopped_and_writes_its_
     for name in ("dynamic", "replay", "ctl_static"):  # start, the step-1 checkpoint, the end; two logged steps
         assert len(arms[name]["curve"]) == 3 and [row["step"] for row in arms[name]["dynamics"]] == [1, 2]
         assert arms[name]["curve"][-1][1] == ablation.mean(arms[name]["final"]["greedy"])
+    assert len(arms["ctl_static"]["final_mix"]["greedy"]) == 8  # the control measured against the real mix too
+    assert "final_mix" not in arms["replay"]
     assert arms["cold"]["rebuilt_same"] is True  # rebuilt from its seed for replay, bit for bit
     assert arms["sft"]["sft_steps"] >= 1 and arms["dynamic"]["cpu_s"] > 0
     head = ablation.code_commit().split("+")[0]  # which code measured each arm
