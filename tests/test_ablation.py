@@ -211,3 +211,17 @@ def test_the_gates_count_what_they_say(base, tmp_path):
     saved = json.loads(out.read_text())
     assert saved["gates"] == judged and set(judged) == {"sampled asked, decision tasks", "groups mixed"}
     assert saved["figures"]["tasks"] == 3 and 0 <= saved["figures"]["groups mixed"] <= 1
+
+
+def test_copies_by_kind_counts_the_copied_values_of_the_bases_drills():
+    """bench/copies.py on the committed base, a few drills: every copied token has a kind; ids, which the base copies
+    (bench/README.md), cost under a nat, and a kind's misses are a share of its copies."""
+    import copies
+
+    model, tok = models.load_model(str(Path(__file__).resolve().parents[1] / "assets" / "tiny-base"), device="cpu",
+                                   dtype=torch.float32)
+    data = copies.drills(2)
+    got = copies.copies_by_kind(model, tok, data)
+    assert {"id", "email", "item"} <= set(got) and all(s["copies"] > 0 and 0 <= s["missed"] <= 1 for s in got.values())
+    assert got["id"]["nll"] < 1.0
+    assert copies.kind("o42") == "id" and copies.kind("@mail.com") == "email" and copies.kind("red mug") == "item"
