@@ -4,8 +4,9 @@
 
 The drills are the base's own (coldstart.windows of the expert's conversations on the test tasks of each store of
 sft.BASE_STORES, items renamed as drawn: envs.shop_tasks.relabel_goods), and a copied token is one of the stores'
-identifiers (envs.shop_tasks.id_tokens: one token each) that the agent writes and that already stood earlier in the
-drill, as `coldstart.copy_loss` counts them. For each kind (ids, emails, items, full names, other words) it prints
+identifiers (envs.shop_tasks.id_tokens: one token each), or an item (one token, in a base made before items were
+split) or an item's color or product word, that the agent writes and that already stood earlier in the drill, as
+`coldstart.copy_loss` counts them. For each kind (ids, emails, items, item words, full names, other words) it prints
 the mean loss in nats, the number of copies, the share below even odds (probability under 1/2) and the token the
 model puts first most often where it misses: what `pretrain_tiny`'s single held-out copy loss averages over.
 """
@@ -31,6 +32,7 @@ from plumbing.coldstart import encode, make_cold_start, windows  # noqa: E402
 from plumbing.models import load_model  # noqa: E402
 
 ITEMS = {i for g in GOODS.values() for i in g.items}
+ITEM_WORDS = {w for g in GOODS.values() for w in (*g.colors, *g.products)}
 
 
 def kind(word: str) -> str:
@@ -38,7 +40,21 @@ def kind(word: str) -> str:
         return "id"
     if "@" in word or "." in word:
         return "email"
-    return "item" if word in ITEMS else "full name" if " " in word else "word"
+    return ("item" if word in ITEMS else "item word" if word in ITEM_WORDS else "full name" if " " in word else
+            "word")
+
+
+def value_tokens(tok) -> dict[int, str]:
+    """The tokens of the values an agent copies, by id: the environment's identifiers, and items, which are one
+    token each (a base made before the tokenizer split them) or their color and product words (since)."""
+    words = {}
+    for w in [*make_env("shop").tokenizer_words(), *ITEMS]:
+        if len(ids := tok(w, add_special_tokens=False)["input_ids"]) == 1:
+            words[ids[0]] = w
+    for w in ITEM_WORDS:
+        if len(ids := tok(" " + w, add_special_tokens=False)["input_ids"]) == 1:
+            words[ids[0]] = w
+    return words
 
 
 def drills(tasks: int, seed: int = 1) -> list[dict]:
@@ -49,7 +65,7 @@ def drills(tasks: int, seed: int = 1) -> list[dict]:
 
 
 def copies_by_kind(model, tok, data: list[dict], batch: int = 32) -> dict[str, dict]:
-    words = {tok.convert_tokens_to_ids(w): w for w in make_env("shop").tokenizer_words()}
+    words = value_tokens(tok)
     encoded = encode(tok, data, 10**6)[0]
     stats = collections.defaultdict(lambda: {"nll": 0.0, "n": 0, "missed": 0, "instead": collections.Counter()})
     model.eval()

@@ -561,6 +561,8 @@ def test_the_committed_base_is_the_default_settings_own_and_reads_every_store():
     assert tok.chat_template == TOOL_CHAT_TEMPLATE
     for word in id_tokens():
         assert len(tok(word, add_special_tokens=False)["input_ids"]) == 1, word
+    # items are their color and product, words of their own (a one-token item was never copied: envs.id_tokens)
+    assert tok.tokenize("the black bag") == tok.tokenize("the black") + tok.tokenize(" bag")
 
 
 def test_the_procedure_knobs_and_the_old_policy():
