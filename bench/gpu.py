@@ -240,8 +240,8 @@ def engine(model, tok, env, tasks, device):
         ok &= same == len(ref)
         if name.startswith("graphed"):  # what keeping the pool saves: the first rollout captures, the next replays
             steps = pool_module._KEPT[str(device)].graphs
-            figs[name] += (f", {time.perf_counter() - t:.2f} s, {len(steps.buckets)} buckets, {steps.replays} "
-                           f"replays{', failed: ' + steps.failed[:80] if steps.failed else ''}")
+            figs[f"{name}: time"] = (f"{time.perf_counter() - t:.2f} s, {len(steps.buckets)} buckets, {steps.replays} "
+                                     f"replays{', failed: ' + steps.failed[:80] if steps.failed else ''}")
 
     pool_module._KEPT.clear()  # the kept pool let go: later checks measure their own memory
     blocks = [b for free in pool_module._HOST_BLOCKS.values() for b in free]
