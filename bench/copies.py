@@ -28,7 +28,7 @@ from envs import make_env  # noqa: E402
 from envs.shop_tasks import GOODS, relabel_goods  # noqa: E402
 from fast.logprobs import token_logprobs  # noqa: E402
 from muarl import collate  # noqa: E402
-from plumbing.coldstart import encode, make_cold_start, windows  # noqa: E402
+from plumbing.coldstart import encode, make_cold_start, repeated, windows  # noqa: E402
 from plumbing.models import load_model  # noqa: E402
 
 ITEMS = {i for g in GOODS.values() for i in g.items}
@@ -74,8 +74,7 @@ def copies_by_kind(model, tok, data: list[dict], batch: int = 32) -> dict[str, d
         with torch.no_grad():
             nll = -token_logprobs(model, ids, attn).double()
             first = model(input_ids=ids, attention_mask=attn).logits.argmax(-1)  # first[t]: the guess for t + 1
-        seen = ((ids[:, :, None] == ids[:, None, :]) & attn.bool()[:, None, :]).tril(-1).any(-1)
-        for b, t in zip(*torch.nonzero(mask.bool() & seen, as_tuple=True)):
+        for b, t in zip(*torch.nonzero(mask.bool() & repeated(ids, attn), as_tuple=True)):
             word = words.get(int(ids[b, t]))
             if word is None:
                 continue

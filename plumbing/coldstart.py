@@ -269,6 +269,11 @@ def drills(conversations: list[dict], n: int, rng: random.Random, wishes: float 
     return out
 
 
+def repeated(ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """[b, T] booleans: the token stood earlier in its sequence (a copy, where it is a value the agent writes)."""
+    return ((ids[:, :, None] == ids[:, None, :]) & attn.bool()[:, None, :]).tril(-1).any(-1)
+
+
 def copy_loss(model, tok, data, copy_ids: set[int], micro_batch_size: int = 32) -> tuple[float, float]:
     """(copy loss, other loss) on (ids, loss_mask) pairs: mean NLL of the trained tokens that copy a value from
     earlier in the same sequence (a token of `copy_ids` that already appeared before it), and of the other trained
@@ -280,8 +285,7 @@ def copy_loss(model, tok, data, copy_ids: set[int], micro_batch_size: int = 32) 
         for k in range(0, len(data), micro_batch_size):
             ids, attn, mask = collate(data[k:k + micro_batch_size], tok.pad_token_id, device)
             nll = -token_logprobs(model, ids, attn).double()
-            seen = ((ids[:, :, None] == ids[:, None, :]) & attn.bool()[:, None, :]).tril(-1).any(-1)  # [b, T]
-            is_copy = torch.isin(ids, torch.tensor(sorted(copy_ids), device=device)) & mask.bool() & seen
+            is_copy = torch.isin(ids, torch.tensor(sorted(copy_ids), device=device)) & mask.bool() & repeated(ids, attn)
             other = mask.bool() & ~is_copy
             sums += torch.stack([(nll * is_copy).sum(), is_copy.sum(), (nll * other).sum(), other.sum()]).cpu()
     return (sums[0] / sums[1].clamp(min=1)).item(), (sums[2] / sums[3].clamp(min=1)).item()
