@@ -11,6 +11,8 @@ it lacks. So the base must do the procedure and not ask:
              the user wants in at most 0.2 of the greedy episodes
   coldstart  asking in [0.2, 0.45] of the sampled decision episodes, and at least 40% of the tasks' sampled groups
              mixed (some episodes right, some wrong: the only groups GRPO learns from)
+Beside them, unjudged: the cold start's sampled success on the decision tasks split by the user's wish and by whether
+the episode asked (GRPO raises asking only if the episodes that ask win more often than those that do not).
 Each figure is printed beside its band with "pass" or "MISS", and written to --out (JSON) when given. Same rollout
 code, user and caps as the default run.
 """
@@ -60,6 +62,12 @@ def figures(greedy, sampled, tasks, trials: int) -> dict:
                     "sampled asked, decision tasks": share([bool(e.reward_info.get("asked")) for g, d in
                                                             zip(groups, decided) if d for e in g]),
                     "groups mixed": share([0 < sum(e.reward == 1.0 for e in g) < trials for g in groups])})
+        # Does asking pay? GRPO raises asking only if, in the same groups, the episodes that ask win more often.
+        for wants in ("default", "non-default"):
+            for asked in (True, False):
+                out[f"sampled pass^1, {wants} users, {'asked' if asked else 'did not ask'}"] = share(
+                    [e.reward == 1.0 for g, t in zip(groups, tasks) if t.meta.get("decision")
+                     and t.meta.get("wants") == wants for e in g if bool(e.reward_info.get("asked")) == asked])
     return out
 
 
@@ -93,7 +101,7 @@ def main(argv=None):
         if band and value is not None:
             gates[name] = band[0] <= value <= band[1]
         shown = f"{value:.3f}" if isinstance(value, float) else str(value)
-        print(f"  {name:38s} {shown:>7s}" + (f"   [{band[0]}, {band[1]}] {'pass' if gates.get(name) else 'MISS'}"
+        print(f"  {name:48s} {shown:>7s}" + (f"   [{band[0]}, {band[1]}] {'pass' if gates.get(name) else 'MISS'}"
                                               if band else ""))
     if args.out:
         with open(args.out, "w") as f:

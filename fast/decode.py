@@ -18,6 +18,7 @@ import inspect
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -64,6 +65,83 @@ def grouped_decode_attention(module, query, key, value, attention_mask, scaling=
 
 
 AttentionInterface.register(GROUPED, grouped_decode_attention)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention over a group's opening held once and each row's own tokens
+# ---------------------------------------------------------------------------------------------------------
+# A GRPO group's episodes begin with the same opening (system prompt, tool schemas, first user message: ~4k tokens
+# on tau2 retail), about half of what a decoding step reads. Held once per group, it is read once per group a step:
+# the opening's scores for the queries of all the group's rows are one matmul whose key operand is that opening, the
+# rows' own scores one matmul each over their own slot, and the two parts meet in one softmax over their
+# concatenated scores (one maximum over both, the two weighted sums of values added, divided by the one sum of
+# weights): exact, with no new kernel. The caller arranges the batch: the openings of the groups with rows in it
+# lead one buffer per layer, in group order; `Members` says where each row stands.
+@dataclass
+class Members:
+    """Where each row of a batch stands among the groups in it: `group` [B] (0..G-1: which of the batch's openings
+    it follows), `index` [B] (its place among that group's rows: 0..width-1, distinct within a group), `width` (the
+    most rows a group has in the batch), `lengths` [G] (each opening's positions; the opening buffer may be longer)."""
+
+    group: torch.Tensor
+    index: torch.Tensor
+    width: int
+    lengths: torch.Tensor
+
+    @classmethod
+    def of(cls, groups: list[int], lengths: list[int], device=None) -> Members:
+        """From each row's group (0..G-1, as listed) and each group's opening length."""
+        seen: dict[int, int] = {}
+        index = []
+        for g in groups:
+            index.append(seen.get(g, 0))
+            seen[g] = index[-1] + 1
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+        return cls(t(groups), t(index), max(seen.values(), default=1), t(lengths))
+
+
+def _matmul32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b over the last two dims, accumulated and returned in float32 without a float32 copy of either operand
+    on a GPU (bf16/fp16 inputs: cuBLAS's float32 output); elsewhere computed in float32."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype:
+        batch = a.shape[:-2]
+        out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=torch.float32)
+        return out.view(*batch, a.shape[-2], b.shape[-1])
+    return torch.matmul(a.float(), b.float())
+
+
+def opening_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                      open_k: torch.Tensor, open_v: torch.Tensor, members: Members, scaling: float) -> torch.Tensor:
+    """Each row's W queries over [its group's opening; its own keys], one softmax over both.
+
+    query [B, H, W, D] (head h reads key-value head h // n_rep); key, value [B, KVH, L, D]: each row's own part;
+    mask [B, 1, W, L] booleans (True: the query sees the column; a row's own causal mask, which the opening, lying
+    before every query, does not need); open_k, open_v [G', KVH, P, D] with G' >= G: the batch's openings first, in
+    group order, each valid up to its `members.lengths`. Returns [B, W, H, D] in the query's dtype, as transformers'
+    attention functions do. Probabilities meet the values in the values' dtype (as flash attention casts them);
+    scores, sums and the output accumulate in float32."""
+    (B, H, W, D), kvh, P = query.shape, key.shape[1], open_k.shape[2]
+    G, m, n = len(members.lengths), members.width, H // kvh * W  # n: query rows a key-value head serves, per row
+    at = (members.group, members.index)
+
+    def to_groups(x):  # [B, KVH, n, X] -> [G, KVH, m * n, X]: a group's rows side by side (absent ones zero)
+        out = x.new_zeros(G, m, *x.shape[1:])
+        out[at] = x
+        return out.transpose(1, 2).reshape(G, kvh, m * n, x.shape[-1])
+
+    def to_rows(x):  # [G, KVH, m * n, X] -> [B, KVH, n, X]
+        return x.view(G, kvh, m, n, x.shape[-1]).transpose(1, 2)[at]
+
+    q = query.reshape(B, kvh, n, D)  # row r * W + w of head group g: query head g * n_rep + r, token w
+    s_open = _matmul32(to_groups(q), open_k[:G].transpose(-1, -2)) * scaling  # [G, KVH, m * n, P]: read once a group
+    s_open = s_open.masked_fill(torch.arange(P, device=q.device) >= members.lengths[:, None, None, None], -torch.inf)
+    s_own = _matmul32(q, key.transpose(-1, -2)) * scaling  # [B, KVH, n, L]
+    s_own = s_own.masked_fill(~(mask.repeat(1, 1, H // kvh, 1) if W > 1 else mask), -torch.inf)  # row r * W + w: w's
+    top = torch.maximum(to_rows(s_open).amax(-1), s_own.amax(-1))[..., None]  # finite: every row sees its opening
+    p_open, p_own = torch.exp(s_open - to_groups(top)), torch.exp(s_own - top)
+    total = to_rows(p_open).sum(-1, keepdim=True) + p_own.sum(-1, keepdim=True)
+    out = to_rows(_matmul32(p_open.to(open_v.dtype), open_v[:G])) + _matmul32(p_own.to(value.dtype), value)
+    return (out / total).reshape(B, H, W, D).transpose(1, 2).to(query.dtype)
 
 
 @contextlib.contextmanager

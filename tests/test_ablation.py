@@ -206,6 +206,9 @@ def test_the_gates_count_what_they_say(base, tmp_path):
     assert f["greedy pass^1"] == 2 / 3 and f["greedy pass^1, no decision needed"] == 1.0
     assert f["greedy pass^1, non-default users"] == 0.0 and f["greedy asked, decision tasks"] == 0.5
     assert f["sampled asked, decision tasks"] == 0.75 and f["groups mixed"] == 1 / 3 and f["sampled pass^1"] == 0.5
+    # does asking pay: success by the user's wish and by whether the episode asked (decision tasks only)
+    assert f["sampled pass^1, non-default users, asked"] == 1.0 and f["sampled pass^1, non-default users, did not ask"] == 0
+    assert f["sampled pass^1, default users, asked"] == 0.0 and f["sampled pass^1, default users, did not ask"] is None
     out = tmp_path / "gates.json"
     judged = gates.main(["--stage", "coldstart", "--agent", base, "--tasks", "3", "--trials", "2", "--out", str(out)])
     saved = json.loads(out.read_text())

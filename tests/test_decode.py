@@ -41,6 +41,74 @@ def test_grouped_decode_attention_is_attention(heads, kv_heads, width):
     torch.testing.assert_close(garbage, out)
 
 
+def _attention_over_opening_and_own(q, k, v, mask, open_k, open_v, groups, lengths, scale):
+    """Each row's keys and values written out whole, [its group's opening; its own], one softmax in float64."""
+    B, H, W, _ = q.shape
+    rep, out = H // k.shape[1], []
+    for b, g in enumerate(groups):
+        keys = torch.cat([open_k[g, :, :lengths[g]], k[b]], 1).double().repeat_interleave(rep, 0)
+        values = torch.cat([open_v[g, :, :lengths[g]], v[b]], 1).double().repeat_interleave(rep, 0)
+        sees = torch.cat([torch.ones(W, lengths[g], dtype=torch.bool), mask[b, 0]], 1)
+        scores = (q[b].double() @ keys.transpose(-1, -2) * scale).masked_fill(~sees, -torch.inf)
+        out.append((scores.softmax(-1) @ values).transpose(0, 1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("heads,kv_heads,width", [(8, 2, 1), (4, 4, 1), (6, 3, 3)])
+def test_attention_over_a_group_opening_held_once_is_attention_over_each_row_whole(heads, kv_heads, width):
+    """decode.opening_attention: rows of three groups (ragged: 3, 1 and 1 rows, in no order), openings of different
+    lengths in a buffer longer than any (its tail large garbage) and one more opening than the batch's groups,
+    against each row's whole keys and values in float64: equal to float32's precision; in bf16 within its noise."""
+    torch.manual_seed(0)
+    B, L, P, D = 5, 7, 9, 16
+    groups, lengths = [1, 0, 1, 2, 1], [9, 4, 6]
+    q, k, v = torch.randn(B, heads, width, D), torch.randn(B, kv_heads, L, D), torch.randn(B, kv_heads, L, D)
+    open_k, open_v = torch.randn(4, kv_heads, P, D), torch.randn(4, kv_heads, P, D)
+    for g, n in enumerate(lengths):
+        open_k[g, :, n:], open_v[g, :, n:] = 1e4, 1e6
+    pos = torch.tensor([3, 5, 6, 2, 4])[:, None] + torch.arange(width)  # in each row's own part
+    mask = (torch.arange(L)[None, None, :] <= pos[:, :, None])[:, None]
+    members = decode.Members.of(groups, lengths)
+    out = decode.opening_attention(q, k, v, mask, open_k, open_v, members, D ** -0.5)
+    want = _attention_over_opening_and_own(q, k, v, mask, open_k, open_v, groups, lengths, D ** -0.5)
+    assert out.shape == (B, width, heads, D) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    open_k[:3, :, 9:], open_v[:3, :, 9:] = 0, 0  # (no garbage: bf16 would round 1e6)
+    half = decode.opening_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, open_k.bfloat16(),
+                                    open_v.bfloat16(), members, D ** -0.5)
+    assert half.dtype == torch.bfloat16 and (half.double() - want).abs().max() < 0.05
+
+
+def test_attention_over_a_group_opening_reads_it_once_a_group():
+    """The opening's keys and values are read once per group a step, whatever the group's rows: every operation
+    that touches the opening buffers is recorded (torch's dispatch), and each reads the batch's two openings once,
+    for 6 rows."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        def __init__(self, buffers):
+            super().__init__()
+            self.ptrs, self.read = {b.untyped_storage().data_ptr() for b in buffers}, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.ptrs:
+                    self.read.append((func.__name__, a.numel()))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    B, H, kvh, L, P, D = 6, 8, 2, 5, 12, 4
+    q, k, v = torch.randn(B, H, 1, D), torch.randn(B, kvh, L, D), torch.randn(B, kvh, L, D)
+    open_k, open_v = torch.randn(3, kvh, P, D), torch.randn(3, kvh, P, D)
+    mask = torch.ones(B, 1, 1, L, dtype=torch.bool)
+    with Reads([open_k, open_v]) as reads:
+        decode.opening_attention(q, k, v, mask, open_k, open_v, decode.Members.of([0, 0, 0, 1, 1, 1], [12, 10]),
+                                 D ** -0.5)
+    matmuls = [(f, n) for f, n in reads.read if "mm" in f or "matmul" in f]
+    assert matmuls and all(n == 2 * kvh * P * D for _, n in matmuls), reads.read  # 2 openings, not 6 rows' copies
+    assert len(matmuls) == 2, reads.read  # keys once, values once
+
+
 def test_a_sliding_window_is_refused_past_its_width():
     """Mistral's configs carry a sliding window: within it nothing changes; past it the slots (no per-row window)
     refuse, naming the option that avoids it, rather than attend to what the model would not."""
