@@ -246,7 +246,7 @@ def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_co
     Cached under MUARL_CACHE, keyed by the settings, the base's weights and the code that makes it (`cache_key`)."""
     # The GRPO run's precision: Accelerate keeps one process-wide state, so an SFT inside it cannot ask for another.
     cfg = SFTConfig(model=model, env=env, split=split, seed=seed, bf16=bf16, teacher_skips_confirm=skips_confirm,
-                    teacher_skips_ask=skips_ask)
+                    teacher_skips_ask=skips_ask, **(models.TINY_COLD_START if model == "tiny" else {}))
     models.check_cache("grpo.py")  # before the synthesis and SFT whose checkpoint it is to hold
     base = pretrain_tiny(SFTConfig(bf16=bf16)) if model == "tiny" else model
     weights = hashlib.sha256((base / "model.safetensors").read_bytes()).hexdigest() if model == "tiny" else ""

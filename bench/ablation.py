@@ -15,9 +15,9 @@ their old policy, no decisions), for each seed:
 
   base       the base itself
   cold       cold start: SFT on the imperfect teacher's shop conversations (envs.shop.COLD_TEACHER: it writes without
-             a yes in 30% of them, never asks what the user wants in 70%; kept when the database is right), as the
-             default run's, but with the users of --cold-users (dynamic and static: half the tasks each), so that
-             every arm starts from a model that can talk to its user
+             a yes in 30% of them, never asks what the user wants in 70%; kept when the database is right; SFT as
+             models.TINY_COLD_START says), as the default run's, but with the users of --cold-users (dynamic and
+             static: half the tasks each), so that every arm starts from a model that can talk to its user
   sft        cold + more SFT of the same teacher on new conversations, for as many CPU seconds as arm `dynamic` took
   rl         GRPO from the base with the dynamic user, no cold start
   dynamic    cold + GRPO with the dynamic user (the paper's method)
@@ -154,9 +154,9 @@ def run_arm(arm: str, seed: int, done: dict, base: str, args, out: Path, log) ->
         t0 = time.time()
         convs = teacher_conversations(args.cold_tasks, seed, args.cold_users.split(","))
         t1, c1 = time.time(), time.process_time()
-        path = sft.train(sft.SFTConfig(model=base, out=str(d / "cold"), seed=seed), convs)
+        path = sft.train(sft.SFTConfig(model=base, out=str(d / "cold"), seed=seed, **models.TINY_COLD_START), convs)
         t2, c2 = time.time(), time.process_time()  # SFT's cost a step, on its training alone (evaluation after)
-        steps = max(1, len(convs) // sft.SFTConfig.batch_size)
+        steps = max(1, int(models.TINY_COLD_START["epochs"] * (len(convs) // sft.SFTConfig.batch_size)))
         return {"final": ev(path), "seconds": 0.0, "curve": [], "cold_start_s": t2 - t0,
                 "sft_step_s": (t2 - t1) / steps, "sft_step_cpu_s": (c2 - c1) / steps,
                 "tasks": sorted(c["task_id"] for c in convs), "weights": weights_hash(path)}
@@ -165,7 +165,8 @@ def run_arm(arm: str, seed: int, done: dict, base: str, args, out: Path, log) ->
         # results.json outlives the checkpoints (a run continued on another machine has only the results file):
         # the cold start is rebuilt from its seed, and whether it came out bit for bit the same is recorded
         convs = teacher_conversations(args.cold_tasks, seed, args.cold_users.split(","))
-        cold = Path(sft.train(sft.SFTConfig(model=base, out=str(d / "cold"), seed=seed), convs))
+        cold = Path(sft.train(sft.SFTConfig(model=base, out=str(d / "cold"), seed=seed, **models.TINY_COLD_START),
+                              convs))
         same = weights_hash(cold) == done["cold"].get("weights")
         log(f"seed {seed}: cold start rebuilt for {arm}; {'the same weights' if same else 'OTHER WEIGHTS than measured'}")
         done["cold"]["rebuilt_same"] = done["cold"].get("rebuilt_same", True) and same
@@ -178,7 +179,8 @@ def run_arm(arm: str, seed: int, done: dict, base: str, args, out: Path, log) ->
         budget = done["dynamic"]["cpu_s"] - (time.process_time() - c0)
         steps = max(1, int(budget / done["cold"]["sft_step_cpu_s"]))
         epochs = (steps + 0.5) / max(1, len(more) // sft.SFTConfig.batch_size)
-        path = sft.train(sft.SFTConfig(model=str(cold), out=str(d / "sft"), seed=seed + 100, epochs=epochs), more)
+        path = sft.train(sft.SFTConfig(model=str(cold), out=str(d / "sft"), seed=seed + 100, epochs=epochs,
+                                       lr=models.TINY_COLD_START["lr"]), more)
         seconds, cpu_s = time.time() - t0, time.process_time() - c0
         final = ev(path)
         return {"final": final, "seconds": seconds, "cpu_s": cpu_s, "sft_steps": steps,

@@ -139,6 +139,13 @@ def env_tokenizer(env, vocab_size: int = 4096):
     return tiny_tokenizer(texts, vocab_size, True, words)
 
 
+# The tiny base's cold start (grpo.py's own, bench/ablation.py's): five gentle epochs. At sft.py's defaults (lr 4e-3,
+# one epoch) the write after the user's "Yes." lost what the proposal said (another item's color, the other refund),
+# so asking a question cost the users who wanted the default what it won from the others, and GRPO had nothing to
+# reinforce (bench/README.md, the gates, try 10).
+TINY_COLD_START = {"epochs": 5.0, "lr": 1e-3}
+
+
 def tiny_config(vocab_size: int, arch: str = "llama", width: int = 128, **overrides):
     """A standard architecture of `width` (a multiple of 64; heads of 32, half as many key-value heads, an MLP of 3x):
     about a million parameters at 128, 3.5 million at 256. Llama rather than Qwen3 by default: Qwen3's
