@@ -49,7 +49,7 @@ import torch
 from fast.deadlines import guard
 from fast.engine import _prefill_openings, _Row, generate_turn
 from fast.graphs import graphs_on, step_graphs
-from fast.pool import _compute_dtype_device, rollout_pool
+from fast.pool import SlotPool, _compute_dtype_device, rollout_pool
 from envs import Speaker, Termination, next_turn, opening_messages
 from envs.users import UserSimError, close_user_sim, opening_retries, reply_problem, retries_of
 from muarl import Episode, TurnEnd, prompt_ids, stop_token_ids
@@ -81,13 +81,17 @@ class RolloutConfig(Sampling):
     heads per key-value head (decode.grouped_decode_attention); 'model' the model's own sdpa or eager attention with
     an additive mask, which copies the cache to every query head first (repeat_kv)"""
     compile_decode: str = "off"
+    """'on': the decoder's forward for one token a row through torch.compile (decode.decode_step; the draw stays
+    eager); 'auto': on a GPU only; 'off' (the default until it is timed on a GPU: on this project's CPU it gains
+    ~1.1x a rollout after a compile of 10-45 s, bench/README.md)"""
     decode_graphs: str = "off"
     """'on': the decoding step over fixed buffers by bucket of rows and columns (graphs.py), captured as CUDA graphs
     on a GPU and replayed, run eagerly on the CPU (the same tokens); 'auto': on a GPU only; 'off' (the default until it
     is timed on a GPU: bench/gpu.py)"""
-    """'on': the decoder's forward for one token a row through torch.compile (decode.decode_step; the draw stays
-    eager); 'auto': on a GPU only; 'off' (the default until it is timed on a GPU: on this project's CPU it gains
-    ~1.1x a rollout after a compile of 10-45 s, bench/README.md)"""
+    share_opening: bool = False
+    """hold each group's opening once, in a pool of its own, and let its rows' slots hold only what follows it: the
+    opening's keys and values are read once per group a decoding step (decode.opening_attention, with
+    decode_attention 'grouped'); False: every row's slot holds a copy of its opening (the twin)"""
     reference: bool = False
     """play every episode with rollout.reference_rollout instead, one at a time with model.generate (--rollout
     reference): the loop a reader read, for an experiment on the turn loop; the same greedy episodes, slower, and
@@ -102,6 +106,8 @@ class RolloutConfig(Sampling):
         on a GPU, the caches of the episodes that lose their slot wait in pinned host memory."""
         if opts.decode_attention not in ("grouped", "model"):
             raise SystemExit(f"--decode-attention: {opts.decode_attention!r} is not 'grouped' or 'model'")
+        if opts.share_opening and opts.decode_attention != "grouped":
+            raise SystemExit("--share-opening: the opening held apart is read by --decode-attention grouped only")
         for name in ("compile_decode", "decode_graphs"):
             if getattr(opts, name) not in ("auto", "on", "off"):
                 raise SystemExit(f"--{name.replace('_', '-')}: {getattr(opts, name)!r} is not 'auto', 'on' or 'off'")
@@ -111,6 +117,7 @@ class RolloutConfig(Sampling):
                    max_new_tokens=opts.max_new_tokens, max_context=opts.max_context, max_turns=opts.max_turns,
                    tool_timeout=opts.tool_timeout, decode_attention=opts.decode_attention,
                    compile_decode=opts.compile_decode, decode_graphs=opts.decode_graphs,
+                   share_opening=opts.share_opening,
                    reuse_cache=opts.reuse_cache, max_batch=opts.rollout_batch, reference=opts.rollout == "reference",
                    park_device="cpu" if opts.rollout_batch and on_gpu else "")
 
@@ -259,8 +266,15 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
     every = min(cfg.max_batch or len(rows), len(rows))
     graphed = graphs_on(cfg, _compute_dtype_device(model)[1], every)
     slots = every if graphed else min(cfg.max_batch or len(live), len(live)) or 1
-    pool = rollout_pool(model, slots, cfg.max_context, cfg.park_device, keep=graphed)
+    opening_lens = [len(g[0].ep.input_ids) - 1 for g in groups if g]  # each group's opening: all but its last token
+    shared = cfg.share_opening and bool(opening_lens)  # each row's slot then holds what follows its opening
+    if shared and cfg.decode_attention != "grouped":
+        raise ValueError("share_opening: the opening held apart is read by decode_attention 'grouped' only")
+    pool = rollout_pool(model, slots, cfg.max_context - (min(opening_lens) if shared else 0), cfg.park_device,
+                        keep=graphed)
     pool.graphs = step_graphs(model, pool, cfg) if graphed else None
+    if shared:  # a slot for each group that can decode at once, as long as the longest opening (+ the scratch column)
+        pool.opens = SlotPool(model, min(slots, len(opening_lens)), max(opening_lens) + 1, cfg.park_device)
     _prefill_openings(model, pool, [g for g in groups if g], cfg, eot_ids[0])
     waiting: dict[concurrent.futures.Future, _Row] = {}  # rows whose tools or user reply are on their way
 
@@ -304,7 +318,7 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
                 else:
                     status = agent_turn(r.ep, r.session, tok, r.new_ids, r.new_logprobs, r.turn_end, cfg.max_turns)
                 if not cfg.reuse_cache:
-                    r.free_cache()  # the next turn re-encodes the whole conversation
+                    r.free_cache(ended=False)  # the next turn re-encodes the whole conversation (after its opening)
                 if status == Speaker.USER:
                     to_user.append(r)
                 elif status is not None:

@@ -100,14 +100,22 @@ class Members:
         return cls(t(groups), t(index), max(seen.values(), default=1), t(lengths))
 
 
-def _matmul32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b over the last two dims, accumulated and returned in float32 without a float32 copy of either operand
-    on a GPU (bf16/fp16 inputs: cuBLAS's float32 output); elsewhere computed in float32."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype:
-        batch = a.shape[:-2]
-        out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=torch.float32)
-        return out.view(*batch, a.shape[-2], b.shape[-1])
-    return torch.matmul(a.float(), b.float())
+FUSED_LSE = True  # attend_lse through torch's fused kernel where it has one (False: the arithmetic written out)
+
+
+def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sees: torch.Tensor, scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [N, Hk, Q, D] over k, v [N, Hk, L, D] where `sees` ([N | 1, 1, Q | 1, L] booleans) allows, and
+    each query's log-sum-exp of its scores (float32, [N, Hk, Q]): what two parts of one softmax need to be joined
+    exactly. On the CPU, torch's fused kernel computes both (its public SDPA returns the first only); elsewhere the
+    arithmetic written out, in float32 (a fused path for CUDA is not written yet)."""
+    if FUSED_LSE and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype:
+        bias = torch.zeros(sees.shape, dtype=q.dtype, device=q.device).masked_fill(~sees, -torch.inf)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)[:2]
+        return out.float(), lse
+    scores = (torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale).masked_fill(~sees, -torch.inf)
+    lse = torch.logsumexp(scores, -1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), v.float()), lse
 
 
 def opening_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
@@ -118,8 +126,9 @@ def opening_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     mask [B, 1, W, L] booleans (True: the query sees the column; a row's own causal mask, which the opening, lying
     before every query, does not need); open_k, open_v [G', KVH, P, D] with G' >= G: the batch's openings first, in
     group order, each valid up to its `members.lengths`. Returns [B, W, H, D] in the query's dtype, as transformers'
-    attention functions do. Probabilities meet the values in the values' dtype (as flash attention casts them);
-    scores, sums and the output accumulate in float32."""
+    attention functions do. The two parts are attended apart (the opening's with the queries of all its group's rows
+    at once: one read of it per group), each with its log-sum-exp, and joined in float32: with l = log-sum-exp,
+    out = (e^l_open out_open + e^l_own out_own) / (e^l_open + e^l_own), the softmax over both parts' scores."""
     (B, H, W, D), kvh, P = query.shape, key.shape[1], open_k.shape[2]
     G, m, n = len(members.lengths), members.width, H // kvh * W  # n: query rows a key-value head serves, per row
     at = (members.group, members.index)
@@ -133,22 +142,40 @@ def opening_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         return x.view(G, kvh, m, n, x.shape[-1]).transpose(1, 2)[at]
 
     q = query.reshape(B, kvh, n, D)  # row r * W + w of head group g: query head g * n_rep + r, token w
-    s_open = _matmul32(to_groups(q), open_k[:G].transpose(-1, -2)) * scaling  # [G, KVH, m * n, P]: read once a group
-    s_open = s_open.masked_fill(torch.arange(P, device=q.device) >= members.lengths[:, None, None, None], -torch.inf)
-    s_own = _matmul32(q, key.transpose(-1, -2)) * scaling  # [B, KVH, n, L]
-    s_own = s_own.masked_fill(~(mask.repeat(1, 1, H // kvh, 1) if W > 1 else mask), -torch.inf)  # row r * W + w: w's
-    top = torch.maximum(to_rows(s_open).amax(-1), s_own.amax(-1))[..., None]  # finite: every row sees its opening
-    p_open, p_own = torch.exp(s_open - to_groups(top)), torch.exp(s_own - top)
-    total = to_rows(p_open).sum(-1, keepdim=True) + p_own.sum(-1, keepdim=True)
-    out = to_rows(_matmul32(p_open.to(open_v.dtype), open_v[:G])) + _matmul32(p_own.to(value.dtype), value)
-    return (out / total).reshape(B, H, W, D).transpose(1, 2).to(query.dtype)
+    opening = (torch.arange(P, device=q.device) < members.lengths[:, None])[:, None, None]  # [G, 1, 1, P]
+    o_open, l_open = attend_lse(to_groups(q), open_k[:G], open_v[:G], opening, scaling)
+    o_open, l_open = to_rows(o_open.nan_to_num()), to_rows(l_open[..., None])  # (an empty opening: weight 0)
+    o_own, l_own = attend_lse(q, key, value, mask.repeat(1, 1, H // kvh, 1) if W > 1 else mask, scaling)  # r*W+w: w's
+    l_own = l_own[..., None]
+    top = torch.maximum(l_open, l_own)  # finite: every row sees its own newest token
+    w_open, w_own = torch.exp(l_open - top), torch.exp(l_own - top)
+    out = (o_open * w_open + o_own * w_own) / (w_open + w_own)
+    return out.reshape(B, H, W, D).transpose(1, 2).to(query.dtype)
+
+
+OPENING = "muarl_opening_decode"
+_OPENINGS: list = []  # while the engine's forward runs over rows whose openings are held apart: (keys, values, Members)
+
+
+def opening_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """grouped_decode_attention's twin for rows whose group's opening is held once (engine.py, share_opening): the
+    layer's opening buffers and the batch's `Members` come from `decode_attention(..., openings=...)`."""
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or kwargs.get("sliding_window"):
+        raise NotImplementedError(f"share_opening: {type(module).__name__} softcaps, sinks or slides its attention")
+    keys, values, members = _OPENINGS[-1]
+    i = module.layer_idx
+    return opening_attention(query, key, value, attention_mask, keys[i], values[i], members, scaling), None
+
+
+AttentionInterface.register(OPENING, opening_decode_attention)
 
 
 @contextlib.contextmanager
-def decode_attention(model, name: str):
+def decode_attention(model, name: str, openings: tuple | None = None):
     """The decoder's attention implementation set to `name` for the rollout engine's forwards, prefill and decoding
     ("model": left as it is, sdpa or eager, which take the engine's 4-D mask as an additive float mask), and put
-    back after, also when decoding raises."""
+    back after, also when decoding raises. With `openings` ((keys, values) per layer of the batch's openings, and
+    their `Members`), "grouped" reads each row's group's opening held apart (opening_decode_attention)."""
     cfg = model.get_decoder().config
     if name == "model":
         if cfg._attn_implementation not in ("sdpa", "eager"):
@@ -165,11 +192,13 @@ def decode_attention(model, name: str):
         raise NotImplementedError(f"decode_attention 'grouped' does not softcap attention logits ({cfg.model_type}): "
                                   "use --decode-attention model")
     before = cfg._attn_implementation_internal  # (set and put back on this config alone: the modules read it)
-    cfg._attn_implementation_internal = GROUPED
+    cfg._attn_implementation_internal = GROUPED if openings is None else OPENING
+    _OPENINGS.append(openings)
     try:
         yield
     finally:
         cfg._attn_implementation_internal = before
+        _OPENINGS.pop()
 
 
 # ---------------------------------------------------------------------------------------------------------

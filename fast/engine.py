@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from fast.decode import decode_attention, decode_step, with_cache
-from fast.pool import SlotPool, _Spilled
+from fast.decode import Members, decode_attention, decode_step, with_cache
+from fast.pool import Opening, SlotPool, _Spilled
 from muarl import TurnEnd
 
 
@@ -42,14 +42,25 @@ class _Row:
     turn_end: TurnEnd | None = None  # why this turn's decoding stopped; None while the turn goes on
     seed: int = 0  # this episode's sampling seed (batched_rollout.episode_seed): its noise is uniform_noise(seed, pos)
     retries_seen: int = 0  # the user state's retry count already added to ep.user_retries
+    opening: Opening | None = None  # its group's opening, when held once (share_opening): its slot holds what follows
 
-    def free_cache(self) -> None:
-        """Forget the cache (the episode ended, or its next turn re-encodes the conversation): the slot is free."""
+    @property
+    def base(self) -> int:
+        """Positions before the row's own slot: its group's opening when held apart, else none."""
+        return self.opening.kv_len if self.opening is not None else 0
+
+    def free_cache(self, ended: bool = True) -> None:
+        """Forget the cache: the slot is free. `ended`: the episode ended (it lets go of its group's opening too); else
+        its next turn re-encodes the conversation (after the opening, when it is held apart)."""
         if self.slot >= 0:
             self.pool.owner[self.slot] = None
         if self.spilled is not None:
             self.spilled.drop()
         self.slot, self.kv_len, self.spilled = -1, 0, None
+        if self.opening is not None and ended:
+            self.opening.release()
+            self.opening = None
+        self.kv_len = self.base
 
 
 class _View:
@@ -105,42 +116,57 @@ def _mask(lens: torch.Tensor, width: int, seen: int, pool: SlotPool, cfg) -> tor
 # ---------------------------------------------------------------------------------------------------------
 # Prefill and decoding
 # ---------------------------------------------------------------------------------------------------------
-def _prefill(model, pool: SlotPool, rows: list[_Row], pending: list[list[int]], cfg, eot: int) -> None:
+def _prefill(model, pool: SlotPool, rows: list[_Row], pending: list[list[int]], cfg, eot: int, opens=None) -> None:
     """Feed rows (in slots lo..lo+B-1, slot order) their pending tokens (none sampled: the cache only), all rows at
     once, each from its own length, right-padded with eot (the padding writes past the row's length, where the row's
-    next tokens overwrite it), in column chunks of at most cfg.prefill_tokens tokens a forward."""
+    next tokens overwrite it), in column chunks of at most cfg.prefill_tokens tokens a forward. With `opens` (the
+    openings' pool, share_opening), the rows' slots hold what follows their group's opening, read from there."""
     dec, lo, device = model.get_decoder(), rows[0].slot, pool.device
     W = max(len(p) for p in pending)
     ids = torch.full((len(rows), W), eot, dtype=torch.long)
     for i, p in enumerate(pending):
         ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
-    ids, host = ids.to(device), [r.kv_len for r in rows]
+    ids, host = ids.to(device), [r.kv_len - r.base for r in rows]  # each row's own columns so far
     if max(n + len(p) for n, p in zip(host, pending)) > pool.capacity - 1:  # would reach the scratch column
         raise RuntimeError(f"prefill past the cache slots' {pool.capacity} positions (max_context)")
     view = _View(pool, lo)
     cache = _cache(pool, view)
+    bases = torch.tensor([r.base for r in rows], device=device)
     step = max(1, cfg.prefill_tokens // len(rows)) if cfg.prefill_tokens else W
-    for c in range(0, W, step):  # each chunk attends to the cache so far and to itself (causally)
-        w = min(step, W - c)
-        lens = torch.tensor([n + c for n in host], device=device)
-        view.set(lens, w, max(host) + c + w)
-        dec(input_ids=ids[:, c:c + w], position_ids=lens[:, None] + torch.arange(w, device=device),
-            attention_mask=_mask(lens, w, view.seen, pool, cfg), **with_cache(dec, cache))
+    with decode_attention(model, cfg.decode_attention, _openings(opens, rows)):
+        for c in range(0, W, step):  # each chunk attends to the cache so far and to itself (causally)
+            w = min(step, W - c)
+            lens = torch.tensor([n + c for n in host], device=device)
+            view.set(lens, w, max(host) + c + w)
+            dec(input_ids=ids[:, c:c + w], position_ids=(lens + bases)[:, None] + torch.arange(w, device=device),
+                attention_mask=_mask(lens, w, view.seen, pool, cfg), **with_cache(dec, cache))
     for r, p in zip(rows, pending):
         r.kv_len += len(p)
+
+
+def _openings(opens: SlotPool | None, rows: list[_Row]) -> tuple | None:
+    """The batch's openings (share_opening): placed in the openings' pool's slots 0..G-1 (G: the groups with rows in
+    the batch), and where each row stands among them (decode.Members); None without."""
+    if opens is None:
+        return None
+    placed = opens.place(list({id(r.opening): r.opening for r in rows}.values()))
+    members = Members.of([r.opening.slot for r in rows], [o.kv_len for o in placed], opens.device)
+    return opens.k, opens.v, members
 
 
 @torch.no_grad()
 def _prefill_openings(model, pool: SlotPool, groups: list[list[_Row]], cfg, eot: int) -> None:
     """Each task's opening (system prompt with tools, first user message: ~4.7k tokens for tau2 retail with Qwen3)
     is prefilled once for its group, in batches of the leaders (the first episode of each group), and copied into
-    each sibling's slot (or, when the pool has no slot left, spilled once and shared read-only by the siblings)."""
+    each sibling's slot (or, when the pool has no slot left, spilled once and shared read-only by the siblings). With
+    the openings' pool (pool.opens: share_opening), into a slot of that pool instead, held once for the whole group."""
+    if pool.opens is not None:
+        return _prefill_shared_openings(model, pool.opens, groups, cfg, eot)
     leaders = [g[0] for g in groups if len(g[0].ep.input_ids) > 1]
     n = max(1, min(cfg.max_batch or len(leaders), len(pool.owner)))
     for i in range(0, len(leaders), n):
         part = pool.place(leaders[i:i + n])
-        with decode_attention(model, cfg.decode_attention):
-            _prefill(model, pool, part, [r.ep.input_ids[:-1] for r in part], cfg, eot)
+        _prefill(model, pool, part, [r.ep.input_ids[:-1] for r in part], cfg, eot)
         for g in (g for g in groups if g[0] in part):
             left = []
             for r in g[1:]:
@@ -153,6 +179,26 @@ def _prefill_openings(model, pool: SlotPool, groups: list[list[_Row]], cfg, eot:
                 shared = pool.copy_out(g[0].slot, g[0].kv_len, len(left))
                 for r in left:
                     r.spilled = shared
+
+
+def _prefill_shared_openings(model, opens: SlotPool, groups: list[list[_Row]], cfg, eot: int) -> None:
+    """Each group's opening (all of its first message but the last token, which each row feeds itself) prefilled
+    once into the openings' pool, as many at once as it has slots; every row of the group reads it from there."""
+    ids = {}
+    for g in groups:
+        opening = Opening()
+        opening.users = len(g)
+        for r in g:
+            r.opening = opening
+        ids[id(opening)] = g[0].ep.input_ids[:-1]
+    todo = [g[0].opening for g in groups if len(g[0].ep.input_ids) > 1]
+    n = max(1, min(cfg.max_batch or len(todo), len(opens.owner)))
+    for i in range(0, len(todo), n):
+        part = opens.place(todo[i:i + n])
+        _prefill(model, opens, part, [ids[id(o)] for o in part], cfg, eot)
+    for g in groups:
+        for r in g:
+            r.kv_len = r.base
 
 
 @torch.no_grad()
@@ -178,58 +224,61 @@ def generate_turn(model, pool: SlotPool, rows: list[_Row], cfg, stops: list[int]
     assert all(pending), "a row with nothing to decode from"
     budget = [min(cfg.max_new_tokens, cfg.max_context - len(r.ep.input_ids)) for r in rows]
     device, B = pool.device, len(rows)
-    with decode_attention(model, cfg.decode_attention):
-        first = next((i for i, p in enumerate(pending) if len(p) > 1), B)
-        if first < B:
-            _prefill(model, pool, rows[first:], [p[:-1] for p in pending[first:]], cfg, eot)
-        tok = torch.tensor([p[-1] for p in pending], device=device)[:, None]
-        lens = torch.tensor([r.kv_len for r in rows], device=device)
-        seeds = torch.tensor([r.seed for r in rows], device=device)  # each row's noise: its seed, the position drawn
-        longest = max(r.kv_len for r in rows)
-        view = _View(pool, 0)
-        cache = _cache(pool, view)
-        while True:
-            if longest >= pool.capacity - 1:  # (not expected: budget stops a row first)
-                raise RuntimeError(f"decoding past the cache slots' {pool.capacity} positions (max_context)")
+    first = next((i for i, p in enumerate(pending) if len(p) > 1), B)
+    if first < B:
+        _prefill(model, pool, rows[first:], [p[:-1] for p in pending[first:]], cfg, eot, pool.opens)
+    tok = torch.tensor([p[-1] for p in pending], device=device)[:, None]
+    lens = torch.tensor([r.kv_len - r.base for r in rows], device=device)  # each row's own columns
+    bases = torch.tensor([r.base for r in rows], device=device)  # and the positions before them (its opening's)
+    seeds = torch.tensor([r.seed for r in rows], device=device)  # each row's noise: its seed, the position drawn
+    longest = max(r.kv_len - r.base for r in rows)
+    view = _View(pool, 0)
+    cache = _cache(pool, view)
+    openings = _openings(pool.opens, rows)
+    while True:
+        if longest >= pool.capacity - 1:  # (not expected: budget stops a row first)
+            raise RuntimeError(f"decoding past the cache slots' {pool.capacity} positions (max_context)")
+        with decode_attention(model, cfg.decode_attention, openings):
             if pool.graphs is not None:  # the same step over fixed buffers, replayed as a CUDA graph (graphs.py)
                 tok, lp = pool.graphs.step(tok, lens, seeds, longest + 1)
             else:
                 view.set(lens, 1, longest + 1)
-                tok, lp = decode_step(model, cache, tok, _mask(lens, 1, view.seen, pool, cfg), lens[:, None],
-                                      seeds, cfg)
-            lens, longest, done = lens + 1, longest + 1, []
-            # one device-to-host copy a step (token ids are exact in float32): the loop's only per-step host sync
-            drawn, logps = torch.stack([tok.float(), lp]).tolist()
-            for j, (t, l) in enumerate(zip(map(int, drawn), logps)):
-                r = rows[j]
-                r.kv_len += 1
-                r.new_ids.append(t)
-                r.new_logprobs.append(l)
-                if t in stops:
-                    r.turn_end = TurnEnd.EOT
-                elif len(r.new_ids) >= budget[j]:
-                    full = len(r.ep.input_ids) + len(r.new_ids) >= cfg.max_context
-                    r.turn_end = TurnEnd.CONTEXT if full else TurnEnd.MAX_NEW_TOKENS
-                if r.turn_end is not None:
-                    done.append(j)
-            still = len(rows) - len(done)
-            refill = not still or still < cfg.refill_below * B  # return; the rows mid-turn keep their slots
-            if not refill and ready is not None and cfg.refill_below > 0:  # or when enough rows wait to join
-                joinable = min(ready(), (cfg.max_batch or 1 << 30) - still)
-                refill = joinable >= max(1.0, cfg.refill_below * still)
-            if refill:
-                return
-            if done:  # each leaver trades slots with the last row still decoding; the batch shrinks by one
-                order = list(range(len(rows)))
-                for j in sorted(done, reverse=True):
-                    last = len(order) - 1
-                    if j != last:
-                        pool.swap(j, last)
-                        order[j] = order[last]
-                    order.pop()
-                keep = torch.tensor(order, device=device)
-                rows = [rows[j] for j in order]
-                budget = [budget[j] for j in order]
-                tok, lens, seeds = tok[keep], lens[keep], seeds[keep]
-                longest = max(r.kv_len for r in rows)
-            tok = tok[:, None]
+                tok, lp = decode_step(model, cache, tok, _mask(lens, 1, view.seen, pool, cfg),
+                                      (lens + bases)[:, None], seeds, cfg)
+        lens, longest, done = lens + 1, longest + 1, []
+        # one device-to-host copy a step (token ids are exact in float32): the loop's only per-step host sync
+        drawn, logps = torch.stack([tok.float(), lp]).tolist()
+        for j, (t, l) in enumerate(zip(map(int, drawn), logps)):
+            r = rows[j]
+            r.kv_len += 1
+            r.new_ids.append(t)
+            r.new_logprobs.append(l)
+            if t in stops:
+                r.turn_end = TurnEnd.EOT
+            elif len(r.new_ids) >= budget[j]:
+                full = len(r.ep.input_ids) + len(r.new_ids) >= cfg.max_context
+                r.turn_end = TurnEnd.CONTEXT if full else TurnEnd.MAX_NEW_TOKENS
+            if r.turn_end is not None:
+                done.append(j)
+        still = len(rows) - len(done)
+        refill = not still or still < cfg.refill_below * B  # return; the rows mid-turn keep their slots
+        if not refill and ready is not None and cfg.refill_below > 0:  # or when enough rows wait to join
+            joinable = min(ready(), (cfg.max_batch or 1 << 30) - still)
+            refill = joinable >= max(1.0, cfg.refill_below * still)
+        if refill:
+            return
+        if done:  # each leaver trades slots with the last row still decoding; the batch shrinks by one
+            order = list(range(len(rows)))
+            for j in sorted(done, reverse=True):
+                last = len(order) - 1
+                if j != last:
+                    pool.swap(j, last)
+                    order[j] = order[last]
+                order.pop()
+            keep = torch.tensor(order, device=device)
+            rows = [rows[j] for j in order]
+            budget = [budget[j] for j in order]
+            tok, lens, seeds, bases = tok[keep], lens[keep], seeds[keep], bases[keep]
+            longest = max(r.kv_len - r.base for r in rows)
+            openings = _openings(pool.opens, rows)
+        tok = tok[:, None]

@@ -96,6 +96,7 @@ class SlotPool:
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
         self.capacity, self.owner = capacity, [None] * slots
         self.graphs = None  # the decoding step by bucket over this pool (graphs.StepGraphs), when --decode-graphs
+        self.opens = None  # the pool of the groups' openings, when they are held apart from the rows (share_opening)
         self.pin = self.spill_device.type == "cpu" and self.device.type == "cuda"
 
     @staticmethod
@@ -112,7 +113,7 @@ class SlotPool:
     def take(self, row, slot: int) -> None:
         """Give `row` the free `slot`, bringing its cache there (from its old slot, or back from host memory)."""
         assert self.owner[slot] is None, "take: the slot is not free"
-        n = row.kv_len
+        n = row.kv_len - row.base
         if row.slot >= 0:
             self.copy_slot(row.slot, slot, n)
         elif row.spilled is not None:
@@ -131,7 +132,7 @@ class SlotPool:
 
     def spill(self, row) -> None:
         """Move `row`'s cache out of its slot to spill_device; the slot is free."""
-        row.spilled = self.copy_out(row.slot, row.kv_len, 1)
+        row.spilled = self.copy_out(row.slot, row.kv_len - row.base, 1)
         self.owner[row.slot], row.slot = None, -1
 
     def copy_out(self, slot: int, n: int, users: int) -> _Spilled:
@@ -152,7 +153,7 @@ class SlotPool:
     def swap(self, a: int, b: int) -> None:
         """Trade the contents and owners of slots a and b (one row's cache of one layer held twice, at most)."""
         ra, rb = self.owner[a], self.owner[b]
-        na, nb = (ra.kv_len if ra else 0), (rb.kv_len if rb else 0)
+        na, nb = (ra.kv_len - ra.base if ra else 0), (rb.kv_len - rb.base if rb else 0)
         for buf in self.k + self.v:
             tmp = torch.empty_like(buf[a, :, :na]).copy_(buf[a, :, :na])
             buf[a, :, :nb] = buf[b, :, :nb]
@@ -193,6 +194,26 @@ class SlotPool:
         if free is not None:
             self.take(row, free)
         return free is not None
+
+
+class Opening:
+    """A group's opening held once (RolloutConfig.share_opening): a row of the openings' pool (its keys and values in
+    a slot there, or spilled like any row's), read by `users` episodes, whose own slots hold what follows it. Its
+    slot is free once the last of them has ended."""
+
+    base = 0  # (as a row's: no positions before its slot)
+
+    def __init__(self):
+        self.pool, self.slot, self.kv_len, self.spilled, self.users = None, -1, 0, None, 0
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            if self.slot >= 0:
+                self.pool.owner[self.slot] = None
+            if self.spilled is not None:
+                self.spilled.drop()
+            self.slot, self.spilled = -1, None
 
 
 def _compute_dtype_device(model) -> tuple[torch.dtype, torch.device]:

@@ -217,6 +217,47 @@ def test_engine_plays_the_reference_episodes(lm, tiny_tok):
     assert endings == {"user_stop", "max_turns", "response_truncated", "context_limit"}
 
 
+@pytest.mark.parametrize("extra", [{}, {"max_batch": 3, "park_device": "cpu"}, {"prefill_tokens": 8},
+                                   {"reuse_cache": False}, {"refill_below": 1.0, "max_batch": 5}])
+def test_the_opening_held_once_plays_the_same_episodes(lm, tiny_tok, extra):
+    """share_opening: each group's opening in a pool of its own, the rows' slots holding what follows it, read by
+    decode.opening_attention. Greedy: the reference's episodes (two a task, so each opening has several readers),
+    with rows spilling to host memory and back (and openings: 3 slots for 4 groups), chunked prefill, re-encoding each
+    turn, rows parked mid-turn; sampled: the per-row engine's tokens, episode by episode; and the cache holds each
+    opening once (the rows' slots are shorter by the shortest opening)."""
+    from transformers import AttentionInterface
+
+    from fast import batched_rollout as R, decode
+
+    env, pools, groups_read = FakeEnv(n_tasks=4), [], []
+    cfg = RolloutConfig(**{**GREEDY.__dict__, **extra, "share_opening": True})
+    real = R.rollout_pool
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(R, "rollout_pool", lambda *a, **k: pools.append(real(*a, **k)) or pools[-1])
+        mp.setitem(AttentionInterface._global_mapping, decode.OPENING, lambda *a, **k: groups_read.append(
+            len(decode._OPENINGS[-1][2].lengths)) or decode.opening_decode_attention(*a, **k))
+        fast = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), cfg)
+    assert groups_read and max(groups_read) >= 2  # every forward after the openings read them, several at once
+    slow = [reference_rollout(lm, tiny_tok, env, t, make_user_sim("scripted"), cfg) for t in env.tasks()]
+    for i, a in enumerate(fast):
+        b = slow[i // 2]
+        assert a.input_ids == b.input_ids and a.loss_mask == b.loss_mask and a.messages == b.messages
+        assert (a.termination, a.turns, a.reward) == (b.termination, b.turns, b.reward)
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+    opens = pools[0].opens
+    assert opens is not None and len(opens.owner) == min(len(pools[0].owner), len(env.tasks()))
+    assert pools[0].capacity == cfg.max_context - min(len(e.input_ids[:e.turn_spans[0][0]]) - 1 for e in fast)
+    assert all(o is None for o in opens.owner)  # every group's opening let go once its episodes ended
+    sampled = {**cfg.__dict__, "greedy": False, "temperature": 0.8, "max_turns": 4}
+    gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    a = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), RolloutConfig(**sampled), gen())
+    b = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"),
+                RolloutConfig(**{**sampled, "share_opening": False}), gen())
+    assert [e.input_ids for e in a] == [e.input_ids for e in b]
+    assert torch.allclose(torch.tensor(sum((e.logprobs for e in a), [])), torch.tensor(sum((e.logprobs for e in b),
+                                                                                         [])), atol=1e-4)
+
+
 def test_a_second_stop_token_from_the_generation_config_ends_the_turn(lm, tiny_tok):
     """Qwen3's generation config lists two eos ids (<|im_end|>, <|endoftext|>). A model with two stop tokens whose
     output rows nearly tie, so greedy turns end on either: a turn ends on the first one drawn, the token is kept and

@@ -1,0 +1,135 @@
+"""The group's opening held once while decoding (--share-opening) against each row's own copy of it (the twin), at a
+tau2-like shape: an opening of ~4,000 tokens (shop's system prompt padded), groups of 8, long episodes, the tiny model.
+
+    ./run python bench/opening.py                                         # 2 groups of 8, 2 rounds (~15 min here)
+    ./run python bench/opening.py --groups 1 --turns 8 --rounds 1 --opening 600 --context 2000    # a quick look
+
+The model is `models.load_model("tiny")` (random weights; its end-of-turn logit raised until turns average ~--turn
+tokens, as bench/rollout.py does), its user keeps talking, so every episode runs to --turns or to --context. Both
+layouts play the same sampled episodes (same seeds: the draw is a function of each episode's seed and position), in
+one process, after a warm-up, interleaved round by round. Per layout: tokens/s; the cache the rollout's pools hold
+(bytes: the rows' slots, and the openings' pool); the bytes of cache a decoding step reads, on average (each row's
+whole context in the twin; each group's opening once and each row's own part when shared), counted at every
+decoding forward from the rows' masks and the openings it reads.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+import muarl  # noqa: E402
+import toolcall  # noqa: E402
+from fast import batched_rollout, decode  # noqa: E402
+from fast.batched_rollout import RolloutConfig, rollout  # noqa: E402
+from plumbing import models  # noqa: E402
+from plumbing.users import make_user_sim  # noqa: E402
+
+def _bench_rollout():
+    """bench/rollout.py (whose name the root's rollout.py takes on the import path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_rollout", os.path.join(os.path.dirname(__file__), "rollout.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--groups", type=int, default=2, help="tasks (each a group)")
+    ap.add_argument("--group", type=int, default=8, help="episodes a task")
+    ap.add_argument("--opening", type=int, default=4000, help="tokens of each opening, about")
+    ap.add_argument("--turns", type=int, default=100, help="agent turns an episode, at most")
+    ap.add_argument("--turn", type=float, default=40, help="mean agent turn length to aim for (tokens)")
+    ap.add_argument("--context", type=int, default=15000, help="max_context")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from envs.shop import ShopEnv
+
+    from gpu import Padded  # (bench/gpu.py's: shop with its system prompt padded by so many words)
+
+    KeepTalking, end_turns_sooner = (getattr(_bench_rollout(), n) for n in ("KeepTalking", "end_turns_sooner"))
+    model, tok = models.load_model("tiny", seed=0, env=ShopEnv())
+    plain = ShopEnv()
+    task = plain.tasks("train")[0]
+    per_word = len(toolcall.encode_text(tok, " note" * 100)) / 100
+    opening = lambda env: muarl.prompt_ids(tok, [  # noqa: E731
+        {"role": "system", "content": env.system_prompt(task)},
+        {"role": "user", "content": env.scripted_user(task).opening()}], env.tools(task))
+    env = KeepTalking(Padded(plain, max(0, round((args.opening - len(opening(plain))) / per_word))))
+    tasks = env.tasks("train")[:args.groups]
+    end_turns_sooner(model, tok, [opening(env)] * 4, args.turn)
+    cfg = model.config
+    per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * model.dtype.itemsize
+    base = dict(temperature=1.0, max_new_tokens=512, max_turns=args.turns, max_context=args.context)
+    layouts = {"per-row": RolloutConfig(**base), "shared": RolloutConfig(**base, share_opening=True)}
+    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, torch threads {torch.get_num_threads()}; "
+          f"{args.groups} groups x {args.group}, openings of {len(opening(env))} tokens, up to {args.turns} turns, "
+          f"max_context {args.context}; {per_token} bytes of cache a token", flush=True)
+
+    seen = dict(rows=0, groups=0, steps=0)
+
+    def count(module, a, kw):  # a decoding step: the columns each row reads, and each group's opening once
+        if kw["input_ids"].shape[1] == 1:
+            seen["steps"] += 1
+            seen["rows"] += int(kw["attention_mask"].sum())
+            if decode._OPENINGS and decode._OPENINGS[-1] is not None:
+                seen["groups"] += int(decode._OPENINGS[-1][2].lengths.sum())
+
+    model.get_decoder().register_forward_pre_hook(count, with_kwargs=True)
+    held = []
+    real_pool = batched_rollout.rollout_pool
+
+    def pool(*a, **k):  # the bytes a rollout's pools hold: the rows' slots, then the openings' pool beside them
+        p = real_pool(*a, **k)
+        held.append(p)
+        return p
+    batched_rollout.rollout_pool = pool
+
+    def nbytes(p):
+        return sum(b.numel() * b.element_size() for b in p.k + p.v)
+
+    def play(name, seed, turns=None):
+        seen.update(rows=0, groups=0, steps=0)
+        held.clear()
+        c = RolloutConfig(**{**layouts[name].__dict__, **({"max_turns": turns} if turns else {})})
+        t = time.perf_counter()
+        eps = rollout(model, tok, env, tasks, args.group, make_user_sim("scripted"), c, seed=seed)
+        dt = time.perf_counter() - t
+        pools = nbytes(held[0]) + (nbytes(held[0].opens) if held[0].opens is not None else 0)
+        return eps, dt, pools, (seen["rows"] + seen["groups"]) * per_token / max(1, seen["steps"])
+
+    for name in layouts:  # warm-up
+        play(name, 0, turns=2)
+    tps = {k: [] for k in layouts}
+    for r in range(args.rounds):
+        out = {}
+        for name in (layouts if r % 2 == 0 else reversed(list(layouts))):
+            eps, dt, pools, read = out[name] = play(name, 1 + r)
+            toks, lens = sum(e.gen_tokens for e in eps), sorted(len(e.input_ids) for e in eps)
+            tps[name].append(toks / dt)
+            print(f"round {r} {name:8s} {dt:7.1f} s {toks:7d} tokens {toks / dt:8.1f} tok/s; episodes of "
+                  f"{lens[0]}/{lens[len(lens) // 2]}/{lens[-1]} tokens (min/median/max); pools hold "
+                  f"{pools / 2**20:.1f} MiB; a decoding step reads {read / 2**20:.2f} MiB of cache", flush=True)
+        same = all(a.input_ids == b.input_ids for a, b in zip(out["per-row"][0], out["shared"][0]))
+        print(f"round {r}: shared / per-row {tps['shared'][-1] / tps['per-row'][-1]:.2f}x tokens/s, cache held "
+              f"{out['shared'][2] / out['per-row'][2]:.2f}x, cache read a step {out['shared'][3] / out['per-row'][3]:.2f}x;"
+              f" the same episodes token for token: {same}", flush=True)
+    mean = {k: sum(v) / len(v) for k, v in tps.items()}
+    print(f"mean over {args.rounds} rounds: shared {mean['shared']:.1f} tok/s, per-row {mean['per-row']:.1f} tok/s "
+          f"-> {mean['shared'] / mean['per-row']:.2f}x (target >= 1.5x)")
+
+
+if __name__ == "__main__":
+    main()
