@@ -1,5 +1,6 @@
-"""The group's opening held once while decoding (--share-opening) against each row's own copy of it (the twin), at a
-tau2-like shape: an opening of ~4,000 tokens (shop's system prompt padded), groups of 8, long episodes, the tiny model.
+"""The group's opening held once while decoding (--decode-share-opening) against each row's own copy of it (the
+twin), at a tau2-like shape: an opening of ~4,000 tokens (shop's system prompt padded), groups of 8, long episodes,
+the tiny model.
 
     ./run python bench/opening.py                                         # 2 groups of 8, 2 rounds (~15 min here)
     ./run python bench/opening.py --groups 1 --turns 8 --rounds 1 --opening 600 --context 2000    # a quick look
@@ -36,7 +37,8 @@ def _bench_rollout():
     """bench/rollout.py (whose name the root's rollout.py takes on the import path)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_rollout", os.path.join(os.path.dirname(__file__), "rollout.py"))
+    path = os.path.join(os.path.dirname(__file__), "rollout.py")
+    spec = importlib.util.spec_from_file_location("bench_rollout", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -73,7 +75,7 @@ def main(argv=None):
     cfg = model.config
     per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * model.dtype.itemsize
     base = dict(temperature=1.0, max_new_tokens=512, max_turns=args.turns, max_context=args.context)
-    layouts = {"per-row": RolloutConfig(**base), "shared": RolloutConfig(**base, share_opening=True)}
+    layouts = {"per-row": RolloutConfig(**base), "shared": RolloutConfig(**base, decode_share_opening=True)}
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, torch threads {torch.get_num_threads()}; "
           f"{args.groups} groups x {args.group}, openings of {len(opening(env))} tokens, up to {args.turns} turns, "
           f"max_context {args.context}; {per_token} bytes of cache a token", flush=True)
@@ -124,7 +126,8 @@ def main(argv=None):
                   f"{pools / 2**20:.1f} MiB; a decoding step reads {read / 2**20:.2f} MiB of cache", flush=True)
         same = all(a.input_ids == b.input_ids for a, b in zip(out["per-row"][0], out["shared"][0]))
         print(f"round {r}: shared / per-row {tps['shared'][-1] / tps['per-row'][-1]:.2f}x tokens/s, cache held "
-              f"{out['shared'][2] / out['per-row'][2]:.2f}x, cache read a step {out['shared'][3] / out['per-row'][3]:.2f}x;"
+              f"{out['shared'][2] / out['per-row'][2]:.2f}x, cache read a step "
+              f"{out['shared'][3] / out['per-row'][3]:.2f}x;"
               f" the same episodes token for token: {same}", flush=True)
     mean = {k: sum(v) / len(v) for k, v in tps.items()}
     print(f"mean over {args.rounds} rounds: shared {mean['shared']:.1f} tok/s, per-row {mean['per-row']:.1f} tok/s "

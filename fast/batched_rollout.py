@@ -88,7 +88,7 @@ class RolloutConfig(Sampling):
     """'on': the decoding step over fixed buffers by bucket of rows and columns (graphs.py), captured as CUDA graphs
     on a GPU and replayed, run eagerly on the CPU (the same tokens); 'auto': on a GPU only; 'off' (the default until it
     is timed on a GPU: bench/gpu.py)"""
-    share_opening: bool = False
+    decode_share_opening: bool = False
     """hold each group's opening once, in a pool of its own, and let its rows' slots hold only what follows it: the
     opening's keys and values are read once per group a decoding step (decode.opening_attention, with
     decode_attention 'grouped'); False: every row's slot holds a copy of its opening (the twin)"""
@@ -106,8 +106,9 @@ class RolloutConfig(Sampling):
         on a GPU, the caches of the episodes that lose their slot wait in pinned host memory."""
         if opts.decode_attention not in ("grouped", "model"):
             raise SystemExit(f"--decode-attention: {opts.decode_attention!r} is not 'grouped' or 'model'")
-        if opts.share_opening and opts.decode_attention != "grouped":
-            raise SystemExit("--share-opening: the opening held apart is read by --decode-attention grouped only")
+        if opts.decode_share_opening and opts.decode_attention != "grouped":
+            raise SystemExit("--decode-share-opening: the opening held apart is read by --decode-attention grouped "
+                             "only")
         for name in ("compile_decode", "decode_graphs"):
             if getattr(opts, name) not in ("auto", "on", "off"):
                 raise SystemExit(f"--{name.replace('_', '-')}: {getattr(opts, name)!r} is not 'auto', 'on' or 'off'")
@@ -117,7 +118,7 @@ class RolloutConfig(Sampling):
                    max_new_tokens=opts.max_new_tokens, max_context=opts.max_context, max_turns=opts.max_turns,
                    tool_timeout=opts.tool_timeout, decode_attention=opts.decode_attention,
                    compile_decode=opts.compile_decode, decode_graphs=opts.decode_graphs,
-                   share_opening=opts.share_opening,
+                   decode_share_opening=opts.decode_share_opening,
                    reuse_cache=opts.reuse_cache, max_batch=opts.rollout_batch, reference=opts.rollout == "reference",
                    park_device="cpu" if opts.rollout_batch and on_gpu else "")
 
@@ -267,9 +268,9 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
     graphed = graphs_on(cfg, _compute_dtype_device(model)[1], every)
     slots = every if graphed else min(cfg.max_batch or len(live), len(live)) or 1
     opening_lens = [len(g[0].ep.input_ids) - 1 for g in groups if g]  # each group's opening: all but its last token
-    shared = cfg.share_opening and bool(opening_lens)  # each row's slot then holds what follows its opening
+    shared = cfg.decode_share_opening and bool(opening_lens)  # each row's slot then holds what follows its opening
     if shared and cfg.decode_attention != "grouped":
-        raise ValueError("share_opening: the opening held apart is read by decode_attention 'grouped' only")
+        raise ValueError("decode_share_opening: the opening held apart is read by decode_attention 'grouped' only")
     pool = rollout_pool(model, slots, cfg.max_context - (min(opening_lens) if shared else 0), cfg.park_device,
                         keep=graphed)
     pool.graphs = step_graphs(model, pool, cfg) if graphed else None

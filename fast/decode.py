@@ -158,10 +158,11 @@ _OPENINGS: list = []  # while the engine's forward runs over rows whose openings
 
 
 def opening_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """grouped_decode_attention's twin for rows whose group's opening is held once (engine.py, share_opening): the
+    """grouped_decode_attention's twin for rows whose group's opening is held once (decode_share_opening): the
     layer's opening buffers and the batch's `Members` come from `decode_attention(..., openings=...)`."""
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or kwargs.get("sliding_window"):
-        raise NotImplementedError(f"share_opening: {type(module).__name__} softcaps, sinks or slides its attention")
+        raise NotImplementedError(f"decode_share_opening: {type(module).__name__} softcaps, sinks or slides its "
+                                  "attention")
     keys, values, members = _OPENINGS[-1]
     i = module.layer_idx
     return opening_attention(query, key, value, attention_mask, keys[i], values[i], members, scaling), None

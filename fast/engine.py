@@ -42,7 +42,7 @@ class _Row:
     turn_end: TurnEnd | None = None  # why this turn's decoding stopped; None while the turn goes on
     seed: int = 0  # this episode's sampling seed (batched_rollout.episode_seed): its noise is uniform_noise(seed, pos)
     retries_seen: int = 0  # the user state's retry count already added to ep.user_retries
-    opening: Opening | None = None  # its group's opening, when held once (share_opening): its slot holds what follows
+    opening: Opening | None = None  # its group's opening when held once (decode_share_opening): its slot holds the rest
 
     @property
     def base(self) -> int:
@@ -120,7 +120,7 @@ def _prefill(model, pool: SlotPool, rows: list[_Row], pending: list[list[int]], 
     """Feed rows (in slots lo..lo+B-1, slot order) their pending tokens (none sampled: the cache only), all rows at
     once, each from its own length, right-padded with eot (the padding writes past the row's length, where the row's
     next tokens overwrite it), in column chunks of at most cfg.prefill_tokens tokens a forward. With `opens` (the
-    openings' pool, share_opening), the rows' slots hold what follows their group's opening, read from there."""
+    openings' pool, decode_share_opening), the rows' slots hold what follows their group's opening, read from there."""
     dec, lo, device = model.get_decoder(), rows[0].slot, pool.device
     W = max(len(p) for p in pending)
     ids = torch.full((len(rows), W), eot, dtype=torch.long)
@@ -145,8 +145,8 @@ def _prefill(model, pool: SlotPool, rows: list[_Row], pending: list[list[int]], 
 
 
 def _openings(opens: SlotPool | None, rows: list[_Row]) -> tuple | None:
-    """The batch's openings (share_opening): placed in the openings' pool's slots 0..G-1 (G: the groups with rows in
-    the batch), and where each row stands among them (decode.Members); None without."""
+    """The batch's openings (decode_share_opening): placed in the openings' pool's slots 0..G-1 (G: the groups with
+    rows in the batch), and where each row stands among them (decode.Members); None without."""
     if opens is None:
         return None
     placed = opens.place(list({id(r.opening): r.opening for r in rows}.values()))
@@ -159,7 +159,7 @@ def _prefill_openings(model, pool: SlotPool, groups: list[list[_Row]], cfg, eot:
     """Each task's opening (system prompt with tools, first user message: ~4.7k tokens for tau2 retail with Qwen3)
     is prefilled once for its group, in batches of the leaders (the first episode of each group), and copied into
     each sibling's slot (or, when the pool has no slot left, spilled once and shared read-only by the siblings). With
-    the openings' pool (pool.opens: share_opening), into a slot of that pool instead, held once for the whole group."""
+    the openings' pool (pool.opens: decode_share_opening), into a slot of that pool instead, once for the group."""
     if pool.opens is not None:
         return _prefill_shared_openings(model, pool.opens, groups, cfg, eot)
     leaders = [g[0] for g in groups if len(g[0].ep.input_ids) > 1]

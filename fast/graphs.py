@@ -168,7 +168,7 @@ def graphs_on(cfg, device: torch.device, slots: int) -> bool:
     if cfg.decode_graphs == "off" or cfg.decode_graphs == "auto" and not on_gpu or slots < 2:
         return False
     why = ("it takes the grouped attention (--decode-attention grouped)" if cfg.decode_attention != "grouped" else
-           "the openings held apart (--share-opening) are not graphed yet" if cfg.share_opening else
+           "the openings held apart (--decode-share-opening) are not graphed yet" if cfg.decode_share_opening else
            "--compile-decode compiles the same step" if cfg.compile_decode == "on" or
            cfg.compile_decode == "auto" and on_gpu else None)
     if why and why not in _SAID:

@@ -96,7 +96,7 @@ class SlotPool:
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
         self.capacity, self.owner = capacity, [None] * slots
         self.graphs = None  # the decoding step by bucket over this pool (graphs.StepGraphs), when --decode-graphs
-        self.opens = None  # the pool of the groups' openings, when they are held apart from the rows (share_opening)
+        self.opens = None  # the pool of the groups' openings, when held apart from the rows (decode_share_opening)
         self.pin = self.spill_device.type == "cpu" and self.device.type == "cuda"
 
     @staticmethod
@@ -197,9 +197,9 @@ class SlotPool:
 
 
 class Opening:
-    """A group's opening held once (RolloutConfig.share_opening): a row of the openings' pool (its keys and values in
-    a slot there, or spilled like any row's), read by `users` episodes, whose own slots hold what follows it. Its
-    slot is free once the last of them has ended."""
+    """A group's opening held once (RolloutConfig.decode_share_opening): a row of the openings' pool (its keys and
+    values in a slot there, or spilled like any row's), read by `users` episodes, whose own slots hold what follows
+    it. Its slot is free once the last of them has ended."""
 
     base = 0  # (as a row's: no positions before its slot)
 

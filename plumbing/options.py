@@ -51,7 +51,7 @@ class SamplingOptions:
     """the decoding step over fixed buffers, captured as CUDA graphs and replayed (fast/graphs.py): 'on', 'off', or
     'auto' (on a GPU only; on the CPU 'on' runs the same body eagerly); where a capture fails it warns once and
     decodes eagerly. Off by default until it is timed on a GPU (bench/gpu.py)"""
-    share_opening: bool = False
+    decode_share_opening: bool = False
     """hold a group's opening (system prompt, tools, first user message) once while its episodes decode, each
     episode's KV cache only what follows it, the opening read once per group a step (decode.opening_attention; with
     --decode-attention grouped); off: every episode's cache holds a copy of the opening"""

@@ -220,7 +220,7 @@ def test_engine_plays_the_reference_episodes(lm, tiny_tok):
 @pytest.mark.parametrize("extra", [{}, {"max_batch": 3, "park_device": "cpu"}, {"prefill_tokens": 8},
                                    {"reuse_cache": False}, {"refill_below": 1.0, "max_batch": 5}])
 def test_the_opening_held_once_plays_the_same_episodes(lm, tiny_tok, extra):
-    """share_opening: each group's opening in a pool of its own, the rows' slots holding what follows it, read by
+    """decode_share_opening: each group's opening in a pool of its own, the rows' slots holding what follows it, read by
     decode.opening_attention. Greedy: the reference's episodes (two a task, so each opening has several readers),
     with rows spilling to host memory and back (and openings: 3 slots for 4 groups), chunked prefill, re-encoding each
     turn, rows parked mid-turn; sampled: the per-row engine's tokens, episode by episode; and the cache holds each
@@ -230,7 +230,7 @@ def test_the_opening_held_once_plays_the_same_episodes(lm, tiny_tok, extra):
     from fast import batched_rollout as R, decode
 
     env, pools, groups_read = FakeEnv(n_tasks=4), [], []
-    cfg = RolloutConfig(**{**GREEDY.__dict__, **extra, "share_opening": True})
+    cfg = RolloutConfig(**{**GREEDY.__dict__, **extra, "decode_share_opening": True})
     real = R.rollout_pool
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(R, "rollout_pool", lambda *a, **k: pools.append(real(*a, **k)) or pools[-1])
@@ -252,7 +252,7 @@ def test_the_opening_held_once_plays_the_same_episodes(lm, tiny_tok, extra):
     gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
     a = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), RolloutConfig(**sampled), gen())
     b = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"),
-                RolloutConfig(**{**sampled, "share_opening": False}), gen())
+                RolloutConfig(**{**sampled, "decode_share_opening": False}), gen())
     assert [e.input_ids for e in a] == [e.input_ids for e in b]
     assert torch.allclose(torch.tensor(sum((e.logprobs for e in a), [])), torch.tensor(sum((e.logprobs for e in b),
                                                                                          [])), atol=1e-4)
