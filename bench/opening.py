@@ -33,6 +33,7 @@ from fast.batched_rollout import RolloutConfig, rollout  # noqa: E402
 from plumbing import models  # noqa: E402
 from plumbing.users import make_user_sim  # noqa: E402
 
+
 def _bench_rollout():
     """bench/rollout.py (whose name the root's rollout.py takes on the import path)."""
     import importlib.util

@@ -106,9 +106,9 @@ class RolloutConfig(Sampling):
         on a GPU, the caches of the episodes that lose their slot wait in pinned host memory."""
         if opts.decode_attention not in ("grouped", "model"):
             raise SystemExit(f"--decode-attention: {opts.decode_attention!r} is not 'grouped' or 'model'")
-        if opts.decode_share_opening and opts.decode_attention != "grouped":
+        if opts.decode_share_opening and (opts.decode_attention != "grouped" or opts.compile_decode != "off"):
             raise SystemExit("--decode-share-opening: the opening held apart is read by --decode-attention grouped "
-                             "only")
+                             "only, and not yet through --compile-decode (give --compile-decode off)")
         for name in ("compile_decode", "decode_graphs"):
             if getattr(opts, name) not in ("auto", "on", "off"):
                 raise SystemExit(f"--{name.replace('_', '-')}: {getattr(opts, name)!r} is not 'auto', 'on' or 'off'")
@@ -269,8 +269,9 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
     slots = every if graphed else min(cfg.max_batch or len(live), len(live)) or 1
     opening_lens = [len(g[0].ep.input_ids) - 1 for g in groups if g]  # each group's opening: all but its last token
     shared = cfg.decode_share_opening and bool(opening_lens)  # each row's slot then holds what follows its opening
-    if shared and cfg.decode_attention != "grouped":
-        raise ValueError("decode_share_opening: the opening held apart is read by decode_attention 'grouped' only")
+    if shared and (cfg.decode_attention != "grouped" or cfg.compile_decode != "off"):
+        raise ValueError("decode_share_opening: the opening held apart is read by decode_attention 'grouped' only, "
+                         "and not yet through compile_decode")
     pool = rollout_pool(model, slots, cfg.max_context - (min(opening_lens) if shared else 0), cfg.park_device,
                         keep=graphed)
     pool.graphs = step_graphs(model, pool, cfg) if graphed else None

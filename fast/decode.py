@@ -113,9 +113,10 @@ def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sees: torch.Te
         bias = torch.zeros(sees.shape, dtype=q.dtype, device=q.device).masked_fill(~sees, -torch.inf)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)[:2]
         return out.float(), lse
-    scores = (torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale).masked_fill(~sees, -torch.inf)
-    lse = torch.logsumexp(scores, -1)
-    return torch.matmul(torch.exp(scores - lse[..., None]), v.float()), lse
+    with torch.autocast(q.device.type, enabled=False):  # (a rollout under autocast would round these to bf16)
+        scores = (torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale).masked_fill(~sees, -torch.inf)
+        lse = torch.logsumexp(scores, -1)
+        return torch.matmul(torch.exp(scores - lse[..., None]), v.float()), lse
 
 
 def opening_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
@@ -164,8 +165,8 @@ def opening_decode_attention(module, query, key, value, attention_mask, scaling=
         raise NotImplementedError(f"decode_share_opening: {type(module).__name__} softcaps, sinks or slides its "
                                   "attention")
     keys, values, members = _OPENINGS[-1]
-    i = module.layer_idx
-    return opening_attention(query, key, value, attention_mask, keys[i], values[i], members, scaling), None
+    i, scale = module.layer_idx, scaling if scaling is not None else query.shape[-1] ** -0.5
+    return opening_attention(query, key, value, attention_mask, keys[i], values[i], members, scale), None
 
 
 AttentionInterface.register(OPENING, opening_decode_attention)
@@ -178,6 +179,8 @@ def decode_attention(model, name: str, openings: tuple | None = None):
     back after, also when decoding raises. With `openings` ((keys, values) per layer of the batch's openings, and
     their `Members`), "grouped" reads each row's group's opening held apart (opening_decode_attention)."""
     cfg = model.get_decoder().config
+    if openings is not None and name != "grouped":
+        raise ValueError(f"the openings held apart are read by decode_attention 'grouped' only, not {name!r}")
     if name == "model":
         if cfg._attn_implementation not in ("sdpa", "eager"):
             raise NotImplementedError(f"--decode-attention model takes the engine's 4-D mask, which "

@@ -116,11 +116,12 @@ def _mask(lens: torch.Tensor, width: int, seen: int, pool: SlotPool, cfg) -> tor
 # ---------------------------------------------------------------------------------------------------------
 # Prefill and decoding
 # ---------------------------------------------------------------------------------------------------------
-def _prefill(model, pool: SlotPool, rows: list[_Row], pending: list[list[int]], cfg, eot: int, opens=None) -> None:
+def _prefill(model, pool: SlotPool, rows: list[_Row], pending: list[list[int]], cfg, eot: int,
+             openings: tuple | None = None) -> None:
     """Feed rows (in slots lo..lo+B-1, slot order) their pending tokens (none sampled: the cache only), all rows at
     once, each from its own length, right-padded with eot (the padding writes past the row's length, where the row's
-    next tokens overwrite it), in column chunks of at most cfg.prefill_tokens tokens a forward. With `opens` (the
-    openings' pool, decode_share_opening), the rows' slots hold what follows their group's opening, read from there."""
+    next tokens overwrite it), in column chunks of at most cfg.prefill_tokens tokens a forward. With `openings`
+    (`_openings`: decode_share_opening), the rows' slots hold what follows their group's opening, read from there."""
     dec, lo, device = model.get_decoder(), rows[0].slot, pool.device
     W = max(len(p) for p in pending)
     ids = torch.full((len(rows), W), eot, dtype=torch.long)
@@ -133,7 +134,7 @@ def _prefill(model, pool: SlotPool, rows: list[_Row], pending: list[list[int]], 
     cache = _cache(pool, view)
     bases = torch.tensor([r.base for r in rows], device=device)
     step = max(1, cfg.prefill_tokens // len(rows)) if cfg.prefill_tokens else W
-    with decode_attention(model, cfg.decode_attention, _openings(opens, rows)):
+    with decode_attention(model, cfg.decode_attention, openings):
         for c in range(0, W, step):  # each chunk attends to the cache so far and to itself (causally)
             w = min(step, W - c)
             lens = torch.tensor([n + c for n in host], device=device)
@@ -144,13 +145,16 @@ def _prefill(model, pool: SlotPool, rows: list[_Row], pending: list[list[int]], 
         r.kv_len += len(p)
 
 
-def _openings(opens: SlotPool | None, rows: list[_Row]) -> tuple | None:
-    """The batch's openings (decode_share_opening): placed in the openings' pool's slots 0..G-1 (G: the groups with
-    rows in the batch), and where each row stands among them (decode.Members); None without."""
+def _openings(opens: SlotPool | None, rows: list[_Row], place: bool = True) -> tuple | None:
+    """The batch's openings (decode_share_opening), and where each row stands among them (decode.Members); None
+    without. `place`: put them in the openings' pool's slots 0..G-1 (G: the groups with rows in the batch), once a
+    turn; else they are there already (rows that left, or a part of the batch)."""
     if opens is None:
         return None
-    placed = opens.place(list({id(r.opening): r.opening for r in rows}.values()))
-    members = Members.of([r.opening.slot for r in rows], [o.kv_len for o in placed], opens.device)
+    if place:
+        opens.place(list({id(r.opening): r.opening for r in rows}.values()))
+    slots = [r.opening.slot for r in rows]
+    members = Members.of(slots, [opens.owner[g].kv_len for g in range(max(slots) + 1)], opens.device)
     return opens.k, opens.v, members
 
 
@@ -195,7 +199,7 @@ def _prefill_shared_openings(model, opens: SlotPool, groups: list[list[_Row]], c
     n = max(1, min(cfg.max_batch or len(todo), len(opens.owner)))
     for i in range(0, len(todo), n):
         part = opens.place(todo[i:i + n])
-        _prefill(model, opens, part, [ids[id(o)] for o in part], cfg, eot)
+        _prefill(model, opens, part, [ids[id(o)] for o in part], cfg, eot)  # (the openings attend to themselves)
     for g in groups:
         for r in g:
             r.kv_len = r.base
@@ -224,9 +228,11 @@ def generate_turn(model, pool: SlotPool, rows: list[_Row], cfg, stops: list[int]
     assert all(pending), "a row with nothing to decode from"
     budget = [min(cfg.max_new_tokens, cfg.max_context - len(r.ep.input_ids)) for r in rows]
     device, B = pool.device, len(rows)
+    openings = _openings(pool.opens, rows)  # the batch's openings in place for the turn
     first = next((i for i, p in enumerate(pending) if len(p) > 1), B)
     if first < B:
-        _prefill(model, pool, rows[first:], [p[:-1] for p in pending[first:]], cfg, eot, pool.opens)
+        _prefill(model, pool, rows[first:], [p[:-1] for p in pending[first:]], cfg, eot,
+                 _openings(pool.opens, rows[first:], place=False))
     tok = torch.tensor([p[-1] for p in pending], device=device)[:, None]
     lens = torch.tensor([r.kv_len - r.base for r in rows], device=device)  # each row's own columns
     bases = torch.tensor([r.base for r in rows], device=device)  # and the positions before them (its opening's)
@@ -234,7 +240,6 @@ def generate_turn(model, pool: SlotPool, rows: list[_Row], cfg, stops: list[int]
     longest = max(r.kv_len - r.base for r in rows)
     view = _View(pool, 0)
     cache = _cache(pool, view)
-    openings = _openings(pool.opens, rows)
     while True:
         if longest >= pool.capacity - 1:  # (not expected: budget stops a row first)
             raise RuntimeError(f"decoding past the cache slots' {pool.capacity} positions (max_context)")
@@ -280,5 +285,5 @@ def generate_turn(model, pool: SlotPool, rows: list[_Row], cfg, stops: list[int]
             budget = [budget[j] for j in order]
             tok, lens, seeds, bases = tok[keep], lens[keep], seeds[keep], bases[keep]
             longest = max(r.kv_len - r.base for r in rows)
-            openings = _openings(pool.opens, rows)
+            openings = _openings(pool.opens, rows, place=False)
         tok = tok[:, None]

@@ -218,18 +218,22 @@ def test_engine_plays_the_reference_episodes(lm, tiny_tok):
 
 
 @pytest.mark.parametrize("extra", [{}, {"max_batch": 3, "park_device": "cpu"}, {"prefill_tokens": 8},
-                                   {"reuse_cache": False}, {"refill_below": 1.0, "max_batch": 5}])
-def test_the_opening_held_once_plays_the_same_episodes(lm, tiny_tok, extra):
+                                   {"reuse_cache": False}, {"refill_below": 1.0, "max_batch": 5}, {"fused": False}])
+def test_the_opening_held_once_plays_the_same_episodes(lm, tiny_tok, extra, monkeypatch):
     """decode_share_opening: each group's opening in a pool of its own, the rows' slots holding what follows it, read by
     decode.opening_attention. Greedy: the reference's episodes (two a task, so each opening has several readers),
     with rows spilling to host memory and back (and openings: 3 slots for 4 groups), chunked prefill, re-encoding each
-    turn, rows parked mid-turn; sampled: the per-row engine's tokens, episode by episode; and the cache holds each
-    opening once (the rows' slots are shorter by the shortest opening)."""
+    turn, rows parked mid-turn, the two attention parts written out (decode.attend_lse's path off the CPU); sampled:
+    the per-row engine's tokens, episode by episode; and the cache holds each opening once (the rows' slots are
+    shorter by the shortest opening), every spilled one given back."""
     from transformers import AttentionInterface
 
     from fast import batched_rollout as R, decode
 
-    env, pools, groups_read = FakeEnv(n_tasks=4), [], []
+    from fast.pool import _Spilled
+
+    monkeypatch.setattr(decode, "FUSED_LSE", extra.pop("fused", True))
+    env, pools, groups_read, rescued = FakeEnv(n_tasks=4), [], [], _Spilled.rescued
     cfg = RolloutConfig(**{**GREEDY.__dict__, **extra, "decode_share_opening": True})
     real = R.rollout_pool
     with pytest.MonkeyPatch.context() as mp:
@@ -248,6 +252,7 @@ def test_the_opening_held_once_plays_the_same_episodes(lm, tiny_tok, extra):
     assert opens is not None and len(opens.owner) == min(len(pools[0].owner), len(env.tasks()))
     assert pools[0].capacity == cfg.max_context - min(len(e.input_ids[:e.turn_spans[0][0]]) - 1 for e in fast)
     assert all(o is None for o in opens.owner)  # every group's opening let go once its episodes ended
+    assert _Spilled.rescued == rescued  # and every spilled cache given back by its rows, none by the collector
     sampled = {**cfg.__dict__, "greedy": False, "temperature": 0.8, "max_turns": 4}
     gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
     a = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), RolloutConfig(**sampled), gen())
