@@ -49,6 +49,11 @@ class _Row:
         """Positions before the row's own slot: its group's opening when held apart, else none."""
         return self.opening.kv_len if self.opening is not None else 0
 
+    @property
+    def held(self) -> int:
+        """Positions in the row's own slot (what the pool moves, spills and brings back)."""
+        return self.kv_len - self.base
+
     def free_cache(self, ended: bool = True) -> None:
         """Forget the cache: the slot is free. `ended`: the episode ended (it lets go of its group's opening too); else
         its next turn re-encodes the conversation (after the opening, when it is held apart)."""
@@ -56,7 +61,7 @@ class _Row:
             self.pool.owner[self.slot] = None
         if self.spilled is not None:
             self.spilled.drop()
-        self.slot, self.kv_len, self.spilled = -1, 0, None
+        self.slot, self.spilled = -1, None
         if self.opening is not None and ended:
             self.opening.release()
             self.opening = None
@@ -127,7 +132,7 @@ def _prefill(model, pool: SlotPool, rows: list[_Row], pending: list[list[int]], 
     ids = torch.full((len(rows), W), eot, dtype=torch.long)
     for i, p in enumerate(pending):
         ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
-    ids, host = ids.to(device), [r.kv_len - r.base for r in rows]  # each row's own columns so far
+    ids, host = ids.to(device), [r.held for r in rows]  # each row's own columns so far
     if max(n + len(p) for n, p in zip(host, pending)) > pool.capacity - 1:  # would reach the scratch column
         raise RuntimeError(f"prefill past the cache slots' {pool.capacity} positions (max_context)")
     view = _View(pool, lo)
@@ -234,10 +239,10 @@ def generate_turn(model, pool: SlotPool, rows: list[_Row], cfg, stops: list[int]
         _prefill(model, pool, rows[first:], [p[:-1] for p in pending[first:]], cfg, eot,
                  _openings(pool.opens, rows[first:], place=False))
     tok = torch.tensor([p[-1] for p in pending], device=device)[:, None]
-    lens = torch.tensor([r.kv_len - r.base for r in rows], device=device)  # each row's own columns
+    lens = torch.tensor([r.held for r in rows], device=device)  # each row's own columns
     bases = torch.tensor([r.base for r in rows], device=device)  # and the positions before them (its opening's)
     seeds = torch.tensor([r.seed for r in rows], device=device)  # each row's noise: its seed, the position drawn
-    longest = max(r.kv_len - r.base for r in rows)
+    longest = max(r.held for r in rows)
     view = _View(pool, 0)
     cache = _cache(pool, view)
     while True:
@@ -284,6 +289,6 @@ def generate_turn(model, pool: SlotPool, rows: list[_Row], cfg, stops: list[int]
             rows = [rows[j] for j in order]
             budget = [budget[j] for j in order]
             tok, lens, seeds, bases = tok[keep], lens[keep], seeds[keep], bases[keep]
-            longest = max(r.kv_len - r.base for r in rows)
+            longest = max(r.held for r in rows)
             openings = _openings(pool.opens, rows, place=False)
         tok = tok[:, None]

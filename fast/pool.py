@@ -113,7 +113,7 @@ class SlotPool:
     def take(self, row, slot: int) -> None:
         """Give `row` the free `slot`, bringing its cache there (from its old slot, or back from host memory)."""
         assert self.owner[slot] is None, "take: the slot is not free"
-        n = row.kv_len - row.base
+        n = row.held
         if row.slot >= 0:
             self.copy_slot(row.slot, slot, n)
         elif row.spilled is not None:
@@ -132,7 +132,7 @@ class SlotPool:
 
     def spill(self, row) -> None:
         """Move `row`'s cache out of its slot to spill_device; the slot is free."""
-        row.spilled = self.copy_out(row.slot, row.kv_len - row.base, 1)
+        row.spilled = self.copy_out(row.slot, row.held, 1)
         self.owner[row.slot], row.slot = None, -1
 
     def copy_out(self, slot: int, n: int, users: int) -> _Spilled:
@@ -153,7 +153,7 @@ class SlotPool:
     def swap(self, a: int, b: int) -> None:
         """Trade the contents and owners of slots a and b (one row's cache of one layer held twice, at most)."""
         ra, rb = self.owner[a], self.owner[b]
-        na, nb = (ra.kv_len - ra.base if ra else 0), (rb.kv_len - rb.base if rb else 0)
+        na, nb = (ra.held if ra else 0), (rb.held if rb else 0)
         for buf in self.k + self.v:
             tmp = torch.empty_like(buf[a, :, :na]).copy_(buf[a, :, :na])
             buf[a, :, :nb] = buf[b, :, :nb]
@@ -202,6 +202,10 @@ class Opening:
     it. Its slot is free once the last of them has ended."""
 
     base = 0  # (as a row's: no positions before its slot)
+
+    @property
+    def held(self) -> int:
+        return self.kv_len
 
     def __init__(self):
         self.pool, self.slot, self.kv_len, self.spilled, self.users = None, -1, 0, None, 0
