@@ -115,16 +115,32 @@ def evaluate(path, env_name: str, n_tasks: int, trials: int, temperature: float,
 USER_ENV = {"dynamic": "shop", "static": "shop:static", "replay": "shop:replay"}
 
 
-def teacher_conversations(n: int, seed: int, users: list[str]) -> list[dict]:
+def user_shares(spec: str) -> list[tuple[str, int]]:
+    """--cold-users as (user, share): "dynamic:3,static:1" gives the dynamic user 3 of every 4 tasks."""
+    shares = []
+    for part in spec.split(","):
+        user, _, n = part.partition(":")
+        if user not in USER_ENV or not (n or "1").isdigit() or int(n or "1") < 1:
+            raise SystemExit(f"bench/ablation.py: --cold-users: {part!r} is not USER[:SHARE] with USER among "
+                             f"{', '.join(USER_ENV)} and SHARE a whole number of at least 1")
+        shares.append((user, int(n or "1")))
+    return shares
+
+
+def teacher_conversations(n: int, seed: int, users: list[str] | list[tuple[str, int]]) -> list[dict]:
     """The imperfect teacher on the first `n` tasks of the seed's shuffle, each task played with one of `users`
-    (round robin by task number), kept as make_cold_start keeps them. The cold start is every GRPO arm's start, so it
+    (by task number, each user on its share of every sum-of-shares tasks; a bare name is a share of 1), kept as
+    make_cold_start keeps them. The cold start is every GRPO arm's start, so it
     must be able to talk to each arm's user: one that saw only the dynamic user's vague opening won 0 of 16 static
     episodes (it skipped the authentication the static opening makes easy), so the static arm's GRPO had a mixed
     group in 1-6 of 120 and hardly trained, and the negative control came out dynamic > static by 0.06."""
+    shares = [(u, 1) if isinstance(u, str) else u for u in users]
+    turn = [user for user, k in shares for _ in range(k)]  # task number modulo len(turn) -> its user
     convs = []
-    for i, user in enumerate(users):
+    for user in dict(shares):
         cfg = sft.SFTConfig(env=USER_ENV[user], num_tasks=n, seed=seed, **TEACHER)
-        convs += [c for c in coldstart.make_cold_start(cfg) if int(c["task_id"].rsplit("-", 1)[1]) % len(users) == i]
+        convs += [c for c in coldstart.make_cold_start(cfg)
+                  if turn[int(c["task_id"].rsplit("-", 1)[1]) % len(turn)] == user]
     return convs
 
 
@@ -152,7 +168,7 @@ def run_arm(arm: str, seed: int, done: dict, base: str, args, out: Path, log) ->
         return {"final": ev(base), "seconds": 0.0, "curve": []}
     if arm == "cold":
         t0 = time.time()
-        convs = teacher_conversations(args.cold_tasks, seed, args.cold_users.split(","))
+        convs = teacher_conversations(args.cold_tasks, seed, user_shares(args.cold_users))
         t1, c1 = time.time(), time.process_time()
         path = sft.train(sft.SFTConfig(model=base, out=str(d / "cold"), seed=seed, **models.TINY_COLD_START), convs)
         t2, c2 = time.time(), time.process_time()  # SFT's cost a step, on its training alone (evaluation after)
@@ -164,7 +180,7 @@ def run_arm(arm: str, seed: int, done: dict, base: str, args, out: Path, log) ->
     if arm != "rl" and not (cold / "model.safetensors").exists():
         # results.json outlives the checkpoints (a run continued on another machine has only the results file):
         # the cold start is rebuilt from its seed, and whether it came out bit for bit the same is recorded
-        convs = teacher_conversations(args.cold_tasks, seed, args.cold_users.split(","))
+        convs = teacher_conversations(args.cold_tasks, seed, user_shares(args.cold_users))
         cold = Path(sft.train(sft.SFTConfig(model=base, out=str(d / "cold"), seed=seed, **models.TINY_COLD_START),
                               convs))
         same = weights_hash(cold) == done["cold"].get("weights")
@@ -173,7 +189,7 @@ def run_arm(arm: str, seed: int, done: dict, base: str, args, out: Path, log) ->
     if arm == "sft":  # the same teacher on tasks the cold start did not see, for the compute GRPO took
         t0, c0 = time.time(), time.process_time()
         seen = set(done["cold"]["tasks"])  # the same shuffle, twice as far: the cold start's tasks, then new ones
-        more = [c for c in teacher_conversations(2 * args.cold_tasks, seed, args.cold_users.split(","))
+        more = [c for c in teacher_conversations(2 * args.cold_tasks, seed, user_shares(args.cold_users))
                 if c["task_id"] not in seen]
         # CPU seconds, not wall seconds: a run paused (kill -STOP) or sharing the machine keeps the same budget
         budget = done["dynamic"]["cpu_s"] - (time.process_time() - c0)
@@ -266,7 +282,8 @@ def main(argv=None):
                    "which the GRPO arms train)")
     p.add_argument("--cold-tasks", type=int, default=1200, help="tasks the cold start's teacher plays, per seed")
     p.add_argument("--cold-users", default="dynamic,static", help="the users the cold start's teacher talks to, "
-                   f"each on its share of the tasks (comma-separated, of {', '.join(USER_ENV)})")
+                   f"each on its share of the tasks (comma-separated USER[:SHARE], of {', '.join(USER_ENV)}; "
+                   "dynamic:3,static:1 gives the dynamic user 3 of every 4 tasks)")
     p.add_argument("--arms", default=",".join(ORDER), help="which arms (comma-separated); they run in the order of "
                    "the default")
     p.add_argument("--base", default="", help="the model every arm starts from (default: the tiny base)")
@@ -288,9 +305,7 @@ def main(argv=None):
         if getattr(args, name) < least:
             raise SystemExit(f"bench/ablation.py: --{name.replace('_', '-')} {getattr(args, name)}: must be at least "
                              f"{least}")
-    wrong = [u for u in args.cold_users.split(",") if u not in USER_ENV]
-    if wrong:
-        raise SystemExit(f"bench/ablation.py: --cold-users: {', '.join(wrong)} not among {', '.join(USER_ENV)}")
+    user_shares(args.cold_users)  # refused by name before any seed runs
     if args.threads:  # and for grpo.main and sft.train, whose Accelerator would share the cores out again (cli.py)
         torch.set_num_threads(args.threads)
         os.environ["MUARL_THREADS"] = str(args.threads)

@@ -136,8 +136,10 @@ def test_bad_options_are_refused_by_name(tmp_path):
             ablation.main(["--quick", opt, "0", "--base", str(tmp_path), "--out", str(tmp_path / "x")])
     with pytest.raises(SystemExit, match="--arms: nope"):
         ablation.main(["--quick", "--arms", "cold,nope", "--base", str(tmp_path), "--out", str(tmp_path / "x")])
-    with pytest.raises(SystemExit, match="--cold-users: chatty"):
-        ablation.main(["--quick", "--cold-users", "dynamic,chatty", "--base", str(tmp_path), "--out", str(tmp_path)])
+    for users, bad in (("dynamic,chatty", "'chatty'"), ("dynamic:0,static", "'dynamic:0'"),
+                       ("dynamic:x", "'dynamic:x'")):
+        with pytest.raises(SystemExit, match=f"--cold-users: {bad}"):
+            ablation.main(["--quick", "--cold-users", users, "--base", str(tmp_path), "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="arm sft needs dynamic"):
         ablation.main(["--quick", "--arms", "cold,sft", "--base", str(tmp_path), "--out", str(tmp_path / "y")])
 
@@ -154,6 +156,12 @@ def test_the_cold_start_talks_to_each_user_on_its_share_of_the_tasks():
                    for c in convs if c not in static)
     only = ablation.teacher_conversations(60, 0, ["dynamic"])  # the even tasks: the same conversations
     assert [c for c in only if int(c["task_id"].rsplit("-", 1)[1]) % 2 == 0] == [c for c in convs if c not in static]
+    # Shares: the dynamic user on 3 of every 4 tasks, the static one on the fourth, the same conversations again.
+    weighted = ablation.teacher_conversations(60, 0, ablation.user_shares("dynamic:3,static:1"))
+    number = lambda c: int(c["task_id"].rsplit("-", 1)[1])  # noqa: E731
+    assert [c for c in weighted if number(c) % 4 != 3] == [c for c in only if number(c) % 4 != 3]
+    assert {number(c) % 4 for c in weighted if "@" in c["messages"][1]["content"]
+            or "zip code" in c["messages"][1]["content"]} == {3}
 
 
 def test_two_runs_share_a_directory_seed_by_seed(tmp_path, base, monkeypatch):
