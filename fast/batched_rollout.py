@@ -47,9 +47,9 @@ from dataclasses import dataclass
 import torch
 
 from fast.deadlines import guard
-from fast.engine import _prefill_openings, _Row, generate_turn
+from fast.engine import _prefill_openings, _Row, admit, generate_turn
 from fast.graphs import graphs_on, step_graphs
-from fast.pool import SlotPool, _compute_dtype_device, rollout_pool
+from fast.pool import SlotPool, Tiers, _compute_dtype_device, parse_slots, rollout_pool
 from envs import Speaker, Termination, next_turn, opening_messages
 from envs.users import UserSimError, close_user_sim, opening_retries, reply_problem, retries_of
 from muarl import Episode, TurnEnd, prompt_ids, stop_token_ids
@@ -92,6 +92,9 @@ class RolloutConfig(Sampling):
     """hold each group's opening once, in a pool of its own, and let its rows' slots hold only what follows it: the
     opening's keys and values are read once per group a decoding step (decode.opening_attention, with
     decode_attention 'grouped'); False: every row's slot holds a copy of its opening (the twin)"""
+    decode_slots: str = ""
+    """slots sized by need: SLOTSxPOSITIONS, comma-separated (pool.parse_slots, pool.Tiers; decode_attention 'grouped',
+    not graphed, not compiled); '': one size, max_context (or max_batch slots of it)"""
     reference: bool = False
     """play every episode with rollout.reference_rollout instead, one at a time with model.generate (--rollout
     reference): the loop a reader read, for an experiment on the turn loop; the same greedy episodes, slower, and
@@ -109,6 +112,14 @@ class RolloutConfig(Sampling):
         if opts.decode_share_opening and (opts.decode_attention != "grouped" or opts.compile_decode != "off"):
             raise SystemExit("--decode-share-opening: the opening held apart is read by --decode-attention grouped "
                              "only, and not yet through --compile-decode (give --compile-decode off)")
+        if opts.decode_slots:
+            try:
+                parse_slots(opts.decode_slots, opts.max_context)
+            except ValueError as e:
+                raise SystemExit(str(e)) from None
+            if opts.decode_attention != "grouped" or opts.compile_decode != "off":
+                raise SystemExit("--decode-slots: slots of several sizes are read by --decode-attention grouped only, "
+                                 "and not yet through --compile-decode (give --compile-decode off)")
         for name in ("compile_decode", "decode_graphs"):
             if getattr(opts, name) not in ("auto", "on", "off"):
                 raise SystemExit(f"--{name.replace('_', '-')}: {getattr(opts, name)!r} is not 'auto', 'on' or 'off'")
@@ -118,7 +129,7 @@ class RolloutConfig(Sampling):
                    max_new_tokens=opts.max_new_tokens, max_context=opts.max_context, max_turns=opts.max_turns,
                    tool_timeout=opts.tool_timeout, decode_attention=opts.decode_attention,
                    compile_decode=opts.compile_decode, decode_graphs=opts.decode_graphs,
-                   decode_share_opening=opts.decode_share_opening,
+                   decode_share_opening=opts.decode_share_opening, decode_slots=opts.decode_slots,
                    reuse_cache=opts.reuse_cache, max_batch=opts.rollout_batch, reference=opts.rollout == "reference",
                    park_device="cpu" if opts.rollout_batch and on_gpu else "")
 
@@ -272,9 +283,17 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
     if shared and (cfg.decode_attention != "grouped" or cfg.compile_decode != "off"):
         raise ValueError("decode_share_opening: the opening held apart is read by decode_attention 'grouped' only, "
                          "and not yet through compile_decode")
-    pool = rollout_pool(model, slots, cfg.max_context - (min(opening_lens) if shared else 0), cfg.park_device,
-                        keep=graphed)
-    pool.graphs = step_graphs(model, pool, cfg) if graphed else None
+    if cfg.decode_slots:  # slots sized by need: a few sizes, each episode in the smallest that holds its turn
+        if cfg.decode_attention != "grouped" or cfg.compile_decode != "off":
+            raise ValueError("decode_slots: slots of several sizes are read by decode_attention 'grouped' only, and "
+                             "not yet through compile_decode")
+        pool = Tiers([SlotPool(model, n, cap, cfg.park_device) for n, cap in parse_slots(cfg.decode_slots,
+                                                                                           cfg.max_context)],
+                     cfg.max_new_tokens, cfg.max_context)
+    else:
+        pool = rollout_pool(model, slots, cfg.max_context - (min(opening_lens) if shared else 0), cfg.park_device,
+                            keep=graphed)
+        pool.graphs = step_graphs(model, pool, cfg) if graphed else None
     if shared:  # a slot for each group that can decode at once, as long as the longest opening (+ the scratch column)
         pool.opens = SlotPool(model, min(slots, len(opening_lens)), max(opening_lens) + 1, cfg.park_device)
     _prefill_openings(model, pool, [g for g in groups if g], cfg, eot_ids[0])
@@ -304,8 +323,7 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
             # until enough replies have arrived to be worth taking in; the rows that ended run their tools
             # here (in the user thread when the environment says its tools are slow) and rejoin, or wait for their
             # user's reply, which is on its way while the next batches decode.
-            n = cfg.max_batch or len(live)
-            batch, rest = live[:n], live[n:]
+            batch, rest = admit(pool, live, cfg.max_batch)
             # (rows in line for a place, `rest`, are not counted: refilling for them would spill the caches of the
             # rows still decoding to host memory under park_device, at every turn's end)
             generate_turn(model, pool, batch, cfg, eot_ids, ready=(lambda: sum(f.done() for f in waiting))

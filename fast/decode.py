@@ -42,6 +42,9 @@ def grouped_decode_attention(module, query, key, value, attention_mask, scaling=
     h // n_rep, as repeat_kv orders them); key, value [B, KVH, L, D]; attention_mask [B, 1, W, L] booleans, True
     where the query sees the column (each row's own length: engine._mask). Returns [B, W, H, D], as the other
     attention functions do. A sliding window is refused past its width (the slots have no per-row window)."""
+    if isinstance(key, Parts):  # rows in several tiers of slots (pool.Tiers): each tier's rows over its own slots
+        return torch.cat([grouped_decode_attention(module, query[at], k, v, attention_mask[at, ..., :k.shape[2]],
+                                                   scaling, dropout, **kwargs)[0] for at, k, v in key]), None
     for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"decode_attention 'grouped' does not support {name} ({type(module).__name__}):"
@@ -65,6 +68,12 @@ def grouped_decode_attention(module, query, key, value, attention_mask, scaling=
 
 
 AttentionInterface.register(GROUPED, grouped_decode_attention)
+
+
+class Parts(list):
+    """The keys and values of a batch whose rows lie in several tiers of slots (pool.Tiers), as engine._SlotLayer
+    returns them: (rows, keys, values) a tier, `rows` the slice of the batch in it, keys and values [b, KVH, L_t, D]
+    (L_t: that tier's longest row). The attention functions here attend each part over its own slots."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -130,7 +139,7 @@ def opening_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     attention functions do. The two parts are attended apart (the opening's with the queries of all its group's rows
     at once: one read of it per group), each with its log-sum-exp, and joined in float32: with l = log-sum-exp,
     out = (e^l_open out_open + e^l_own out_own) / (e^l_open + e^l_own), the softmax over both parts' scores."""
-    (B, H, W, D), kvh, P = query.shape, key.shape[1], open_k.shape[2]
+    (B, H, W, D), kvh, P = query.shape, open_k.shape[1], open_k.shape[2]
     G, m, n = len(members.lengths), members.width, H // kvh * W  # n: query rows a key-value head serves, per row
     at = (members.group, members.index)
 
@@ -146,8 +155,10 @@ def opening_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     opening = (torch.arange(P, device=q.device) < members.lengths[:, None])[:, None, None]  # [G, 1, 1, P]
     o_open, l_open = attend_lse(to_groups(q), open_k[:G], open_v[:G], opening, scaling)
     o_open, l_open = to_rows(o_open.nan_to_num()), to_rows(l_open[..., None])  # (an empty opening: weight 0)
-    o_own, l_own = attend_lse(q, key, value, mask.repeat(1, 1, H // kvh, 1) if W > 1 else mask, scaling)  # r*W+w: w's
-    l_own = l_own[..., None]
+    mask = mask.repeat(1, 1, H // kvh, 1) if W > 1 else mask  # query row r * W + w: token w's
+    parts = key if isinstance(key, Parts) else [(slice(None), key, value)]  # (rows in several tiers: pool.Tiers)
+    own = [attend_lse(q[at], k, v, mask[at, ..., :k.shape[2]], scaling) for at, k, v in parts]
+    o_own, l_own = torch.cat([o for o, _ in own]), torch.cat([lse for _, lse in own])[..., None]
     top = torch.maximum(l_open, l_own)  # finite: every row sees its own newest token
     w_open, w_own = torch.exp(l_open - top), torch.exp(l_own - top)
     out = (o_open * w_open + o_own * w_own) / (w_open + w_own)

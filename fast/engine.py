@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from fast.decode import Members, decode_attention, decode_step, with_cache
-from fast.pool import Opening, SlotPool, _Spilled
+from fast.decode import Members, Parts, decode_attention, decode_step, with_cache
+from fast.pool import Opening, SlotPool, Tiers, _Spilled
 from muarl import TurnEnd
 
 
@@ -69,12 +69,13 @@ class _Row:
 
 
 class _View:
-    """Where a forward over slots lo..lo+B-1 writes and what it reads (`set` before each forward): rows [B, 1] (slot
-    indices), cols [B, W] (each row's columns for its W new positions, the padding's past capacity sent to the
-    scratch column) and the L leading columns the attention sees."""
+    """Where a forward over slots lo..lo+B-1 of `pool` writes and what it reads (`set` before each forward): rows
+    [B, 1] (slot indices), cols [B, W] (each row's columns for its W new positions, the padding's past capacity sent
+    to the scratch column) and the L leading columns the attention sees. `at`: which rows of the forward's batch
+    these are (with slots sized by need, each tier's rows are one view)."""
 
-    def __init__(self, pool: SlotPool, lo: int):
-        self.pool, self.lo = pool, lo
+    def __init__(self, pool: SlotPool, lo: int, at: slice = slice(None)):
+        self.pool, self.lo, self.at = pool, lo, at
 
     def set(self, lens: torch.Tensor, width: int, seen: int) -> _View:
         self.rows = torch.arange(self.lo, self.lo + len(lens), device=lens.device)[:, None]
@@ -85,26 +86,33 @@ class _View:
 
 class _SlotLayer(DynamicLayer):
     """One layer of the pool as transformers' cache layer: update() writes each row's new keys and values at its own
-    columns and returns the batch's slots, L columns wide (the mask says which columns each query sees)."""
+    columns and returns the batch's slots, L columns wide (the mask says which columns each query sees); with rows
+    in several tiers (pool.Tiers), each tier's slots as decode.Parts, which decode.py's attention reads part by part."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, view: _View):
+    def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor, _View]]):
         super().__init__()
-        self.kbuf, self.vbuf, self.view = keys, values, view
-        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self.parts = parts
+        self.dtype, self.device, self.is_initialized = parts[0][0].dtype, parts[0][0].device, True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        v = self.view
-        self.kbuf[v.rows, :, v.cols] = key_states.transpose(1, 2).to(self.dtype)  # [B, W, kv_heads, head_dim]
-        self.vbuf[v.rows, :, v.cols] = value_states.transpose(1, 2).to(self.dtype)
-        self.keys, self.values = self.kbuf[v.lo:v.hi, :, :v.seen], self.vbuf[v.lo:v.hi, :, :v.seen]
-        return self.keys, self.values
+        out = Parts()
+        for kbuf, vbuf, v in self.parts:
+            kbuf[v.rows, :, v.cols] = key_states[v.at].transpose(1, 2).to(self.dtype)  # [B, W, kv_heads, head_dim]
+            vbuf[v.rows, :, v.cols] = value_states[v.at].transpose(1, 2).to(self.dtype)
+            out.append((v.at, kbuf[v.lo:v.hi, :, :v.seen], vbuf[v.lo:v.hi, :, :v.seen]))
+        if len(out) == 1:
+            self.keys, self.values = out[0][1:]
+            return self.keys, self.values
+        return out, out
 
     def get_seq_length(self) -> int:
-        return self.view.seen
+        return max(v.seen for _, _, v in self.parts)
 
 
-def _cache(pool: SlotPool, view: _View) -> Cache:
-    return Cache(layers=[_SlotLayer(k, v, view) for k, v in zip(pool.k, pool.v)])
+def _cache(views: list[_View]) -> Cache:
+    """The cache a forward over `views` (one a tier with rows in the batch) writes and reads."""
+    return Cache(layers=[_SlotLayer([(v.pool.k[i], v.pool.v[i], v) for v in views])
+                         for i in range(len(views[0].pool.k))])
 
 
 def _mask(lens: torch.Tensor, width: int, seen: int, pool: SlotPool, cfg) -> torch.Tensor:
@@ -136,7 +144,7 @@ def _prefill(model, pool: SlotPool, rows: list[_Row], pending: list[list[int]], 
     if max(n + len(p) for n, p in zip(host, pending)) > pool.capacity - 1:  # would reach the scratch column
         raise RuntimeError(f"prefill past the cache slots' {pool.capacity} positions (max_context)")
     view = _View(pool, lo)
-    cache = _cache(pool, view)
+    cache = _cache([view])
     bases = torch.tensor([r.base for r in rows], device=device)
     step = max(1, cfg.prefill_tokens // len(rows)) if cfg.prefill_tokens else W
     with decode_attention(model, cfg.decode_attention, openings):
@@ -164,7 +172,7 @@ def _openings(opens: SlotPool | None, rows: list[_Row], place: bool = True) -> t
 
 
 @torch.no_grad()
-def _prefill_openings(model, pool: SlotPool, groups: list[list[_Row]], cfg, eot: int) -> None:
+def _prefill_openings(model, pool: SlotPool | Tiers, groups: list[list[_Row]], cfg, eot: int) -> None:
     """Each task's opening (system prompt with tools, first user message: ~4.7k tokens for tau2 retail with Qwen3)
     is prefilled once for its group, in batches of the leaders (the first episode of each group), and copied into
     each sibling's slot (or, when the pool has no slot left, spilled once and shared read-only by the siblings). With
@@ -172,20 +180,20 @@ def _prefill_openings(model, pool: SlotPool, groups: list[list[_Row]], cfg, eot:
     if pool.opens is not None:
         return _prefill_shared_openings(model, pool.opens, groups, cfg, eot)
     leaders = [g[0] for g in groups if len(g[0].ep.input_ids) > 1]
-    n = max(1, min(cfg.max_batch or len(leaders), len(pool.owner)))
-    for i in range(0, len(leaders), n):
-        part = pool.place(leaders[i:i + n])
-        _prefill(model, pool, part, [r.ep.input_ids[:-1] for r in part], cfg, eot)
-        for g in (g for g in groups if g[0] in part):
+    while leaders:
+        batch, leaders = admit(pool, leaders, cfg.max_batch)
+        for p, part in _arrange(pool, batch):
+            _prefill(model, p, part, [r.ep.input_ids[:-1] for r in part], cfg, eot)
+        for g in (g for g in groups if g[0] in batch):
             left = []
             for r in g[1:]:
                 r.kv_len = g[0].kv_len
-                if pool.acquire(r):  # its slot gets a copy of the leader's
-                    pool.copy_slot(g[0].slot, r.slot, r.kv_len)
+                if pool.acquire(r):  # its slot gets a copy of the leader's (in the tier that fits it)
+                    g[0].pool.copy_slot(g[0].slot, r.slot, r.kv_len, into=r.pool)
                 else:
                     left.append(r)
             if left:  # no slot left: one copy for the group's siblings without one
-                shared = pool.copy_out(g[0].slot, g[0].kv_len, len(left))
+                shared = g[0].pool.copy_out(g[0].slot, g[0].kv_len, len(left))
                 for r in left:
                     r.spilled = shared
 
@@ -211,7 +219,7 @@ def _prefill_shared_openings(model, opens: SlotPool, groups: list[list[_Row]], c
 
 
 @torch.no_grad()
-def generate_turn(model, pool: SlotPool, rows: list[_Row], cfg, stops: list[int], ready=None) -> None:
+def generate_turn(model, pool: SlotPool | Tiers, rows: list[_Row], cfg, stops: list[int], ready=None) -> None:
     """Decode the current agent turn of every row, together, until fewer than cfg.refill_below of the rows are
     still decoding. A row whose turn ends gets row.turn_end; a row still mid-turn keeps turn_end None and its partial
     new_ids / new_logprobs, and the next call continues it (its last sampled token is its pending input). Either
@@ -228,67 +236,92 @@ def generate_turn(model, pool: SlotPool, rows: list[_Row], cfg, stops: list[int]
     for r in rows:  # a row whose previous turn ended (turn_end set) starts a new one
         if r.turn_end is not None:
             r.new_ids, r.new_logprobs, r.turn_end = [], [], None
-    rows = pool.place(rows)
+    parts = _arrange(pool, rows)  # [(tier, its rows in its slots 0..b-1)]: one tier unless slots are sized by need
+    rows, sizes = [r for _, part in parts for r in part], [len(part) for _, part in parts]
     pending = [(r.ep.input_ids + r.new_ids)[r.kv_len:] for r in rows]
     assert all(pending), "a row with nothing to decode from"
     budget = [min(cfg.max_new_tokens, cfg.max_context - len(r.ep.input_ids)) for r in rows]
     device, B = pool.device, len(rows)
     openings = _openings(pool.opens, rows)  # the batch's openings in place for the turn
-    first = next((i for i, p in enumerate(pending) if len(p) > 1), B)
-    if first < B:
-        _prefill(model, pool, rows[first:], [p[:-1] for p in pending[first:]], cfg, eot,
-                 _openings(pool.opens, rows[first:], place=False))
+    at = 0
+    for p, part in parts:  # each tier's rows with a new turn, from the first such slot to the last, in one forward
+        first = next((i for i, x in enumerate(pending[at:at + len(part)]) if len(x) > 1), len(part))
+        if first < len(part):
+            _prefill(model, p, part[first:], [x[:-1] for x in pending[at + first:at + len(part)]], cfg, eot,
+                     _openings(pool.opens, part[first:], place=False))
+        at += len(part)
     tok = torch.tensor([p[-1] for p in pending], device=device)[:, None]
     lens = torch.tensor([r.held for r in rows], device=device)  # each row's own columns
     bases = torch.tensor([r.base for r in rows], device=device)  # and the positions before them (its opening's)
     seeds = torch.tensor([r.seed for r in rows], device=device)  # each row's noise: its seed, the position drawn
-    longest = max(r.held for r in rows)
-    view = _View(pool, 0)
-    cache = _cache(pool, view)
     while True:
-        if longest >= pool.capacity - 1:  # (not expected: budget stops a row first)
-            raise RuntimeError(f"decoding past the cache slots' {pool.capacity} positions (max_context)")
-        with decode_attention(model, cfg.decode_attention, openings):
-            if pool.graphs is not None:  # the same step over fixed buffers, replayed as a CUDA graph (graphs.py)
-                tok, lp = pool.graphs.step(tok, lens, seeds, longest + 1)
-            else:
-                view.set(lens, 1, longest + 1)
-                tok, lp = decode_step(model, cache, tok, _mask(lens, 1, view.seen, pool, cfg),
-                                      (lens + bases)[:, None], seeds, cfg)
-        lens, longest, done = lens + 1, longest + 1, []
-        # one device-to-host copy a step (token ids are exact in float32): the loop's only per-step host sync
-        drawn, logps = torch.stack([tok.float(), lp]).tolist()
-        for j, (t, l) in enumerate(zip(map(int, drawn), logps)):
-            r = rows[j]
-            r.kv_len += 1
-            r.new_ids.append(t)
-            r.new_logprobs.append(l)
-            if t in stops:
-                r.turn_end = TurnEnd.EOT
-            elif len(r.new_ids) >= budget[j]:
-                full = len(r.ep.input_ids) + len(r.new_ids) >= cfg.max_context
-                r.turn_end = TurnEnd.CONTEXT if full else TurnEnd.MAX_NEW_TOKENS
-            if r.turn_end is not None:
-                done.append(j)
-        still = len(rows) - len(done)
-        refill = not still or still < cfg.refill_below * B  # return; the rows mid-turn keep their slots
-        if not refill and ready is not None and cfg.refill_below > 0:  # or when enough rows wait to join
-            joinable = min(ready(), (cfg.max_batch or 1 << 30) - still)
-            refill = joinable >= max(1.0, cfg.refill_below * still)
-        if refill:
-            return
-        if done:  # each leaver trades slots with the last row still decoding; the batch shrinks by one
-            order = list(range(len(rows)))
-            for j in sorted(done, reverse=True):
-                last = len(order) - 1
-                if j != last:
-                    pool.swap(j, last)
-                    order[j] = order[last]
-                order.pop()
-            keep = torch.tensor(order, device=device)
-            rows = [rows[j] for j in order]
-            budget = [budget[j] for j in order]
-            tok, lens, seeds, bases = tok[keep], lens[keep], seeds[keep], bases[keep]
-            longest = max(r.held for r in rows)
-            openings = _openings(pool.opens, rows, place=False)
-        tok = tok[:, None]
+        ends = [sum(sizes[:t + 1]) for t in range(len(sizes))]
+        views = [_View(p, 0, slice(e - n, e)) for (p, _), n, e in zip(parts, sizes, ends) if n]
+        longest = [max(r.held for r in rows[v.at]) for v in views]  # each tier's longest row
+        cache = _cache(views)
+        while True:  # the steps until a row leaves
+            if any(n >= v.pool.capacity - 1 for n, v in zip(longest, views)):  # (not expected: budget stops it first)
+                raise RuntimeError(f"decoding past the cache slots' {views[0].pool.capacity} positions (max_context)")
+            with decode_attention(model, cfg.decode_attention, openings):
+                if pool.graphs is not None:  # the same step over fixed buffers, replayed as a CUDA graph (graphs.py)
+                    tok, lp = pool.graphs.step(tok, lens, seeds, longest[0] + 1)
+                else:
+                    for v, n in zip(views, longest):
+                        v.set(lens[v.at], 1, n + 1)
+                    tok, lp = decode_step(model, cache, tok, _mask(lens, 1, max(longest) + 1, pool, cfg),
+                                          (lens + bases)[:, None], seeds, cfg)
+            lens, longest, done = lens + 1, [n + 1 for n in longest], []
+            # one device-to-host copy a step (token ids are exact in float32): the loop's only per-step host sync
+            drawn, logps = torch.stack([tok.float(), lp]).tolist()
+            for j, (t, l) in enumerate(zip(map(int, drawn), logps)):
+                r = rows[j]
+                r.kv_len += 1
+                r.new_ids.append(t)
+                r.new_logprobs.append(l)
+                if t in stops:
+                    r.turn_end = TurnEnd.EOT
+                elif len(r.new_ids) >= budget[j]:
+                    full = len(r.ep.input_ids) + len(r.new_ids) >= cfg.max_context
+                    r.turn_end = TurnEnd.CONTEXT if full else TurnEnd.MAX_NEW_TOKENS
+                if r.turn_end is not None:
+                    done.append(j)
+            still = len(rows) - len(done)
+            refill = not still or still < cfg.refill_below * B  # return; the rows mid-turn keep their slots
+            if not refill and ready is not None and cfg.refill_below > 0:  # or when enough rows wait to join
+                joinable = min(ready(), (cfg.max_batch or 1 << 30) - still)
+                refill = joinable >= max(1.0, cfg.refill_below * still)
+            if refill:
+                return
+            tok = tok[:, None]
+            if done:
+                break
+        # each leaver trades slots with the last row of its tier still decoding; that tier's rows shrink by one
+        order, tier = list(range(len(rows))), [t for t, n in enumerate(sizes) for _ in range(n)]
+        for j in sorted(done, reverse=True):
+            t = tier[j]
+            last = sum(sizes[:t + 1]) - 1
+            if j != last:
+                parts[t][0].swap(rows[order[j]].slot, rows[order[last]].slot)
+                order[j] = order[last]
+            order.pop(last)
+            tier.pop(last)
+            sizes[t] -= 1
+        keep = torch.tensor(order, device=device)
+        rows = [rows[j] for j in order]
+        budget = [budget[j] for j in order]
+        tok, lens, seeds, bases = tok[keep], lens[keep], seeds[keep], bases[keep]
+        openings = _openings(pool.opens, rows, place=False)
+
+
+def _arrange(pool: SlotPool | Tiers, rows: list[_Row]) -> list[tuple[SlotPool, list[_Row]]]:
+    """`rows` placed for one forward: [(pool, its rows in its slots 0..b-1)], a tier after another (pool.Tiers)."""
+    return pool.arrange(rows) if isinstance(pool, Tiers) else [(pool, pool.place(rows))]
+
+
+def admit(pool: SlotPool | Tiers, rows: list[_Row], limit: int = 0) -> tuple[list[_Row], list[_Row]]:
+    """The rows (in order) that decode together now, at most `limit` (0: any) and as many as the pool's slots that
+    fit them hold, and the rows that wait for a later batch."""
+    if isinstance(pool, Tiers):
+        return pool.admit(rows, limit)
+    n = min(limit or len(rows), len(pool.owner))
+    return rows[:n], rows[n:]

@@ -64,7 +64,7 @@ class _Bucket:
         self.view = _View(pool, 0)
         self.view.rows = torch.arange(rows, device=dev)[:, None]
         self.view.hi, self.view.seen = rows, cols
-        self.cache = _cache(pool, self.view)
+        self.cache = _cache([self.view])
         self.graph = None
 
 
@@ -169,6 +169,7 @@ def graphs_on(cfg, device: torch.device, slots: int) -> bool:
         return False
     why = ("it takes the grouped attention (--decode-attention grouped)" if cfg.decode_attention != "grouped" else
            "the openings held apart (--decode-share-opening) are not graphed yet" if cfg.decode_share_opening else
+           "slots of several sizes (--decode-slots) are not graphed yet" if cfg.decode_slots else
            "--compile-decode compiles the same step" if cfg.compile_decode == "on" or
            cfg.compile_decode == "auto" and on_gpu else None)
     if why and why not in _SAID:

@@ -111,24 +111,27 @@ class SlotPool:
         return cfg.num_hidden_layers, slots, kv_heads, capacity, head_dim, dtype, device, spill
 
     def take(self, row, slot: int) -> None:
-        """Give `row` the free `slot`, bringing its cache there (from its old slot, or back from host memory)."""
+        """Give `row` the free `slot`, bringing its cache there (from its old slot, in this pool or another tier's,
+        or back from host memory)."""
         assert self.owner[slot] is None, "take: the slot is not free"
         n = row.held
         if row.slot >= 0:
-            self.copy_slot(row.slot, slot, n)
+            for (k, v), (sk, sv) in zip(zip(self.k, self.v), zip(row.pool.k, row.pool.v)):
+                k[slot, :, :n], v[slot, :, :n] = sk[row.slot, :, :n], sv[row.slot, :, :n]
+            row.pool.owner[row.slot] = None
         elif row.spilled is not None:
             for (k, v), (hk, hv) in zip(zip(self.k, self.v), row.spilled.kv):
                 k[slot, :, :n].copy_(hk, non_blocking=True)
                 v[slot, :, :n].copy_(hv, non_blocking=True)
-        if row.slot >= 0:
-            self.owner[row.slot] = None
         if row.spilled is not None:  # its block is the next spill's (in the stream's order: read before rewritten)
             row.spilled.drop()
         row.pool, row.slot, row.spilled, self.owner[slot] = self, slot, None, row
 
-    def copy_slot(self, src: int, dst: int, n: int) -> None:
-        for k, v in zip(self.k, self.v):
-            k[dst, :, :n], v[dst, :, :n] = k[src, :, :n], v[src, :, :n]
+    def copy_slot(self, src: int, dst: int, n: int, into: SlotPool | None = None) -> None:
+        """The first n positions of slot `src` copied to slot `dst` of `into` (another tier; default: this pool)."""
+        into = into or self
+        for k, v, dk, dv in zip(self.k, self.v, into.k, into.v):
+            dk[dst, :, :n], dv[dst, :, :n] = k[src, :, :n], v[src, :, :n]
 
     def spill(self, row) -> None:
         """Move `row`'s cache out of its slot to spill_device; the slot is free."""
@@ -165,8 +168,8 @@ class SlotPool:
 
     def place(self, rows: list) -> list:
         """Put `rows` in slots 0..len(rows)-1, moving as few caches as it can: a row already there stays, the other
-        rows there go to a free slot beyond (else spill), and each row of `rows` outside takes a freed slot. Returns
-        `rows` in slot order."""
+        rows there go to a free slot beyond (else spill), and each row of `rows` outside (in a slot beyond, in
+        another tier's slot, spilled, or new) takes a freed slot. Returns `rows` in slot order."""
         n, inside = len(rows), {id(r) for r in rows}
         if n > len(self.owner):
             raise ValueError(f"a batch of {n} rows in a pool of {len(self.owner)} slots")
@@ -174,7 +177,7 @@ class SlotPool:
             other = self.owner[s]
             if other is None or id(other) in inside:
                 continue
-            beyond = next((r.slot for r in rows if r.slot >= n), None)
+            beyond = next((r.slot for r in rows if r.pool is self and r.slot >= n), None)
             free = next((t for t in range(n, len(self.owner)) if self.owner[t] is None), None)
             if beyond is not None:
                 self.swap(s, beyond)
@@ -184,7 +187,7 @@ class SlotPool:
                 self.spill(other)
         free = [s for s in range(n) if self.owner[s] is None]
         for r in rows:
-            if not 0 <= r.slot < n:
+            if r.pool is not self or not 0 <= r.slot < n:
                 self.take(r, free.pop())
         return sorted(rows, key=lambda r: r.slot)
 
@@ -218,6 +221,82 @@ class Opening:
             if self.spilled is not None:
                 self.spilled.drop()
             self.slot, self.spilled = -1, None
+
+
+def parse_slots(spec: str, max_context: int) -> list[tuple[int, int]]:
+    """--decode-slots "12x4096,2x32768" as [(slots, capacity)] by capacity: 12 slots of 4,096 positions and 2 of
+    32,768. The largest must hold a whole episode (max_context), or an episode that grows to it could never decode."""
+    sizes = []
+    for part in spec.split(","):
+        n, _, cap = part.strip().partition("x")
+        if not (n.isdigit() and cap.isdigit() and int(n) > 0 and int(cap) > 1):
+            raise ValueError(f"--decode-slots: {part.strip()!r} is not SLOTSxPOSITIONS (e.g. 12x4096), both whole "
+                             "numbers above 0")
+        sizes.append((int(n), int(cap)))
+    sizes.sort(key=lambda t: t[1])
+    if sizes[-1][1] < max_context:
+        raise ValueError(f"--decode-slots {spec}: the largest slots ({sizes[-1][1]} positions) must hold an episode at "
+                         f"--max-context ({max_context})")
+    return sizes
+
+
+class Tiers:
+    """Slots sized by need (RolloutConfig.decode_slots): a few SlotPools ("tiers") of growing capacity. A row decodes
+    in the smallest tier whose slots hold all its turn can reach (its conversation and the turn's budget of new
+    tokens, capped at max_context, less its opening when held apart: `need`), and moves up, its cache copied once,
+    when a turn would outgrow its slot. A batch is each tier's rows in that tier's slots 0..b-1, tier after tier
+    (`arrange`); a row for which no slot that fits is left in this batch waits for the next (`admit`), as rows
+    beyond max_batch do. The pool's capacity is then spent on what the episodes reach, not max_context a row."""
+
+    def __init__(self, pools: list[SlotPool], max_new_tokens: int, max_context: int):
+        self.pools = sorted(pools, key=lambda p: p.capacity)
+        self.max_new_tokens, self.max_context = max_new_tokens, max_context
+        self.device, self.dtype, self.capacity = pools[0].device, pools[0].dtype, self.pools[-1].capacity
+        self.opens, self.graphs = None, None
+
+    @property
+    def owner(self) -> list:
+        """Every tier's slots' rows, tier after tier (as a SlotPool's: None for a free slot)."""
+        return [o for p in self.pools for o in p.owner]
+
+    def need(self, row) -> int:
+        """The columns of its own slot that `row`'s turn can reach, and the scratch column."""
+        end = min(len(row.ep.input_ids) + self.max_new_tokens, self.max_context)
+        return end - row.base + 1
+
+    def _assign(self, rows: list, limit: int) -> tuple[list[tuple[int, object]], list]:
+        """(tier, row) for the rows that decode now, in `rows`' order (a row stays in its tier when it fits there
+        and that tier has room; else the smallest that fits and has room), and the rows that wait."""
+        room, chosen, rest = [len(p.owner) for p in self.pools], [], []
+        for r in rows:
+            fits = [t for t, p in enumerate(self.pools) if p.capacity >= self.need(r) and room[t]]
+            t = next((t for t in fits if self.pools[t] is r.pool), fits[0] if fits else None)
+            if t is None or len(chosen) >= limit:
+                rest.append(r)
+            else:
+                room[t] -= 1
+                chosen.append((t, r))
+        return chosen, rest
+
+    def admit(self, rows: list, limit: int = 0) -> tuple[list, list]:
+        """The rows (in order) that decode together in this batch, at most `limit` (0: any), and those that wait."""
+        chosen, rest = self._assign(rows, limit or len(rows))
+        return [r for _, r in chosen], rest
+
+    def arrange(self, rows: list) -> list[tuple[SlotPool, list]]:
+        """Each tier with rows of the batch and those rows, placed in its slots 0..b-1 (SlotPool.place)."""
+        chosen, rest = self._assign(rows, len(rows))
+        if rest:
+            raise ValueError(f"a batch of {len(rows)} rows of which {len(rest)} fit no free slot (Tiers.admit first)")
+        return [(p, p.place([r for u, r in chosen if u == t])) for t, p in enumerate(self.pools)
+                if any(u == t for u, _ in chosen)]
+
+    def acquire(self, row) -> bool:
+        """A free slot that fits `row` (which has none), in the smallest tier that has one."""
+        for p in self.pools:
+            if p.capacity >= self.need(row) and p.acquire(row):
+                return True
+        return False
 
 
 def _compute_dtype_device(model) -> tuple[torch.dtype, torch.device]:

@@ -55,6 +55,11 @@ class SamplingOptions:
     """hold a group's opening (system prompt, tools, first user message) once while its episodes decode, each
     episode's KV cache only what follows it, the opening read once per group a step (decode.opening_attention; with
     --decode-attention grouped); off: every episode's cache holds a copy of the opening"""
+    decode_slots: str = ""
+    """slots sized by need: the rollout's KV cache slots as a few sizes, SLOTSxPOSITIONS comma-separated (e.g.
+    "24x8192,4x32768"; the largest at least --max-context), an episode decoding in the smallest whose slots hold its
+    turn and moved up once when it outgrows it (pool.Tiers; with --decode-attention grouped, not graphed yet); '':
+    every slot --max-context positions"""
     rollout: str = "engine"
     """how episodes are played: 'engine' (fast/batched_rollout.py: many at once, each KV cache kept across turns) or
     'reference' (rollout.py's reference_rollout: one at a time with model.generate, the loop a reader read; the same

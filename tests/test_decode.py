@@ -321,7 +321,8 @@ def test_a_step_that_will_not_compile_warns_once_and_decodes_eagerly(lm, tiny_to
     def broken(fn, **kw):
         def call(model, cache, *a):  # noqa: ARG001
             for lay in cache.layers:  # as if the failed call had written the step's columns already
-                lay.kbuf[lay.view.rows, :, lay.view.cols] = 1e4
+                for kbuf, _, view in lay.parts:
+                    kbuf[view.rows, :, view.cols] = 1e4
             raise torch._dynamo.exc.TorchDynamoException("no C++ compiler found")
         return call
 

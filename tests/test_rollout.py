@@ -263,6 +263,70 @@ def test_the_opening_held_once_plays_the_same_episodes(lm, tiny_tok, extra, monk
                                                                                          [])), atol=1e-4)
 
 
+@pytest.mark.parametrize("extra", [{}, {"max_batch": 3, "park_device": "cpu"}, {"prefill_tokens": 8},
+                                   {"reuse_cache": False}, {"refill_below": 1.0},
+                                   {"decode_share_opening": True, "decode_slots": "4x128,2x256,2x1024"}])
+def test_slots_sized_by_need_play_the_same_episodes(lm, tiny_tok, extra):
+    """decode_slots: three sizes of slot (pool.Tiers), an episode in the smallest that holds its turn and moved up
+    when it outgrows it, rows that fit no free slot waiting for a later batch. The openings are ~560 tokens and the
+    episodes end at 645-767: every episode starts in the 640-position slots, and most move up once or twice. Greedy:
+    the reference's episodes, with spilling (and host memory), chunked prefill, re-encoding each turn, rows joining
+    whenever one ends, the opening held once (its rows' slots then hold only what follows it); sampled: the one-size
+    pool's tokens, episode by episode. Every row left its slot at the end, no spilled cache was left to the collector."""
+    from fast import engine, pool as pools
+
+    from fast.pool import _Spilled
+
+    env, made, moves, waits, rescued = FakeEnv(n_tasks=4), [], [], [], _Spilled.rescued
+    cfg = RolloutConfig(**{**GREEDY.__dict__, "max_context": 1024, "decode_slots": "4x640,2x720,2x1024", **extra})
+    real_take, real_admit, real_tiers = pools.SlotPool.take, pools.Tiers.admit, pools.Tiers.__init__
+
+    def take(self, row, slot):  # a move up: from a slot of another tier
+        moves.append(row.slot >= 0 and row.pool is not self)
+        real_take(self, row, slot)
+
+    def admit(self, rows, limit=0):
+        batch, rest = real_admit(self, rows, limit)
+        waits.append(len(rest))
+        return batch, rest
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pools.SlotPool, "take", take)
+        mp.setattr(pools.Tiers, "admit", admit)
+        mp.setattr(pools.Tiers, "__init__", lambda self, *a: made.append(self) or real_tiers(self, *a))
+        fast = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), cfg)
+    assert any(moves) != (not cfg.reuse_cache) and any(waits)  # rows moved up a size (with their cache, when they
+    # keep it), and some waited for a slot that fits
+    slow = [reference_rollout(lm, tiny_tok, env, t, make_user_sim("scripted"), cfg) for t in env.tasks()]
+    for i, a in enumerate(fast):
+        b = slow[i // 2]
+        assert a.input_ids == b.input_ids and a.loss_mask == b.loss_mask and a.messages == b.messages
+        assert (a.termination, a.turns, a.reward) == (b.termination, b.turns, b.reward)
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+    (tiers,) = made
+    assert [(len(p.owner), p.capacity) for p in tiers.pools] == pools.parse_slots(cfg.decode_slots, 1024)
+    assert all(o is None for o in tiers.owner) and _Spilled.rescued == rescued
+    assert isinstance(engine.admit(tiers, [], 0), tuple)
+    sampled = {**cfg.__dict__, "greedy": False, "temperature": 0.8, "max_turns": 4}
+    gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    a = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), RolloutConfig(**sampled), gen())
+    b = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"),
+                RolloutConfig(**{**sampled, "decode_slots": ""}), gen())
+    assert [e.input_ids for e in a] == [e.input_ids for e in b]
+    assert torch.allclose(torch.tensor(sum((e.logprobs for e in a), [])), torch.tensor(sum((e.logprobs for e in b),
+                                                                                         [])), atol=1e-4)
+
+
+def test_bad_slot_sizes_are_refused_by_name():
+    from fast.pool import parse_slots
+
+    assert parse_slots("2x64, 4x16", 64) == [(4, 16), (2, 64)]
+    for spec, what in (("4x16", "must hold an episode at --max-context"), ("4x", "'4x' is not SLOTSxPOSITIONS"),
+                       ("0x64", "'0x64'"), ("ax64", "'ax64'")):
+        with pytest.raises(ValueError, match=what):
+            parse_slots(spec, 64)
+
+
 def test_a_second_stop_token_from_the_generation_config_ends_the_turn(lm, tiny_tok):
     """Qwen3's generation config lists two eos ids (<|im_end|>, <|endoftext|>). A model with two stop tokens whose
     output rows nearly tie, so greedy turns end on either: a turn ends on the first one drawn, the token is kept and
