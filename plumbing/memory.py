@@ -19,7 +19,7 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
                     reference: bool = True, kv_bytes_per_token: int = 0, max_context: int = 0,
                     episodes: int = 0, parked: int = 0, unit: int = 0, inference: bool = False,
                     prefill: int = 0, lora: int = 0, zero2: bool = False, lora_base: int = 0,
-                    kept_pool: bool = False) -> dict:
+                    kept_pool: bool = False, slot_positions: int = 0) -> dict:
     """Bytes per GPU, by what holds them, for a policy of n_params parameters trained with AdamW (or, with
     `inference`, only evaluated, as eval.py does: its weights in the compute dtype and the KV cache, nothing else).
 
@@ -36,6 +36,8 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
       and master_weights, gradients and optimizer count the adapters only; no reference (the adapters switched off).
     kept_pool: the KV cache's pool is kept from one rollout to the next (the graphed decoding step, pool.rollout_pool),
       so the update holds it too.
+    slot_positions: the positions of every KV cache slot when they come in several sizes (--decode-slots: the sum
+      of slots x positions), which replaces max_context x episodes in kv_cache.
 
       weights         the full weights in the compute dtype, as the forward uses them: FSDP2 gathers them for the
                       rollout; DDP keeps them (in fp32 these are the master weights themselves, counted there;
@@ -48,6 +50,7 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
       reference       the frozen reference, fp32 like the policy's master weights (pipeline.load_reference: the same
                       precision path, so kl is 0 until the policy moves) (/ N under FSDP2); 0 without a KL term
       kv_cache        kv_bytes_per_token x max_context x episodes: the worst case, every episode at the context cap
+                      (with slot_positions, x those: the slots as they are allocated)
       host_kv_cache   the same for the parked episodes, in host memory (not GPU memory: not in the peaks); its
                       blocks are kept from the first rollout that parks an episode to the end (pool._host_block)
       prefill         one prefill forward's activations (the rollout prefills in chunks of prefill_tokens)
@@ -71,7 +74,8 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
     """
     shards = world if (sharded or zero2) else 1
     compute = 2 if bf16 else 4
-    kv, host_kv = kv_bytes_per_token * max_context * episodes, kv_bytes_per_token * max_context * parked
+    kv = kv_bytes_per_token * (slot_positions or max_context * episodes)
+    host_kv = kv_bytes_per_token * max_context * parked
     if inference:  # eval.py: each process loads the whole model in the compute dtype and decodes
         est = {"weights": n_params * compute, "kv_cache": kv, "prefill": prefill, "host_kv_cache": host_kv,
                "rollout_peak": n_params * compute + kv + prefill, "load_peak": n_params * compute,
@@ -187,7 +191,7 @@ def cpu_room() -> int:
 def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bool, max_context: int,
                  episodes: int, device, check: bool = True, program: str = "grpo.py", parked: int = 0,
                  inference: bool = False, prefill_tokens: int = 0, lora: int = 0, zero2: bool = False,
-                 lora_base: int = 0, kept_pool: bool = False) -> dict:
+                 lora_base: int = 0, kept_pool: bool = False, slot_positions: int = 0) -> dict:
     """Print memory_estimate for this run; on a CUDA device, SystemExit when its peak exceeds the device's memory,
     or when what all processes on this machine hold in host memory at once exceeds it; on the CPU, when its peak
     exceeds the host memory available now (unless check is False); each naming the options that change it."""
@@ -196,6 +200,7 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
                           reference=reference, kv_bytes_per_token=kv_bytes_per_token(config, bf16),
                           max_context=max_context, episodes=episodes, parked=parked, unit=largest_unit(shapes),
                           inference=inference, lora=lora, zero2=zero2, lora_base=lora_base, kept_pool=kept_pool,
+                          slot_positions=slot_positions,
                           prefill=rollout_prefill(config, bf16, prefill_tokens, max_context, episodes))
     backend = backend_name(world, sharded, zero2)
     backend += f", LoRA adapters of {lora:,} parameters" if lora else ""
@@ -208,7 +213,7 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
         raise SystemExit(
             f"{program}: the estimated peak of {gib(est['peak'])} per process exceeds the {gib(room)} of host "
             f"memory available to it on this machine (running on the CPU; the KV cache term, {gib(est['kv_cache'])}, "
-            f"assumes {episodes} decoding episodes at --max-context {max_context}). Set --rollout-batch (episodes "
+            f"assumes {slots_said(episodes, max_context, slot_positions)}). Set --rollout-batch (episodes "
             "decoding at once), lower --max-context, --trials or --tasks-per-step, or use a smaller model; "
             "--no-memory-check runs anyway.")
     if not check or device.type != "cuda":
@@ -219,9 +224,9 @@ def check_memory(config, *, world: int, sharded: bool, bf16: bool, reference: bo
         phase = max(("load", "rollout", "update"), key=lambda k: est.get(f"{k}_peak", 0))
         raise SystemExit(
             f"{program}: the estimated {phase} peak of {gib(est['peak'])} per GPU exceeds this GPU's {gib(have)} "
-            f"({backend}; the KV cache term, {gib(est['kv_cache'])}, assumes {episodes} decoding episodes per "
-            f"process at --max-context {max_context}). Set --rollout-batch (episodes decoding at once; the "
-            "others' caches wait in host memory), lower --max-context or --tasks-per-step, "
+            f"({backend}; the KV cache term, {gib(est['kv_cache'])}, assumes "
+            f"{slots_said(episodes, max_context, slot_positions)} per process). Set --rollout-batch (episodes "
+            "decoding at once; the others' caches wait in host memory), lower --max-context or --tasks-per-step, "
             + ("lower --lora-rank or use a smaller model (LoRA runs on one GPU or DDP, each holding the whole base)"
                if lora else "add GPUs, shard with FSDP2 (fsdp_version 2), train LoRA adapters on a frozen base "
                "(--lora-rank, e.g. 64), or set --kl-coef 0 (no reference)") + "; --no-memory-check runs anyway.")
@@ -315,6 +320,13 @@ def lora_base_params(config, cfg) -> int:
     from plumbing import lora
 
     return lora.adapted_base_params(meta_model(config), cfg.lora_target_modules)
+
+
+def slots_said(episodes: int, max_context: int, slot_positions: int) -> str:
+    """What the KV cache term counts, in the options' words."""
+    if slot_positions:
+        return f"slots of {slot_positions:,} positions in all (--decode-slots)"
+    return f"{episodes} decoding episodes at --max-context {max_context}"
 
 
 def check_training(start: str, cfg, *, world: int, sharded: bool, device, zero2: bool = False,

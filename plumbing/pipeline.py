@@ -164,19 +164,22 @@ def load_policy(run) -> None:
         models.check_local(start)
 
     def check_memory(config):
-        from fast.batched_rollout import RolloutConfig
+        from fast.batched_rollout import RolloutConfig, parse_slots
         from fast.graphs import graphs_on
 
         per_process = cfg.tasks_per_step // acc.num_processes * cfg.group_size
         live = max(per_process, -(-cfg.eval_tasks // acc.num_processes))
         decoding = min(live, cfg.rollout_batch or live)
+        sizes = parse_slots(cfg.decode_slots, cfg.max_context) if cfg.decode_slots else []
+        decoding = min(decoding, sum(n for n, _ in sizes) or decoding)  # (the slots sized by need bound it too)
         adapters = memory.lora_params(config, cfg, "grpo.py")
         memory.check_memory(config, **shard.memory_backend(acc), bf16=cfg.bf16,
                            reference=cfg.kl_coef > 0 and not cfg.lora_rank, max_context=cfg.max_context,
                            episodes=decoding, parked=live - decoding if acc.device.type != "cpu" else 0,
                            device=acc.device, check=cfg.memory_check, prefill_tokens=RolloutConfig.prefill_tokens,
                            lora=adapters, lora_base=memory.lora_base_params(config, cfg),
-                           kept_pool=graphs_on(cfg, acc.device, decoding))  # the graphed step keeps its pool
+                           kept_pool=graphs_on(cfg, acc.device, decoding),  # the graphed step keeps its pool
+                           slot_positions=sum(n * cap for n, cap in sizes))
     # Before loading, when the start names a config (a directory, a hub id, adapters on one of those)
     config = memory.read_config(lora.base_chain(start)[-1])
     if config is not None:

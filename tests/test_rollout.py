@@ -272,7 +272,8 @@ def test_slots_sized_by_need_play_the_same_episodes(lm, tiny_tok, extra):
     episodes end at 645-767: every episode starts in the 640-position slots, and most move up once or twice. Greedy:
     the reference's episodes, with spilling (and host memory), chunked prefill, re-encoding each turn, rows joining
     whenever one ends, the opening held once (its rows' slots then hold only what follows it); sampled: the one-size
-    pool's tokens, episode by episode. Every row left its slot at the end, no spilled cache was left to the collector."""
+    pool's tokens, episode by episode. Every row left its slot at the end, no spilled cache was left to the
+    collector."""
     from fast import engine, pool as pools
 
     from fast.pool import _Spilled
@@ -319,6 +320,15 @@ def test_slots_sized_by_need_play_the_same_episodes(lm, tiny_tok, extra):
 
 def test_bad_slot_sizes_are_refused_by_name():
     from fast.pool import parse_slots
+    from plumbing import options
+
+    opts = options.SamplingOptions(decode_slots="8x1024,2x4096", max_context=4096)
+    assert RolloutConfig.from_options(opts, on_gpu=False).decode_slots == "8x1024,2x4096"
+    for bad, what in ((dict(max_context=8192), "must hold an episode at --max-context"),
+                      (dict(decode_attention="model"), "--decode-attention grouped only")):
+        with pytest.raises(SystemExit, match=f"--decode-slots.*{what}"):
+            RolloutConfig.from_options(options.SamplingOptions(**{"decode_slots": "8x1024,2x4096", "max_context":
+                                                                   4096, **bad}), on_gpu=False)
 
     assert parse_slots("2x64, 4x16", 64) == [(4, 16), (2, 64)]
     for spec, what in (("4x16", "must hold an episode at --max-context"), ("4x", "'4x' is not SLOTSxPOSITIONS"),

@@ -206,6 +206,11 @@ def test_memory_estimate_worked_example():
     assert (ddp["weights"], ddp["master_weights"], ddp["gradients"], ddp["optimizer"], ddp["reference"]) == (
         2 * n, 4 * n, 8 * n, 8 * n, 4 * n)  # the reference in fp32, as the policy's master weights
     assert ddp["kv_cache"] == kv * 32768 * 4
+    sized = memory.memory_estimate(n, world=8, sharded=False, bf16=True, reference=True, kv_bytes_per_token=kv,
+                                   max_context=32768, episodes=4, slot_positions=12 * 8192 + 2 * 32768)
+    assert sized["kv_cache"] == kv * (12 * 8192 + 2 * 32768)  # --decode-slots: the slots as allocated
+    assert sized["rollout_peak"] - ddp["rollout_peak"] == sized["kv_cache"] - ddp["kv_cache"]
+    assert "slots of 163,840 positions in all" in memory.slots_said(4, 32768, 12 * 8192 + 2 * 32768)
     assert ddp["update_peak"] == 4 * n + 8 * n + 8 * n + 4 * n + 2 * n
     fsdp = memory.memory_estimate(n, world=8, sharded=True, bf16=True, reference=True, kv_bytes_per_token=kv,
                                  max_context=32768, episodes=4)
