@@ -295,6 +295,8 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
                             keep=graphed)
         pool.graphs = step_graphs(model, pool, cfg) if graphed else None
     if shared:  # a slot for each group that can decode at once, as long as the longest opening (+ the scratch column)
+        if isinstance(pool, Tiers):  # as many groups as the slots hold whole, and two more (Tiers.admit holds to it)
+            slots = pool.max_openings = -(-len(pool.owner) // max(map(len, groups))) + 2
         pool.opens = SlotPool(model, min(slots, len(opening_lens)), max(opening_lens) + 1, cfg.park_device)
     _prefill_openings(model, pool, [g for g in groups if g], cfg, eot_ids[0])
     waiting: dict[concurrent.futures.Future, _Row] = {}  # rows whose tools or user reply are on their way

@@ -246,13 +246,14 @@ class Tiers:
     tokens, capped at max_context, less its opening when held apart: `need`), and moves up, its cache copied once,
     when a turn would outgrow its slot. A batch is each tier's rows in that tier's slots 0..b-1, tier after tier
     (`arrange`); a row for which no slot that fits is left in this batch waits for the next (`admit`), as rows
-    beyond max_batch do. The pool's capacity is then spent on what the episodes reach, not max_context a row."""
+    beyond max_batch do, and so does a row whose group's opening (held apart) would be one more than max_openings. The pool's capacity is then spent on what the episodes reach, not max_context a row."""
 
     def __init__(self, pools: list[SlotPool], max_new_tokens: int, max_context: int):
         self.pools = sorted(pools, key=lambda p: p.capacity)
         self.max_new_tokens, self.max_context = max_new_tokens, max_context
         self.device, self.dtype, self.capacity = pools[0].device, pools[0].dtype, self.pools[-1].capacity
         self.opens, self.graphs = None, None
+        self.max_openings = 0  # with the openings held apart: the most groups a batch may hold (their pool's slots)
 
     @property
     def owner(self) -> list:
@@ -267,15 +268,19 @@ class Tiers:
     def _assign(self, rows: list, limit: int) -> tuple[list[tuple[int, object]], list]:
         """(tier, row) for the rows that decode now, in `rows`' order (a row stays in its tier when it fits there
         and that tier has room; else the smallest that fits and has room), and the rows that wait."""
-        room, chosen, rest = [len(p.owner) for p in self.pools], [], []
+        room, chosen, rest, groups = [len(p.owner) for p in self.pools], [], [], set()
         for r in rows:
             fits = [t for t, p in enumerate(self.pools) if p.capacity >= self.need(r) and room[t]]
             t = next((t for t in fits if self.pools[t] is r.pool), fits[0] if fits else None)
-            if t is None or len(chosen) >= limit:
+            group = id(r.opening) if r.opening is not None else None  # (its opening's slot: one a group)
+            crowded = self.max_openings and group is not None and group not in groups and \
+                len(groups) >= self.max_openings
+            if t is None or len(chosen) >= limit or crowded:
                 rest.append(r)
             else:
                 room[t] -= 1
                 chosen.append((t, r))
+                groups.add(group)
         return chosen, rest
 
     def admit(self, rows: list, limit: int = 0) -> tuple[list, list]:
@@ -304,7 +309,7 @@ def _compute_dtype_device(model) -> tuple[torch.dtype, torch.device]:
     run keeps fp32 master weights and computes in bf16, so a parameter's dtype would make its cache fp32, twice the
     memory), else the weights' dtype as the forward sees them (under FSDP2, gathered in the mixed-precision dtype)."""
     weight = model.get_input_embeddings().weight
-    if torch.is_autocast_enabled(weight.device.type):
+    if weight.device.type != "meta" and torch.is_autocast_enabled(weight.device.type):  # (meta: bench/slots.py)
         return torch.get_autocast_dtype(weight.device.type), weight.device
     return weight.dtype, weight.device
 

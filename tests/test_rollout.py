@@ -318,6 +318,29 @@ def test_slots_sized_by_need_play_the_same_episodes(lm, tiny_tok, extra):
                                                                                          [])), atol=1e-4)
 
 
+def test_tiers_admit_by_need_and_by_openings(tiny_lm):
+    """Tiers.admit: each row to the smallest size that holds its turn, staying where it fits, waiting when no size
+    that fits has room, and (openings held apart) when its group would be one more than max_openings."""
+    from types import SimpleNamespace
+
+    from fast.pool import SlotPool, Tiers
+
+    tiers = Tiers([SlotPool(tiny_lm, 2, 32), SlotPool(tiny_lm, 1, 64)], max_new_tokens=8, max_context=64)
+    a, b = SimpleNamespace(), SimpleNamespace()
+    row = lambda n, opening=None: SimpleNamespace(ep=SimpleNamespace(input_ids=range(n)), base=0, pool=None,  # noqa
+                                                  slot=-1, spilled=None, kv_len=0, held=0, opening=opening)
+    short, long1, long2, short2, short3 = row(10), row(40), row(50), row(20), row(12)
+    assert [tiers.need(r) for r in (short, long1)] == [19, 49]
+    batch, rest = tiers.admit([short, long1, long2, short2, short3])
+    assert batch == [short, long1, short2] and rest == [long2, short3]  # one 64-slot; two 32-slots
+    assert tiers.admit([short, long1], limit=1) == ([short], [long1])
+    parts = tiers.arrange(batch)
+    assert [(p.capacity, [r.slot for r in rs]) for p, rs in parts] == [(32, [0, 1]), (64, [0])]
+    tiers.max_openings = 1
+    grouped = [row(10, a), row(10, b), row(10, a)]
+    assert tiers.admit(grouped) == ([grouped[0], grouped[2]], [grouped[1]])
+
+
 def test_bad_slot_sizes_are_refused_by_name():
     from fast.pool import parse_slots
     from plumbing import options
