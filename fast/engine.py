@@ -1,11 +1,12 @@
 """The batched decoding engine under batched_rollout.rollout: each live episode (a row) keeps its KV cache in a slot
-of one preallocated pool across turns (pool.SlotPool), and the rows decode together. Each row writes its new keys
+of one preallocated pool across turns (pool.SlotPool; or of a few sizes, pool.Tiers: then each size's rows are one
+part of the batch, placed by `admit` and `_arrange`), and the rows decode together. Each row writes its new keys
 and values at its own length (`_SlotLayer`), and attends through a boolean mask [B, 1, W, L] built from the
 lengths, with decode.py's attention.
 
 `generate_turn` decodes the current agent turn of a batch: it prefills what each row has not seen (all rows at once,
 each from its own length, in column chunks of `prefill_tokens`), then decodes one token a row a step; a row that
-stops leaves the batch by trading slots with the batch's last row. `_prefill_openings` prefills a task's opening
+stops leaves the batch by trading slots with the last row of its pool. `_prefill_openings` prefills a task's opening
 once for its group. Each decoding step (the decoder's forward, the draw) is decode.py's, or graphs.py's over fixed
 buffers. The episode loop that drives it (tools, users, rewards) is batched_rollout.py; the settings are
 batched_rollout.RolloutConfig.
