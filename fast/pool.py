@@ -246,7 +246,8 @@ class Tiers:
     tokens, capped at max_context, less its opening when held apart: `need`), and moves up, its cache copied once,
     when a turn would outgrow its slot. A batch is each tier's rows in that tier's slots 0..b-1, tier after tier
     (`arrange`); a row for which no slot that fits is left in this batch waits for the next (`admit`), as rows
-    beyond max_batch do, and so does a row whose group's opening (held apart) would be one more than max_openings. The pool's capacity is then spent on what the episodes reach, not max_context a row."""
+    beyond max_batch do, and so does a row whose group's opening (held apart) would be one more than max_openings.
+    The pool's capacity is then spent on what the episodes reach, not max_context a row."""
 
     def __init__(self, pools: list[SlotPool], max_new_tokens: int, max_context: int):
         self.pools = sorted(pools, key=lambda p: p.capacity)
