@@ -109,6 +109,7 @@ class Members:
         return cls(t(groups), t(index), max(seen.values(), default=1), t(lengths))
 
 
+SCORES_BYTES = 1 << 28  # attend_lse written out: at most this many bytes of float32 scores at once
 FUSED_LSE = True  # attend_lse through torch's fused kernel where it has one (False: the arithmetic written out)
 
 
@@ -117,15 +118,23 @@ def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sees: torch.Te
     """Attention of q [N, Hk, Q, D] over k, v [N, Hk, L, D] where `sees` ([N | 1, 1, Q | 1, L] booleans) allows, and
     each query's log-sum-exp of its scores (float32, [N, Hk, Q]): what two parts of one softmax need to be joined
     exactly. On the CPU, torch's fused kernel computes both (its public SDPA returns the first only); elsewhere the
-    arithmetic written out, in float32 (a fused path for CUDA is not written yet)."""
+    arithmetic written out, in float32, in passes of queries whose scores fit SCORES_BYTES (a prefill chunk of 1k
+    tokens over a 8k cache would otherwise hold gigabytes of scores; a fused path for CUDA is not written yet)."""
     if FUSED_LSE and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype:
         bias = torch.zeros(sees.shape, dtype=q.dtype, device=q.device).masked_fill(~sees, -torch.inf)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)[:2]
         return out.float(), lse
+    (N, Hk, Q, _), L = q.shape, k.shape[2]
+    step = max(1, SCORES_BYTES // (N * Hk * L * 4))  # queries a pass: a prefill's scores in float32 kept bounded
+    outs, lses = [], []
     with torch.autocast(q.device.type, enabled=False):  # (a rollout under autocast would round these to bf16)
-        scores = (torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale).masked_fill(~sees, -torch.inf)
-        lse = torch.logsumexp(scores, -1)
-        return torch.matmul(torch.exp(scores - lse[..., None]), v.float()), lse
+        kf, vf = k.float().transpose(-1, -2), v.float()
+        for i in range(0, Q, step):
+            part = sees[:, :, i:i + step] if sees.shape[2] > 1 else sees
+            scores = (torch.matmul(q[:, :, i:i + step].float(), kf) * scale).masked_fill(~part, -torch.inf)
+            lses.append(torch.logsumexp(scores, -1))
+            outs.append(torch.matmul(torch.exp(scores - lses[-1][..., None]), vf))
+    return torch.cat(outs, 2), torch.cat(lses, 2)
 
 
 def opening_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,

@@ -54,14 +54,17 @@ def _attention_over_opening_and_own(q, k, v, mask, open_k, open_v, groups, lengt
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("fused", [True, False, "passes"])
 @pytest.mark.parametrize("heads,kv_heads,width", [(8, 2, 1), (4, 4, 1), (6, 3, 3)])
 def test_attention_over_a_group_opening_held_once_is_attention_over_each_row_whole(heads, kv_heads, width, fused,
                                                                                     monkeypatch):
     """decode.opening_attention: rows of three groups (ragged: 3, 1 and 1 rows, in no order), openings of different
     lengths in a buffer longer than any (its tail large garbage) and one more opening than the batch's groups,
-    against each row's whole keys and values in float64: equal to float32's precision; in bf16 within its noise."""
-    monkeypatch.setattr(decode, "FUSED_LSE", fused)
+    against each row's whole keys and values in float64: equal to float32's precision; in bf16 within its noise.
+    Fused (CPU), written out, and written out one query a pass (a prefill's scores bounded by SCORES_BYTES)."""
+    monkeypatch.setattr(decode, "FUSED_LSE", fused is True)
+    if fused == "passes":
+        monkeypatch.setattr(decode, "SCORES_BYTES", 1)
     torch.manual_seed(0)
     B, L, P, D = 5, 7, 9, 16
     groups, lengths = [1, 0, 1, 2, 1], [9, 4, 6]
