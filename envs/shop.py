@@ -36,7 +36,7 @@ from envs import Task, ToolResult, play
 from envs.shop_tasks import (CHOICES, GOODS, HARD, NONDEFAULT_SHARE, REFUNDS, SHIPPINGS, SIBLINGS, WRITE_TOOLS,
                              Procedure, id_tokens, is_question, make_task, scenario)
 
-USERS = ("dynamic", "static", "replay", "teacher")
+USERS = ("dynamic", "static", "told", "replay", "teacher")
 # The cold start's teacher (grpo.py's defaults, --cold-start-skips-confirm and --cold-start-skips-ask): it writes
 # without a yes in this share of its conversations and never asks what the user wants in this one. The "teacher" user
 # replays the dynamic user's side of its conversations: the paper's pre-scripted (static) data.
@@ -233,6 +233,9 @@ class ShopEnv:
                 paper's simulated user)
       static    who it is, its final request and what it wants in its first message; never changes its mind (the
                 same tasks, tools, gold and reward)
+      told      the dynamic user, who also says what it wants of its request's decision (where a refund goes, how a
+                new item ships) unasked, whenever it says what it wants done: the decision's information without a
+                question, everything else as the dynamic user's (bench/ablation.py's static arm)
       replay    the paper's pre-scripted interaction: the dynamic user's turns from the expert's conversation on that
                 task, played in order whatever the agent says (task.meta["user_sim"]["scripted"]: an LLM user
                 simulator leaves these tasks to the script)
@@ -263,8 +266,9 @@ class ShopEnv:
                         for split, n in (("train", n_train), ("test", n_test))}
         self._replays: dict[str, list[str]] = {}
         for task in self._splits["train"] + self._splits["test"]:
-            if user == "static":  # an LLM user simulator reads the scenario: it must be the static one too
-                task.user_scenario = scenario(task.data, task.data["db"]["users"][task.data["user_id"]], static=True)
+            if user in ("static", "told"):  # an LLM user simulator reads the scenario: it must be this user's too
+                task.user_scenario = scenario(task.data, task.data["db"]["users"][task.data["user_id"]],
+                                              static=user == "static", told=user == "told")
             elif user in ("replay", "teacher"):
                 task.meta["user_sim"] = {"scripted": True}
 
@@ -289,7 +293,7 @@ class ShopEnv:
         from envs.shop_user import ReplayUser, ShopUser  # players of the domain, loaded when asked for
 
         if self.user not in ("replay", "teacher"):
-            return ShopUser(task, static=self.user == "static")
+            return ShopUser(task, static=self.user == "static", told=self.user == "told")
         if task.id not in self._replays:  # the expert's (teacher's) conversation with the dynamic user, once per task
             teacher = self.expert(task, **(COLD_TEACHER if self.user == "teacher" else {}))
             messages = play(self, task, teacher, ShopUser(task))[0]
@@ -329,7 +333,7 @@ class ShopEnv:
 
 
 def from_name(name: str, **options) -> ShopEnv:
-    """"shop" followed by any of ":<user>" (dynamic, static, replay, teacher), ":<goods>" (garden, sport), ":default"
+    """"shop" followed by any of ":<user>" (dynamic, static, told, replay, teacher), ":<goods>" (garden, sport), ":default"
     (every user wants the defaults), ":old" (the policy without the decisions, an expert that never asks; `ShopEnv`),
     ":hard" (the procedure as the refund domain's ablation met it: envs/shop_tasks.HARD), ":name-zip" (users who may
     not know their email) and ":hints" (users who may not know their order id): "shop:static", "shop:old:default"."""

@@ -352,7 +352,7 @@ SCENARIO_END = ("Say yes only to exactly the action you want. When it is done, t
                 "###STOP###; also end with ###STOP### if the agent transfers you.")
 
 
-def scenario(d: dict, user: dict, static: bool = False) -> str:
+def scenario(d: dict, user: dict, static: bool = False, told: bool = False) -> str:
     """The instructions an LLM user simulator gets (the scripted users, envs/shop_user.py, act them out)."""
     email = f"your email is {user['email']}" if d["knows_email"] else "you do not remember your email"
     text = f"You are {user['name']}, a shop customer; {email}; your zip code is {user['zip']}. "
@@ -366,8 +366,11 @@ def scenario(d: dict, user: dict, static: bool = False) -> str:
                        "a refund goes or how a new item ships; never change your mind. " + strict + SCENARIO_END)
     text += (f"You want to {describe(d['goal'], d['knows_order_id'])}. Start by saying only that you need help "
              "with an order. Give your email (or name and zip), the order and the item only when the agent asks. "
-             f"{wants} Say where the refund goes only when the agent asks about the refund, and how the item ships "
-             "only when it asks about shipping; say yes to a proposal that says neither. " + strict)
+             f"{wants} " + ("Whenever you say what you want done, also say where a refund goes or how a new item "
+                            "ships, unasked; " if told else
+                            "Say where the refund goes only when the agent asks about the refund, and how the item "
+                            "ships only when it asks about shipping; ") +
+             "say yes to a proposal that says neither. " + strict)
     if d["change"]:
         text += (f"When the agent first asks you to confirm an action, say no and change your mind: you now want to "
                  f"{describe(d['change'], d['knows_order_id'])}. ")

@@ -33,15 +33,16 @@ class ShopUser:
     proposal that names neither gets its yes, and the write then does the default; a proposal that names what it
     does not want ends the conversation (strict: a guess costs what not asking costs, and no "No." gives the answer
     away). `static=True` (shop:static): identity, final request and what it wants in the opening, no change of
-    mind.
+    mind. `told=True` (shop:told): the dynamic user who says what it wants of its request's decision unasked, in
+    every message that says what it wants done: the decision's information without a question, all else the same.
 
     Stateless: `reply` replays the user's rules over every agent text message of the conversation, so the
     answer depends only on the task and the conversation. Phrasing varies per task and turn (seeded)."""
 
-    def __init__(self, task: Task, static: bool = False):
+    def __init__(self, task: Task, static: bool = False, told: bool = False):
         self.d = task.data
         self.user = self.d["db"]["users"][self.d["user_id"]]
-        self.static = static
+        self.static, self.told = static, told
         self.goods = GOODS[self.d["goods"]]
 
     def _pick(self, options: list[str], turn: int) -> str:
@@ -63,6 +64,10 @@ class ShopUser:
             if m.get("role") == "assistant" and not m.get("tool_calls"):
                 turn += 1
                 text = self._respond(str(m.get("content") or "").lower(), state, turn)
+                if self.told and state.pop("stated", False) and not text.endswith("###STOP###"):
+                    want = self.d["change"] if state["changed"] else self.d["goal"]
+                    wish = self._wish(want)
+                    text += wish if wish.strip() and wish.strip().lower() not in text.lower() else ""
         return text
 
     def _ref(self, want: dict) -> str:
@@ -101,7 +106,7 @@ class ShopUser:
         if is_proposal(t):
             no = self._pick(["No, wait.", "No, sorry.", "Hmm, no."], turn)
             if d["change"] and not state["changed"] and not self.static:
-                state["changed"] = True
+                state["changed"] = state["stated"] = True
                 c = d["change"]
                 return no + " " + {"other_order": f"Actually, please cancel {self._ref(c)} instead.",
                                    "other_item": f"I want to return the {c['item']} instead.",
@@ -117,6 +122,7 @@ class ShopUser:
             state["wrong"] += 1
             if state["wrong"] > PATIENCE:
                 return "No, that is still wrong. I will call back later. ###STOP###"
+            state["stated"] = True
             return "No. " + self._restate(want) + (self._wish(want) if self.static else "")
         if "done" in t:  # the agent says it acted before the user said yes: nothing left to ask for
             return "Oh, okay. Thanks. ###STOP###"
@@ -136,8 +142,10 @@ class ShopUser:
             what = {"cancel": f"I want to cancel {ref}.", "return": f"I want to return an item from {ref}.",
                     "exchange": f"I want to exchange an item from {ref}."}.get(want["action"], f"It is {ref}.")
             parts.append(what if d["knows_order_id"] else "I don't know the order id. " + what)
+            state["stated"] = True
         if ("which item" in t or "color" in t) and want["action"] in ("return", "exchange"):
             parts.append(self._restate(want))
+            state["stated"] = True
         elif "which item" in t:
             parts.append("I want to cancel the whole order.")
         elif "color" in t:
@@ -153,13 +161,14 @@ class ShopUser:
         if parts:
             return " ".join(parts)
         if not state["told"]:  # the first open question gets only the kind of request, no details
-            state["told"] = True
+            state["told"] = state["stated"] = True
             if want["action"] == "other":
                 return OTHER_TOPICS[want["topic"]]
             return self._pick({"cancel": ["I want to cancel an order.", "I'd like to cancel one of my orders."],
                                "return": ["I want to return something.", "I'd like to return an item."],
                                "exchange": ["I want to exchange an item.", "Can I exchange something I bought?"],
                                }[want["action"]], turn)
+        state["stated"] = True
         return self._restate(want)
 
 

@@ -10,6 +10,7 @@ import pytest
 from envs import STOP_TOOLS, ToolResult, make_env, play
 from envs.shop import ShopEnv
 from envs.shop_expert import ShopExpert
+from envs import shop_tasks
 from envs.shop_tasks import ORDER_RE, SHOP, choice_named, make_task
 
 ITEMS = SHOP.items
@@ -181,6 +182,33 @@ def test_static_user_says_everything_at_once_and_never_changes_its_mind():
     assert "change your mind:" in next(t for t in dynamic.tasks("train") if t.id == changing.id).user_scenario
     with pytest.raises(ValueError, match="user 'lazy'"):
         ShopEnv(n_train=1, n_test=1, user="lazy")
+
+
+def test_told_user_is_the_dynamic_user_who_says_its_wish_unasked():
+    """shop:told: the dynamic user's opening and answers, with what it wants of its request's decision added to
+    every message that says what it wants done; the expert then never asks and scores 1, in no more turns."""
+    told = make_env("shop:told", n_train=200, n_test=0)
+    dynamic = make_env("shop", n_train=200, n_test=0)
+    for task, same in zip(told.tasks("train"), dynamic.tasks("train")):
+        assert task.data == same.data
+        messages, reward, info, _ = play(told, task, told.expert(task))
+        assert reward == 1.0, (task.id, info)
+        ref = play(dynamic, same, dynamic.expert(same))[0]
+        users, theirs = [m["content"] for m in messages if m["role"] == "user"], [m["content"] for m in ref
+                                                                                   if m["role"] == "user"]
+        assert users[0] == theirs[0]  # the same vague opening
+        decision = task.meta["decision"]
+        asked = [m["content"] for m in messages if m["role"] == "assistant" and m["content"] and
+                 shop_tasks.is_question(decision, m["content"].lower())] if decision else []
+        assert not asked, (task.id, asked)  # nothing left to ask
+        if decision and task.meta["kind"] != "transfer":
+            wish = {"refund": "refund it", "shipping": "send the new one", None: ""}[
+                shop_tasks.decision_of(task.data["goal"]["action"])]  # (its first request, before any change)
+            first = next(u for u in users if any(w in u.lower() for w in ("cancel", "return", "exchange")))
+            assert wish in first, (task.id, first)  # said with its first request, unasked
+        assert len(messages) <= len(ref)
+    changing = next(t for t in told.tasks("train") if t.data["change"])
+    assert "unasked" in changing.user_scenario and "change your mind:" in changing.user_scenario
 
 
 def test_imperfect_teacher_skips_confirmation_in_a_share_of_conversations(env):
@@ -422,14 +450,14 @@ def test_reward_table_of_single_mistakes_against_every_user():
     make one kind of mistake each, on 300 test tasks:
     - the expert, which asks, scores 1 with every user;
     - never asking (it names what it was told, else nothing, and the write does the default) loses only with the
-      dynamic user, exactly the decision tasks whose user wants the non-default (about half of them);
+      dynamic user (the told user says it unasked), exactly the decision tasks whose user wants the non-default (about half of them);
     - guessing the non-default and flipping when refused is no better than not asking (the strict user ends the
       conversation at a proposal it does not want: no "No." gives the answer away);
     - skipping the yes, or a slip in the write after it, loses every write task with every user (the positive
-      control); one slip in a proposal, corrected, costs nothing with a dynamic or static user;
+      control); one slip in a proposal, corrected, costs nothing with a dynamic, static or told user;
     - the replay of the cold-start teacher's conversations rewards not asking over asking;
     - with every user wanting the default (":default", the negative control) not asking costs nothing."""
-    envs = {u: make_env(f"shop:{u}", n_train=0, n_test=300) for u in ("dynamic", "static", "replay")}
+    envs = {u: make_env(f"shop:{u}", n_train=0, n_test=300) for u in ("dynamic", "static", "told", "replay")}
     tasks = envs["dynamic"].tasks("test")
     wants = {t.id: t.meta["wants"] for t in tasks}
     writes = {t.id for t in tasks if t.meta["kind"] != "transfer"}
@@ -450,16 +478,17 @@ def test_reward_table_of_single_mistakes_against_every_user():
     assert {i for i, r in table["dynamic", "not asking"].items() if r != 1.0} == {
         i for i, w in wants.items() if w == "non-default"}
     assert 0.4 < on(("dynamic", "not asking"), decided) < 0.6 and len(decided) > 200
-    assert all(r == 1.0 for u in ("static", "replay") for r in table[u, "not asking"].values())
+    assert all(r == 1.0 for u in ("static", "told", "replay") for r in table[u, "not asking"].values())
     # The flip never helps (on a change of mind the user's "No, wait." is about the request, not the guess).
     steady = [t.id for t in tasks if not t.data["change"]]
     assert [table["dynamic", "guess and flip"][i] for i in steady] == [table["dynamic", "guess"][i] for i in steady]
     assert abs(on(("dynamic", "guess and flip"), decided) - on(("dynamic", "not asking"), decided)) < 0.1
     assert abs(on(("dynamic", "guess"), decided) - on(("dynamic", "not asking"), decided)) < 0.1
     for mistake in ("no yes", "write slip"):  # every user: the same loss, task for task, every write task
-        assert table["dynamic", mistake] == table["static", mistake] == table["replay", mistake], mistake
+        assert table["dynamic", mistake] == table["static", mistake] == table["told", mistake] == \
+            table["replay", mistake], mistake
         assert all(table["dynamic", mistake][i] == 0.0 for i in writes), mistake
-    assert all(r == 1.0 for u in ("dynamic", "static") for r in table[u, "proposal slip"].values())
+    assert all(r == 1.0 for u in ("dynamic", "static", "told") for r in table[u, "proposal slip"].values())
     # The replay of the cold-start teacher's own conversations (the paper's static data) does not reward asking: its
     # turns follow a teacher that asks in 30% of them, so an agent that asks falls out of step more often.
     teacher = make_env("shop:teacher", n_train=0, n_test=300)
