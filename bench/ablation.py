@@ -16,17 +16,20 @@ their old policy, no decisions), for each seed:
   base       the base itself
   cold       cold start: SFT on the imperfect teacher's shop conversations (envs.shop.COLD_TEACHER: it writes without
              a yes in 30% of them, never asks what the user wants in 70%; kept when the database is right; SFT as
-             models.TINY_COLD_START says), as the default run's, but with the users of --cold-users (dynamic and
-             static: half the tasks each), so that every arm starts from a model that can talk to its user
+             models.TINY_COLD_START says), as the default run's (--cold-users: the dynamic user; every arm's user
+             then talks as the dynamic one does, so every arm starts from a model that can talk to its user)
   sft        cold + more SFT of the same teacher on new conversations, for as many CPU seconds as arm `dynamic` took
   rl         GRPO from the base with the dynamic user, no cold start
   dynamic    cold + GRPO with the dynamic user (the paper's method)
-  static     cold + GRPO with the static user (who it is, what it wants and what it wishes, all at once)
+  static     cold + GRPO with the told user (shop:told: the dynamic user, who also says what it wants of its
+             request's decision unasked: the decision's information with no question to ask; until 2026-11-28 the
+             static user, whose opening says who it is and what it wants too, which the cold start then had to be
+             taught on its conversations, and those broke its copy after asking: bench/README.md, try 11)
   replay     cold + GRPO with the replayed user (the expert's user turns for the task, in order, whatever the agent
              says)
   teacher    cold + GRPO with the replay of the cold-start teacher's own conversation on the task (the paper's
              pre-scripted interaction: the static data its cold start was made of; shop:teacher)
-  ctl_*      the negative control: dynamic, static and replay again where every user wants the defaults
+  ctl_*      the negative control: dynamic, static (told) and replay again where every user wants the defaults
              (shop:<user>:default), evaluated there: asking is never needed, so the three must not differ
 
 Every arm is evaluated against the dynamic user (ctl_* against shop:default's, and again against the real mix:
@@ -74,12 +77,12 @@ from envs import make_env  # noqa: E402
 from envs.shop import COLD_TEACHER  # noqa: E402
 
 ARMS = {"base": "base", "cold": "cold start", "sft": "cold start + more SFT", "rl": "GRPO, no cold start",
-        "dynamic": "cold start + GRPO, dynamic user", "static": "cold start + GRPO, static user",
+        "dynamic": "cold start + GRPO, dynamic user", "static": "cold start + GRPO, told user",
         "replay": "cold start + GRPO, replayed user", "teacher": "cold start + GRPO, replay of the teacher",
         "ctl_dynamic": "control: GRPO, dynamic user",
-        "ctl_static": "control: GRPO, static user", "ctl_replay": "control: GRPO, replayed user"}
-TRAIN_ENV = {"rl": "shop", "dynamic": "shop", "static": "shop:static", "replay": "shop:replay",
-             "teacher": "shop:teacher", "ctl_dynamic": "shop:default", "ctl_static": "shop:static:default",
+        "ctl_static": "control: GRPO, told user", "ctl_replay": "control: GRPO, replayed user"}
+TRAIN_ENV = {"rl": "shop", "dynamic": "shop", "static": "shop:told", "replay": "shop:replay",
+             "teacher": "shop:teacher", "ctl_dynamic": "shop:default", "ctl_static": "shop:told:default",
              "ctl_replay": "shop:replay:default"}
 CAPS = dict(max_turns=30, max_new_tokens=128, max_context=1536)  # the default run's (grpo.Config)
 TEACHER = dict(teacher_skips_confirm=COLD_TEACHER["skip_confirm"], teacher_skips_ask=COLD_TEACHER["skip_ask"])
@@ -112,7 +115,7 @@ def evaluate(path, env_name: str, n_tasks: int, trials: int, temperature: float,
     return res
 
 
-USER_ENV = {"dynamic": "shop", "static": "shop:static", "replay": "shop:replay"}
+USER_ENV = {"dynamic": "shop", "static": "shop:static", "told": "shop:told", "replay": "shop:replay"}
 
 
 def user_shares(spec: str) -> list[tuple[str, int]]:
@@ -281,7 +284,7 @@ def main(argv=None):
     p.add_argument("--temperature", type=float, default=0.7, help="of the sampled evaluation (GRPO's default, at "
                    "which the GRPO arms train)")
     p.add_argument("--cold-tasks", type=int, default=1200, help="tasks the cold start's teacher plays, per seed")
-    p.add_argument("--cold-users", default="dynamic,static", help="the users the cold start's teacher talks to, "
+    p.add_argument("--cold-users", default="dynamic", help="the users the cold start's teacher talks to, "
                    f"each on its share of the tasks (comma-separated USER[:SHARE], of {', '.join(USER_ENV)}; "
                    "dynamic:3,static:1 gives the dynamic user 3 of every 4 tasks)")
     p.add_argument("--arms", default=",".join(ORDER), help="which arms (comma-separated); they run in the order of "

@@ -37,6 +37,9 @@ Checks, in order; each is PASS, FAIL or SKIP (with why) and its figures, in OUT/
              the base with the adapters off): kl 0 at step 1, the base bit-identical after, adapter-only
              checkpoints, --resume; the peak memory reported beside the start-up estimate with its LoRA terms; and
              greedy decoding with rank-64 adapters, unmerged against folded into the base (--lora-decode): tokens/s
+  decode_layouts  issue 53's decoding layouts at the 0.6B shape, one group of 8 with a 4k opening, episodes to 8k:
+             each row's copy of the opening, the opening held once, and held once in slots sized by need: tokens/s,
+             pools' bytes, cache read a step, each against its roofline; the same episodes token for token
   share_opening  bench/train_step.py's tau2-shaped update with and without each group's opening computed once
              (bf16, gradient checkpointing, micro-batches of 4 and 1): seconds, peak memory, decoder tokens; bf16
              gradients of a group against float32, shared and whole (on the CPU: toy size, figures only)
@@ -146,8 +149,8 @@ def bench_rollout(name: str = "rollout"):
 
 
 PROGRESS = lambda figures: None  # noqa: E731  (Report.run points it at the check that runs)
-CHECKS = ("versions", "engine", "flash", "kv_peak", "decode", "roofline", "head_grad", "share_opening", "train",
-          "lora", "fsdp2", "zero3", "fsdp2_x2")
+CHECKS = ("versions", "engine", "flash", "kv_peak", "decode", "roofline", "decode_layouts", "head_grad",
+          "share_opening", "train", "lora", "fsdp2", "zero3", "fsdp2_x2")
 
 
 class Padded:
@@ -797,6 +800,48 @@ def share_opening(tok, device, shape: str, opening: int, length: int):
     return ("PASS" if exact and (faster or not bf16) else "FAIL"), figs
 
 
+def decode_layouts(tok, device, shape: str, opening: int, context: int, group: int = 8):
+    """Issue 53's decoding layouts on a Qwen3 shape (bf16 on a GPU, fp32 toy on the CPU): one group of `group`
+    episodes of shop with its system prompt padded to an opening of ~`opening` tokens, its user talking on to
+    `context`, sampled turns of ~40 tokens. Each row's own copy of the opening (per-row), the opening held once
+    (shared), and held once with slots of two sizes (sized: group/2 slots holding the first half of an episode's own
+    part beside `group` of --max-context; the rows start in the small ones and move up as they grow: what decoding
+    in two sizes at once costs, not what it saves, since these episodes all run to --max-context):
+    bench/opening.compare's tokens/s, pools' bytes, cache read a step, and the episodes equal; and each against its roofline, the weights and the cache a
+    step reads, read once at the copy bandwidth measured here. PASS: the same episodes token for token, shared
+    faster than per-row (on a GPU; on the CPU the toy only runs it)."""
+    from envs import make_env
+
+    op = bench_rollout("opening")
+    model = build(tok, shape, device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    plain = make_env("shop")
+    task = plain.tasks("train")[0]
+    per_word = len(toolcall.encode_text(tok, " note" * 100)) / 100
+    first = len(openings(tok, plain, [task])[0])
+    env = bench_rollout().KeepTalking(Padded(plain, max(0, round((opening - first) / per_word))))
+    tasks = env.tasks("train")[:1]
+    sampled_turns_end(model, tok, env, tasks, 40)
+    n = len(openings(tok, env, tasks)[0])
+    base = dict(temperature=1.0, max_new_tokens=256, max_turns=400, max_context=context)
+    half = (context - n) // 2 + 256 + 2
+    cfg = op.RolloutConfig
+    layouts = {"per-row": cfg(**base), "shared": cfg(**base, decode_share_opening=True),
+               "sized": cfg(**base, decode_share_opening=True, decode_slots=f"{group // 2}x{half},{group}x{context}")}
+    out = op.compare(model, tok, env, tasks, group, layouts, rounds=2, log=lambda line: print(f"[gpu] {line}"))
+    bandwidth = copy_bandwidth(device, (64 if device.type == "cpu" else 2048) << 20)
+    weights = sum(q.numel() * q.element_size() for q in model.parameters())
+    figs = {"opening_tokens": n, "copy_GB_per_s": round(bandwidth / 1e9, 1), "same_episodes": out["same"]}
+    for name in layouts:
+        f = out[name]
+        bound = (weights + f["read"]) / bandwidth  # seconds a decoding step of `group` rows, at best
+        figs[name] = {"tok_s": round(f["tok_s"], 1), "pools_MiB": round(f["held"] / 2**20, 1),
+                      "read_MiB_a_step": round(f["read"] / 2**20, 2), "roofline_tok_s": round(group / bound, 1),
+                      "x_roofline": round(group / bound / f["tok_s"], 2)}
+    figs["shared_x_per_row"] = round(out["shared"]["tok_s"] / out["per-row"]["tok_s"], 2)
+    ok = out["same"] and (device.type != "cuda" or figs["shared_x_per_row"] > 1)
+    return ("PASS" if ok else "FAIL"), figs
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="the checks at toy size on the CPU (what the test suite runs)")
@@ -830,6 +875,7 @@ def main(argv=None):
                                                                  "qwen3-8b-kv-36l": (8192, 32768)}),
               "decode": (decode, model, tok, env, tasks, device, 4 if args.cpu else 16, 16 if args.cpu else 128),
               "roofline": (roofline, device, args.cpu),
+              "decode_layouts": (decode_layouts, tok, device, small, *((300, 900) if args.cpu else (4000, 8000))),
               "head_grad": (head_grad, device, 4096 if args.cpu else 151936, 64 if args.cpu else 4096),
               "share_opening": (share_opening, tok, device, small, *((300, 700) if args.cpu else (4000, 9000))),
               "train": (train, model, tok, env, tasks, device, work, device.type == "cuda"),

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 import muarl  # noqa: E402
 import toolcall  # noqa: E402
-from fast import batched_rollout, decode  # noqa: E402
+from fast import decode  # noqa: E402
 from fast.batched_rollout import RolloutConfig, rollout  # noqa: E402
 from plumbing import models  # noqa: E402
 from plumbing.users import make_user_sim  # noqa: E402
@@ -73,14 +73,27 @@ def main(argv=None):
     env = KeepTalking(Padded(plain, max(0, round((args.opening - len(opening(plain))) / per_word))))
     tasks = env.tasks("train")[:args.groups]
     end_turns_sooner(model, tok, [opening(env)] * 4, args.turn)
-    cfg = model.config
-    per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * model.dtype.itemsize
     base = dict(temperature=1.0, max_new_tokens=512, max_turns=args.turns, max_context=args.context)
     layouts = {"per-row": RolloutConfig(**base), "shared": RolloutConfig(**base, decode_share_opening=True)}
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, torch threads {torch.get_num_threads()}; "
           f"{args.groups} groups x {args.group}, openings of {len(opening(env))} tokens, up to {args.turns} turns, "
-          f"max_context {args.context}; {per_token} bytes of cache a token", flush=True)
+          f"max_context {args.context}", flush=True)
+    out = compare(model, tok, env, tasks, args.group, layouts, args.rounds)
+    print(f"mean over {args.rounds} rounds: shared {out['shared']['tok_s']:.1f} tok/s, per-row "
+          f"{out['per-row']['tok_s']:.1f} tok/s -> {out['shared']['tok_s'] / out['per-row']['tok_s']:.2f}x "
+          "(target >= 1.5x)")
 
+
+def compare(model, tok, env, tasks, group: int, layouts: dict, rounds: int, log=print) -> dict:
+    """The layouts (name -> RolloutConfig) playing the same sampled episodes of `tasks` x `group`, after a warm-up of
+    two turns each, interleaved round by round. Per layout: mean tokens/s, the bytes its pools hold (the rows'
+    slots, of every size, and the openings' pool), the bytes of cache a decoding step reads (each row's columns, and
+    each group's opening once when shared), the decoding steps a round; and whether every layout played the first's
+    episodes token for token."""
+    from fast import pool as pools
+
+    cfg = model.config
+    per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * next(model.parameters()).itemsize
     seen = dict(rows=0, groups=0, steps=0)
 
     def count(module, a, kw):  # a decoding step: the columns each row reads, and each group's opening once
@@ -90,49 +103,58 @@ def main(argv=None):
             if decode._OPENINGS and decode._OPENINGS[-1] is not None:
                 seen["groups"] += int(decode._OPENINGS[-1][2].lengths.sum())
 
-    model.get_decoder().register_forward_pre_hook(count, with_kwargs=True)
-    held = []
-    real_pool = batched_rollout.rollout_pool
+    hook = model.get_decoder().register_forward_pre_hook(count, with_kwargs=True)
+    held, real_init = [], pools.SlotPool.__init__
 
-    def pool(*a, **k):  # the bytes a rollout's pools hold: the rows' slots, then the openings' pool beside them
-        p = real_pool(*a, **k)
-        held.append(p)
-        return p
-    batched_rollout.rollout_pool = pool
+    def pool_init(self, *a, **k):  # every pool a rollout makes: the rows' slots (each size) and the openings'
+        real_init(self, *a, **k)
+        held.append(self)
 
-    def nbytes(p):
-        return sum(b.numel() * b.element_size() for b in p.k + p.v)
-
-    def play(name, seed, turns=None):
+    def play(c, seed, turns=None):
         seen.update(rows=0, groups=0, steps=0)
         held.clear()
-        c = RolloutConfig(**{**layouts[name].__dict__, **({"max_turns": turns} if turns else {})})
-        t = time.perf_counter()
-        eps = rollout(model, tok, env, tasks, args.group, make_user_sim("scripted"), c, seed=seed)
-        dt = time.perf_counter() - t
-        pools = nbytes(held[0]) + (nbytes(held[0].opens) if held[0].opens is not None else 0)
-        return eps, dt, pools, (seen["rows"] + seen["groups"]) * per_token / max(1, seen["steps"])
+        c = RolloutConfig(**{**c.__dict__, **({"max_turns": turns} if turns else {})})
+        pools.SlotPool.__init__ = pool_init
+        try:
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            eps = rollout(model, tok, env, tasks, group, make_user_sim("scripted"), c, seed=seed)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t
+        finally:
+            pools.SlotPool.__init__ = real_init
+        nbytes = sum(b.numel() * b.element_size() for p in held for b in p.k + p.v)
+        return eps, dt, nbytes, (seen["rows"] + seen["groups"]) * per_token / max(1, seen["steps"]), seen["steps"]
 
-    for name in layouts:  # warm-up
-        play(name, 0, turns=2)
-    tps = {k: [] for k in layouts}
-    for r in range(args.rounds):
-        out = {}
-        for name in (layouts if r % 2 == 0 else reversed(list(layouts))):
-            eps, dt, pools, read = out[name] = play(name, 1 + r)
-            toks, lens = sum(e.gen_tokens for e in eps), sorted(len(e.input_ids) for e in eps)
-            tps[name].append(toks / dt)
-            print(f"round {r} {name:8s} {dt:7.1f} s {toks:7d} tokens {toks / dt:8.1f} tok/s; episodes of "
-                  f"{lens[0]}/{lens[len(lens) // 2]}/{lens[-1]} tokens (min/median/max); pools hold "
-                  f"{pools / 2**20:.1f} MiB; a decoding step reads {read / 2**20:.2f} MiB of cache", flush=True)
-        same = all(a.input_ids == b.input_ids for a, b in zip(out["per-row"][0], out["shared"][0]))
-        print(f"round {r}: shared / per-row {tps['shared'][-1] / tps['per-row'][-1]:.2f}x tokens/s, cache held "
-              f"{out['shared'][2] / out['per-row'][2]:.2f}x, cache read a step "
-              f"{out['shared'][3] / out['per-row'][3]:.2f}x;"
-              f" the same episodes token for token: {same}", flush=True)
-    mean = {k: sum(v) / len(v) for k, v in tps.items()}
-    print(f"mean over {args.rounds} rounds: shared {mean['shared']:.1f} tok/s, per-row {mean['per-row']:.1f} tok/s "
-          f"-> {mean['shared'] / mean['per-row']:.2f}x (target >= 1.5x)")
+    try:
+        for c in layouts.values():  # warm-up
+            play(c, 0, turns=2)
+        figures = {k: {"tok_s": [], "held": 0, "read": 0, "steps": 0} for k in layouts}
+        same = True
+        for r in range(rounds):
+            out = {}
+            for name in (layouts if r % 2 == 0 else reversed(list(layouts))):
+                eps, dt, nbytes, read, steps = out[name] = play(layouts[name], 1 + r)
+                toks, lens = sum(e.gen_tokens for e in eps), sorted(len(e.input_ids) for e in eps)
+                f = figures[name]
+                f["tok_s"].append(toks / dt)
+                f.update(held=nbytes, read=read, steps=steps)
+                log(f"round {r} {name:8s} {dt:7.1f} s {toks:7d} tokens {toks / dt:8.1f} tok/s; episodes of "
+                    f"{lens[0]}/{lens[len(lens) // 2]}/{lens[-1]} tokens (min/median/max); pools hold "
+                    f"{nbytes / 2**20:.1f} MiB; a decoding step reads {read / 2**20:.2f} MiB of cache")
+            first = next(iter(layouts))
+            same = same and all(a.input_ids == b.input_ids for k in layouts for a, b in zip(out[first][0], out[k][0]))
+            log(f"round {r}: " + "; ".join(
+                f"{k} / {first} {figures[k]['tok_s'][-1] / figures[first]['tok_s'][-1]:.2f}x tokens/s, cache held "
+                f"{out[k][2] / out[first][2]:.2f}x, read a step {out[k][3] / out[first][3]:.2f}x"
+                for k in list(layouts)[1:]) + f"; the same episodes token for token: {same}")
+    finally:
+        hook.remove()
+    for f in figures.values():
+        f["tok_s"] = sum(f["tok_s"]) / len(f["tok_s"])
+    return {**figures, "same": same}
 
 
 if __name__ == "__main__":

@@ -13,10 +13,14 @@ def test_gpu_checks_pass_at_toy_size_on_the_cpu(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     rows = {row["check"]: row for row in json.loads((tmp_path / "report.json").read_text())}
     assert r.returncode == 0, (rows, r.stderr[-3000:])
-    assert [c for c in rows] == ["versions", "engine", "flash", "kv_peak", "decode", "roofline", "head_grad",
-                                 "share_opening", "train", "lora", "fsdp2", "zero3", "fsdp2_x2"]
+    assert [c for c in rows] == ["versions", "engine", "flash", "kv_peak", "decode", "roofline", "decode_layouts",
+                                 "head_grad", "share_opening", "train", "lora", "fsdp2", "zero3", "fsdp2_x2"]
     passed = {c for c, row in rows.items() if row["status"] == "PASS"}
-    assert passed == {"versions", "engine", "decode", "roofline", "share_opening", "train", "lora"}
+    assert passed == {"versions", "engine", "decode", "roofline", "decode_layouts", "share_opening", "train", "lora"}
+    layouts = rows["decode_layouts"]  # the three layouts played the same episodes; sharing holds and reads less
+    assert layouts["same_episodes"] is True and layouts["opening_tokens"] > 250
+    assert layouts["shared"]["read_MiB_a_step"] < layouts["per-row"]["read_MiB_a_step"]
+    assert layouts["shared"]["pools_MiB"] < layouts["per-row"]["pools_MiB"]
     assert all("compiled" in rows["roofline"][f"toy b{b} ctx{c}"] for b in (4, 16) for c in (128, 512))
     errors = rows["share_opening"]["bf16 gradient error vs float32"]
     assert 0 < errors["whole"] < 0.1 and errors["shared"] <= 2 * errors["whole"]
