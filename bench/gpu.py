@@ -37,7 +37,7 @@ Checks, in order; each is PASS, FAIL or SKIP (with why) and its figures, in OUT/
              the base with the adapters off): kl 0 at step 1, the base bit-identical after, adapter-only
              checkpoints, --resume; the peak memory reported beside the start-up estimate with its LoRA terms; and
              greedy decoding with rank-64 adapters, unmerged against folded into the base (--lora-decode): tokens/s
-  decode_layouts  issue 53's decoding layouts at the 0.6B shape, one group of 8 with a 4k opening, episodes to 8k:
+  decode_layouts  issue 53's decoding layouts at the 0.6B shape, one group of 8 with a 4k opening, episodes to 5k:
              each row's copy of the opening, the opening held once, and held once in slots sized by need: tokens/s,
              pools' bytes, cache read a step, each against its roofline; the same episodes token for token
   share_opening  bench/train_step.py's tau2-shaped update with and without each group's opening computed once
@@ -827,7 +827,7 @@ def decode_layouts(tok, device, shape: str, opening: int, context: int, group: i
     cfg = op.RolloutConfig
     layouts = {"per-row": cfg(**base), "shared": cfg(**base, decode_share_opening=True),
                "sized": cfg(**base, decode_share_opening=True, decode_slots=f"{group // 2}x{half},{group}x{context}")}
-    out = op.compare(model, tok, env, tasks, group, layouts, rounds=2, log=lambda line: print(f"[gpu] {line}"))
+    out = op.compare(model, tok, env, tasks, group, layouts, rounds=1, log=lambda line: print(f"[gpu] {line}"))
     bandwidth = copy_bandwidth(device, (64 if device.type == "cpu" else 2048) << 20)
     weights = sum(q.numel() * q.element_size() for q in model.parameters())
     figs = {"opening_tokens": n, "copy_GB_per_s": round(bandwidth / 1e9, 1), "same_episodes": out["same"]}
@@ -875,7 +875,7 @@ def main(argv=None):
                                                                  "qwen3-8b-kv-36l": (8192, 32768)}),
               "decode": (decode, model, tok, env, tasks, device, 4 if args.cpu else 16, 16 if args.cpu else 128),
               "roofline": (roofline, device, args.cpu),
-              "decode_layouts": (decode_layouts, tok, device, small, *((300, 900) if args.cpu else (4000, 8000))),
+              "decode_layouts": (decode_layouts, tok, device, small, *((300, 900) if args.cpu else (4000, 5000))),
               "head_grad": (head_grad, device, 4096 if args.cpu else 151936, 64 if args.cpu else 4096),
               "share_opening": (share_opening, tok, device, small, *((300, 700) if args.cpu else (4000, 9000))),
               "train": (train, model, tok, env, tasks, device, work, device.type == "cuda"),
