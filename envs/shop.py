@@ -333,10 +333,11 @@ class ShopEnv:
 
 
 def from_name(name: str, **options) -> ShopEnv:
-    """"shop" followed by any of ":<user>" (dynamic, static, told, replay, teacher), ":<goods>" (garden, sport), ":default"
-    (every user wants the defaults), ":old" (the policy without the decisions, an expert that never asks; `ShopEnv`),
-    ":hard" (the procedure as the refund domain's ablation met it: envs/shop_tasks.HARD), ":name-zip" (users who may
-    not know their email) and ":hints" (users who may not know their order id): "shop:static", "shop:old:default"."""
+    """"shop" followed by any of ":<user>" (dynamic, static, told, replay, teacher), ":<goods>" (garden, sport),
+    ":default" (every user wants the defaults), ":old" (the policy without the decisions, an expert that never asks;
+    `ShopEnv`), ":hard" (the procedure as the refund domain's ablation met it: envs/shop_tasks.HARD), ":name-zip"
+    (users who may not know their email) and ":hints" (users who may not know their order id): "shop:static",
+    "shop:old:default"."""
     parts = name.split(":")[1:]
     procedure = options.pop("procedure", Procedure())
     for part in parts:
