@@ -130,7 +130,7 @@ def step_cost(model, batch: int, context: int, steps: int = 30, cfg: RolloutConf
     tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
     seeds = torch.arange(batch, device=dev)
     view = _View(pool, 0)
-    cache = _cache(pool, view)
+    cache = _cache([view])
     graphs = step_graphs(model, pool, cfg) if graphs_on(cfg, dev, batch) else None
     with decode_attention(model, cfg.decode_attention):
         for i in range(steps + 3):
