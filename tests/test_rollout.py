@@ -217,6 +217,27 @@ def test_engine_plays_the_reference_episodes(lm, tiny_tok):
     assert endings == {"user_stop", "max_turns", "response_truncated", "context_limit"}
 
 
+def _plays_the_reference_twice_a_task(lm, tok, env, fast, cfg):
+    """Greedy episodes (two a task) equal to reference_rollout's, token for token, logprobs within 1e-4."""
+    slow = [reference_rollout(lm, tok, env, t, make_user_sim("scripted"), cfg) for t in env.tasks()]
+    for i, a in enumerate(fast):
+        b = slow[i // 2]
+        assert a.input_ids == b.input_ids and a.loss_mask == b.loss_mask and a.messages == b.messages
+        assert (a.termination, a.turns, a.reward) == (b.termination, b.turns, b.reward)
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+
+
+def _samples_as_its_twin(lm, tok, env, cfg, **twin):
+    """Sampled episodes (two a task, 4 turns at 0.8) equal to those of cfg with `twin`'s settings, per episode seed."""
+    sampled = {**cfg.__dict__, "greedy": False, "temperature": 0.8, "max_turns": 4}
+    gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    a = rollout(lm, tok, env, env.tasks(), 2, make_user_sim("scripted"), RolloutConfig(**sampled), gen())
+    b = rollout(lm, tok, env, env.tasks(), 2, make_user_sim("scripted"), RolloutConfig(**{**sampled, **twin}), gen())
+    assert [e.input_ids for e in a] == [e.input_ids for e in b]
+    assert torch.allclose(torch.tensor(sum((e.logprobs for e in a), [])), torch.tensor(sum((e.logprobs for e in b),
+                                                                                         [])), atol=1e-4)
+
+
 @pytest.mark.parametrize("extra", [{}, {"max_batch": 3, "park_device": "cpu"}, {"prefill_tokens": 8},
                                    {"reuse_cache": False}, {"refill_below": 1.0, "max_batch": 5}, {"fused": False}])
 def test_the_opening_held_once_plays_the_same_episodes(lm, tiny_tok, extra, monkeypatch):
@@ -242,25 +263,13 @@ def test_the_opening_held_once_plays_the_same_episodes(lm, tiny_tok, extra, monk
             len(decode._OPENINGS[-1][2].lengths)) or decode.opening_decode_attention(*a, **k))
         fast = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), cfg)
     assert groups_read and max(groups_read) >= 2  # every forward after the openings read them, several at once
-    slow = [reference_rollout(lm, tiny_tok, env, t, make_user_sim("scripted"), cfg) for t in env.tasks()]
-    for i, a in enumerate(fast):
-        b = slow[i // 2]
-        assert a.input_ids == b.input_ids and a.loss_mask == b.loss_mask and a.messages == b.messages
-        assert (a.termination, a.turns, a.reward) == (b.termination, b.turns, b.reward)
-        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+    _plays_the_reference_twice_a_task(lm, tiny_tok, env, fast, cfg)
     opens = pools[0].opens
     assert opens is not None and len(opens.owner) == min(len(pools[0].owner), len(env.tasks()))
     assert pools[0].capacity == cfg.max_context - min(len(e.input_ids[:e.turn_spans[0][0]]) - 1 for e in fast)
     assert all(o is None for o in opens.owner)  # every group's opening let go once its episodes ended
     assert _Spilled.rescued == rescued  # and every spilled cache given back by its rows, none by the collector
-    sampled = {**cfg.__dict__, "greedy": False, "temperature": 0.8, "max_turns": 4}
-    gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
-    a = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), RolloutConfig(**sampled), gen())
-    b = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"),
-                RolloutConfig(**{**sampled, "decode_share_opening": False}), gen())
-    assert [e.input_ids for e in a] == [e.input_ids for e in b]
-    assert torch.allclose(torch.tensor(sum((e.logprobs for e in a), [])), torch.tensor(sum((e.logprobs for e in b),
-                                                                                         [])), atol=1e-4)
+    _samples_as_its_twin(lm, tiny_tok, env, cfg, decode_share_opening=False)
 
 
 @pytest.mark.parametrize("extra", [{}, {"max_batch": 3, "park_device": "cpu"}, {"prefill_tokens": 8},
@@ -298,24 +307,12 @@ def test_slots_sized_by_need_play_the_same_episodes(lm, tiny_tok, extra):
         fast = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), cfg)
     assert any(moves) != (not cfg.reuse_cache) and any(waits)  # rows moved up a size (with their cache, when they
     # keep it), and some waited for a slot that fits
-    slow = [reference_rollout(lm, tiny_tok, env, t, make_user_sim("scripted"), cfg) for t in env.tasks()]
-    for i, a in enumerate(fast):
-        b = slow[i // 2]
-        assert a.input_ids == b.input_ids and a.loss_mask == b.loss_mask and a.messages == b.messages
-        assert (a.termination, a.turns, a.reward) == (b.termination, b.turns, b.reward)
-        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+    _plays_the_reference_twice_a_task(lm, tiny_tok, env, fast, cfg)
     (tiers,) = made
     assert [(len(p.owner), p.capacity) for p in tiers.pools] == pools.parse_slots(cfg.decode_slots, 1024)
     assert all(o is None for o in tiers.owner) and _Spilled.rescued == rescued
     assert isinstance(engine.admit(tiers, [], 0), tuple)
-    sampled = {**cfg.__dict__, "greedy": False, "temperature": 0.8, "max_turns": 4}
-    gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
-    a = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), RolloutConfig(**sampled), gen())
-    b = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"),
-                RolloutConfig(**{**sampled, "decode_slots": ""}), gen())
-    assert [e.input_ids for e in a] == [e.input_ids for e in b]
-    assert torch.allclose(torch.tensor(sum((e.logprobs for e in a), [])), torch.tensor(sum((e.logprobs for e in b),
-                                                                                         [])), atol=1e-4)
+    _samples_as_its_twin(lm, tiny_tok, env, cfg, decode_slots="")
 
 
 def test_tiers_admit_by_need_and_by_openings(tiny_lm):
