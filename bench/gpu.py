@@ -56,6 +56,7 @@ A failing check does not stop the others; the exit status is 1 when any failed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -437,16 +438,54 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def ops_a_step(model, batch: int, context: int, cfg) -> int:
+    """The aten ops one eager decoding step of `batch` rows over `context` positions dispatches, views left out: the
+    kernels it launches, about (a graph replays them all in one launch). torch's rms_norm is one op where the device
+    has a fused kernel for it (CUDA) and its decomposition elsewhere (the CPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fast.decode import decode_attention, decode_step
+    from fast.engine import _cache, _mask, _View
+    from fast.pool import SlotPool
+
+    pool, dev, n = SlotPool(model, batch, context + 8), model.device, [0]
+    view, lens = _View(pool, 0), torch.full((batch,), context, device=dev)
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            n[0] += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), decode_attention(model, cfg.decode_attention):
+        view.set(lens, 1, context + 1)
+        with Count():
+            decode_step(model, _cache([view]), torch.zeros(batch, 1, dtype=torch.long, device=dev),
+                        _mask(lens, 1, view.seen, pool, cfg), lens[:, None], torch.arange(batch, device=dev), cfg)
+    return n[0]
+
+
 def roofline(device, cpu: bool):
     """The decoding step's seconds against the time to read its weights and live KV cache once at the copy
-    bandwidth, with the model's attention (sdpa and a padding mask) and the grouped one, in bf16 (CPU: fp32 toy)."""
+    bandwidth, with the model's attention (sdpa and a padding mask) and the grouped one, eager, graphed, and graphed
+    without the kernel cuts (decode.KERNEL_CUTS: each norm fused, the mask made once a step), in bf16 (CPU: fp32
+    toy)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from fast import decode as decode_module
     from fast.batched_rollout import RolloutConfig as cfg
 
     step_cost = bench_rollout().step_cost
     variants = {"model": cfg(decode_attention="model", compile_decode="off"), "grouped": cfg(compile_decode="off"),
-                "graphed": cfg(compile_decode="off", decode_graphs="on"), "compiled": cfg(compile_decode="on")}
+                "graphed": cfg(compile_decode="off", decode_graphs="on"), "compiled": cfg(compile_decode="on"),
+                "graphed uncut": cfg(compile_decode="off", decode_graphs="on")}  # decode.KERNEL_CUTS off
+
+    def step_ms(model, how, cfg, batch, context):
+        decode_module.KERNEL_CUTS = how != "graphed uncut"
+        try:
+            return min(step_cost(model, batch, context, steps=10, cfg=cfg) for _ in range(2)) * 1e3
+        finally:
+            decode_module.KERNEL_CUTS = True
+
     dtype = torch.float32 if cpu else torch.bfloat16
     shapes = {"toy": dict(SHAPES["toy"], vocab_size=4096)} if cpu else {
         "qwen3-0.6b": dict(SHAPES["qwen3-0.6b"], vocab_size=151936, tie_word_embeddings=True),
@@ -476,14 +515,25 @@ def roofline(device, cpu: bool):
             # compiled at the target's point only (and everywhere on the CPU's toy): on an H200 one compile of the
             # 0.6B step took 114 s, and every shape of the grid compiles anew
             at_target = (name, batch, context) == ("qwen3-8b", 16, 8192)
-            ms = {how: min(step_cost(model, batch, context, steps=10, cfg=cfg) for _ in range(2)) * 1e3
+            ms = {how: step_ms(model, how, cfg, batch, context)
                   for how, cfg in variants.items() if how != "compiled" or cpu or at_target}
             bound = (weights + batch * context * per_token) / bandwidth * 1e3
             best = ms["graphed"]
             figs[f"{name} b{batch} ctx{context}"] = (
                 ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()) + f", roofline {bound:.2f} ms: graphed "
                 f"{best / bound:.2f}x the roofline, {batch / best * 1e3:.0f} tokens/s, {ms['grouped'] / best:.1f}x "
-                "the eager step's")
+                f"the eager step's, the cuts {ms['graphed uncut'] / best:.2f}x")
+            if (batch, context) == grid[0]:  # the step's ops (~kernels), with and without the cuts, greedy, sampled
+                eager = variants["grouped"]
+                for how, c in (("greedy", dataclasses.replace(eager, greedy=True)), ("sampled top-p 0.9",
+                               dataclasses.replace(eager, greedy=False, temperature=0.7, top_p=0.9))):
+                    for cuts in (True, False):
+                        decode_module.KERNEL_CUTS = cuts
+                        try:
+                            figs[f"{name} ops a step, {how}{'' if cuts else ', uncut'}"] = ops_a_step(
+                                model, batch, context, c)
+                        finally:
+                            decode_module.KERNEL_CUTS = True
             if at_target:
                 target = ms["graphed"] / bound
             PROGRESS(figs)  # each point written as it is measured

@@ -7,7 +7,7 @@ through a boolean mask, and the query heads that share a key-value head read its
 padded sdpa and eager paths first copy the cache to every query head. The draw inverts each row's
 cumulative distribution at a uniform that is a function of the episode's seed and the position drawn
 (`uniform_noise`, counter-based), so a batch draws in a few kernels and an episode samples the same tokens however
-it was batched; nucleus sampling finds its cut by bisection (`top_p_keep`), without sorting the vocabulary. With
+it was batched; nucleus sampling finds its cut in one sort of each row (`top_p_keep`). With
 `compile_decode` the forward goes through torch.compile (off by default, on a GPU too: on an H200 it compiled for
 114 s a shape and again for every shape of a run).
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import textwrap
 import time
 import warnings
 from dataclasses import dataclass
@@ -62,12 +63,25 @@ def grouped_decode_attention(module, query, key, value, attention_mask, scaling=
                                   "cache slots have no per-row window; use --max-context of at most the window")
     n_rep = H // kvh
     q = query.reshape(B, kvh, n_rep * W, D)  # row r * W + w of head group g: query head g * n_rep + r, token w
-    mask = attention_mask.repeat(1, 1, n_rep, 1) if W > 1 else attention_mask
+    mask = attention_mask.repeat(1, 1, n_rep, 1) if W > 1 else _additive(attention_mask, q.dtype) if KERNEL_CUTS \
+        else attention_mask
     out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(B, H, W, D).transpose(1, 2), None
 
 
 AttentionInterface.register(GROUPED, grouped_decode_attention)
+KERNEL_CUTS = True  # fused norms and the mask made once a step (False: as the model and SDPA do them; bench/gpu.py)
+_ADDITIVE: list = [None, None]  # the last decoding step's boolean mask and its additive form, made once a step
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A decoding step's [B, 1, 1, L] boolean mask as the additive one SDPA would make of it in every layer (0 where
+    seen, -inf elsewhere, in the query's dtype: the same numbers, so the same attention), made at the step's first
+    layer and reused by the others: every layer is handed the same mask object. Prefill's repeated masks are not
+    kept (a chunk's would be [B, 1, n_rep x W, L] floats)."""
+    if _ADDITIVE[0] is not mask or _ADDITIVE[1].dtype != dtype:
+        _ADDITIVE[:] = mask, torch.full(mask.shape, -torch.inf, dtype=dtype, device=mask.device).masked_fill_(mask, 0)
+    return _ADDITIVE[1]
 
 
 class Parts(list):
@@ -219,10 +233,55 @@ def decode_attention(model, name: str, openings: tuple | None = None):
     cfg._attn_implementation_internal = GROUPED if openings is None else OPENING
     _OPENINGS.append(openings)
     try:
-        yield
+        with fused_norms(model):
+            yield
     finally:
         cfg._attn_implementation_internal = before
         _OPENINGS.pop()
+
+
+# The forward of Llama's RMSNorm, which Qwen2's, Qwen3's and Mistral's copy: norms whose class has this code exactly
+# are decoded through `fused_norms`; any other (Gemma's 1 + weight, a version that changes it) keeps its own forward.
+RMS_NORM_FORWARD = '''def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+'''
+_NORM_CLASSES: dict[type, bool] = {}  # class -> its forward is RMS_NORM_FORWARD (read once a class)
+
+
+@contextlib.contextmanager
+def fused_norms(model):
+    """Every RMSNorm of the model whose forward is RMS_NORM_FORWARD computed, while decoding, as one call of torch's
+    rms_norm (normalized in float32 and rounded to the input's dtype: one fused kernel on CUDA, where the module's
+    code launches 6-8) and the weight's product, the module's own arithmetic in its own order (the same numbers on
+    the CPU; on CUDA the fused kernel sums the squares in its own order). A layer's four norms (Qwen3's query and key
+    norms with the two around attention and the MLP) go from ~30 kernels to 8. The modules' forwards are put back
+    after."""
+    norms = []
+    for m in model.modules() if KERNEL_CUTS else ():
+        cls = type(m)
+        if cls not in _NORM_CLASSES:
+            try:
+                _NORM_CLASSES[cls] = textwrap.dedent(inspect.getsource(cls.forward)) == RMS_NORM_FORWARD
+            except (OSError, TypeError):
+                _NORM_CLASSES[cls] = False
+        if _NORM_CLASSES[cls] and "forward" not in vars(m):
+            norms.append(m)
+            m.forward = _fused_norm(m)
+    try:
+        yield
+    finally:
+        for m in norms:
+            del m.forward
+
+
+def _fused_norm(norm):
+    def forward(x: torch.Tensor) -> torch.Tensor:  # (under autocast rms_norm runs in float32: rounded as the module)
+        return norm.weight * torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
+    return forward
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -258,20 +317,17 @@ def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, n: int) -> torch.
     return (_shr(z, 11).double() + 0.5) * 2.0 ** -53
 
 
-def top_p_keep(p: torch.Tensor, top_p: float, iters: int = 40) -> torch.Tensor:
-    """Which tokens nucleus sampling keeps, [B, V] boolean, without sorting the vocabulary: every token at least as
-    probable as the largest threshold t whose tokens p >= t still hold top_p of the mass (the smallest set by
-    probability that reaches top_p). t is found by bisection on each row at once; after `iters` halvings of
-    [0, max p] it is exact up to max p x 2^-iters, so only tokens within that of the cut can be kept too. Tokens
-    tied at the cut are all kept (a sort keeps those first in its order). Cost: 2 passes over [B, V] a halving,
-    ~80 in all, against a sort of the vocabulary per row."""
+def top_p_keep(p: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Which tokens nucleus sampling keeps, [B, V] boolean: every token at least as probable as the cut, the
+    probability at which the row's mass, summed from the most probable token down, first reaches top_p (the smallest
+    set by probability that reaches top_p). Tokens tied at the cut are all kept (a sort that stops at top_p keeps those
+    first in its order). One sort of each row and a cumulative sum: ~7 kernels whatever the vocabulary, where a
+    bisection for the cut took 2 passes over [B, V] per halving (~370 kernels for 40)."""
     p = p.double()
-    lo, hi = torch.zeros_like(p[:, :1]), p.max(-1, keepdim=True).values * (1 + 1e-12)
-    for _ in range(iters):
-        mid = (lo + hi) / 2
-        ok = torch.where(p >= mid, p, 0).sum(-1, keepdim=True) >= top_p
-        lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
-    return p >= lo
+    desc = p.sort(-1, descending=True).values
+    reached = desc.cumsum(-1) >= top_p
+    reached[:, -1] = True  # (a row whose mass rounds below top_p keeps every token it can draw)
+    return p >= desc.gather(-1, reached.byte().argmax(-1, keepdim=True))
 
 
 def _sample(logits: torch.Tensor, cfg, seeds: torch.Tensor | None = None,
@@ -285,7 +341,7 @@ def _sample(logits: torch.Tensor, cfg, seeds: torch.Tensor | None = None,
     cumulative distribution (in vocabulary order, float64: a token ~20 nats below the top one keeps its 2e-9 of
     the interval) at one uniform a row, uniform_noise(seeds[i], counters[i]) (the episode's seed and the position
     drawn; None: torch's global generator): one random number a row, and ~5 passes over the vocabulary (plus
-    top_p_keep's when top_p < 1)."""
+    top_p_keep's sort when top_p < 1)."""
     logp = torch.log_softmax(logits / cfg.temperature, dim=-1)
     if cfg.greedy:
         tok = logits.argmax(dim=-1)

@@ -1,7 +1,8 @@
 """The decoding step over fixed buffers, so that CUDA can capture it once as a graph and replay it every step.
 
-Eagerly, a decoding step of a small model is ~1,700 kernel launches with Python around each (59 a layer), tens of
-times the time its arithmetic and memory reads take on a GPU. A CUDA graph replays all of a step's kernels in one
+Eagerly, a decoding step of a small model is ~1,700 kernel launches with Python around each (59 a layer; ~33 since
+decode.KERNEL_CUTS fuses each norm and makes the mask once a step, by the same count, not yet profiled on a GPU), tens
+of times the time its arithmetic and memory reads take on a GPU. A CUDA graph replays all of a step's kernels in one
 launch, but only over the memory it was captured with, at the shapes it was captured with. So the step is written
 here as a body that reads only fixed buffers: per bucket of rows and columns (`row_bucket`, `col_bucket`), the
 tokens, lengths and seeds of its rows ([Bb]), the pool's key and value buffers, the model's weights. A batch of B
@@ -27,6 +28,7 @@ import warnings
 
 import torch
 
+from fast import decode
 from fast.decode import _sample, decode_logits
 from fast.engine import _cache, _View
 
@@ -155,7 +157,7 @@ def graph_key(model, cfg) -> tuple | None:
     """What a kept step's graphs were captured for: the model (its weights' addresses) and the draw (the sampling
     settings are constants inside a graph); None when nothing can be kept."""
     where = weights_key(model)
-    return None if where is None else (id(model), where, cfg.greedy, cfg.temperature, cfg.top_p)
+    return None if where is None else (id(model), where, cfg.greedy, cfg.temperature, cfg.top_p, decode.KERNEL_CUTS)
 
 
 _SAID: set[str] = set()

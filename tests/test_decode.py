@@ -251,16 +251,38 @@ def test_the_noise_is_a_function_of_seed_counter_and_column():
 
 
 def test_top_p_keeps_the_smallest_set_that_reaches_it():
-    """top_p_keep (bisection, no sort) keeps exactly what sorting does: the most probable tokens up to and including
-    the first whose cumulative mass reaches top_p."""
+    """top_p_keep keeps, by its definition written out token by token: every token at least as probable as the largest
+    probability t whose tokens (p >= t) still hold top_p of the mass; ties at the cut are all kept (rows with many
+    ties: probabilities rounded to a grid). Its kernels a call do not grow with the vocabulary."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     torch.manual_seed(0)
     for top_p in (0.1, 0.5, 0.9, 0.99):
-        p = torch.softmax(torch.randn(64, 3000) * 3, -1)
-        sorted_p, order = p.sort(-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p >= top_p
-        want = ~torch.zeros_like(drop).scatter(-1, order, drop)
-        assert torch.equal(decode.top_p_keep(p, top_p), want)
+        for grid in (None, 64):
+            p = torch.softmax(torch.randn(40, 30) * 2, -1).double()
+            if grid:
+                p = (p * grid).round().clamp(min=1) / grid
+                p = p / p.sum(-1, keepdim=True)
+            want = torch.zeros_like(p, dtype=torch.bool)
+            for r, row in enumerate(p.tolist()):
+                cut = max(t for t in row if sum(x for x in row if x >= t) >= top_p)
+                want[r] = torch.tensor([x >= cut for x in row])
+            assert torch.equal(decode.top_p_keep(p, top_p), want), (top_p, grid)
     assert decode.top_p_keep(torch.tensor([[1.0, 0.0]]), 0.5).tolist() == [[True, False]]
+    assert decode.top_p_keep(torch.tensor([[0.25, 0.25, 0.5]]), 0.6).tolist() == [[True, True, True]]
+
+    ops = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    for vocab in (100, 20000):
+        probs = torch.softmax(torch.randn(4, vocab), -1)
+        with Count():
+            decode.top_p_keep(probs, 0.9)
+    assert len(ops) % 2 == 0 and ops[:len(ops) // 2] == ops[len(ops) // 2:] and len(ops) // 2 <= 12, ops
 
 
 def test_the_draw_lands_on_a_kept_token_at_either_end_of_the_interval(monkeypatch):
@@ -529,3 +551,54 @@ def test_every_tensor_the_graphed_body_reads_keeps_its_address(lm, tiny_tok):
                                                         b.out_lp, *pool.k, *pool.v, *lm.parameters()]}
     assert first <= fixed | {p.untyped_storage().data_ptr() for p in lm.buffers()}, "the body read a tensor it " \
         "neither made nor keeps"
+
+
+def test_a_decoding_step_calls_each_norm_once_and_makes_its_mask_once(lm, tiny_tok):
+    """The step's kernel cuts (exact: the engine's tokens are the reference's in the rollout tests): every RMSNorm of
+    the model is one call of torch's rms_norm (one fused kernel on CUDA) and the weight's product, the same numbers
+    as the module's own forward; the additive mask is made once a step, not converted by every layer's SDPA; the
+    modules' own forwards are back after. A norm whose code differs (Gemma's 1 + weight) keeps its own."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fast.decode import decode_attention, fused_norms
+
+    calls, ops = [], []
+
+    class Calls(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            calls.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    pool, steps, cfg, lens = _graph_body(lm, tiny_tok)
+    b = steps.bucket(len(lens), int(lens.max()) + 1)
+    b.lens[:3] = lens
+    norms = [m for m in lm.modules() if type(m).__name__.endswith("RMSNorm")]
+    with torch.no_grad():
+        x = torch.randn(3, 1, norms[0].weight.shape[0]) * 3
+        own = norms[0](x)
+        with decode_attention(lm, "grouped"), Calls(), Ops():
+            steps._body(b)
+        assert ops.count("masked_fill_") == 1  # the additive mask, once a step
+        assert torch.equal(norms[0](x), own) and not any("forward" in vars(m) for m in norms)
+    layers = lm.config.num_hidden_layers
+    assert len(norms) == 4 * layers + 1 and calls.count("rms_norm") == len(norms) and "rsqrt" not in calls
+    in_body = ops.count("where")
+    ops.clear()
+    with Ops():
+        decode._sample(torch.randn(3, lm.config.vocab_size), cfg, b.seeds[:3], b.lens[:3])
+    assert ops.count("masked_fill_") == 0 and in_body == ops.count("where")  # the draw's, none a layer
+    ops.clear()
+
+    class OnePlus(type(norms[0])):  # another norm's code: left alone
+        def forward(self, hidden_states):
+            return hidden_states * (1 + self.weight)
+
+    holder = torch.nn.Sequential(OnePlus(8))
+    with fused_norms(holder):
+        assert "forward" not in vars(holder[0])
