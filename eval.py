@@ -298,13 +298,18 @@ def main(argv=None):
     if cfg.agent.startswith("openai:") or cfg.agent == "expert":
         episodes = run_api_agent(cfg, env, tasks[acc.process_index::acc.num_processes])
     else:
-        from fast.batched_rollout import RolloutConfig, rollout
+        from fast.batched_rollout import RolloutConfig, parse_slots, rollout
         from plumbing.options import check_max_context
         from plumbing.users import make_user_sim
 
         mine = tasks[acc.process_index::acc.num_processes]
         live = len(mine) * cfg.trials
         decoding = min(live, cfg.rollout_batch or live)
+        try:
+            sizes = parse_slots(cfg.decode_slots, cfg.max_context) if cfg.decode_slots else []
+        except ValueError as e:
+            raise SystemExit(f"eval.py: {e}") from None
+        decoding = min(decoding, sum(n for n, _ in sizes) or decoding)  # slots sized by need hold what they list
         bf16 = models.default_dtype(acc.device) == torch.bfloat16  # load_model's default: bf16 on GPU, fp32 on CPU
         attn = models.attention_implementation(acc.device, None, cfg.attn, "eval.py")  # None: load_model's dtype
         with cli.option_errors("eval.py: --agent"):
@@ -313,7 +318,7 @@ def main(argv=None):
             on_gpu = acc.device.type == "cuda"
             room = (torch.cuda.get_device_properties(acc.device).total_memory if on_gpu else
                     memory.cpu_room() if acc.device.type == "cpu" else 0)
-            if config is not None and not cfg.rollout_batch and room and cfg.memory_check:
+            if config is not None and not cfg.rollout_batch and room and cfg.memory_check and not sizes:
                 # --rollout-batch 0: as many as the GPU (or the CPU's free host memory) holds decode at once, the
                 # others wait (on a GPU, in host memory)
                 decoding = memory.fitting_batch(config, live=live, bf16=bf16, max_context=cfg.max_context,
@@ -328,7 +333,8 @@ def main(argv=None):
                                    max_context=cfg.max_context, episodes=decoding, device=acc.device,
                                    check=cfg.memory_check, program="eval.py", inference=True,
                                    parked=live - decoding if acc.device.type != "cpu" else 0,
-                                   prefill_tokens=RolloutConfig.prefill_tokens)
+                                   prefill_tokens=RolloutConfig.prefill_tokens,
+                                   slot_positions=sum(n * cap for n, cap in sizes))
             with cli.outside_zero3_init():  # evaluated only: never partitioned under a ZeRO-3 config
                 model, tok = models.load_model(cfg.agent, device=acc.device, env=env, attn_implementation=attn)
         shard.check_same_weights(acc, model, f"--agent {cfg.agent}", "eval.py")  # each process loaded its own copy

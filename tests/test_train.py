@@ -492,6 +492,14 @@ def test_eval_rollout_batch_and_memory_estimate(tmp_path, ckpt, capsys):
         eps[batch] = [json.loads(line)["messages"] for line in open(tmp_path / batch / "episodes.jsonl")]
     assert eps["0"] == eps["2"]
     out = capsys.readouterr().out
+    # slots sized by need (--decode-slots): the same episodes; the slots bound the batch and the estimate counts them
+    top = evaluation.EvalConfig().max_context
+    evaluation.main(["--agent", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--num-tasks", "3", "--trials", "2",
+                     "--max-new-tokens", "8", "--decode-slots", f"2x200,1x{top}", "--out-dir", str(tmp_path / "s")])
+    assert [json.loads(line)["messages"] for line in open(tmp_path / "s" / "episodes.jsonl")] == eps["0"]
+    with pytest.raises(SystemExit, match=f"eval.py: --decode-slots 2x200: the largest slots .* --max-context"):
+        evaluation.main(["--agent", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--decode-slots", "2x200",
+                         "--out-dir", str(tmp_path / "bad")])
     assert "[eval] estimated memory per GPU" in out and "kv_cache" in out and "optimizer" not in out
     est = memory.memory_estimate(1000, bf16=True, kv_bytes_per_token=10, max_context=100, episodes=2, parked=3,
                                 inference=True)
