@@ -58,6 +58,7 @@ import fcntl
 import hashlib
 import json
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -149,6 +150,19 @@ def teacher_conversations(n: int, seed: int, users: list[str] | list[tuple[str, 
     return convs
 
 
+def with_drills(convs: list[dict], seed: int, share: float) -> list[dict]:
+    """The conversations and `share` x as many copy drills of them, shuffled (the seed's order): windows that end in
+    a message the agent writes values into, the last 1-4 messages before it, items renamed as drawn (coldstart.drills,
+    as the base was pretrained). Without them, the copy of the user's answer into the write came out seed by seed:
+    at seed 1 the write after "(refund: original) ... Yes." carried the voucher, the answer asked for after asking in
+    that seed's data (bench/README.md, try 12)."""
+    if not share:
+        return convs  # (as tries 10 and 11 trained)
+    data = convs + coldstart.drills(convs, int(share * len(convs)), random.Random(seed))
+    random.Random(seed).shuffle(data)
+    return data
+
+
 def grpo_arm(start: list[str], env: str, out: Path, args, seed: int) -> tuple[float, float, list[tuple[int, Path]]]:
     """A GRPO run; returns its seconds, its CPU seconds and its checkpoints (step, model directory)."""
     t0, c0 = time.time(), time.process_time()  # --overwrite: an arm cut short is run again from its start
@@ -174,10 +188,11 @@ def run_arm(arm: str, seed: int, done: dict, base: str, args, out: Path, log) ->
     if arm == "cold":
         t0 = time.time()
         convs = teacher_conversations(args.cold_tasks, seed, user_shares(args.cold_users))
+        data = with_drills(convs, seed, args.cold_drills)
         t1, c1 = time.time(), time.process_time()
-        path = sft.train(sft.SFTConfig(model=base, out=str(d / "cold"), seed=seed, **models.TINY_COLD_START), convs)
+        path = sft.train(sft.SFTConfig(model=base, out=str(d / "cold"), seed=seed, **models.TINY_COLD_START), data)
         t2, c2 = time.time(), time.process_time()  # SFT's cost a step, on its training alone (evaluation after)
-        steps = max(1, int(models.TINY_COLD_START["epochs"] * (len(convs) // sft.SFTConfig.batch_size)))
+        steps = max(1, int(models.TINY_COLD_START["epochs"] * (len(data) // sft.SFTConfig.batch_size)))
         return {"final": ev(path), "seconds": 0.0, "curve": [], "cold_start_s": t2 - t0,
                 "sft_step_s": (t2 - t1) / steps, "sft_step_cpu_s": (c2 - c1) / steps,
                 "tasks": sorted(c["task_id"] for c in convs), "weights": weights_hash(path)}
@@ -187,7 +202,7 @@ def run_arm(arm: str, seed: int, done: dict, base: str, args, out: Path, log) ->
         # the cold start is rebuilt from its seed, and whether it came out bit for bit the same is recorded
         convs = teacher_conversations(args.cold_tasks, seed, user_shares(args.cold_users))
         cold = Path(sft.train(sft.SFTConfig(model=base, out=str(d / "cold"), seed=seed, **models.TINY_COLD_START),
-                              convs))
+                              with_drills(convs, seed, args.cold_drills)))
         same = weights_hash(cold) == done["cold"].get("weights")
         log(f"seed {seed}: cold start rebuilt for {arm}; {'the same weights' if same else 'OTHER WEIGHTS than measured'}")
         done["cold"]["rebuilt_same"] = done["cold"].get("rebuilt_same", True) and same
@@ -199,6 +214,7 @@ def run_arm(arm: str, seed: int, done: dict, base: str, args, out: Path, log) ->
         # CPU seconds, not wall seconds: a run paused (kill -STOP) or sharing the machine keeps the same budget
         budget = done["dynamic"]["cpu_s"] - (time.process_time() - c0)
         steps = max(1, int(budget / done["cold"]["sft_step_cpu_s"]))
+        more = with_drills(more, seed + 100, args.cold_drills)  # the cold start's recipe, on new conversations
         epochs = (steps + 0.5) / max(1, len(more) // sft.SFTConfig.batch_size)
         path = sft.train(sft.SFTConfig(model=str(cold), out=str(d / "sft"), seed=seed + 100, epochs=epochs,
                                        lr=models.TINY_COLD_START["lr"]), more)
@@ -289,6 +305,9 @@ def main(argv=None):
     p.add_argument("--cold-users", default="dynamic:3,told:1", help="the users the cold start's teacher talks to, "
                    f"each on its share of the tasks (comma-separated USER[:SHARE], of {', '.join(USER_ENV)}; "
                    "dynamic:3,static:1 gives the dynamic user 3 of every 4 tasks)")
+    p.add_argument("--cold-drills", type=float, default=0.0, help="copy drills of the cold start's conversations "
+                   "beside them, per conversation (with_drills; bench/README.md try 12: 1.0 ended seed 1's collapse "
+                   "but asking still costs the default users; 0: none)")
     p.add_argument("--arms", default=",".join(ORDER), help="which arms (comma-separated); they run in the order of "
                    "the default")
     p.add_argument("--base", default="", help="the model every arm starts from (default: the tiny base)")

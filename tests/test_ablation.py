@@ -164,6 +164,22 @@ def test_the_cold_start_talks_to_each_user_on_its_share_of_the_tasks():
             or "zip code" in c["messages"][1]["content"]} == {3}
 
 
+def test_copy_drills_join_the_cold_start_s_conversations():
+    """--cold-drills: as many drills as the share asks, each a window that ends in a message the agent writes values
+    into (a tool call or an id), shuffled in with the conversations the same way for the same seed; 0 leaves the
+    conversations as they were (tries 10 and 11 trained on them in that order)."""
+    convs = ablation.teacher_conversations(40, 0, ["dynamic"])
+    assert ablation.with_drills(convs, 0, 0.0) is convs
+    data = ablation.with_drills(convs, 3, 0.5)
+    assert data == ablation.with_drills(convs, 3, 0.5) and data != ablation.with_drills(convs, 4, 0.5)
+    drills = [c for c in data if c not in convs]
+    assert len(data) == len(convs) + len(convs) // 2 and len(drills) == len(convs) // 2
+    for d in drills:
+        last = d["messages"][-1]
+        assert d["tools"] == [] and d["prompt_messages"] == len(d["messages"]) - 1 and last["role"] == "assistant"
+        assert last.get("tool_calls") or any(ch.isdigit() for ch in last["content"])
+
+
 def test_two_runs_share_a_directory_seed_by_seed(tmp_path, base, monkeypatch):
     """A seed another run holds is skipped, and a run's writes keep the seeds the other wrote meanwhile."""
     out = tmp_path / "run"
