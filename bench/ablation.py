@@ -19,7 +19,8 @@ their old policy, no decisions), for each seed:
              models.TINY_COLD_START says), as the default run's but with the users of --cold-users (the dynamic
              user on 3 of every 4 tasks, the told user on the fourth: every arm's user talks as the dynamic one
              does, and a cold start that never heard a wish said unasked asks the told user to hear it again, which
-             GRPO with that user then rewarded as much as the dynamic user's did: bench/README.md, try 11)
+             GRPO with that user then rewarded as much as the dynamic user's did: bench/README.md, try 11), and
+             as many copy drills of those conversations beside them (--cold-drills, with_drills: try 12)
   sft        cold + more SFT of the same teacher on new conversations, for as many CPU seconds as arm `dynamic` took
   rl         GRPO from the base with the dynamic user, no cold start
   dynamic    cold + GRPO with the dynamic user (the paper's method)
@@ -157,7 +158,7 @@ def with_drills(convs: list[dict], seed: int, share: float) -> list[dict]:
     at seed 1 the write after "(refund: original) ... Yes." carried the voucher, the answer asked for after asking in
     that seed's data (bench/README.md, try 12)."""
     if not share:
-        return convs  # (as tries 10 and 11 trained)
+        return convs  # (as tries 10 and 11 trained, and a run started before --cold-drills continues)
     data = convs + coldstart.drills(convs, int(share * len(convs)), random.Random(seed))
     random.Random(seed).shuffle(data)
     return data
@@ -305,9 +306,9 @@ def main(argv=None):
     p.add_argument("--cold-users", default="dynamic:3,told:1", help="the users the cold start's teacher talks to, "
                    f"each on its share of the tasks (comma-separated USER[:SHARE], of {', '.join(USER_ENV)}; "
                    "dynamic:3,static:1 gives the dynamic user 3 of every 4 tasks)")
-    p.add_argument("--cold-drills", type=float, default=0.0, help="copy drills of the cold start's conversations "
-                   "beside them, per conversation (with_drills; bench/README.md try 12: 1.0 ended seed 1's collapse "
-                   "but asking still costs the default users; 0: none)")
+    p.add_argument("--cold-drills", type=float, default=1.0, help="copy drills of the cold start's conversations "
+                   "beside them, per conversation (with_drills; bench/README.md try 12: they ended seed 1's collapse "
+                   "of the copy after asking; 0: none, as tries 10-11)")
     p.add_argument("--arms", default=",".join(ORDER), help="which arms (comma-separated); they run in the order of "
                    "the default")
     p.add_argument("--base", default="", help="the model every arm starts from (default: the tiny base)")
