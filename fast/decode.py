@@ -14,6 +14,7 @@ it was batched; nucleus sampling finds its cut in one sort of each row (`top_p_k
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 import textwrap
@@ -75,12 +76,14 @@ _ADDITIVE: list = [None, None]  # the last decoding step's boolean mask and its 
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A decoding step's [B, 1, 1, L] boolean mask as the additive one SDPA would make of it in every layer (0 where
-    seen, -inf elsewhere, in the query's dtype: the same numbers, so the same attention), made at the step's first
-    layer and reused by the others: every layer is handed the same mask object. Prefill's repeated masks are not
-    kept (a chunk's would be [B, 1, n_rep x W, L] floats)."""
+    """A decoding step's [B, 1, 1, L] boolean mask as the additive one SDPA makes of it in every layer, made at the
+    step's first layer (every layer is handed the same mask object): 0 where seen, else the dtype's lowest (finite,
+    as cuDNN needs; each row sees its newest token, so unseen columns weigh exactly 0 as with -inf)."""
+    dev = mask.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else dtype  # (what SDPA would cast to)
     if _ADDITIVE[0] is not mask or _ADDITIVE[1].dtype != dtype:
-        _ADDITIVE[:] = mask, torch.full(mask.shape, -torch.inf, dtype=dtype, device=mask.device).masked_fill_(mask, 0)
+        full = torch.full(mask.shape, torch.finfo(dtype).min, dtype=dtype, device=mask.device)
+        _ADDITIVE[:] = mask, full.masked_fill_(mask, 0)
     return _ADDITIVE[1]
 
 
@@ -240,8 +243,7 @@ def decode_attention(model, name: str, openings: tuple | None = None):
         _OPENINGS.pop()
 
 
-# The forward of Llama's RMSNorm, which Qwen2's, Qwen3's and Mistral's copy: norms whose class has this code exactly
-# are decoded through `fused_norms`; any other (Gemma's 1 + weight, a version that changes it) keeps its own forward.
+# Llama's RMSNorm forward (Qwen2's, Qwen3's, Mistral's copy it): only norms of this code are fused (not Gemma's 1 + w)
 RMS_NORM_FORWARD = '''def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     input_dtype = hidden_states.dtype
     hidden_states = hidden_states.to(torch.float32)
@@ -249,33 +251,36 @@ RMS_NORM_FORWARD = '''def forward(self, hidden_states: torch.Tensor) -> torch.Te
     hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
     return self.weight * hidden_states.to(input_dtype)
 '''
-_NORM_CLASSES: dict[type, bool] = {}  # class -> its forward is RMS_NORM_FORWARD (read once a class)
+_FUSED: dict[int, object] = {}  # the models whose norms a fused_norms holds fused now
+
+
+@functools.cache
+def _is_llama_norm(cls: type) -> bool:
+    try:
+        return textwrap.dedent(inspect.getsource(cls.forward)) == RMS_NORM_FORWARD
+    except (OSError, TypeError, IndexError):
+        return False
 
 
 @contextlib.contextmanager
-def fused_norms(model):
+def fused_norms(model, on: bool = True):
     """Every RMSNorm of the model whose forward is RMS_NORM_FORWARD computed, while decoding, as one call of torch's
-    rms_norm (normalized in float32 and rounded to the input's dtype: one fused kernel on CUDA, where the module's
-    code launches 6-8) and the weight's product, the module's own arithmetic in its own order (the same numbers on
-    the CPU; on CUDA the fused kernel sums the squares in its own order). A layer's four norms (Qwen3's query and key
-    norms with the two around attention and the MLP) go from ~30 kernels to 8. The modules' forwards are put back
-    after."""
-    norms = []
-    for m in model.modules() if KERNEL_CUTS else ():
-        cls = type(m)
-        if cls not in _NORM_CLASSES:
-            try:
-                _NORM_CLASSES[cls] = textwrap.dedent(inspect.getsource(cls.forward)) == RMS_NORM_FORWARD
-            except (OSError, TypeError):
-                _NORM_CLASSES[cls] = False
-        if _NORM_CLASSES[cls] and "forward" not in vars(m):
-            norms.append(m)
-            m.forward = _fused_norm(m)
+    rms_norm (normalized in float32, rounded to the input's dtype: one fused kernel on CUDA, where the module launches
+    6-8) and the weight's product: bitwise the module's on the CPU; on CUDA the fused kernel sums the squares in its
+    own order. A layer's four norms go from ~30 kernels to 8. Held once a turn by the engine (a call inside it does
+    nothing); the modules' own forwards are put back after."""
+    mine = on and KERNEL_CUTS and id(model) not in _FUSED
+    norms = [m for m in model.modules() if _is_llama_norm(type(m)) and "forward" not in vars(m)] if mine else []
+    _FUSED.update({id(model): model} if mine else {})
     try:
+        for m in norms:
+            m.forward = _fused_norm(m)
         yield
     finally:
         for m in norms:
-            del m.forward
+            vars(m).pop("forward", None)
+        if mine:
+            del _FUSED[id(model)]
 
 
 def _fused_norm(norm):

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from fast.decode import Members, Parts, decode_attention, decode_step, with_cache
+from fast.decode import Members, Parts, decode_attention, decode_step, fused_norms, with_cache
 from fast.pool import Opening, SlotPool, Tiers, _Spilled
 from muarl import TurnEnd
 
@@ -221,6 +221,11 @@ def _prefill_shared_openings(model, opens: SlotPool, groups: list[list[_Row]], c
 
 @torch.no_grad()
 def generate_turn(model, pool: SlotPool | Tiers, rows: list[_Row], cfg, stops: list[int], ready=None) -> None:
+    with fused_norms(model, cfg.decode_attention == "grouped"):  # once a turn, not each step (decode_attention)
+        _generate_turn(model, pool, rows, cfg, stops, ready)
+
+
+def _generate_turn(model, pool: SlotPool | Tiers, rows: list[_Row], cfg, stops: list[int], ready=None) -> None:
     """Decode the current agent turn of every row, together, until fewer than cfg.refill_below of the rows are
     still decoding. A row whose turn ends gets row.turn_end; a row still mid-turn keeps turn_end None and its partial
     new_ids / new_logprobs, and the next call continues it (its last sampled token is its pending input). Either
@@ -323,6 +328,10 @@ def admit(pool: SlotPool | Tiers, rows: list[_Row], limit: int = 0) -> tuple[lis
     """The rows (in order) that decode together now, at most `limit` (0: any) and as many as the pool's slots that
     fit them hold, and the rows that wait for a later batch."""
     if isinstance(pool, Tiers):
-        return pool.admit(rows, limit)
+        batch, rest = pool.admit(rows, limit)
+        if rows and not batch:  # (every slot counts as room, held or not: only a row no size holds gets here)
+            raise RuntimeError(f"no slot of --decode-slots holds a turn of {pool.need(rows[0])} columns (the largest: "
+                               f"{pool.pools[-1].capacity})")
+        return batch, rest
     n = min(limit or len(rows), len(pool.owner))
     return rows[:n], rows[n:]

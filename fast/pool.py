@@ -262,9 +262,11 @@ class Tiers:
         return [o for p in self.pools for o in p.owner]
 
     def need(self, row) -> int:
-        """The columns of its own slot that `row`'s turn can reach, and the scratch column."""
+        """The columns of its own slot that `row`'s turn can reach, and the scratch column: a turn that ends at
+        position `end` caches positions up to end - 2 (its last token is drawn, never fed), so the scratch is column
+        end - 1 - base, as a one-size pool's slot of max_context columns holds an episode of max_context tokens."""
         end = min(len(row.ep.input_ids) + self.max_new_tokens, self.max_context)
-        return end - row.base + 1
+        return end - row.base
 
     def _assign(self, rows: list, limit: int) -> tuple[list[tuple[int, object]], list]:
         """(tier, row) for the rows that decode now, in `rows`' order (a row stays in its tier when it fits there

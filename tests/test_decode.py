@@ -602,3 +602,11 @@ def test_a_decoding_step_calls_each_norm_once_and_makes_its_mask_once(lm, tiny_t
     holder = torch.nn.Sequential(OnePlus(8))
     with fused_norms(holder):
         assert "forward" not in vars(holder[0])
+    fused = lambda: ["forward" in vars(m) for m in norms]  # noqa: E731
+    with fused_norms(lm):  # the engine's, once a turn: decode_attention's inside it leaves them as they are
+        with decode_attention(lm, "grouped"):
+            assert all(fused())
+        assert all(fused())
+    with fused_norms(lm, on=False):  # --decode-attention model: the model's own norms
+        assert not any(fused())
+    assert not any(fused())

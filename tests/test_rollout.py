@@ -327,7 +327,9 @@ def test_tiers_admit_by_need_and_by_openings(tiny_lm):
     row = lambda n, opening=None: SimpleNamespace(ep=SimpleNamespace(input_ids=range(n)), base=0, pool=None,  # noqa
                                                   slot=-1, spilled=None, kv_len=0, held=0, opening=opening)
     short, long1, long2, short2, short3 = row(10), row(40), row(50), row(20), row(12)
-    assert [tiers.need(r) for r in (short, long1)] == [19, 49]
+    assert [tiers.need(r) for r in (short, long1)] == [18, 48]
+    last = row(60)  # a turn that can reach max_context fits the largest size, which is max_context
+    assert tiers.need(last) == 64 and tiers.admit([last]) == ([last], [])
     batch, rest = tiers.admit([short, long1, long2, short2, short3])
     assert batch == [short, long1, short2] and rest == [long2, short3]  # one 64-slot; two 32-slots
     assert tiers.admit([short, long1], limit=1) == ([short], [long1])
