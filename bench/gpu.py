@@ -217,8 +217,9 @@ def versions(device):
 
 
 def engine(model, tok, env, tasks, device):
-    """Greedy: the engine (batched, KV cache across turns) plays exactly the reference rollout's episodes, also with
-    its decoding step replayed as CUDA graphs (--decode-graphs on)."""
+    """Greedy: the engine (batched, KV cache across turns) plays exactly the reference rollout's episodes, with the
+    kernel cuts and without them (decode.KERNEL_CUTS), and with its decoding step replayed as CUDA graphs."""
+    from fast import decode as decode_module
     from fast import pool as pool_module  # the kept pool; the parked caches' host blocks: page-locked in place
     from fast.batched_rollout import RolloutConfig, rollout
     from plumbing.users import make_user_sim
@@ -232,13 +233,17 @@ def engine(model, tok, env, tasks, device):
     def with_(**kw):
         return RolloutConfig(**{**base.__dict__, **kw})
 
-    for name, cfg, user in (("all", base, sim), ("max_batch 2", with_(max_batch=2), sim),
+    for name, cfg, user in (("all", base, sim), ("uncut", base, sim), ("max_batch 2", with_(max_batch=2), sim),
                             ("parked", with_(max_batch=2, park_device="cpu"), sim),
                             ("prefill chunks", with_(prefill_tokens=256), sim), ("slow user", base, slow),
                             ("graphed", with_(decode_graphs="on"), sim),  # captured CUDA graphs (CPU: their body)
                             ("graphed again", with_(decode_graphs="on"), sim)):  # the kept pool, its graphs replayed
         t = time.perf_counter()
-        eps = rollout(model, tok, env, tasks, 1, user, cfg)
+        decode_module.KERNEL_CUTS = name != "uncut"  # the cuts off: the model's norms, SDPA's own mask conversion
+        try:
+            eps = rollout(model, tok, env, tasks, 1, user, cfg)
+        finally:
+            decode_module.KERNEL_CUTS = True
         same = sum(a.input_ids == b.input_ids and a.loss_mask == b.loss_mask for a, b in zip(eps, ref))
         figs[name] = f"{same}/{len(ref)} equal"
         ok &= same == len(ref)
