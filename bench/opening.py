@@ -88,8 +88,8 @@ def compare(model, tok, env, tasks, group: int, layouts: dict, rounds: int, log=
     """The layouts (name -> RolloutConfig) playing the same sampled episodes of `tasks` x `group`, after a warm-up of
     two turns each, interleaved round by round. Per layout: mean tokens/s, the bytes its pools hold (the rows'
     slots, of every size, and the openings' pool), the bytes of cache a decoding step reads (each row's columns, and
-    each group's opening once when shared), the decoding steps a round; and whether every layout played the first's
-    episodes token for token."""
+    each group's opening once when shared; through the graphed step, its bucket's padding rows too, which read its
+    columns), the decoding steps a round; and whether every layout played the first's episodes token for token."""
     from fast import pool as pools
 
     cfg = model.config
@@ -114,6 +114,7 @@ def compare(model, tok, env, tasks, group: int, layouts: dict, rounds: int, log=
         seen.update(rows=0, groups=0, steps=0)
         held.clear()
         c = RolloutConfig(**{**c.__dict__, **({"max_turns": turns} if turns else {})})
+        pools._KEPT.clear()  # (each layout's own pools, made in its play: the graphed step captures in every play)
         pools.SlotPool.__init__ = pool_init
         try:
             if model.device.type == "cuda":

@@ -49,7 +49,7 @@ import torch
 from fast.deadlines import guard
 from fast.engine import _prefill_openings, _Row, admit, generate_turn
 from fast.graphs import graphs_on, step_graphs
-from fast.pool import SlotPool, Tiers, _compute_dtype_device, parse_slots, rollout_pool
+from fast.pool import SlotPool, Tiers, _compute_dtype_device, let_go, parse_slots, rollout_pool
 from envs import Speaker, Termination, next_turn, opening_messages
 from envs.users import UserSimError, close_user_sim, opening_retries, reply_problem, retries_of
 from muarl import Episode, TurnEnd, prompt_ids, stop_token_ids
@@ -283,6 +283,7 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
     if shared and (cfg.decode_attention != "grouped" or cfg.compile_decode != "off"):
         raise ValueError("decode_share_opening: the opening held apart is read by decode_attention 'grouped' only, "
                          "and not yet through compile_decode")
+    step = 256 if graphed else 1  # (graphed: pools sized in steps of 256 positions, so that the next rollouts'
     if cfg.decode_slots:  # slots sized by need: a few sizes, each episode in the smallest that holds its turn
         if cfg.decode_attention != "grouped" or cfg.compile_decode != "off":
             raise ValueError("decode_slots: slots of several sizes are read by decode_attention 'grouped' only, and "
@@ -290,14 +291,17 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
         pool = Tiers([SlotPool(model, n, cap, cfg.park_device) for n, cap in parse_slots(cfg.decode_slots,
                                                                                            cfg.max_context)],
                      cfg.max_new_tokens, cfg.max_context)
-    else:
-        pool = rollout_pool(model, slots, cfg.max_context - (min(opening_lens) if shared else 0), cfg.park_device,
-                            keep=graphed)
-        pool.graphs = step_graphs(model, pool, cfg) if graphed else None
+    else:  # openings find the kept pools)
+        pool = rollout_pool(model, slots, cfg.max_context - (min(opening_lens) // step * step if shared else 0),
+                            cfg.park_device, keep=graphed)
     if shared:  # a slot for each group that can decode at once, as long as the longest opening (+ the scratch column)
         if isinstance(pool, Tiers):  # as many groups as the slots hold whole, and two more (Tiers.admit holds to it)
             slots = pool.max_openings = -(-len(pool.owner) // max(map(len, groups))) + 2
-        pool.opens = SlotPool(model, min(slots, len(opening_lens)), max(opening_lens) + 1, cfg.park_device)
+        room = -(-(max(opening_lens) + 1) // step) * step
+        pool.opens = rollout_pool(model, min(slots, len(opening_lens)), room, cfg.park_device, graphed, ":openings")
+    else:
+        let_go(model, ":openings")  # (an openings' pool an earlier rollout kept)
+    pool.graphs = step_graphs(model, pool, cfg) if graphed else None  # (after the openings' pool: it reads them)
     _prefill_openings(model, pool, [g for g in groups if g], cfg, eot_ids[0])
     waiting: dict[concurrent.futures.Future, _Row] = {}  # rows whose tools or user reply are on their way
 

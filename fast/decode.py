@@ -7,9 +7,7 @@ through a boolean mask, and the query heads that share a key-value head read its
 padded sdpa and eager paths first copy the cache to every query head. The draw inverts each row's
 cumulative distribution at a uniform that is a function of the episode's seed and the position drawn
 (`uniform_noise`, counter-based), so a batch draws in a few kernels and an episode samples the same tokens however
-it was batched; nucleus sampling finds its cut in one sort of each row (`top_p_keep`). With
-`compile_decode` the forward goes through torch.compile (off by default, on a GPU too: on an H200 it compiled for
-114 s a shape and again for every shape of a run).
+it was batched; nucleus sampling finds its cut in one sort of each row (`top_p_keep`); `compile_decode`: decode_step.
 """
 from __future__ import annotations
 
@@ -107,12 +105,14 @@ class Parts(list):
 class Members:
     """Where each row of a batch stands among the groups in it: `group` [B] (0..G-1: which of the batch's openings
     it follows), `index` [B] (its place among that group's rows: 0..width-1, distinct within a group), `width` (the
-    most rows a group has in the batch), `lengths` [G] (each opening's positions; the opening buffer may be longer)."""
+    most rows a group has in the batch), `lengths` [G] (each opening's positions; the opening buffer may be longer);
+    `host`: group and index as lists, where `of` made them."""
 
     group: torch.Tensor
     index: torch.Tensor
     width: int
     lengths: torch.Tensor
+    host: tuple = ()
 
     @classmethod
     def of(cls, groups: list[int], lengths: list[int], device=None) -> Members:
@@ -123,7 +123,7 @@ class Members:
             index.append(seen.get(g, 0))
             seen[g] = index[-1] + 1
         t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        return cls(t(groups), t(index), max(seen.values(), default=1), t(lengths))
+        return cls(t(groups), t(index), max(seen.values(), default=1), t(lengths), (list(groups), index))
 
 
 SCORES_BYTES = 1 << 28  # attend_lse written out: at most this many bytes of float32 scores at once

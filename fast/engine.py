@@ -270,7 +270,8 @@ def _generate_turn(model, pool: SlotPool | Tiers, rows: list[_Row], cfg, stops: 
                 raise RuntimeError(f"decoding past the cache slots' {views[0].pool.capacity} positions (max_context)")
             with decode_attention(model, cfg.decode_attention, openings):
                 if pool.graphs is not None:  # the same step over fixed buffers, replayed as a CUDA graph (graphs.py)
-                    tok, lp = pool.graphs.step(tok, lens, seeds, longest[0] + 1)
+                    tok, lp = pool.graphs.step(tok, lens, seeds, longest[0] + 1, bases,
+                                               openings[2] if openings else None)
                 else:
                     for v, n in zip(views, longest):
                         v.set(lens[v.at], 1, n + 1)

@@ -51,14 +51,20 @@ def col_bucket(seen: int, capacity: int) -> int:
 
 
 class _Bucket:
-    """One bucket's fixed buffers: inputs (tok, lens, seeds), outputs (out_tok, out_lp), and the cache view and
-    the column and slot indices its body reads."""
+    """One bucket's fixed buffers: inputs (tok, lens, seeds, bases: the positions before each row's own columns),
+    outputs (out_tok, out_lp), and the cache view and the column and slot indices its body reads. With the groups'
+    openings held apart (`groups` > 0): where each row stands among them (`members`: group, index, the openings'
+    lengths), `width` cells a group, the padding rows in cells no row of the batch holds."""
 
-    def __init__(self, pool, rows: int, cols: int):
+    def __init__(self, pool, rows: int, cols: int, groups: int = 0, width: int = 0):
         dev = pool.device
         self.rows, self.cols = rows, cols
         self.tok = torch.zeros(rows, 1, dtype=torch.long, device=dev)
         self.lens = torch.full((rows,), pool.capacity - 1, dtype=torch.long, device=dev)
+        self.bases = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.members = decode.Members(torch.zeros(rows, dtype=torch.long, device=dev), torch.zeros(
+            rows, dtype=torch.long, device=dev), width, torch.zeros(groups, dtype=torch.long, device=dev)) \
+            if groups else None
         self.seeds = torch.zeros(rows, dtype=torch.long, device=dev)
         self.out_tok = torch.zeros(rows, dtype=torch.long, device=dev)
         self.out_lp = torch.zeros(rows, dtype=torch.float32, device=dev)
@@ -84,34 +90,70 @@ class StepGraphs:
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
         self.failed = None  # why a capture failed: every bucket then runs eagerly
         self.replays = 0
+        self.opens = pool.opens  # the groups' openings' pool its graphs read (None: not held apart)
+        self._cells_of: list = [None, None, None]
 
     def _body(self, b: _Bucket) -> None:
         cap = self.pool.capacity
         b.view.cols = b.lens[:, None].clamp(max=cap - 1)  # each row's new column (padding rows: the scratch one)
         mask = (b.columns[None, None, None, :] <= b.lens[:, None, None, None])  # [Bb, 1, 1, Lb]
-        logits = decode_logits(self.model, b.cache, b.tok, mask, b.lens[:, None])
-        tok, lp = _sample(logits, self.cfg, b.seeds, b.lens + 1)
+        if b.members is not None:  # (the openings' attention, decode_attention(..., openings), reads the bucket's)
+            decode._OPENINGS.append((self.pool.opens.k, self.pool.opens.v, b.members))
+        pos = b.lens + b.bases  # (each row's position: its own columns after its opening's, when held apart)
+        try:
+            logits = decode_logits(self.model, b.cache, b.tok, mask, pos[:, None])
+        finally:
+            if b.members is not None:
+                decode._OPENINGS.pop()
+        tok, lp = _sample(logits, self.cfg, b.seeds, pos + 1)
         b.out_tok.copy_(tok)
         b.out_lp.copy_(lp)
 
-    def bucket(self, rows: int, seen: int) -> _Bucket:
-        key = (row_bucket(rows, len(self.pool.owner)), col_bucket(seen, self.pool.capacity))
+    def bucket(self, rows: int, seen: int, members: decode.Members | None = None) -> _Bucket:
+        """The bucket of a batch of `rows` rows whose longest reads `seen` columns; with the openings held apart, of
+        its G groups too, each `width` cells wide: the most rows a group has, or enough cells for the bucket's rows,
+        rounded up to a power of two (a bucket per G, and a few widths)."""
+        rows = row_bucket(rows, len(self.pool.owner))
+        groups = len(members.lengths) if members is not None else 0
+        width = min(row_bucket(max(members.width, -(-rows // groups)), 1 << 30), rows) if groups else 0
+        key = (rows, col_bucket(seen, self.pool.capacity), groups, width)
         if key not in self.buckets:
             self.buckets[key] = _Bucket(self.pool, *key)
         return self.buckets[key]
 
-    def step(self, tok: torch.Tensor, lens: torch.Tensor, seeds: torch.Tensor, seen: int
+    def _cells(self, b: _Bucket, members: decode.Members) -> tuple[torch.Tensor, torch.Tensor]:
+        """[Bb] group and index of the bucket's rows: the batch's, then each padding row in a cell none holds (made
+        once a batch: the members change when rows leave or join, not every step)."""
+        if self._cells_of[0] is not members or self._cells_of[1] is not b:
+            groups, index = members.host
+            taken = set(zip(groups, index))
+            free = [(g, i) for g in range(len(members.lengths)) for i in range(b.members.width) if (g, i) not in taken]
+            cells = list(zip(groups, index)) + free[:b.rows - len(groups)]
+            self._cells_of = [members, b, torch.tensor(cells, dtype=torch.long).T.to(b.lens.device)]
+        return self._cells_of[2]
+
+    def step(self, tok: torch.Tensor, lens: torch.Tensor, seeds: torch.Tensor, seen: int,
+             bases: torch.Tensor | None = None, members: decode.Members | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """tok [B, 1], lens [B] (each row's length before this token), seeds [B]; `seen`: the columns the longest
-        row reads (its length + 1). Returns (tokens [B], logprobs [B])."""
+        """tok [B, 1], lens [B] (each row's own length before this token), seeds [B]; `seen`: the columns the
+        longest row reads (its length + 1); with the openings held apart, `bases` [B] (each row's opening length:
+        positions are bases + lens) and `members` (decode.Members). Returns (tokens [B], logprobs [B])."""
         B = len(lens)
-        b = self.bucket(B, seen)
+        b = self.bucket(B, seen, members)
         b.tok[:B].copy_(tok)
         b.lens[:B].copy_(lens)
         b.seeds[:B].copy_(seeds)
+        if bases is not None:
+            b.bases[:B].copy_(bases)
+        if members is not None:
+            b.members.lengths.copy_(members.lengths)
+            group, index = self._cells(b, members)
+            b.members.group.copy_(group)
+            b.members.index.copy_(index)
         if B < b.rows:
             b.lens[B:] = self.pool.capacity - 1
             b.tok[B:] = 0
+            b.bases[B:] = 0
         if not self.capture or self.failed:
             self._body(b)
         elif b.graph is None:
@@ -170,7 +212,6 @@ def graphs_on(cfg, device: torch.device, slots: int) -> bool:
     if cfg.decode_graphs == "off" or cfg.decode_graphs == "auto" and not on_gpu or slots < 2:
         return False
     why = ("it takes the grouped attention (--decode-attention grouped)" if cfg.decode_attention != "grouped" else
-           "the openings held apart (--decode-share-opening) are not graphed yet" if cfg.decode_share_opening else
            "slots of several sizes (--decode-slots) are not graphed yet" if cfg.decode_slots else
            "--compile-decode compiles the same step" if cfg.compile_decode == "on" or
            cfg.compile_decode == "auto" and on_gpu else None)
@@ -184,7 +225,7 @@ def step_graphs(model, pool, cfg) -> StepGraphs:
     """The pool's graphed step for this rollout: the one it kept from the last (its graphs replayed again) when that
     was captured for this model, at these weights' addresses, with this draw; else a new one (the old graphs freed)."""
     kept = pool.graphs
-    if kept is not None and kept.key is not None and kept.key == graph_key(model, cfg):  # (a failed one: eager)
-        return kept
+    if kept is not None and kept.key is not None and kept.key == graph_key(model, cfg) and kept.opens is pool.opens:
+        return kept  # (a failed one: eager; the openings' pool is one its graphs read too)
     pool.graphs = None  # its buckets and graphs go before new ones are captured
     return StepGraphs(model, pool, cfg, capture=pool.device.type == "cuda")

@@ -320,26 +320,36 @@ def _compute_dtype_device(model) -> tuple[torch.dtype, torch.device]:
 # ---------------------------------------------------------------------------------------------------------
 # One pool a process, for the graphed step
 # ---------------------------------------------------------------------------------------------------------
-_KEPT: dict[str, SlotPool] = {}  # by device: the pool the last rollout with the graphed step kept
+_KEPT: dict[str, SlotPool] = {}  # by device (and tag): the pools the last rollout with the graphed step kept
 
 
-def rollout_pool(model, slots: int, capacity: int, spill_device: str = "", keep: bool = False) -> SlotPool:
+def rollout_pool(model, slots: int, capacity: int, spill_device: str = "", keep: bool = False,
+                 tag: str = "") -> SlotPool:
     """The pool of one rollout: `slots` slots of `capacity` positions for `model`'s keys and values. With `keep`, the
     process's pool: the one an earlier rollout kept when it has this shape (the model's layers, key-value heads,
-    head size, compute dtype and device; the slots, the capacity, the spill device), its slots emptied and zeroed in
+    head size, compute dtype and device; the slots, the spill device) and at least this capacity (the rows' after
+    openings of other lengths), its slots emptied and zeroed in
     place, its graphed step (`graphs`) kept for graphs.step_graphs to judge; else a new one, kept in its place once
     the old one is let go (its memory freed before the new one is allocated). Without `keep`, a new pool that lives
-    as long as the rollout, and none is kept."""
+    as long as the rollout, and none is kept. `tag` names a second pool kept beside it (":openings": the groups')."""
     _, device = _compute_dtype_device(model)
-    kept = _KEPT.pop(str(device), None)
-    if keep and kept is not None and kept.shape == SlotPool.shape_for(model, slots, capacity, spill_device):
+    where = str(device) + tag
+    kept = _KEPT.pop(where, None)
+    want = SlotPool.shape_for(model, slots, capacity, spill_device)
+    if keep and kept is not None and kept.shape[:3] + kept.shape[4:] == want[:3] + want[4:] and \
+            kept.capacity >= capacity:
         for buf in kept.k + kept.v:
             buf.zero_()  # a NaN left by an earlier rollout would poison the masked columns (0 x NaN)
-        kept.owner = [None] * len(kept.owner)
-        _KEPT[str(device)] = kept
+        kept.owner, kept.opens = [None] * len(kept.owner), None  # (the openings' pool is the rollout's to give)
+        _KEPT[where] = kept
         return kept
     del kept  # the old pool, its step buffers and graphs: freed before the new pool is made
     pool = SlotPool(model, slots, capacity, spill_device)
     if keep:
-        _KEPT[str(device)] = pool
+        _KEPT[where] = pool
     return pool
+
+
+def let_go(model, tag: str = "") -> None:
+    """The pool an earlier rollout kept under `tag` (rollout_pool) let go: its memory freed."""
+    _KEPT.pop(str(_compute_dtype_device(model)[1]) + tag, None)

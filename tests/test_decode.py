@@ -365,7 +365,8 @@ def test_a_step_that_will_not_compile_warns_once_and_decodes_eagerly(lm, tiny_to
 # ---- the decoding step over fixed buffers (fast/graphs.py): everything but the capture, on the CPU ---------------
 def test_the_graphed_step_plays_the_eager_tokens(lm, tiny_tok, monkeypatch):
     """--decode-graphs on (on the CPU: the body a GPU captures, run eagerly): the greedy and the sampled episodes of
-    the eager step, with rows leaving and joining mid-turn and the pool smaller than the batch (max_batch); the
+    the eager step, with rows leaving and joining mid-turn and the pool smaller than the batch (max_batch), and with
+    the groups' openings held apart (the bucket's rows in their groups' cells, the padding rows in free ones); the
     logprobs recorded within float32 rounding (the attention reads the bucket's columns, masked past each row)."""
     from fast import graphs
 
@@ -378,11 +379,16 @@ def test_the_graphed_step_plays_the_eager_tokens(lm, tiny_tok, monkeypatch):
         cfg = RolloutConfig(max_new_tokens=24, max_turns=3, decode_graphs=how, **kw)
         return rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), cfg, seed=5)
 
-    for kw in (dict(greedy=True), dict(temperature=0.9), dict(temperature=0.9, top_p=0.8, max_batch=4)):
+    for kw in (dict(greedy=True), dict(temperature=0.9), dict(temperature=0.9, top_p=0.8, max_batch=4),
+               dict(greedy=True, decode_share_opening=True), dict(temperature=0.9, decode_share_opening=True),
+               dict(temperature=0.9, max_batch=3, decode_share_opening=True)):
         eager, body = run("off", **kw), run("on", **kw)
         assert [e.input_ids for e in body] == [e.input_ids for e in eager]
         for a, b in zip(body, eager):
             assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    monkeypatch.setattr(decode, "FUSED_LSE", False)  # the two parts written out, as on a GPU
+    kw = dict(temperature=0.9, max_batch=3, decode_share_opening=True)
+    assert [e.input_ids for e in run("on", **kw)] == [e.input_ids for e in run("off", **kw)]
     assert steps  # the graphed step did run ('on'), and 'auto' leaves the CPU's step eager
     n = len(steps)
     assert [e.input_ids for e in run("auto", greedy=True)] == [e.input_ids for e in run("off", greedy=True)]
@@ -439,6 +445,17 @@ def test_the_graphed_step_keeps_its_pool_and_graphs_from_one_rollout_to_the_next
     run("on", greedy=True, max_batch=4)  # another shape: a new pool, the old one no longer kept
     assert made[-1] is not again and len(made[-1].owner) == 4 and pools._KEPT == {"cpu": made[-1]}
     assert all(o is None for o in made[-1].owner)  # every row gave its slot back
+    # the openings held apart: their pool kept beside the rows', the step kept with both and playing eager's tokens
+    run("on", greedy=True, decode_share_opening=True)
+    rows, opens = made[-2:]
+    assert pools._KEPT == {"cpu": rows, "cpu:openings": opens} and rows.opens is opens and rows.graphs.opens is opens
+    kept_step = rows.graphs
+    graphed = run("on", greedy=True, decode_share_opening=True)
+    assert made[-2:] == [rows, opens] and rows.graphs is kept_step
+    assert graphed == run("off", greedy=True, decode_share_opening=True)
+    run("on", greedy=True, decode_share_opening=True)
+    run("on", greedy=True)  # without them: the openings' pool let go, a step that reads none
+    assert pools._KEPT == {"cpu": made[-1]} and made[-1].opens is None and made[-1].graphs.opens is None
     # the autocast rule: fp32 weights cast by autocast cannot be kept; weights already in its dtype can
     assert graphs.weights_key(model) is not None
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -458,7 +475,8 @@ def test_the_kept_pool_is_zeroed_and_counted_in_the_update(lm):
     a.owner[1] = object()
     b = pools.rollout_pool(lm, 3, 64, keep=True)
     assert b is a and not any(t.isnan().any() or t.any() for t in b.k + b.v) and b.owner == [None] * 3
-    assert pools.rollout_pool(lm, 3, 32, keep=True) is not a  # another capacity
+    assert pools.rollout_pool(lm, 3, 32, keep=True) is a  # a pool that holds more serves (rows after longer openings)
+    assert pools.rollout_pool(lm, 3, 96, keep=True) is not a and pools.rollout_pool(lm, 4, 96, keep=True) is not a
     pools.rollout_pool(lm, 3, 32, keep=False)
     assert pools._KEPT == {}
     kw = dict(kv_bytes_per_token=1000, max_context=100, episodes=4)
@@ -478,21 +496,37 @@ def test_the_buckets_never_exceed_the_pool_and_round_up():
                                                    range(1, 40000, 37))
 
 
-def _graph_body(lm, tiny_tok, rows=3, slots=4):
-    """A pool of `slots` slots with `rows` rows of different lengths, and the graphed step over it."""
+def _graph_body(lm, tiny_tok, rows=3, slots=4, shared=False):
+    """A pool of `slots` slots with `rows` rows of different lengths, and the graphed step over it; `shared`: the
+    rows follow two openings held apart (pool.opens), two rows the first and one the second."""
     from fast import graphs
     from fast.pool import SlotPool
 
     pool = SlotPool(lm, slots, 128)
+    pool.opens = SlotPool(lm, 2, 64) if shared else None
     cfg = RolloutConfig(temperature=0.9)
     steps = graphs.StepGraphs(lm, pool, cfg, capture=False)
     lens = torch.tensor([7, 30, 12][:rows])
     return pool, steps, cfg, lens
 
 
-def test_the_graphed_body_never_reads_the_host(lm, tiny_tok):
+def _body_bucket(pool, steps, lens, shared):
+    """The bucket of `lens`' rows, filled as StepGraphs.step fills it, and the attention switch its body runs in."""
+    members = decode.Members.of([0, 1, 0][:len(lens)], [20, 9]) if shared else None
+    b = steps.bucket(len(lens), int(lens.max()) + 1, members)
+    b.lens[:len(lens)] = lens
+    if shared:
+        b.bases[:len(lens)] = members.lengths[members.group]
+        b.members.lengths.copy_(members.lengths)
+        b.members.group[:], b.members.index[:] = steps._cells(b, members)
+    return b, (pool.opens.k, pool.opens.v, members) if shared else None
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_graphed_body_never_reads_the_host(lm, tiny_tok, shared, monkeypatch):
     """A CUDA graph cannot hold a host sync (an .item(), a nonzero, a data-dependent shape): the body's ops, recorded
-    on the CPU by a dispatch mode, include none of them."""
+    on the CPU by a dispatch mode, include none of them; with the openings held apart, through the two attention
+    parts written out (decode.attend_lse's path on a GPU)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from fast.decode import decode_attention
@@ -506,18 +540,20 @@ def test_the_graphed_body_never_reads_the_host(lm, tiny_tok):
             seen.append(func.__name__.split(".")[0])
             return func(*args, **(kwargs or {}))
 
-    pool, steps, cfg, lens = _graph_body(lm, tiny_tok)
-    b = steps.bucket(len(lens), int(lens.max()) + 1)
-    b.lens[:3] = lens
-    with torch.no_grad(), decode_attention(lm, "grouped"), Record():
+    monkeypatch.setattr(decode, "FUSED_LSE", False)
+    pool, steps, cfg, lens = _graph_body(lm, tiny_tok, shared=shared)
+    b, openings = _body_bucket(pool, steps, lens, shared)
+    with torch.no_grad(), decode_attention(lm, "grouped", openings), Record():
         steps._body(b)
     assert len(seen) > 50 and not [op for op in seen if op in syncing], sorted(set(seen))
+    assert ("logsumexp" in seen) == shared  # (the parts joined, where the openings are held apart)
 
 
-def test_every_tensor_the_graphed_body_reads_keeps_its_address(lm, tiny_tok):
+@pytest.mark.parametrize("shared", [False, True])
+def test_every_tensor_the_graphed_body_reads_keeps_its_address(lm, tiny_tok, shared):
     """A graph replays over the memory it was captured with: every tensor the body reads that it did not make (the
-    bucket's buffers, the pool's, the weights) is at the same address on every call of the bucket, and the body
-    makes its outputs where the bucket keeps them."""
+    bucket's buffers, the pool's, the openings' pool's when held apart, the weights) is at the same address on every
+    call of the bucket, and the body makes its outputs where the bucket keeps them."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from fast.decode import decode_attention
@@ -535,20 +571,20 @@ def test_every_tensor_the_graphed_body_reads_keeps_its_address(lm, tiny_tok):
                             if isinstance(t, torch.Tensor))
                 return out
 
-        with torch.no_grad(), decode_attention(lm, "grouped"), Record():
+        with torch.no_grad(), decode_attention(lm, "grouped", openings), Record():
             steps._body(b)
         return read
 
-    pool, steps, cfg, lens = _graph_body(lm, tiny_tok)
-    b = steps.bucket(len(lens), int(lens.max()) + 1)
-    b.lens[:3] = lens
+    pool, steps, cfg, lens = _graph_body(lm, tiny_tok, shared=shared)
+    b, openings = _body_bucket(pool, steps, lens, shared)
     first = inputs()
     b.lens[:3] += 1  # the next step: new values in the same buffers
     b.tok[:3] = b.out_tok[:3, None]
     garbage = [torch.randn(1000) for _ in range(20)]  # the allocator's other blocks in use
     assert inputs() == first and garbage
-    fixed = {t.untyped_storage().data_ptr() for t in [b.tok, b.lens, b.seeds, b.columns, b.view.rows, b.out_tok,
-                                                        b.out_lp, *pool.k, *pool.v, *lm.parameters()]}
+    held = [*pool.opens.k, *pool.opens.v, b.members.group, b.members.index, b.members.lengths] if shared else []
+    fixed = {t.untyped_storage().data_ptr() for t in [b.tok, b.lens, b.bases, b.seeds, b.columns, b.view.rows,
+                                                        b.out_tok, b.out_lp, *pool.k, *pool.v, *lm.parameters(), *held]}
     assert first <= fixed | {p.untyped_storage().data_ptr() for p in lm.buffers()}, "the body read a tensor it " \
         "neither made nor keeps"
 
