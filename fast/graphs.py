@@ -11,6 +11,9 @@ never a real token's, pool.SlotPool) as their length, so their keys and values g
 attention reads are rounded up to the bucket's Lb; the mask keeps each row's own length, so a row's result is the
 eager step's. Rows, columns, mask and positions are computed from the lengths inside the body, and the draw is the
 counter-based one (decode._sample over uniform_noise: no generator state), so nothing in the body reads the host.
+With the groups' openings held apart (decode_share_opening), a bucket is also keyed by the batch's groups G and a
+width w (each group's rows in cells 0..w-1 of its own, the padding rows in cells no row holds): the openings'
+attention reads the openings' pool and the bucket's `Members` buffers, and positions count each row's opening.
 
 On CUDA (`capture`) each bucket is captured at its first use, after one eager run of the body (which writes the same
 keys and values the replay then writes again), into one memory pool shared by the buckets, and replayed from then
@@ -19,7 +22,8 @@ compare its tokens with the engine's eager step. The graphs live as long as thei
 from one rollout to the next (pool.rollout_pool), and are replayed again in the next rollout when the weights they
 read are where they were (`weights_key`: every parameter and buffer at the same address; LoRA's adapters folded into
 the base in place keep them, FSDP2's gathered weights may not), and never when autocast casts the weights (its copies
-live only as long as one rollout's autocast): then, and for another sampling, they are captured again.
+live only as long as one rollout's autocast): then, for another sampling, and when the openings' pool they read is
+not the one kept beside the rows', they are captured again.
 """
 from __future__ import annotations
 
