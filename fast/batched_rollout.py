@@ -90,7 +90,7 @@ class RolloutConfig(Sampling):
     is timed on a GPU: bench/gpu.py)"""
     decode_share_opening: bool = False
     """hold each group's opening once, in a pool of its own, and let its rows' slots hold only what follows it: the
-    opening's keys and values are read once per group a decoding step (decode.opening_attention, with
+    opening's keys and values are read once per group a decoding step (opening.opening_attention, with
     decode_attention 'grouped'); False: every row's slot holds a copy of its opening (the twin)"""
     decode_slots: str = ""
     """slots sized by need: SLOTSxPOSITIONS, comma-separated (pool.parse_slots, pool.Tiers; decode_attention 'grouped',

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from fast.decode import Members, Parts, decode_attention, decode_step, fused_norms, with_cache
+from fast.decode import Parts, decode_attention, decode_step, fused_norms, with_cache
+from fast.opening import Members
 from fast.pool import Opening, SlotPool, Tiers, _Spilled
 from muarl import TurnEnd
 
@@ -160,7 +161,7 @@ def _prefill(model, pool: SlotPool, rows: list[_Row], pending: list[list[int]], 
 
 
 def _openings(opens: SlotPool | None, rows: list[_Row], place: bool = True) -> tuple | None:
-    """The batch's openings (decode_share_opening), and where each row stands among them (decode.Members); None
+    """The batch's openings (decode_share_opening), and where each row stands among them (opening.Members); None
     without. `place`: put them in the openings' pool's slots 0..G-1 (G: the groups with rows in the batch), once a
     turn; else they are there already (rows that left, or a part of the batch)."""
     if opens is None:

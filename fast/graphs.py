@@ -35,6 +35,7 @@ import torch
 from fast import decode
 from fast.decode import _sample, decode_logits
 from fast.engine import _cache, _View
+from fast.opening import Members
 
 COLUMN_STEP = 128  # the columns a bucket reads are rounded up to a multiple of this, or of an eighth of their octave
 
@@ -66,7 +67,7 @@ class _Bucket:
         self.tok = torch.zeros(rows, 1, dtype=torch.long, device=dev)
         self.lens = torch.full((rows,), pool.capacity - 1, dtype=torch.long, device=dev)
         self.bases = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.members = decode.Members(torch.zeros(rows, dtype=torch.long, device=dev), torch.zeros(
+        self.members = Members(torch.zeros(rows, dtype=torch.long, device=dev), torch.zeros(
             rows, dtype=torch.long, device=dev), width, torch.zeros(groups, dtype=torch.long, device=dev)) \
             if groups else None
         self.seeds = torch.zeros(rows, dtype=torch.long, device=dev)
@@ -113,7 +114,7 @@ class StepGraphs:
         b.out_tok.copy_(tok)
         b.out_lp.copy_(lp)
 
-    def bucket(self, rows: int, seen: int, members: decode.Members | None = None) -> _Bucket:
+    def bucket(self, rows: int, seen: int, members: Members | None = None) -> _Bucket:
         """The bucket of a batch of `rows` rows whose longest reads `seen` columns; with the openings held apart, of
         its G groups too, each `width` cells wide: the most rows a group has, or enough cells for the bucket's rows,
         rounded up to a power of two (a bucket per G, and a few widths)."""
@@ -125,7 +126,7 @@ class StepGraphs:
             self.buckets[key] = _Bucket(self.pool, *key)
         return self.buckets[key]
 
-    def _cells(self, b: _Bucket, members: decode.Members) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cells(self, b: _Bucket, members: Members) -> tuple[torch.Tensor, torch.Tensor]:
         """[Bb] group and index of the bucket's rows: the batch's, then each padding row in a cell none holds (made
         once a batch: the members change when rows leave or join, not every step)."""
         if self._cells_of[0] is not members or self._cells_of[1] is not b:
@@ -137,11 +138,11 @@ class StepGraphs:
         return self._cells_of[2]
 
     def step(self, tok: torch.Tensor, lens: torch.Tensor, seeds: torch.Tensor, seen: int,
-             bases: torch.Tensor | None = None, members: decode.Members | None = None
+             bases: torch.Tensor | None = None, members: Members | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """tok [B, 1], lens [B] (each row's own length before this token), seeds [B]; `seen`: the columns the
         longest row reads (its length + 1); with the openings held apart, `bases` [B] (each row's opening length:
-        positions are bases + lens) and `members` (decode.Members). Returns (tokens [B], logprobs [B])."""
+        positions are bases + lens) and `members` (Members). Returns (tokens [B], logprobs [B])."""
         B = len(lens)
         b = self.bucket(B, seen, members)
         b.tok[:B].copy_(tok)

@@ -1,4 +1,4 @@
-"""A GRPO group's opening computed once in the update.
+"""A GRPO group's opening computed once in the update, and held once while its episodes decode (the section below).
 
 The G episodes of a group begin alike: the system prompt with the policy, the tool schemas, the user's first message.
 Scored whole, each episode sends that opening through the policy again (and through the reference, and the old
@@ -7,11 +7,13 @@ attention through a cache (expanded over the rows, not copied), and the gradient
 the opening's layers once. The log-probs and the gradient are those of the whole rows (docs/invariants.md, 5).
 """
 import contextlib
+import warnings
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 
-from fast.decode import with_cache
+from fast.decode import _OPENINGS, OPENING, Parts, with_cache
 from fast.logprobs import DEFAULT_CHUNK_SIZE, check_plain_logits, call_as_forward, logprobs_from_hidden, token_logprobs
 
 REMAINDER = "muarl_opening_remainder"
@@ -257,3 +259,162 @@ def group_carries(batches):
     for b in batches:
         carry = Opening() if b.part[0] == 0 else carry
         yield carry
+
+
+# ---------------------------------------------------------------------------------------------------------
+# While decoding: attention over a group's opening held once and each row's own tokens
+# ---------------------------------------------------------------------------------------------------------
+# A GRPO group's episodes begin with the same opening (system prompt, tool schemas, first user message: ~4k tokens
+# on tau2 retail), about half of what a decoding step reads. Held once per group, it is read once per group a step:
+# the opening's scores for the queries of all the group's rows are one matmul whose key operand is that opening, the
+# rows' own scores one matmul each over their own slot, and the two parts meet in one softmax over their
+# concatenated scores, joined by their log-sum-exp: exact, with no new kernel. The caller (engine.py) arranges the
+# batch: its groups' openings lead one buffer per layer, in group order; `Members` says where each row stands.
+@dataclass
+class Members:
+    """Where each row of a batch stands among the groups in it: `group` [B] (0..G-1: which of the batch's openings
+    it follows), `index` [B] (its place among that group's rows: 0..width-1, distinct within a group), `width` (the
+    most rows a group has in the batch), `lengths` [G] (each opening's positions; the opening buffer may be longer);
+    `host`: group and index as lists, where `of` made them."""
+
+    group: torch.Tensor
+    index: torch.Tensor
+    width: int
+    lengths: torch.Tensor
+    host: tuple = ()
+
+    @classmethod
+    def of(cls, groups: list[int], lengths: list[int], device=None) -> "Members":
+        """From each row's group (0..G-1, as listed) and each group's opening length."""
+        seen: dict[int, int] = {}
+        index = []
+        for g in groups:
+            index.append(seen.get(g, 0))
+            seen[g] = index[-1] + 1
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+        return cls(t(groups), t(index), max(seen.values(), default=1), t(lengths), (list(groups), index))
+
+
+SCORES_BYTES = 1 << 28  # attend_lse written out: at most this many bytes of float32 scores at once
+FUSED_LSE = True  # attend_lse through torch's fused kernels where they hold (False: the arithmetic written out)
+FUSED_HOLDS: dict = {}  # (device type, dtype) -> whether the fused kernel gave the written-out arithmetic's numbers
+
+
+def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sees: torch.Tensor, scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [N, Hk, Q, D] over k, v [N, Hk, L, D] where `sees` ([N | 1, 1, Q | 1, L] booleans) allows, and
+    each query's log-sum-exp of its scores (float32, [N, Hk, Q]): what two parts of one softmax need to be joined
+    exactly. A fused kernel computes both where torch has one that returns the log-sum-exp (its public SDPA returns
+    the output only): on the CPU its flash kernel, on CUDA its memory-efficient one, each checked once a dtype
+    against the arithmetic written out (`fused_holds`); q is cast to the cache's dtype first, as SDPA under autocast
+    does. Elsewhere the arithmetic written out, in float32, in passes of queries whose scores fit SCORES_BYTES (a
+    prefill chunk of 1k tokens over a 8k cache would otherwise hold gigabytes of scores)."""
+    if FUSED_LSE and k.dtype == v.dtype and q.device.type in ("cpu", "cuda") and fused_holds(q.device, k.dtype):
+        return _fused(q.to(k.dtype), k, v, sees, scale)
+    return _written(q, k, v, sees, scale)
+
+
+def _fused(q, k, v, sees, scale):
+    L = k.shape[2]
+    if q.device.type == "cpu":
+        bias = torch.zeros(sees.shape, dtype=q.dtype, device=q.device).masked_fill(~sees, -torch.inf)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)[:2]
+        return out.float(), lse
+    # the memory-efficient kernel reads a bias whose rows start 16-byte aligned (SDPA pads it so too) and returns
+    # the log-sum-exp over a query axis padded to a multiple of 32
+    bias = torch.zeros(*sees.shape[:-1], -(-L // 16) * 16, dtype=q.dtype, device=q.device)[..., :L]
+    bias = bias.masked_fill_(~sees, -torch.inf).expand(*q.shape[:3], L)
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, scale=scale)[:2]
+    return out.float(), lse[..., :q.shape[2]].float()
+
+
+def _written(q, k, v, sees, scale):
+    (N, Hk, Q, _), L = q.shape, k.shape[2]
+    step = max(1, SCORES_BYTES // (N * Hk * L * 4))  # queries a pass: a prefill's scores in float32 kept bounded
+    outs, lses = [], []
+    with torch.autocast(q.device.type, enabled=False):  # (a rollout under autocast would round these to bf16)
+        kf, vf = k.float().transpose(-1, -2), v.float()
+        for i in range(0, Q, step):
+            part = sees[:, :, i:i + step] if sees.shape[2] > 1 else sees
+            scores = (torch.matmul(q[:, :, i:i + step].float(), kf) * scale).masked_fill(~part, -torch.inf)
+            lses.append(torch.logsumexp(scores, -1))
+            outs.append(torch.matmul(torch.exp(scores - lses[-1][..., None]), vf))
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def fused_holds(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the fused kernel gives the arithmetic written out's output and log-sum-exp (natural log) on this
+    device type at this dtype: checked once, on a small random case with columns masked, outside any graph capture
+    (the graphed step runs its body eagerly before capturing it). Where it does not, or raises, one warning, and the
+    arithmetic is written out from then on."""
+    key = (device.type, dtype)
+    if key not in FUSED_HOLDS:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 2, n, 64, generator=g).to(device, dtype) for n in (3, 40, 40))
+        sees = (torch.arange(40) < torch.tensor([[17], [40]]))[:, None, None].to(device)  # [2, 1, 1, 40]
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        try:
+            (o, lse), (o_ref, lse_ref) = _fused(q, k, v, sees, 0.125), _written(q, k, v, sees, 0.125)
+            why = None if torch.allclose(o, o_ref, atol=tol, rtol=tol) and torch.allclose(lse, lse_ref, atol=tol) \
+                else f"its numbers differ (output by {(o - o_ref).abs().max():.3g}, log-sum-exp by " \
+                     f"{(lse - lse_ref).abs().max():.3g})"
+        except RuntimeError as e:
+            why = f"it raised {type(e).__name__}: {str(e)[:200]}"
+        if why:
+            warnings.warn(f"the openings' attention: torch's fused kernel on {device.type} at {dtype} is not used "
+                          f"({why}); its two parts are written out in float32")
+        FUSED_HOLDS[key] = why is None
+    return FUSED_HOLDS[key]
+
+
+def opening_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                      open_k: torch.Tensor, open_v: torch.Tensor, members: Members, scaling: float) -> torch.Tensor:
+    """Each row's W queries over [its group's opening; its own keys], one softmax over both.
+
+    query [B, H, W, D] (head h reads key-value head h // n_rep); key, value [B, KVH, L, D]: each row's own part;
+    mask [B, 1, W, L] booleans (True: the query sees the column; a row's own causal mask, which the opening, lying
+    before every query, does not need); open_k, open_v [G', KVH, P, D] with G' >= G: the batch's openings first, in
+    group order, each valid up to its `members.lengths`. Returns [B, W, H, D] in the query's dtype, as transformers'
+    attention functions do. The two parts are attended apart (the opening's with the queries of all its group's rows
+    at once: one read of it per group), each with its log-sum-exp, and joined in float32: with l = log-sum-exp,
+    out = (e^l_open out_open + e^l_own out_own) / (e^l_open + e^l_own), the softmax over both parts' scores."""
+    (B, H, W, D), kvh, P = query.shape, open_k.shape[1], open_k.shape[2]
+    G, m, n = len(members.lengths), members.width, H // kvh * W  # n: query rows a key-value head serves, per row
+    at = (members.group, members.index)
+
+    def to_groups(x):  # [B, KVH, n, X] -> [G, KVH, m * n, X]: a group's rows side by side (absent ones zero)
+        out = x.new_zeros(G, m, *x.shape[1:])
+        out[at] = x
+        return out.transpose(1, 2).reshape(G, kvh, m * n, x.shape[-1])
+
+    def to_rows(x):  # [G, KVH, m * n, X] -> [B, KVH, n, X]
+        return x.view(G, kvh, m, n, x.shape[-1]).transpose(1, 2)[at]
+
+    q = query.reshape(B, kvh, n, D)  # row r * W + w of head group g: query head g * n_rep + r, token w
+    opening = (torch.arange(P, device=q.device) < members.lengths[:, None])[:, None, None]  # [G, 1, 1, P]
+    o_open, l_open = attend_lse(to_groups(q), open_k[:G], open_v[:G], opening, scaling)
+    o_open, l_open = to_rows(o_open.nan_to_num()), to_rows(l_open[..., None])  # (an empty opening: weight 0)
+    mask = mask.repeat(1, 1, H // kvh, 1) if W > 1 else mask  # query row r * W + w: token w's
+    parts = key if isinstance(key, Parts) else [(slice(None), key, value)]  # (rows in several tiers: pool.Tiers)
+    own = [attend_lse(q[at], k, v, mask[at, ..., :k.shape[2]], scaling) for at, k, v in parts]
+    o_own, l_own = torch.cat([o for o, _ in own]), torch.cat([lse for _, lse in own])[..., None]
+    top = torch.maximum(l_open, l_own)  # finite: every row sees its own newest token
+    w_open, w_own = torch.exp(l_open - top), torch.exp(l_own - top)
+    out = (o_open * w_open + o_own * w_own) / (w_open + w_own)
+    return out.reshape(B, H, W, D).transpose(1, 2).to(query.dtype)
+
+
+
+
+def opening_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """grouped_decode_attention's twin for rows whose group's opening is held once (decode_share_opening): the
+    layer's opening buffers and the batch's `Members` come from `decode_attention(..., openings=...)`."""
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or kwargs.get("sliding_window"):
+        raise NotImplementedError(f"decode_share_opening: {type(module).__name__} softcaps, sinks or slides its "
+                                  "attention")
+    keys, values, members = _OPENINGS[-1]
+    i, scale = module.layer_idx, scaling if scaling is not None else query.shape[-1] ** -0.5
+    return opening_attention(query, key, value, attention_mask, keys[i], values[i], members, scale), None
+
+
+AttentionInterface.register(OPENING, opening_decode_attention)  # (decode.decode_attention(..., openings) sets it)

@@ -53,7 +53,7 @@ class SamplingOptions:
     decodes eagerly. Off by default until it is timed on a GPU (bench/gpu.py)"""
     decode_share_opening: bool = False
     """hold a group's opening (system prompt, tools, first user message) once while its episodes decode, each
-    episode's KV cache only what follows it, the opening read once per group a step (decode.opening_attention; with
+    episode's KV cache only what follows it, the opening read once per group a step (opening.opening_attention; with
     --decode-attention grouped); off: every episode's cache holds a copy of the opening"""
     decode_slots: str = ""
     """slots sized by need: the rollout's KV cache slots as a few sizes, SLOTSxPOSITIONS comma-separated (e.g.

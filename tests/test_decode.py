@@ -3,7 +3,7 @@ batch sampler's counter-based noise and sort-free nucleus."""
 import pytest
 import torch
 
-from fast import decode
+from fast import decode, opening
 from fast.batched_rollout import RolloutConfig, rollout
 from plumbing.users import make_user_sim
 from test_rollout import FakeEnv
@@ -58,13 +58,13 @@ def _attention_over_opening_and_own(q, k, v, mask, open_k, open_v, groups, lengt
 @pytest.mark.parametrize("heads,kv_heads,width", [(8, 2, 1), (4, 4, 1), (6, 3, 3)])
 def test_attention_over_a_group_opening_held_once_is_attention_over_each_row_whole(heads, kv_heads, width, fused,
                                                                                     monkeypatch):
-    """decode.opening_attention: rows of three groups (ragged: 3, 1 and 1 rows, in no order), openings of different
+    """opening.opening_attention: rows of three groups (ragged: 3, 1 and 1 rows, in no order), openings of different
     lengths in a buffer longer than any (its tail large garbage) and one more opening than the batch's groups,
     against each row's whole keys and values in float64: equal to float32's precision; in bf16 within its noise.
     Fused (CPU), written out, and written out one query a pass (a prefill's scores bounded by SCORES_BYTES)."""
-    monkeypatch.setattr(decode, "FUSED_LSE", fused is True)
+    monkeypatch.setattr(opening, "FUSED_LSE", fused is True)
     if fused == "passes":
-        monkeypatch.setattr(decode, "SCORES_BYTES", 1)
+        monkeypatch.setattr(opening, "SCORES_BYTES", 1)
     torch.manual_seed(0)
     B, L, P, D = 5, 7, 9, 16
     groups, lengths = [1, 0, 1, 2, 1], [9, 4, 6]
@@ -74,13 +74,13 @@ def test_attention_over_a_group_opening_held_once_is_attention_over_each_row_who
         open_k[g, :, n:], open_v[g, :, n:] = 1e4, 1e6
     pos = torch.tensor([3, 5, 6, 2, 4])[:, None] + torch.arange(width)  # in each row's own part
     mask = (torch.arange(L)[None, None, :] <= pos[:, :, None])[:, None]
-    members = decode.Members.of(groups, lengths)
-    out = decode.opening_attention(q, k, v, mask, open_k, open_v, members, D ** -0.5)
+    members = opening.Members.of(groups, lengths)
+    out = opening.opening_attention(q, k, v, mask, open_k, open_v, members, D ** -0.5)
     want = _attention_over_opening_and_own(q, k, v, mask, open_k, open_v, groups, lengths, D ** -0.5)
     assert out.shape == (B, width, heads, D) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     open_k[:3, :, 9:], open_v[:3, :, 9:] = 0, 0  # (no garbage: bf16 would round 1e6)
-    half = decode.opening_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, open_k.bfloat16(),
+    half = opening.opening_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, open_k.bfloat16(),
                                     open_v.bfloat16(), members, D ** -0.5)
     assert half.dtype == torch.bfloat16 and (half.double() - want).abs().max() < 0.05
 
@@ -103,19 +103,46 @@ def test_attention_over_a_group_opening_reads_it_once_a_group(fused, monkeypatch
                     self.read.append((func.__name__, a.numel()))
             return func(*args, **(kwargs or {}))
 
-    monkeypatch.setattr(decode, "FUSED_LSE", fused)
+    monkeypatch.setattr(opening, "FUSED_LSE", fused)
     torch.manual_seed(0)
     B, H, kvh, L, P, D = 6, 8, 2, 5, 12, 4
     q, k, v = torch.randn(B, H, 1, D), torch.randn(B, kvh, L, D), torch.randn(B, kvh, L, D)
     open_k, open_v = torch.randn(3, kvh, P, D), torch.randn(3, kvh, P, D)
     mask = torch.ones(B, 1, 1, L, dtype=torch.bool)
     with Reads([open_k, open_v]) as reads:
-        decode.opening_attention(q, k, v, mask, open_k, open_v, decode.Members.of([0, 0, 0, 1, 1, 1], [12, 10]),
+        opening.opening_attention(q, k, v, mask, open_k, open_v, opening.Members.of([0, 0, 0, 1, 1, 1], [12, 10]),
                                  D ** -0.5)
     views = ("slice", "view", "transpose", "expand", "select", "alias", "as_strided", "t.", "permute")
     computed = [(f, n) for f, n in reads.read if not f.startswith(views)]
     assert computed and all(n == 2 * kvh * P * D for _, n in computed), reads.read  # 2 openings, not 6 rows' copies
     assert len(computed) == 2, reads.read  # keys once, values once (one op, or one each)
+
+
+def test_a_fused_kernel_is_used_only_where_it_gives_the_written_out_numbers(monkeypatch):
+    """opening.attend_lse takes a fused kernel only after checking it once a dtype against the arithmetic written out
+    (the CPU's flash kernel holds); a kernel whose log-sum-exp is off (here: in base 2, as some kernels keep it) or
+    that raises is never used: one warning, then the arithmetic written out, the same numbers."""
+    import warnings
+
+    torch.manual_seed(1)
+    q, k, v = torch.randn(3, 2, 4, 16), torch.randn(3, 2, 9, 16), torch.randn(3, 2, 9, 16)
+    sees = (torch.arange(9) < torch.tensor([[4], [9], [1]]))[:, None, None]
+    want = opening._written(q, k, v, sees, 0.25)
+    monkeypatch.setattr(opening, "FUSED_HOLDS", {})
+    got = opening.attend_lse(q, k, v, sees, 0.25)
+    assert opening.FUSED_HOLDS == {("cpu", torch.float32): True}
+    assert torch.allclose(got[0], want[0], atol=1e-5) and torch.allclose(got[1], want[1], atol=1e-5)
+    real = opening._fused
+    for broken in (lambda *a: (real(*a)[0], real(*a)[1] / 0.6931471805599453),
+                   lambda *a: (_ for _ in ()).throw(RuntimeError("no kernel for this shape"))):
+        monkeypatch.setattr(opening, "FUSED_HOLDS", {})
+        monkeypatch.setattr(opening, "_fused", broken)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            got = [opening.attend_lse(q, k, v, sees, 0.25) for _ in range(2)]
+        assert opening.FUSED_HOLDS == {("cpu", torch.float32): False}
+        assert len([w for w in said if "fused kernel on cpu" in str(w.message)]) == 1
+        assert all(torch.equal(g[0], want[0]) and torch.equal(g[1], want[1]) for g in got)
 
 
 def test_a_sliding_window_is_refused_past_its_width():
@@ -386,7 +413,7 @@ def test_the_graphed_step_plays_the_eager_tokens(lm, tiny_tok, monkeypatch):
         assert [e.input_ids for e in body] == [e.input_ids for e in eager]
         for a, b in zip(body, eager):
             assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
-    monkeypatch.setattr(decode, "FUSED_LSE", False)  # the two parts written out, as on a GPU
+    monkeypatch.setattr(opening, "FUSED_LSE", False)  # the two parts written out (where no fused kernel holds)
     kw = dict(temperature=0.9, max_batch=3, decode_share_opening=True)
     assert [e.input_ids for e in run("on", **kw)] == [e.input_ids for e in run("off", **kw)]
     assert steps  # the graphed step did run ('on'), and 'auto' leaves the CPU's step eager
@@ -512,7 +539,7 @@ def _graph_body(lm, tiny_tok, rows=3, slots=4, shared=False):
 
 def _body_bucket(pool, steps, lens, shared):
     """The bucket of `lens`' rows, filled as StepGraphs.step fills it, and the attention switch its body runs in."""
-    members = decode.Members.of([0, 1, 0][:len(lens)], [20, 9]) if shared else None
+    members = opening.Members.of([0, 1, 0][:len(lens)], [20, 9]) if shared else None
     b = steps.bucket(len(lens), int(lens.max()) + 1, members)
     b.lens[:len(lens)] = lens
     if shared:
@@ -526,7 +553,7 @@ def _body_bucket(pool, steps, lens, shared):
 def test_the_graphed_body_never_reads_the_host(lm, tiny_tok, shared, monkeypatch):
     """A CUDA graph cannot hold a host sync (an .item(), a nonzero, a data-dependent shape): the body's ops, recorded
     on the CPU by a dispatch mode, include none of them; with the openings held apart, through the two attention
-    parts written out (decode.attend_lse's path on a GPU)."""
+    parts written out (opening.attend_lse's path where no fused kernel holds)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from fast.decode import decode_attention
@@ -540,7 +567,7 @@ def test_the_graphed_body_never_reads_the_host(lm, tiny_tok, shared, monkeypatch
             seen.append(func.__name__.split(".")[0])
             return func(*args, **(kwargs or {}))
 
-    monkeypatch.setattr(decode, "FUSED_LSE", False)
+    monkeypatch.setattr(opening, "FUSED_LSE", False)
     pool, steps, cfg, lens = _graph_body(lm, tiny_tok, shared=shared)
     b, openings = _body_bucket(pool, steps, lens, shared)
     with torch.no_grad(), decode_attention(lm, "grouped", openings), Record():

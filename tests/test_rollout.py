@@ -242,25 +242,24 @@ def _samples_as_its_twin(lm, tok, env, cfg, **twin):
                                    {"reuse_cache": False}, {"refill_below": 1.0, "max_batch": 5}, {"fused": False}])
 def test_the_opening_held_once_plays_the_same_episodes(lm, tiny_tok, extra, monkeypatch):
     """decode_share_opening: each group's opening in a pool of its own, the rows' slots holding what follows it, read by
-    decode.opening_attention. Greedy: the reference's episodes (two a task, so each opening has several readers),
+    opening.opening_attention. Greedy: the reference's episodes (two a task, so each opening has several readers),
     with rows spilling to host memory and back (and openings: 3 slots for 4 groups), chunked prefill, re-encoding each
-    turn, rows parked mid-turn, the two attention parts written out (decode.attend_lse's path off the CPU); sampled:
-    the per-row engine's tokens, episode by episode; and the cache holds each opening once (the rows' slots are
-    shorter by the shortest opening), every spilled one given back."""
+    turn, rows parked mid-turn, the two attention parts written out (opening.attend_lse's path where no fused kernel
+    holds); sampled: the per-row engine's tokens, episode by episode; and the cache holds each opening once (the rows'
+    slots are shorter by the shortest opening), every spilled one given back."""
     from transformers import AttentionInterface
 
-    from fast import batched_rollout as R, decode
-
+    from fast import batched_rollout as R, decode, opening
     from fast.pool import _Spilled
 
-    monkeypatch.setattr(decode, "FUSED_LSE", extra.pop("fused", True))
+    monkeypatch.setattr(opening, "FUSED_LSE", extra.pop("fused", True))
     env, pools, groups_read, rescued = FakeEnv(n_tasks=4), [], [], _Spilled.rescued
     cfg = RolloutConfig(**{**GREEDY.__dict__, **extra, "decode_share_opening": True})
     real = R.rollout_pool
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(R, "rollout_pool", lambda *a, **k: pools.append(real(*a, **k)) or pools[-1])
         mp.setitem(AttentionInterface._global_mapping, decode.OPENING, lambda *a, **k: groups_read.append(
-            len(decode._OPENINGS[-1][2].lengths)) or decode.opening_decode_attention(*a, **k))
+            len(decode._OPENINGS[-1][2].lengths)) or opening.opening_decode_attention(*a, **k))
         fast = rollout(lm, tiny_tok, env, env.tasks(), 2, make_user_sim("scripted"), cfg)
     assert groups_read and max(groups_read) >= 2  # every forward after the openings read them, several at once
     _plays_the_reference_twice_a_task(lm, tiny_tok, env, fast, cfg)
