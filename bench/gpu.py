@@ -897,9 +897,10 @@ def decode_layouts(tok, device, shape: str, opening: int, context: int, group: i
         figs[name] = {"tok_s": round(f["tok_s"], 1), "pools_MiB": round(f["held"] / 2**20, 1),
                       "read_MiB_a_step": round(f["read"] / 2**20, 2), "roofline_tok_s": round(group / bound, 1),
                       "x_roofline": round(group / bound / f["tok_s"], 2)}
-    from fast import opening
+    from fast import decode as decode_module
 
-    figs["fused_attention_held"] = {f"{d} {t}".replace("torch.", ""): ok for (d, t), ok in opening.FUSED_HOLDS.items()}
+    figs["fused_attention_held"] = {f"{d} {t} head {h}".replace("torch.", ""): ok
+                                    for (d, t, h), ok in decode_module.FUSED_HOLDS.items()}
     figs["shared_x_per_row"] = round(out["shared"]["tok_s"] / out["per-row"]["tok_s"], 2)
     figs["graphed_shared_x_per_row"] = round(out["shared graphed"]["tok_s"] / out["per-row graphed"]["tok_s"], 2)
     ok = out["same"] and (device.type != "cuda" or figs["shared_x_per_row"] > 1 < figs["graphed_shared_x_per_row"])

@@ -114,7 +114,9 @@ def compare(model, tok, env, tasks, group: int, layouts: dict, rounds: int, log=
         seen.update(rows=0, groups=0, steps=0)
         held.clear()
         c = RolloutConfig(**{**c.__dict__, **({"max_turns": turns} if turns else {})})
-        pools._KEPT.clear()  # (each layout's own pools, made in its play: the graphed step captures in every play)
+        for p in pools._KEPT.values():  # each layout's own pools, made in its play (the graphed step captures in
+            p.graphs = p.opens = None  # every play); the kept ones let go at once (a pool and its step point at
+        pools._KEPT.clear()  # each other)
         pools.SlotPool.__init__ = pool_init
         try:
             if model.device.type == "cuda":

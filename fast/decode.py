@@ -90,6 +90,94 @@ class Parts(list):
     (L_t: that tier's longest row). The attention functions here attend each part over its own slots."""
 
 
+SCORES_BYTES = 1 << 28  # attend_lse written out: at most this many bytes of float32 scores at once
+FUSED_LSE = True  # attend_lse through torch's fused kernels where they hold (False: the arithmetic written out)
+FUSED_HOLDS: dict = {}  # (device type, dtype, head size) -> whether the fused kernel gives the written-out numbers
+
+
+def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sees: torch.Tensor, scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [N, Hk, Q, D] over k, v [N, Hk, L, D] where `sees` ([N | 1, 1, Q | 1, L] booleans) allows, and
+    each query's log-sum-exp of its scores (float32, [N, Hk, Q]): what two parts of one softmax need to be joined
+    exactly. A fused kernel computes both where torch has one that returns the log-sum-exp (its public SDPA returns
+    the output only): the CPU's flash kernel, CUDA's memory-efficient one, each checked once (`fused_holds`); q is
+    cast to the cache's dtype first, as SDPA under autocast does. Elsewhere, or where the kernel raises, the
+    arithmetic written out, in float32, in passes of queries whose scores fit SCORES_BYTES (a prefill chunk of 1k
+    tokens over a 8k cache would otherwise hold gigabytes of scores)."""
+    key = (q.device.type, k.dtype, q.shape[-1])
+    if FUSED_LSE and k.dtype == v.dtype and key[0] in ("cpu", "cuda") and fused_holds(*key):
+        try:
+            return _fused(q.to(k.dtype), k, v, sees, scale)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:  # (a shape the check did not meet)
+            _refuse(key, f"it raised {type(e).__name__}: {str(e)[:200]}")
+    return _written(q, k, v, sees, scale)
+
+
+def _fused(q, k, v, sees, scale):
+    L = k.shape[2]
+    if q.device.type == "cpu":
+        bias = torch.zeros(sees.shape, dtype=q.dtype, device=q.device).masked_fill(~sees, -torch.inf)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)[:2]
+        return out.float(), lse
+    # the memory-efficient kernel reads a bias whose rows start at a multiple of 16 elements (SDPA pads it so too)
+    # and returns the log-sum-exp over a query axis padded to a multiple of 32
+    bias = torch.zeros(*sees.shape[:-1], -(-L // 16) * 16, dtype=q.dtype, device=q.device)[..., :L]
+    bias = bias.masked_fill_(~sees, -torch.inf).expand(*q.shape[:3], L)
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, scale=scale)[:2]
+    return out.float(), lse[..., :q.shape[2]].float()
+
+
+def _written(q, k, v, sees, scale):
+    (N, Hk, Q, _), L = q.shape, k.shape[2]
+    step = max(1, SCORES_BYTES // (N * Hk * L * 4))  # queries a pass: a prefill's scores in float32 kept bounded
+    outs, lses = [], []
+    with torch.autocast(q.device.type, enabled=False):  # (a rollout under autocast would round these to bf16)
+        kf, vf = k.float().transpose(-1, -2), v.float()
+        for i in range(0, Q, step):
+            part = sees[:, :, i:i + step] if sees.shape[2] > 1 else sees
+            scores = (torch.matmul(q[:, :, i:i + step].float(), kf) * scale).masked_fill(~part, -torch.inf)
+            lses.append(torch.logsumexp(scores, -1))
+            outs.append(torch.matmul(torch.exp(scores - lses[-1][..., None]), vf))
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def fused_holds(device: str, dtype: torch.dtype, head: int) -> bool:
+    """Whether the fused kernel gives the written-out arithmetic's output and log-sum-exp (natural log) on this
+    device type, dtype and head size: checked once, on a small random case with columns masked and a row that sees
+    none (an empty opening: weight 0 either way), outside any graph capture (the graphed step runs its body eagerly
+    before capturing it). Where it does not, or raises, one warning, and the arithmetic is written out from then on."""
+    key = (device, dtype, head)
+    if key not in FUSED_HOLDS:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(3, 2, n, head, generator=g).to(device, dtype) for n in (3, 40, 40))
+        sees = (torch.arange(40) < torch.tensor([[17], [40], [0]]))[:, None, None].to(device)  # [3, 1, 1, 40]
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        try:
+            (o, lse), (o_ref, lse_ref) = (_empty(*f(q, k, v, sees, head ** -0.5), sees) for f in (_fused, _written))
+            FUSED_HOLDS[key] = torch.allclose(o, o_ref, atol=tol, rtol=tol) and torch.allclose(lse, lse_ref, atol=tol)
+            if not FUSED_HOLDS[key]:
+                _refuse(key, f"its numbers differ (output by {(o - o_ref).abs().max():.3g}, log-sum-exp by "
+                             f"{(lse - lse_ref).nan_to_num().abs().max():.3g})")
+        except Exception as e:  # noqa: BLE001 (a kernel missing, a keyword this torch lacks: written out instead)
+            _refuse(key, f"it raised {type(e).__name__}: {str(e)[:200]}")
+    return FUSED_HOLDS[key]
+
+
+def _refuse(key: tuple, why: str) -> None:
+    warnings.warn(f"the openings' attention: torch's fused kernel on {key[0]} at {key[1]}, head size {key[2]}, is not "
+                  f"used ({why}); its two parts are written out in float32")
+    FUSED_HOLDS[key] = False
+
+
+def _empty(out: torch.Tensor, lse: torch.Tensor, sees: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A query that sees no column (an empty opening) as weight 0: its output 0, its log-sum-exp -inf (the written
+    arithmetic gives NaN there, the CPU's flash kernel 0 and 0: a weight of e^0 to a zero output)."""
+    none = ~sees.any(-1)  # [N | 1, 1, Q | 1]
+    return out.masked_fill(none[..., None], 0), lse.masked_fill(none, -torch.inf)
+
+
 OPENING = "muarl_opening_decode"  # fast/opening.py's opening_decode_attention, registered there
 _OPENINGS: list = []  # while the engine's forward runs over rows whose openings are held apart: (keys, values, Members)
 

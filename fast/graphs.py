@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+import weakref
 
 import torch
 
@@ -95,7 +96,9 @@ class StepGraphs:
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
         self.failed = None  # why a capture failed: every bucket then runs eagerly
         self.replays = 0
-        self.opens = pool.opens  # the groups' openings' pool its graphs read (None: not held apart)
+        # the groups' openings' pool its graphs read (weakly: a pool replaced is freed at once, and a dead reference
+        # never matches the next pool; None: not held apart)
+        self.opens = weakref.ref(pool.opens) if pool.opens is not None else None
         self._cells_of: list = [None, None, None]
 
     def _body(self, b: _Bucket) -> None:
@@ -117,9 +120,9 @@ class StepGraphs:
     def bucket(self, rows: int, seen: int, members: Members | None = None) -> _Bucket:
         """The bucket of a batch of `rows` rows whose longest reads `seen` columns; with the openings held apart, of
         its G groups too, each `width` cells wide: the most rows a group has, or enough cells for the bucket's rows,
-        rounded up to a power of two (a bucket per G, and a few widths)."""
-        rows = row_bucket(rows, len(self.pool.owner))
-        groups = len(members.lengths) if members is not None else 0
+        rounded up to a power of two (a few buckets of groups and widths)."""
+        rows = row_bucket(rows, len(self.pool.owner))  # (G up to a power of two, the extra openings empty)
+        groups = min(row_bucket(len(members.lengths), 1 << 30), len(self.pool.opens.owner)) if members else 0
         width = min(row_bucket(max(members.width, -(-rows // groups)), 1 << 30), rows) if groups else 0
         key = (rows, col_bucket(seen, self.pool.capacity), groups, width)
         if key not in self.buckets:
@@ -132,7 +135,8 @@ class StepGraphs:
         if self._cells_of[0] is not members or self._cells_of[1] is not b:
             groups, index = members.host
             taken = set(zip(groups, index))
-            free = [(g, i) for g in range(len(members.lengths)) for i in range(b.members.width) if (g, i) not in taken]
+            grid = itertools.product(range(len(b.members.lengths)), range(b.members.width))
+            free = [cell for cell in grid if cell not in taken]
             cells = list(zip(groups, index)) + free[:b.rows - len(groups)]
             self._cells_of = [members, b, torch.tensor(cells, dtype=torch.long).T.to(b.lens.device)]
         return self._cells_of[2]
@@ -151,7 +155,7 @@ class StepGraphs:
         if bases is not None:
             b.bases[:B].copy_(bases)
         if members is not None:
-            b.members.lengths.copy_(members.lengths)
+            b.members.lengths.zero_()[:len(members.lengths)].copy_(members.lengths)
             group, index = self._cells(b, members)
             b.members.group.copy_(group)
             b.members.index.copy_(index)
@@ -230,7 +234,8 @@ def step_graphs(model, pool, cfg) -> StepGraphs:
     """The pool's graphed step for this rollout: the one it kept from the last (its graphs replayed again) when that
     was captured for this model, at these weights' addresses, with this draw; else a new one (the old graphs freed)."""
     kept = pool.graphs
-    if kept is not None and kept.key is not None and kept.key == graph_key(model, cfg) and kept.opens is pool.opens:
+    opens = kept.opens() if kept is not None and kept.opens is not None else None
+    if kept is not None and kept.key is not None and kept.key == graph_key(model, cfg) and opens is pool.opens:
         return kept  # (a failed one: eager; the openings' pool is one its graphs read too)
     pool.graphs = None  # its buckets and graphs go before new ones are captured
     return StepGraphs(model, pool, cfg, capture=pool.device.type == "cuda")

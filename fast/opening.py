@@ -7,13 +7,12 @@ attention through a cache (expanded over the rows, not copied), and the gradient
 the opening's layers once. The log-probs and the gradient are those of the whole rows (docs/invariants.md, 5).
 """
 import contextlib
-import warnings
 from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 
-from fast.decode import _OPENINGS, OPENING, Parts, with_cache
+from fast.decode import _OPENINGS, OPENING, Parts, _empty, attend_lse, with_cache
 from fast.logprobs import DEFAULT_CHUNK_SIZE, check_plain_logits, call_as_forward, logprobs_from_hidden, token_logprobs
 
 REMAINDER = "muarl_opening_remainder"
@@ -295,78 +294,6 @@ class Members:
         return cls(t(groups), t(index), max(seen.values(), default=1), t(lengths), (list(groups), index))
 
 
-SCORES_BYTES = 1 << 28  # attend_lse written out: at most this many bytes of float32 scores at once
-FUSED_LSE = True  # attend_lse through torch's fused kernels where they hold (False: the arithmetic written out)
-FUSED_HOLDS: dict = {}  # (device type, dtype) -> whether the fused kernel gave the written-out arithmetic's numbers
-
-
-def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sees: torch.Tensor, scale: float
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q [N, Hk, Q, D] over k, v [N, Hk, L, D] where `sees` ([N | 1, 1, Q | 1, L] booleans) allows, and
-    each query's log-sum-exp of its scores (float32, [N, Hk, Q]): what two parts of one softmax need to be joined
-    exactly. A fused kernel computes both where torch has one that returns the log-sum-exp (its public SDPA returns
-    the output only): on the CPU its flash kernel, on CUDA its memory-efficient one, each checked once a dtype
-    against the arithmetic written out (`fused_holds`); q is cast to the cache's dtype first, as SDPA under autocast
-    does. Elsewhere the arithmetic written out, in float32, in passes of queries whose scores fit SCORES_BYTES (a
-    prefill chunk of 1k tokens over a 8k cache would otherwise hold gigabytes of scores)."""
-    if FUSED_LSE and k.dtype == v.dtype and q.device.type in ("cpu", "cuda") and fused_holds(q.device, k.dtype):
-        return _fused(q.to(k.dtype), k, v, sees, scale)
-    return _written(q, k, v, sees, scale)
-
-
-def _fused(q, k, v, sees, scale):
-    L = k.shape[2]
-    if q.device.type == "cpu":
-        bias = torch.zeros(sees.shape, dtype=q.dtype, device=q.device).masked_fill(~sees, -torch.inf)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)[:2]
-        return out.float(), lse
-    # the memory-efficient kernel reads a bias whose rows start 16-byte aligned (SDPA pads it so too) and returns
-    # the log-sum-exp over a query axis padded to a multiple of 32
-    bias = torch.zeros(*sees.shape[:-1], -(-L // 16) * 16, dtype=q.dtype, device=q.device)[..., :L]
-    bias = bias.masked_fill_(~sees, -torch.inf).expand(*q.shape[:3], L)
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, scale=scale)[:2]
-    return out.float(), lse[..., :q.shape[2]].float()
-
-
-def _written(q, k, v, sees, scale):
-    (N, Hk, Q, _), L = q.shape, k.shape[2]
-    step = max(1, SCORES_BYTES // (N * Hk * L * 4))  # queries a pass: a prefill's scores in float32 kept bounded
-    outs, lses = [], []
-    with torch.autocast(q.device.type, enabled=False):  # (a rollout under autocast would round these to bf16)
-        kf, vf = k.float().transpose(-1, -2), v.float()
-        for i in range(0, Q, step):
-            part = sees[:, :, i:i + step] if sees.shape[2] > 1 else sees
-            scores = (torch.matmul(q[:, :, i:i + step].float(), kf) * scale).masked_fill(~part, -torch.inf)
-            lses.append(torch.logsumexp(scores, -1))
-            outs.append(torch.matmul(torch.exp(scores - lses[-1][..., None]), vf))
-    return torch.cat(outs, 2), torch.cat(lses, 2)
-
-
-def fused_holds(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the fused kernel gives the arithmetic written out's output and log-sum-exp (natural log) on this
-    device type at this dtype: checked once, on a small random case with columns masked, outside any graph capture
-    (the graphed step runs its body eagerly before capturing it). Where it does not, or raises, one warning, and the
-    arithmetic is written out from then on."""
-    key = (device.type, dtype)
-    if key not in FUSED_HOLDS:
-        g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(2, 2, n, 64, generator=g).to(device, dtype) for n in (3, 40, 40))
-        sees = (torch.arange(40) < torch.tensor([[17], [40]]))[:, None, None].to(device)  # [2, 1, 1, 40]
-        tol = 1e-4 if dtype == torch.float32 else 3e-2
-        try:
-            (o, lse), (o_ref, lse_ref) = _fused(q, k, v, sees, 0.125), _written(q, k, v, sees, 0.125)
-            why = None if torch.allclose(o, o_ref, atol=tol, rtol=tol) and torch.allclose(lse, lse_ref, atol=tol) \
-                else f"its numbers differ (output by {(o - o_ref).abs().max():.3g}, log-sum-exp by " \
-                     f"{(lse - lse_ref).abs().max():.3g})"
-        except RuntimeError as e:
-            why = f"it raised {type(e).__name__}: {str(e)[:200]}"
-        if why:
-            warnings.warn(f"the openings' attention: torch's fused kernel on {device.type} at {dtype} is not used "
-                          f"({why}); its two parts are written out in float32")
-        FUSED_HOLDS[key] = why is None
-    return FUSED_HOLDS[key]
-
-
 def opening_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                       open_k: torch.Tensor, open_v: torch.Tensor, members: Members, scaling: float) -> torch.Tensor:
     """Each row's W queries over [its group's opening; its own keys], one softmax over both.
@@ -392,8 +319,8 @@ def opening_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
     q = query.reshape(B, kvh, n, D)  # row r * W + w of head group g: query head g * n_rep + r, token w
     opening = (torch.arange(P, device=q.device) < members.lengths[:, None])[:, None, None]  # [G, 1, 1, P]
-    o_open, l_open = attend_lse(to_groups(q), open_k[:G], open_v[:G], opening, scaling)
-    o_open, l_open = to_rows(o_open.nan_to_num()), to_rows(l_open[..., None])  # (an empty opening: weight 0)
+    o_open, l_open = _empty(*attend_lse(to_groups(q), open_k[:G], open_v[:G], opening, scaling), opening)
+    o_open, l_open = to_rows(o_open), to_rows(l_open[..., None])
     mask = mask.repeat(1, 1, H // kvh, 1) if W > 1 else mask  # query row r * W + w: token w's
     parts = key if isinstance(key, Parts) else [(slice(None), key, value)]  # (rows in several tiers: pool.Tiers)
     own = [attend_lse(q[at], k, v, mask[at, ..., :k.shape[2]], scaling) for at, k, v in parts]

@@ -59,15 +59,15 @@ def _attention_over_opening_and_own(q, k, v, mask, open_k, open_v, groups, lengt
 def test_attention_over_a_group_opening_held_once_is_attention_over_each_row_whole(heads, kv_heads, width, fused,
                                                                                     monkeypatch):
     """opening.opening_attention: rows of three groups (ragged: 3, 1 and 1 rows, in no order), openings of different
-    lengths in a buffer longer than any (its tail large garbage) and one more opening than the batch's groups,
+    lengths, one empty, in a buffer longer than any (its tail large garbage) and one more opening than the groups,
     against each row's whole keys and values in float64: equal to float32's precision; in bf16 within its noise.
     Fused (CPU), written out, and written out one query a pass (a prefill's scores bounded by SCORES_BYTES)."""
-    monkeypatch.setattr(opening, "FUSED_LSE", fused is True)
+    monkeypatch.setattr(decode, "FUSED_LSE", fused is True)
     if fused == "passes":
-        monkeypatch.setattr(opening, "SCORES_BYTES", 1)
+        monkeypatch.setattr(decode, "SCORES_BYTES", 1)
     torch.manual_seed(0)
     B, L, P, D = 5, 7, 9, 16
-    groups, lengths = [1, 0, 1, 2, 1], [9, 4, 6]
+    groups, lengths = [1, 0, 1, 2, 1], [9, 4, 0]  # (an empty opening: its row attends to its own part alone)
     q, k, v = torch.randn(B, heads, width, D), torch.randn(B, kv_heads, L, D), torch.randn(B, kv_heads, L, D)
     open_k, open_v = torch.randn(4, kv_heads, P, D), torch.randn(4, kv_heads, P, D)
     for g, n in enumerate(lengths):
@@ -103,7 +103,7 @@ def test_attention_over_a_group_opening_reads_it_once_a_group(fused, monkeypatch
                     self.read.append((func.__name__, a.numel()))
             return func(*args, **(kwargs or {}))
 
-    monkeypatch.setattr(opening, "FUSED_LSE", fused)
+    monkeypatch.setattr(decode, "FUSED_LSE", fused)
     torch.manual_seed(0)
     B, H, kvh, L, P, D = 6, 8, 2, 5, 12, 4
     q, k, v = torch.randn(B, H, 1, D), torch.randn(B, kvh, L, D), torch.randn(B, kvh, L, D)
@@ -119,28 +119,32 @@ def test_attention_over_a_group_opening_reads_it_once_a_group(fused, monkeypatch
 
 
 def test_a_fused_kernel_is_used_only_where_it_gives_the_written_out_numbers(monkeypatch):
-    """opening.attend_lse takes a fused kernel only after checking it once a dtype against the arithmetic written out
-    (the CPU's flash kernel holds); a kernel whose log-sum-exp is off (here: in base 2, as some kernels keep it) or
-    that raises is never used: one warning, then the arithmetic written out, the same numbers."""
+    """decode.attend_lse takes a fused kernel only after checking it once (device, dtype, head size) against the
+    arithmetic written out (the CPU's flash kernel holds); a kernel whose log-sum-exp is off (here: in base 2, as some
+    kernels keep it), or that raises in the check or on a later shape, is not used (again): one warning, then the
+    arithmetic written out, the same numbers."""
     import warnings
 
     torch.manual_seed(1)
     q, k, v = torch.randn(3, 2, 4, 16), torch.randn(3, 2, 9, 16), torch.randn(3, 2, 9, 16)
     sees = (torch.arange(9) < torch.tensor([[4], [9], [1]]))[:, None, None]
-    want = opening._written(q, k, v, sees, 0.25)
-    monkeypatch.setattr(opening, "FUSED_HOLDS", {})
-    got = opening.attend_lse(q, k, v, sees, 0.25)
-    assert opening.FUSED_HOLDS == {("cpu", torch.float32): True}
+    want = decode._written(q, k, v, sees, 0.25)
+    monkeypatch.setattr(decode, "FUSED_HOLDS", {})
+    got = decode.attend_lse(q, k, v, sees, 0.25)
+    assert decode.FUSED_HOLDS == {("cpu", torch.float32, 16): True}
     assert torch.allclose(got[0], want[0], atol=1e-5) and torch.allclose(got[1], want[1], atol=1e-5)
-    real = opening._fused
-    for broken in (lambda *a: (real(*a)[0], real(*a)[1] / 0.6931471805599453),
-                   lambda *a: (_ for _ in ()).throw(RuntimeError("no kernel for this shape"))):
-        monkeypatch.setattr(opening, "FUSED_HOLDS", {})
-        monkeypatch.setattr(opening, "_fused", broken)
+    real = decode._fused
+    def raises(*a):
+        raise RuntimeError("no kernel for this shape")
+
+    for broken in (lambda *a: (real(*a)[0], real(*a)[1] / 0.6931471805599453), raises,
+                   lambda *a: raises() if a[0].shape[2] == 4 else real(*a)):  # (the check's 3 queries pass)
+        monkeypatch.setattr(decode, "FUSED_HOLDS", {})
+        monkeypatch.setattr(decode, "_fused", broken)
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
-            got = [opening.attend_lse(q, k, v, sees, 0.25) for _ in range(2)]
-        assert opening.FUSED_HOLDS == {("cpu", torch.float32): False}
+            got = [decode.attend_lse(q, k, v, sees, 0.25) for _ in range(2)]
+        assert decode.FUSED_HOLDS == {("cpu", torch.float32, 16): False}
         assert len([w for w in said if "fused kernel on cpu" in str(w.message)]) == 1
         assert all(torch.equal(g[0], want[0]) and torch.equal(g[1], want[1]) for g in got)
 
@@ -399,7 +403,7 @@ def test_the_graphed_step_plays_the_eager_tokens(lm, tiny_tok, monkeypatch):
 
     steps = []
     real = graphs.StepGraphs.step
-    monkeypatch.setattr(graphs.StepGraphs, "step", lambda self, *a: steps.append(a[-1]) or real(self, *a))
+    monkeypatch.setattr(graphs.StepGraphs, "step", lambda self, *a: steps.append(a[-1] is not None) or real(self, *a))
     env = FakeEnv(n_tasks=3)
 
     def run(how, **kw):
@@ -413,13 +417,13 @@ def test_the_graphed_step_plays_the_eager_tokens(lm, tiny_tok, monkeypatch):
         assert [e.input_ids for e in body] == [e.input_ids for e in eager]
         for a, b in zip(body, eager):
             assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
-    monkeypatch.setattr(opening, "FUSED_LSE", False)  # the two parts written out (where no fused kernel holds)
+    monkeypatch.setattr(decode, "FUSED_LSE", False)  # the two parts written out (where no fused kernel holds)
     kw = dict(temperature=0.9, max_batch=3, decode_share_opening=True)
     assert [e.input_ids for e in run("on", **kw)] == [e.input_ids for e in run("off", **kw)]
-    assert steps  # the graphed step did run ('on'), and 'auto' leaves the CPU's step eager
-    n = len(steps)
+    assert False in steps and True in steps  # the graphed step ran ('on'), with the openings held apart too
+    steps.clear()  # and 'auto' leaves the CPU's step eager
     assert [e.input_ids for e in run("auto", greedy=True)] == [e.input_ids for e in run("off", greedy=True)]
-    assert len(steps) == n
+    assert not steps
 
 
 def test_the_graphed_step_keeps_its_pool_and_graphs_from_one_rollout_to_the_next(lm, tiny_tok, monkeypatch):
@@ -475,7 +479,7 @@ def test_the_graphed_step_keeps_its_pool_and_graphs_from_one_rollout_to_the_next
     # the openings held apart: their pool kept beside the rows', the step kept with both and playing eager's tokens
     run("on", greedy=True, decode_share_opening=True)
     rows, opens = made[-2:]
-    assert pools._KEPT == {"cpu": rows, "cpu:openings": opens} and rows.opens is opens and rows.graphs.opens is opens
+    assert pools._KEPT == {"cpu": rows, "cpu:openings": opens} and rows.opens is opens and rows.graphs.opens() is opens
     kept_step = rows.graphs
     graphed = run("on", greedy=True, decode_share_opening=True)
     assert made[-2:] == [rows, opens] and rows.graphs is kept_step
@@ -492,8 +496,11 @@ def test_the_graphed_step_keeps_its_pool_and_graphs_from_one_rollout_to_the_next
 
 def test_the_kept_pool_is_zeroed_and_counted_in_the_update(lm):
     """A kept pool comes back zeroed (a NaN an earlier rollout left would poison the masked columns: 0 x NaN), at
-    the same addresses; the memory estimate counts it in the update's peak when it is kept."""
-    from fast import pool as pools
+    the same addresses; one replaced is freed at once; the memory estimate counts it in the update's peak when it is
+    kept."""
+    import weakref
+
+    from fast import graphs, pool as pools
     from plumbing import memory
 
     pools._KEPT.clear()
@@ -506,6 +513,11 @@ def test_the_kept_pool_is_zeroed_and_counted_in_the_update(lm):
     assert pools.rollout_pool(lm, 3, 96, keep=True) is not a and pools.rollout_pool(lm, 4, 96, keep=True) is not a
     pools.rollout_pool(lm, 3, 32, keep=False)
     assert pools._KEPT == {}
+    a = pools.rollout_pool(lm, 3, 64, keep=True)  # a pool replaced is freed at once, though its step points back at it
+    a.graphs, gone = graphs.StepGraphs(lm, a, RolloutConfig(), capture=False), weakref.ref(a)
+    del a, b
+    assert pools.rollout_pool(lm, 3, 96, keep=True) is not None and gone() is None
+    pools._KEPT.clear()
     kw = dict(kv_bytes_per_token=1000, max_context=100, episodes=4)
     for lora in (0, 10):
         plain, kept = (memory.memory_estimate(10**6, lora=lora, kept_pool=k, **kw) for k in (False, True))
@@ -553,7 +565,7 @@ def _body_bucket(pool, steps, lens, shared):
 def test_the_graphed_body_never_reads_the_host(lm, tiny_tok, shared, monkeypatch):
     """A CUDA graph cannot hold a host sync (an .item(), a nonzero, a data-dependent shape): the body's ops, recorded
     on the CPU by a dispatch mode, include none of them; with the openings held apart, through the two attention
-    parts written out (opening.attend_lse's path where no fused kernel holds)."""
+    parts written out (decode.attend_lse's path where no fused kernel holds)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from fast.decode import decode_attention
@@ -567,7 +579,7 @@ def test_the_graphed_body_never_reads_the_host(lm, tiny_tok, shared, monkeypatch
             seen.append(func.__name__.split(".")[0])
             return func(*args, **(kwargs or {}))
 
-    monkeypatch.setattr(opening, "FUSED_LSE", False)
+    monkeypatch.setattr(decode, "FUSED_LSE", False)
     pool, steps, cfg, lens = _graph_body(lm, tiny_tok, shared=shared)
     b, openings = _body_bucket(pool, steps, lens, shared)
     with torch.no_grad(), decode_attention(lm, "grouped", openings), Record():

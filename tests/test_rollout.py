@@ -244,7 +244,7 @@ def test_the_opening_held_once_plays_the_same_episodes(lm, tiny_tok, extra, monk
     """decode_share_opening: each group's opening in a pool of its own, the rows' slots holding what follows it, read by
     opening.opening_attention. Greedy: the reference's episodes (two a task, so each opening has several readers),
     with rows spilling to host memory and back (and openings: 3 slots for 4 groups), chunked prefill, re-encoding each
-    turn, rows parked mid-turn, the two attention parts written out (opening.attend_lse's path where no fused kernel
+    turn, rows parked mid-turn, the two attention parts written out (decode.attend_lse's path where no fused kernel
     holds); sampled: the per-row engine's tokens, episode by episode; and the cache holds each opening once (the rows'
     slots are shorter by the shortest opening), every spilled one given back."""
     from transformers import AttentionInterface
@@ -252,7 +252,7 @@ def test_the_opening_held_once_plays_the_same_episodes(lm, tiny_tok, extra, monk
     from fast import batched_rollout as R, decode, opening
     from fast.pool import _Spilled
 
-    monkeypatch.setattr(opening, "FUSED_LSE", extra.pop("fused", True))
+    monkeypatch.setattr(decode, "FUSED_LSE", extra.pop("fused", True))
     env, pools, groups_read, rescued = FakeEnv(n_tasks=4), [], [], _Spilled.rescued
     cfg = RolloutConfig(**{**GREEDY.__dict__, **extra, "decode_share_opening": True})
     real = R.rollout_pool
