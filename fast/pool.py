@@ -328,16 +328,16 @@ def rollout_pool(model, slots: int, capacity: int, spill_device: str = "", keep:
     """The pool of one rollout: `slots` slots of `capacity` positions for `model`'s keys and values. With `keep`, the
     process's pool: the one an earlier rollout kept when it has this shape (the model's layers, key-value heads,
     head size, compute dtype and device; the slots, the spill device) and at least this capacity (the rows' after
-    openings of other lengths; a `tag`ged pool: at least as many slots too), its slots emptied and zeroed in
-    place, its graphed step (`graphs`) kept for graphs.step_graphs to judge; else a new one, kept in its place once
-    the old one is let go (its memory freed before the new one is allocated). Without `keep`, a new pool that lives
-    as long as the rollout, and none is kept. `tag` names a second pool kept beside it (":openings": the groups')."""
+    openings of other lengths; not more slots: an evaluation's pool would be held through training), its slots
+    emptied and zeroed in place, its graphed step (`graphs`) kept for graphs.step_graphs to judge; else a new one,
+    kept in its place once the old one is let go (its memory freed before the new one is allocated). Without `keep`,
+    a new pool that lives as long as the rollout, and none is kept. `tag` names a second pool kept beside it (":openings": the groups')."""
     _, device = _compute_dtype_device(model)
     where = str(device) + tag
     kept = _KEPT.pop(where, None)
-    want, more = SlotPool.shape_for(model, slots, capacity, spill_device), bool(tag)  # (openings: slots to spare)
-    if keep and kept is not None and kept.shape[:1] + kept.shape[2:3] + kept.shape[4:] == want[:1] + want[2:3] + \
-            want[4:] and kept.capacity >= capacity and (len(kept.owner) >= slots if more else len(kept.owner) == slots):
+    want = SlotPool.shape_for(model, slots, capacity, spill_device)
+    if keep and kept is not None and kept.shape[:3] + kept.shape[4:] == want[:3] + want[4:] and \
+            kept.capacity >= capacity:
         for buf in kept.k + kept.v:
             buf.zero_()  # a NaN left by an earlier rollout would poison the masked columns (0 x NaN)
         kept.owner, kept.opens = [None] * len(kept.owner), None  # (the openings' pool is the rollout's to give)
