@@ -57,6 +57,7 @@ A failing check does not stop the others; the exit status is 1 when any failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -203,6 +204,19 @@ class Report:
 
 
 # ---- the checks ---------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def kernel_cuts(on: bool):
+    """decode.KERNEL_CUTS set to `on` for the block (the eager twin of the step's kernel cuts when False), and back on
+    after, also when the block raises."""
+    from fast import decode as decode_module
+
+    decode_module.KERNEL_CUTS = on
+    try:
+        yield
+    finally:
+        decode_module.KERNEL_CUTS = True
+
 def versions(device):
     import accelerate
     import transformers
@@ -220,7 +234,6 @@ def versions(device):
 def engine(model, tok, env, tasks, device):
     """Greedy: the engine (batched, KV cache across turns) plays exactly the reference rollout's episodes, with the
     kernel cuts and without them (decode.KERNEL_CUTS), and with its decoding step replayed as CUDA graphs."""
-    from fast import decode as decode_module
     from fast import pool as pool_module  # the kept pool; the parked caches' host blocks: page-locked in place
     from fast.batched_rollout import RolloutConfig, rollout
     from plumbing.users import make_user_sim
@@ -240,11 +253,8 @@ def engine(model, tok, env, tasks, device):
                             ("graphed", with_(decode_graphs="on"), sim),  # captured CUDA graphs (CPU: their body)
                             ("graphed again", with_(decode_graphs="on"), sim)):  # the kept pool, its graphs replayed
         t = time.perf_counter()
-        decode_module.KERNEL_CUTS = name != "uncut"  # the cuts off: the model's norms, SDPA's own mask conversion
-        try:
+        with kernel_cuts(name != "uncut"):  # the cuts off: the model's norms, SDPA's own mask conversion
             eps = rollout(model, tok, env, tasks, 1, user, cfg)
-        finally:
-            decode_module.KERNEL_CUTS = True
         same = sum(a.input_ids == b.input_ids and a.loss_mask == b.loss_mask for a, b in zip(eps, ref))
         figs[name] = f"{same}/{len(ref)} equal"
         ok &= same == len(ref)
@@ -477,7 +487,6 @@ def roofline(device, cpu: bool):
     toy)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from fast import decode as decode_module
     from fast.batched_rollout import RolloutConfig as cfg
 
     step_cost = bench_rollout().step_cost
@@ -486,11 +495,8 @@ def roofline(device, cpu: bool):
                 "graphed uncut": cfg(compile_decode="off", decode_graphs="on")}  # decode.KERNEL_CUTS off
 
     def step_ms(model, how, cfg, batch, context):
-        decode_module.KERNEL_CUTS = how != "graphed uncut"
-        try:
+        with kernel_cuts(how != "graphed uncut"):
             return min(step_cost(model, batch, context, steps=10, cfg=cfg) for _ in range(2)) * 1e3
-        finally:
-            decode_module.KERNEL_CUTS = True
 
     dtype = torch.float32 if cpu else torch.bfloat16
     shapes = {"toy": dict(SHAPES["toy"], vocab_size=4096)} if cpu else {
@@ -534,12 +540,9 @@ def roofline(device, cpu: bool):
                 for how, c in (("greedy", dataclasses.replace(eager, greedy=True)), ("sampled top-p 0.9",
                                dataclasses.replace(eager, greedy=False, temperature=0.7, top_p=0.9))):
                     for cuts in (True, False):
-                        decode_module.KERNEL_CUTS = cuts
-                        try:
+                        with kernel_cuts(cuts):
                             figs[f"{name} ops a step, {how}{'' if cuts else ', uncut'}"] = ops_a_step(
                                 model, batch, context, c)
-                        finally:
-                            decode_module.KERNEL_CUTS = True
             if at_target:
                 target = ms["graphed"] / bound
             PROGRESS(figs)  # each point written as it is measured

@@ -331,7 +331,8 @@ def rollout_pool(model, slots: int, capacity: int, spill_device: str = "", keep:
     openings of other lengths; not more slots: an evaluation's pool would be held through training), its slots
     emptied and zeroed in place, its graphed step (`graphs`) kept for graphs.step_graphs to judge; else a new one,
     kept in its place once the old one is let go (its memory freed before the new one is allocated). Without `keep`,
-    a new pool that lives as long as the rollout, and none is kept. `tag` names a second pool kept beside it (":openings": the groups')."""
+    a new pool that lives as long as the rollout, and none is kept. `tag` names a second pool kept beside it
+    (":openings": the groups')."""
     _, device = _compute_dtype_device(model)
     where = str(device) + tag
     kept = _KEPT.pop(where, None)
