@@ -40,7 +40,7 @@ Checks, in order; each is PASS, FAIL or SKIP (with why) and its figures, in OUT/
   decode_layouts  issue 53's decoding layouts at the 0.6B shape, one group of 8 with a 4k opening, episodes to 5k:
              each row's copy of the opening, the opening held once, held once in slots sized by need, and the
              first two through the graphed step: tokens/s, pools' bytes, cache read a step, each against its
-             roofline; the same episodes token for token
+             roofline; the same episodes token for token (required in fp32, on the CPU)
   share_opening  bench/train_step.py's tau2-shaped update with and without each group's opening computed once
              (bf16, gradient checkpointing, micro-batches of 4 and 1): seconds, peak memory, decoder tokens; bf16
              gradients of a group against float32, shared and whole (on the CPU: toy size, figures only)
@@ -233,7 +233,8 @@ def versions(device):
 
 def engine(model, tok, env, tasks, device):
     """Greedy: the engine (batched, KV cache across turns) plays exactly the reference rollout's episodes, with the
-    kernel cuts and without them (decode.KERNEL_CUTS), and with its decoding step replayed as CUDA graphs."""
+    kernel cuts and without them (decode.KERNEL_CUTS), with its decoding step replayed as CUDA graphs, and with the
+    groups' openings held apart (--decode-share-opening), eagerly and graphed."""
     from fast import pool as pool_module  # the kept pool; the parked caches' host blocks: page-locked in place
     from fast.batched_rollout import RolloutConfig, rollout
     from plumbing.users import make_user_sim
@@ -251,7 +252,9 @@ def engine(model, tok, env, tasks, device):
                             ("parked", with_(max_batch=2, park_device="cpu"), sim),
                             ("prefill chunks", with_(prefill_tokens=256), sim), ("slow user", base, slow),
                             ("graphed", with_(decode_graphs="on"), sim),  # captured CUDA graphs (CPU: their body)
-                            ("graphed again", with_(decode_graphs="on"), sim)):  # the kept pool, its graphs replayed
+                            ("graphed again", with_(decode_graphs="on"), sim),  # the kept pool, its graphs replayed
+                            ("shared", with_(decode_share_opening=True), sim),  # the openings held apart (fused kernel)
+                            ("shared graphed", with_(decode_share_opening=True, decode_graphs="on"), sim)):
         t = time.perf_counter()
         with kernel_cuts(name != "uncut"):  # the cuts off: the model's norms, SDPA's own mask conversion
             eps = rollout(model, tok, env, tasks, 1, user, cfg)
@@ -869,8 +872,7 @@ def decode_layouts(tok, device, shape: str, opening: int, context: int, group: i
     shared through the graphed step (--decode-graphs on: CUDA graphs on a GPU, the same body eagerly on the CPU):
     bench/opening.compare's tokens/s, pools' bytes, cache read a step, and the episodes equal; and each against its
     roofline, the weights and the cache a step reads, read once at the copy bandwidth measured here. PASS: the same
-    episodes token for token, shared faster than per-row, eager and graphed (on a GPU; on the CPU the toy only runs
-    it)."""
+    episodes token for token on the CPU (fp32), shared faster than per-row, eager and graphed, on a GPU."""
     from envs import make_env
 
     op = bench_rollout("opening")
@@ -906,7 +908,9 @@ def decode_layouts(tok, device, shape: str, opening: int, context: int, group: i
                                     for (d, t, h), ok in decode_module.FUSED_HOLDS.items()}
     figs["shared_x_per_row"] = round(out["shared"]["tok_s"] / out["per-row"]["tok_s"], 2)
     figs["graphed_shared_x_per_row"] = round(out["shared graphed"]["tok_s"] / out["per-row graphed"]["tok_s"], 2)
-    ok = out["same"] and (device.type != "cuda" or figs["shared_x_per_row"] > 1 < figs["graphed_shared_x_per_row"])
+    # (on a GPU in bf16 the same sampled episodes are reported, not required: per-row SDPA and the two joined parts
+    # round otherwise; the engine check holds the layouts' greedy episodes to the reference's in float32)
+    ok = figs["shared_x_per_row"] > 1 < figs["graphed_shared_x_per_row"] if device.type == "cuda" else out["same"]
     return ("PASS" if ok else "FAIL"), figs
 
 

@@ -33,6 +33,7 @@ def test_gpu_checks_pass_at_toy_size_on_the_cpu(tmp_path):
     assert rows["engine"]["all"] == rows["engine"]["max_batch 2"] == rows["engine"]["parked"] == "4/4 equal"
     assert rows["engine"]["prefill chunks"] == rows["engine"]["slow user"] == rows["engine"]["graphed"] == "4/4 equal"
     assert rows["engine"]["graphed again"] == rows["engine"]["uncut"] == "4/4 equal"  # the kept pool, a second rollout
+    assert rows["engine"]["shared"] == rows["engine"]["shared graphed"] == "4/4 equal"  # the openings held apart
     assert rows["engine"]["graphed again: time"].endswith("0 replays")  # (the CPU runs the body: nothing captured)
     # every row decoded to its cap at the engine's real positions (past the openings' ~700 tokens), none stopped early
     assert rows["decode"]["tokens"] == "64 of 64" and rows["decode"]["ends"] == {"response_truncated": 4}
