@@ -116,17 +116,32 @@ def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sees: torch.Te
 
 
 def _fused(q, k, v, sees, scale):
-    L = k.shape[2]
-    if q.device.type == "cpu":
-        bias = torch.zeros(sees.shape, dtype=q.dtype, device=q.device).masked_fill(~sees, -torch.inf)
+    L, cpu = k.shape[2], q.device.type == "cpu"
+    # the memory-efficient kernel reads a bias whose rows start at a multiple of 16 elements (SDPA pads it so too)
+    # and returns the log-sum-exp over a query axis padded to a multiple of 32; the bias made once a step
+    bias = once((sees, q.dtype), lambda: torch.zeros(*sees.shape[:-1], L if cpu else -(-L // 16) * 16, dtype=q.dtype,
+                                                     device=q.device)[..., :L].masked_fill_(~sees, -torch.inf))
+    if cpu:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)[:2]
         return out.float(), lse
-    # the memory-efficient kernel reads a bias whose rows start at a multiple of 16 elements (SDPA pads it so too)
-    # and returns the log-sum-exp over a query axis padded to a multiple of 32
-    bias = torch.zeros(*sees.shape[:-1], -(-L // 16) * 16, dtype=q.dtype, device=q.device)[..., :L]
-    bias = bias.masked_fill_(~sees, -torch.inf).expand(*q.shape[:3], L)
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, scale=scale)[:2]
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias.expand(*q.shape[:3], L), True,
+                                                                      scale=scale)[:2]
     return out.float(), lse[..., :q.shape[2]].float()
+
+
+_ONCE: list = []  # (key, value) of the last few `once` calls
+
+
+def once(key: tuple, make):
+    """make(), made once for `key`, objects compared by identity: a decoding step hands every layer the same mask
+    object, so what is made of it (a bias, the openings' masks) is made at the first layer and read by the others,
+    as `_additive` does for the grouped attention. The last 8 are kept (a step's masks, not a rollout's)."""
+    for k, value in _ONCE:
+        if len(k) == len(key) and all(a is b for a, b in zip(k, key)):
+            return value
+    _ONCE.append((key, make()))
+    del _ONCE[:-8]
+    return _ONCE[-1][1]
 
 
 def _written(q, k, v, sees, scale):
@@ -135,9 +150,10 @@ def _written(q, k, v, sees, scale):
     outs, lses = [], []
     with torch.autocast(q.device.type, enabled=False):  # (a rollout under autocast would round these to bf16)
         kf, vf = k.float().transpose(-1, -2), v.float()
+        hidden = once((sees, "hidden"), lambda: ~sees)  # (made once a step)
         for i in range(0, Q, step):
-            part = sees[:, :, i:i + step] if sees.shape[2] > 1 else sees
-            scores = (torch.matmul(q[:, :, i:i + step].float(), kf) * scale).masked_fill(~part, -torch.inf)
+            part = hidden[:, :, i:i + step] if sees.shape[2] > 1 else hidden
+            scores = (torch.matmul(q[:, :, i:i + step].float(), kf) * scale).masked_fill(part, -torch.inf)
             lses.append(torch.logsumexp(scores, -1))
             outs.append(torch.matmul(torch.exp(scores - lses[-1][..., None]), vf))
     return torch.cat(outs, 2), torch.cat(lses, 2)
@@ -174,7 +190,7 @@ def _refuse(key: tuple, why: str) -> None:
 def _empty(out: torch.Tensor, lse: torch.Tensor, sees: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A query that sees no column (an empty opening) as weight 0: its output 0, its log-sum-exp -inf (the written
     arithmetic gives NaN there, the CPU's flash kernel 0 and 0: a weight of e^0 to a zero output)."""
-    none = ~sees.any(-1)  # [N | 1, 1, Q | 1]
+    none = once((sees, "none"), lambda: ~sees.any(-1))  # [N | 1, 1, Q | 1]
     return out.masked_fill(none[..., None], 0), lse.masked_fill(none, -torch.inf)
 
 

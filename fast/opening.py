@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
-from fast.decode import _OPENINGS, OPENING, Parts, _empty, attend_lse, with_cache
+from fast.decode import _OPENINGS, OPENING, Parts, _empty, attend_lse, once, with_cache
 from fast.logprobs import DEFAULT_CHUNK_SIZE, check_plain_logits, call_as_forward, logprobs_from_hidden, token_logprobs
 
 REMAINDER = "muarl_opening_remainder"
@@ -318,19 +318,20 @@ def opening_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         return x.view(G, kvh, m, n, x.shape[-1]).transpose(1, 2)[at]
 
     q = query.reshape(B, kvh, n, D)  # row r * W + w of head group g: query head g * n_rep + r, token w
-    opening = (torch.arange(P, device=q.device) < members.lengths[:, None])[:, None, None]  # [G, 1, 1, P]
+    # the step's masks, made at its first layer (every layer is handed the same mask and Members): [G, 1, 1, P]
+    opening = once((mask, members, "opening"), lambda: (torch.arange(P, device=q.device) < members.lengths[:, None])[
+        :, None, None])
     o_open, l_open = _empty(*attend_lse(to_groups(q), open_k[:G], open_v[:G], opening, scaling), opening)
     o_open, l_open = to_rows(o_open), to_rows(l_open[..., None])
-    mask = mask.repeat(1, 1, H // kvh, 1) if W > 1 else mask  # query row r * W + w: token w's
     parts = key if isinstance(key, Parts) else [(slice(None), key, value)]  # (rows in several tiers: pool.Tiers)
-    own = [attend_lse(q[at], k, v, mask[at, ..., :k.shape[2]], scaling) for at, k, v in parts]
+    sees = once((mask, members, "own"), lambda: [  # query row r * W + w: token w's
+        (mask.repeat(1, 1, H // kvh, 1) if W > 1 else mask)[at, ..., :k.shape[2]] for at, k, _ in parts])
+    own = [attend_lse(q[at], k, v, s, scaling) for (at, k, v), s in zip(parts, sees)]
     o_own, l_own = torch.cat([o for o, _ in own]), torch.cat([lse for _, lse in own])[..., None]
     top = torch.maximum(l_open, l_own)  # finite: every row sees its own newest token
     w_open, w_own = torch.exp(l_open - top), torch.exp(l_own - top)
     out = (o_open * w_open + o_own * w_own) / (w_open + w_own)
     return out.reshape(B, H, W, D).transpose(1, 2).to(query.dtype)
-
-
 
 
 def opening_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -1,5 +1,7 @@
 """decode.py's decoding step: grouped-query decode attention (each row's cache read once, no repeat_kv) and the
 batch sampler's counter-based noise and sort-free nucleus."""
+import copy
+
 import pytest
 import torch
 
@@ -626,6 +628,42 @@ def test_every_tensor_the_graphed_body_reads_keeps_its_address(lm, tiny_tok, sha
                                                         b.out_tok, b.out_lp, *pool.k, *pool.v, *lm.parameters(), *held]}
     assert first <= fixed | {p.untyped_storage().data_ptr() for p in lm.buffers()}, "the body read a tensor it " \
         "neither made nor keeps"
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_openings_masks_are_made_once_a_step(lm, tiny_tok, fused, monkeypatch):
+    """With the openings held apart, what a step's attention makes of its mask (the openings' mask, each part's
+    bias for the fused kernel, the rows that see no opening) is made at its first layer and read by the others: the
+    ops that make them count the same for a model of 2 layers as for the model cut to 1, and the tokens are those of
+    the step made layer by layer (every memo off)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fast.decode import decode_attention
+
+    monkeypatch.setattr(decode, "FUSED_LSE", fused)
+
+    def made(model):
+        ops = []
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                ops.append(func.__name__.split(".")[0])
+                return func(*args, **(kwargs or {}))
+
+        pool, steps, cfg, lens = _graph_body(model, tiny_tok, shared=True)
+        b, openings = _body_bucket(pool, steps, lens, True)
+        with torch.no_grad(), decode_attention(model, "grouped", openings), Ops():
+            steps._body(b)
+        return [ops.count(op) for op in ("arange", "lt", "any", "bitwise_not", "masked_fill_")], b.out_tok.clone()
+
+    cut = copy.deepcopy(lm)
+    cut.model.layers = cut.model.layers[:1]
+    cut.config.num_hidden_layers = 1
+    made(lm)  # (the fused kernel's one-time check, which makes its own masks)
+    (two, tokens), (one, _) = made(lm), made(cut)
+    assert two == one and sum(two) > 0, (two, one)
+    monkeypatch.setattr(decode, "once", lambda key, make: make())  # every layer makes its own
+    assert made(lm)[0] != two and torch.equal(made(lm)[1], tokens)
 
 
 def test_a_decoding_step_calls_each_norm_once_and_makes_its_mask_once(lm, tiny_tok):
