@@ -69,7 +69,6 @@ def grouped_decode_attention(module, query, key, value, attention_mask, scaling=
 
 AttentionInterface.register(GROUPED, grouped_decode_attention)
 KERNEL_CUTS = True  # fused norms and the mask made once a step (False: as the model and SDPA do them; bench/gpu.py)
-_ADDITIVE: list = [None, None]  # the last decoding step's boolean mask and its additive form, made once a step
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -78,10 +77,8 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     as cuDNN needs; each row sees its newest token, so unseen columns weigh exactly 0 as with -inf)."""
     dev = mask.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else dtype  # (what SDPA would cast to)
-    if _ADDITIVE[0] is not mask or _ADDITIVE[1].dtype != dtype:
-        full = torch.full(mask.shape, torch.finfo(dtype).min, dtype=dtype, device=mask.device)
-        _ADDITIVE[:] = mask, full.masked_fill_(mask, 0)
-    return _ADDITIVE[1]
+    return once((mask, dtype, "additive"), lambda: torch.full(mask.shape, torch.finfo(dtype).min, dtype=dtype,
+                                                              device=mask.device).masked_fill_(mask, 0))
 
 
 class Parts(list):
@@ -134,8 +131,8 @@ _ONCE: list = []  # (key, value) of the last few `once` calls
 
 def once(key: tuple, make):
     """make(), made once for `key`, objects compared by identity: a decoding step hands every layer the same mask
-    object, so what is made of it (a bias, the openings' masks) is made at the first layer and read by the others,
-    as `_additive` does for the grouped attention. The last 8 are kept (a step's masks, not a rollout's)."""
+    object, so what is made of it (the grouped attention's additive mask, the openings' masks and biases) is made
+    at the first layer and read by the others. The last 8 are kept (a step's masks, not a rollout's)."""
     for k, value in _ONCE:
         if len(k) == len(key) and all(a is b for a, b in zip(k, key)):
             return value
