@@ -132,7 +132,11 @@ _ONCE: list = []  # (key, value) of the last few `once` calls
 def once(key: tuple, make):
     """make(), made once for `key`, objects compared by identity: a decoding step hands every layer the same mask
     object, so what is made of it (the grouped attention's additive mask, the openings' masks and biases) is made
-    at the first layer and read by the others. The last 8 are kept (a step's masks, not a rollout's)."""
+    at the first layer and read by the others. The last 8 are kept (a step's masks, not a rollout's); a prefill's
+    (a mask of several queries a row, key[0]) is made anew in every layer: large, and kept it would outlive its
+    forward into the next chunk's."""
+    if key[0].shape[-2] > 1:
+        return make()
     for k, value in _ONCE:
         if len(k) == len(key) and all(a is b for a, b in zip(k, key)):
             return value

@@ -78,6 +78,7 @@ def test_attention_over_a_group_opening_held_once_is_attention_over_each_row_who
     mask = (torch.arange(L)[None, None, :] <= pos[:, :, None])[:, None]
     members = opening.Members.of(groups, lengths)
     out = opening.opening_attention(q, k, v, mask, open_k, open_v, members, D ** -0.5)
+    assert all(key[0].shape[-2] == 1 for key, _ in decode._ONCE)  # a prefill's masks (width > 1) are not kept
     want = _attention_over_opening_and_own(q, k, v, mask, open_k, open_v, groups, lengths, D ** -0.5)
     assert out.shape == (B, width, heads, D) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
