@@ -8,6 +8,7 @@ tasks, the same cold start for the arms that share it) before it is resampled.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -202,9 +203,18 @@ def verdict(sc: dict | None, kind: str) -> str:
     return "failed (a difference)" if lo > 0 or hi < 0 else f"held (interval within +-{max(-lo, hi):.3f})"
 
 
+def size_verdict(sc: dict | None, size: float) -> str:
+    """Whether a difference predicted "above 0, by +size" reached its size: the interval's lower end at or above it
+    (reached), its upper end below it (below its size), else not settled by this many seeds."""
+    if sc is None:
+        return ""
+    lo, hi = sc["ci"]
+    return "; size reached" if lo >= size else "; below its size" if hi < size else "; size not settled"
+
+
 def predictions(results: dict) -> list[str]:
     lines = ["", "The predictions, each a paired contrast of greedy and of sampled pass^1, or of the asking rate where "
-             "a prediction is about asking (task by task within each seed; verdicts from the 95% intervals):", "",
+             "a prediction is about asking (task by task within each seed; verdicts from the 95% intervals: above 0 or not, and, where a size is predicted, whether the interval reaches it):", "",
              "| prediction | contrast | seeds | greedy | verdict | sampled | verdict |", "|---|---|---|---|---|---|---|"]
     decisions = any("wants" in arm["final"] for arms in results.values() for arm in arms.values())
     for text, terms, subset, kind, *key in (PREDICTIONS_DECISIONS if decisions else PREDICTIONS):
@@ -213,8 +223,10 @@ def predictions(results: dict) -> list[str]:
         else:
             g, smp = contrast(results, terms, "greedy", subset), contrast(results, terms, "sampled", subset)
         name = " ".join(f"{'+' if sign > 0 else '-'} {a}" for sign, a in terms).lstrip("+ ")
-        lines.append(f"| {text} | {name} | {g['seeds'] if g else 0} | {cell(g, True)} | {verdict(g, kind)} | "
-                     f"{cell(smp, True)} | {verdict(smp, kind)} |")
+        size = re.search(r"\(\+(\d+(?:\.\d+)?)", text) if kind == "above" else None  # the size predicted, if any
+        sized = (lambda sc: size_verdict(sc, float(size[1]))) if size else (lambda sc: "")
+        lines.append(f"| {text} | {name} | {g['seeds'] if g else 0} | {cell(g, True)} | {verdict(g, kind)}{sized(g)} "
+                     f"| {cell(smp, True)} | {verdict(smp, kind)}{sized(smp)} |")
     return lines
 
 

@@ -122,7 +122,10 @@ def test_the_predictions_take_their_verdicts_from_paired_intervals():
                        "seconds": 1.0, "curve": []} for a in asks} for s in (0, 1, 2)}
     rows = {r.split(" | ")[0].lstrip("| "): r for r in ablation_report.predictions(results) if r.startswith("| ")}
     assert set(rows) >= {p[0] for p in ablation_report.PREDICTIONS_DECISIONS}
-    assert "| +1.000 [+1.000, +1.000] | held |" in rows["primary: dynamic asks more than static (+0.3 or more)"]
+    assert "| +1.000 [+1.000, +1.000] | held; size reached |" in rows["primary: dynamic asks more than static (+0.3 or "
+                                                                   "more)"]
+    assert ablation_report.size_verdict({"ci": [0.02, 0.1]}, 0.15) == "; below its size"
+    assert ablation_report.size_verdict({"ci": [0.02, 0.2]}, 0.15) == "; size not settled"
     assert "| +0.500 [" in rows["primary: dynamic asks more than the teacher's replay (+0.4 or more)"]
     nondefault = ablation_report.score(results, "dynamic", "greedy", "non-default", "static")
     assert nondefault["tasks"] == 1 and nondefault["mean"] == 1.0  # t1 alone
