@@ -200,7 +200,7 @@ def verdict(sc: dict | None, kind: str) -> str:
     lo, hi = sc["ci"]
     if kind == "above":
         return "held" if lo > 0 else "refuted (below 0)" if hi < 0 else "not shown (interval spans 0)"
-    return "failed (a difference)" if lo > 0 or hi < 0 else f"held (interval within +-{max(-lo, hi):.3f})"
+    return "failed (a difference)" if lo > 0 or hi < 0 else f"held (interval within +-{max(abs(lo), abs(hi)):.3f})"
 
 
 def size_verdict(sc: dict | None, size: float) -> str:
