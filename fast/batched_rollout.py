@@ -283,7 +283,7 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
     if shared and (cfg.decode_attention != "grouped" or cfg.compile_decode != "off"):
         raise ValueError("decode_share_opening: the opening held apart is read by decode_attention 'grouped' only, "
                          "and not yet through compile_decode")
-    step = 256 if graphed else 1  # (graphed: pools sized in steps of 256 positions, so that the next rollouts'
+    step = 256 if graphed else 1  # (graphed: pools sized in steps of 256, found again by the next rollouts)
     if cfg.decode_slots:  # slots sized by need: a few sizes, each episode in the smallest that holds its turn
         if cfg.decode_attention != "grouped" or cfg.compile_decode != "off":
             raise ValueError("decode_slots: slots of several sizes are read by decode_attention 'grouped' only, and "
@@ -291,7 +291,7 @@ def _rollout(model, tok, env, tasks, group_size, user_sim, cfg, seed, users, loc
         pool = Tiers([SlotPool(model, n, cap, cfg.park_device) for n, cap in parse_slots(cfg.decode_slots,
                                                                                            cfg.max_context)],
                      cfg.max_new_tokens, cfg.max_context)
-    else:  # openings find the kept pools)
+    else:
         pool = rollout_pool(model, slots, cfg.max_context - (min(opening_lens) // step * step if shared else 0),
                             cfg.park_device, keep=graphed)
     if shared:  # a slot for each group that can decode at once, as long as the longest opening (+ the scratch column)

@@ -335,18 +335,16 @@ def rollout_pool(model, slots: int, capacity: int, spill_device: str = "", keep:
     (":openings": the groups')."""
     _, device = _compute_dtype_device(model)
     where = str(device) + tag
-    kept = _KEPT.pop(where, None)
+    kept = _KEPT.get(where)
     want = SlotPool.shape_for(model, slots, capacity, spill_device)
     if keep and kept is not None and kept.shape[:3] + kept.shape[4:] == want[:3] + want[4:] and \
             kept.capacity >= capacity:
         for buf in kept.k + kept.v:
             buf.zero_()  # a NaN left by an earlier rollout would poison the masked columns (0 x NaN)
         kept.owner, kept.opens = [None] * len(kept.owner), None  # (the openings' pool is the rollout's to give)
-        _KEPT[where] = kept
         return kept
-    if kept is not None:  # (it and its step point at each other: without this, freed only by the cycle collector)
-        kept.graphs = kept.opens = None
-    del kept  # the old pool, its step buffers and graphs: freed before the new pool is made
+    kept = None
+    let_go(model, tag)  # the old pool, its step buffers and graphs: freed before the new pool is made
     pool = SlotPool(model, slots, capacity, spill_device)
     if keep:
         _KEPT[where] = pool
@@ -354,5 +352,8 @@ def rollout_pool(model, slots: int, capacity: int, spill_device: str = "", keep:
 
 
 def let_go(model, tag: str = "") -> None:
-    """The pool an earlier rollout kept under `tag` (rollout_pool) let go: its memory freed."""
-    _KEPT.pop(str(_compute_dtype_device(model)[1]) + tag, None)
+    """The pool an earlier rollout kept under `tag` (rollout_pool) let go: its memory freed now (it and its graphed
+    step point at each other: unlinked, or only the cycle collector would free them)."""
+    kept = _KEPT.pop(str(_compute_dtype_device(model)[1]) + tag, None)
+    if kept is not None:
+        kept.graphs = kept.opens = None
