@@ -219,18 +219,12 @@ def compare(a: str, b: str) -> str:
     if not shared:
         raise SystemExit(f"eval.py: --compare: {a} and {b} share no scored task")
     meta = {t: r.get("meta") or {} for t, r in runs[0]["per_task"].items()}
-    groups = [("all tasks", shared)] + sorted(
-        (f"{k} = {v}", {t for t in shared if k in meta[t] and str(meta[t][k]) == v})
-        for k in sorted({k for t in shared for k in meta[t]}) for v in sorted({str(meta[t].get(k)) for t in shared}))
     lines = [f"# {a} minus {b}", "", f"Paired over the {len(shared)} tasks both scored (mean reward per task; 95% "
              "interval: bootstrap over tasks, stats.py). A's and B's pass^1 on those tasks, then A - B.", "",
              "| tasks | n | A | B | A - B [95%] | A better / worse |", "|---|---|---|---|---|---|"]
-    for name, ids in groups:
-        if ids:
-            d = stats.paired({t: tasks[0][t] for t in ids}, {t: tasks[1][t] for t in ids})
-            mean = lambda x: sum(x[t] for t in ids) / len(ids)
-            lines.append(f"| {name} | {len(ids)} | {mean(tasks[0]):.3f} | {mean(tasks[1]):.3f} | {stats.fmt(d)} | "
-                         f"{d['better']} / {d['worse']} |")
+    for d in stats.paired_groups(*tasks, meta):
+        lines.append(f"| {d['group']} | {d['tasks']} | {d['a']:.3f} | {d['b']:.3f} | {stats.fmt(d)} | "
+                     f"{d['better']} / {d['worse']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -68,6 +68,8 @@ METRICS = {
     "eval/pass1": "greedy pass^1 on the first --eval-tasks test tasks after this step (every --eval-every steps)",
     "eval/<check>": "the same evaluation's share of episodes where the reward's check holds, as reward_info/<check> "
                     "(eval/asked: the held-out asking rate, against --eval-env's user when it is given)",
+    "eval/pass1/<field>=<value>": "that evaluation's greedy pass^1 within one group of test tasks (shop: kind=return, "
+                                  "wants=non-default, ...)",
     "eval_s": "seconds that evaluation took",
     "step": "the GRPO step this line is for (a rollout and its update: --updates-per-batch optimizer steps)",
 }
@@ -201,14 +203,41 @@ def console_line(m: dict, failed: list[dict], t_roll: float, t_upd: float) -> st
     return line
 
 
+def gain(run_dir, meta: dict, say=print) -> list[dict]:
+    """A run's held-out gain: after minus before, greedy pass^1 paired on the same test tasks (stats.paired_groups:
+    over all tasks and within each task group, with 95% intervals), from its eval-before.jsonl and eval-after.jsonl
+    (so a resumed run's "before" counts too); the overall, per-kind and per-wish rows said in one line."""
+    from plumbing.stats import fmt, paired_groups
+
+    per = []
+    for tag in ("after", "before"):
+        by: dict[str, list[float]] = {}
+        for line in open(Path(run_dir) / f"eval-{tag}.jsonl", encoding="utf-8"):
+            e = json.loads(line)
+            if not e["infra_failed"]:
+                by.setdefault(e["task_id"], []).append(e["reward"])
+        per.append({t: sum(r) / len(r) for t, r in by.items()})
+    rows = paired_groups(*per, meta)
+    say("[grpo] after - before, greedy pass^1 paired on the same test tasks (95% interval): " + "; ".join(
+        f"{d['group']} ({d['tasks']}) {d['b']:.2f} -> {d['a']:.2f}, {fmt(d)}" for d in rows
+        if d["group"] == "all tasks" or d["group"].split(" = ")[0] in ("kind", "wants")))
+    return rows
+
+
 # ---- the learning curves (matplotlib, Agg: files only, nothing shown) ----
+CURVE_GROUPS = {"wants=non-default": ("tab:red", "users who want the non-default"),
+                "kind=transfer": ("tab:green", "transfers (a control: nothing to learn)")}
+"""The task groups whose held-out pass^1 the curves draw beside the overall one (shop's; absent elsewhere)."""
+
+
 def plot_curves(rows: list[dict], path, before: float | None = None, after: float | None = None,
-                asked: tuple = (None, None)) -> dict:
+                asked: tuple = (None, None), groups: dict | None = None) -> dict:
     """A run's learning curves as a PNG, from its metrics.jsonl rows: the reward per step and its mean over the last 5
     steps, with greedy test pass^1 before and after training; the groups whose episodes all scored 1 or all 0 (they
     teach nothing) and, where the reward checks it, the episodes that wrote without the user's yes; turns and sampled
     tokens per episode; the KL to the reference and the policy's entropy. `asked`: the held-out asking rate before and
-    after training, drawn with the evaluations' own (eval/asked). Returns {panel title: its legend}."""
+    after training, drawn with the evaluations' own (eval/asked); `groups`: CURVE_GROUPS' pass^1 before and after
+    ({"kind=transfer": (before, after)}), drawn with the evaluations' own. Returns {panel title: its legend}."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -232,6 +261,14 @@ def plot_curves(rows: list[dict], path, before: float | None = None, after: floa
         held.append((steps[-1], after))
     if any(r.get("eval/pass1") is not None for r in rows):
         a.plot(*zip(*held), color="black", marker="o", lw=1.5, label="held-out test pass^1 (greedy)")
+    for g, (c, name) in CURVE_GROUPS.items():
+        ends = (groups or {}).get(g, (None, None))
+        pts = [(0, ends[0])] * (ends[0] is not None) + [(r["step"], r[f"eval/pass1/{g}"]) for r in rows
+                                                        if r.get(f"eval/pass1/{g}") is not None]
+        if ends[1] is not None and steps:
+            pts.append((steps[-1], ends[1]))
+        if pts:
+            a.plot(*zip(*pts), color=c, marker=".", lw=1, label=f"held-out pass^1, {name}")
     a.set(title="reward", ylabel="mean episode reward", ylim=(-0.02, 1.02))
     a = ax[0, 1]
     a.plot(steps, col("all_correct_ratio"), color="tab:green", label="groups all correct")
@@ -288,6 +325,11 @@ def plot_run(run_dir) -> Path:
             continue  # a line cut short by a crash
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     asked = tuple((summary.get(f"eval/{tag}/rates") or {}).get("asked") for tag in ("before", "after"))
+    def group_pass1(tag: str, group: str):  # summary.json's eval/<tag>/by_meta: {field: {value: {"pass^1": ...}}}
+        field, value = group.split("=")
+        return ((summary.get(f"eval/{tag}/by_meta") or {}).get(field) or {}).get(value, {}).get("pass^1")
+
+    groups = {g: (group_pass1("before", g), group_pass1("after", g)) for g in CURVE_GROUPS}
     plot_curves(rows, run_dir / "curves.png", summary.get("eval/before/pass1"), summary.get("eval/after/pass1"),
-                asked)
+                asked, groups)
     return run_dir / "curves.png"

@@ -300,6 +300,8 @@ def evaluate(run, tag: str) -> dict:
            f"eval/{tag}/rates": {k: r["rate"] for k, r in s.get("rates", {}).items()}}
     if tag == "before" and acc.is_main_process:  # a resumed run's summary still holds it
         cli.write_json_atomic(run.dir / "eval-before.json", out)
+    if tag == "after" and (run.dir / "eval-before.jsonl").exists():
+        out["eval/gain"] = metrics.gain(run.dir, {t.id: t.meta for t in test}, acc.print)
     return out
 
 
@@ -374,6 +376,8 @@ def log_step(run: Run, step: int, m: dict, episodes: list) -> None:
             with run.stop_signals.abandoning():  # a stop signal leaves the evaluation; the step is logged and saved
                 held = evaluate(run, f"step{step + 1}")
                 m["eval/pass1"] = held.get(f"eval/step{step + 1}/pass1")
+                m.update({f"eval/pass1/{k}={v}": r["pass^1"] for k, vs in held.get(f"eval/step{step + 1}/by_meta",
+                                                                                  {}).items() for v, r in vs.items()})
                 m.update({f"eval/{k}": v for k, v in held.get(f"eval/step{step + 1}/rates", {}).items()})
         except stopping.Abandoned as e:
             stopped = e

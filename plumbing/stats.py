@@ -8,6 +8,7 @@ spread of task difficulty that an unpaired comparison carries.
 
     lo, hi = bootstrap_ci(per_task_means)                 # pass^1's interval
     d = paired(per_task_a, per_task_b)                    # {"diff", "ci", "tasks", "better", "worse"}
+    rows = paired_groups(per_task_a, per_task_b, meta)    # the same over all tasks and within each task group
     s = summarize(episodes, trials, meta)                 # an evaluation's pass^k, intervals, rates, by task group
 
 Pure functions over floats (numpy only), so a reader can check them against a plain loop (tests/test_stats.py).
@@ -49,6 +50,23 @@ def paired(a: dict[str, float], b: dict[str, float], **kw) -> dict:
     out = mean_ci(d, **kw)
     return {"diff": out["mean"], "ci": out["ci"], "tasks": len(shared), "better": sum(x > 0 for x in d),
             "worse": sum(x < 0 for x in d)}
+
+
+def paired_groups(a: dict[str, float], b: dict[str, float], meta: dict[str, dict]) -> list[dict]:
+    """A minus B (`paired`) over all the tasks both were scored on, then within each task group (each value of each
+    string-valued field of the tasks' `meta`, as summarize's by_meta): [{"group": "all tasks" or "kind = return",
+    "a", "b" (their pass^1 there), **paired}], the groups in name order after "all tasks"."""
+    shared = set(a) & set(b)
+    meta = {t: {k: v for k, v in (meta.get(t) or {}).items() if v is None or isinstance(v, str)} for t in shared}
+    groups = [("all tasks", shared)] + sorted(
+        (f"{k} = {v}", {t for t in shared if k in meta[t] and str(meta[t][k]) == v})
+        for k in sorted({k for t in shared for k in meta[t]}) for v in sorted({str(meta[t].get(k)) for t in shared}))
+    out = []
+    for name, ids in groups:
+        if ids:
+            out.append({"group": name, "a": sum(a[t] for t in ids) / len(ids), "b": sum(b[t] for t in ids) / len(ids),
+                        **paired({t: a[t] for t in ids}, {t: b[t] for t in ids})})
+    return out
 
 
 def fmt(score: dict) -> str:

@@ -1081,6 +1081,12 @@ def test_a_stop_before_the_first_checkpoint_or_in_the_evaluation_leaves_a_run_th
     grpo.main(["--resume", str(run), "--env", FAKE_ENV])
     summary = json.loads((run / "summary.json").read_text())
     assert steps_logged(run) == [1, 2] and "eval/before/pass1" in summary and "eval/after/pass1" in summary
+    # the gain pairs the resumed run's "before" (written by its first start) with its "after"
+    rewards = {tag: {e["task_id"]: e["reward"] for e in map(json.loads, open(run / f"eval-{tag}.jsonl"))}
+               for tag in ("before", "after")}
+    gain = summary["eval/gain"][0]
+    assert gain["group"] == "all tasks" and gain["tasks"] == 2 and sorted(rewards["before"]) == sorted(rewards["after"])
+    assert gain["diff"] == pytest.approx(sum(rewards["after"][t] - rewards["before"][t] for t in rewards["after"]) / 2)
 
 
 def test_resuming_a_finished_run_rewrites_nothing(tmp_path, ckpt, capsys):

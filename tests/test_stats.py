@@ -70,6 +70,37 @@ def test_summary_reports_intervals_rates_and_compare_pairs_by_group(tmp_path):
         evaluation.main(["--compare", str(tmp_path / "A")])
 
 
+def test_a_runs_gain_is_after_minus_before_paired_by_task_and_within_each_group(tmp_path):
+    """metrics.gain (grpo.py's summary.json "eval/gain" and its log line): from the run's eval-before.jsonl and
+    eval-after.jsonl, per task the mean reward of its scored episodes, the paired difference over all tasks and within
+    each task group, against a plain loop; an infra-failed episode counts for neither."""
+    from plumbing import metrics
+
+    kinds = ["return", "cancel", "transfer"]
+    meta = {f"t{i}": {"kind": kinds[i % 3], "wants": "non-default" if i % 2 else "default", "seed": i}
+            for i in range(30)}
+    before = {t: float(i % 4 == 0) for i, t in enumerate(meta)}
+    after = {t: float(i % 4 == 0 or (i % 2 == 1 and i % 3 == 0)) for i, t in enumerate(meta)}
+    for tag, rewards in (("before", before), ("after", after)):
+        lines = [{"task_id": t, "reward": r, "infra_failed": False} for t, r in rewards.items()]
+        lines.append({"task_id": "t0", "reward": 1.0 - rewards["t0"], "infra_failed": True})
+        (tmp_path / f"eval-{tag}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    said = []
+    rows = {r["group"]: r for r in metrics.gain(tmp_path, meta, said.append)}
+    assert sorted(rows) == ["all tasks", "kind = cancel", "kind = return", "kind = transfer", "wants = default",
+                            "wants = non-default"]  # "seed" is not a string: no groups of one task each
+    for name, ids in (("all tasks", list(meta)), ("wants = non-default", [t for t in meta if int(t[1:]) % 2]),
+                      ("kind = return", [t for t in meta if meta[t]["kind"] == "return"])):
+        diff = sum(after[t] - before[t] for t in ids) / len(ids)
+        assert rows[name]["diff"] == pytest.approx(diff) and rows[name]["tasks"] == len(ids)
+        assert rows[name]["b"] == pytest.approx(sum(before[t] for t in ids) / len(ids))
+    assert rows["wants = non-default"]["diff"] > 0 and rows["wants = default"]["diff"] == 0
+    assert rows["kind = transfer"]["better"] == 0 and rows["kind = cancel"]["worse"] == 0
+    line = said[0]
+    assert line.startswith("[grpo] after - before") and f"all tasks (30) 0.27 -> 0.43, {stats.fmt(rows['all tasks'])}" \
+        in line and "wants = non-default (15)" in line
+
+
 def test_an_evaluation_of_many_trials_reports_a_readable_set_of_pass_k():
     """1,000 trials printed pass^2 to pass^1000 on one line; now 2 to 8, the powers of two and the trials, each the
     same unbiased estimate (C(c, k) / C(n, k)) as before."""

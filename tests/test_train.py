@@ -561,15 +561,19 @@ def test_copy_loss_matches_a_loop(tiny_tok, tiny_lm):
 def test_plot_curves_writes_a_png_with_each_curve(tmp_path):
     rows = [{"step": i + 1, "reward_mean": i / 9, "all_correct_ratio": 0.1, "all_wrong_ratio": 0.5, "turns_mean": 7.0,
              "response_tokens_mean": 40.0, "kl": 0.001 * i, "entropy": 1.5, "reward_info/unconfirmed_writes": 0.3,
-             "reward_info/asked": 0.5, **({"eval/pass1": 0.4, "eval/asked": 0.3} if i == 4 else {})}
+             "reward_info/asked": 0.5,
+             **({"eval/pass1": 0.4, "eval/asked": 0.3, "eval/pass1/wants=non-default": 0.2} if i == 4 else {})}
             for i in range(10)]
     from plumbing.metrics import plot_curves
 
-    drawn = plot_curves(rows, tmp_path / "c.png", before=0.2, after=0.6, asked=(0.1, 0.7))
+    drawn = plot_curves(rows, tmp_path / "c.png", before=0.2, after=0.6, asked=(0.1, 0.7),
+                        groups={"kind=transfer": (0.9, 0.9)})
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert drawn == {
         "reward": ["reward (sampled episodes)", "mean of the last 5 steps", "test pass^1 before (0.20, greedy)",
-                   "test pass^1 after (0.60, greedy)", "held-out test pass^1 (greedy)"],
+                   "test pass^1 after (0.60, greedy)", "held-out test pass^1 (greedy)",
+                   "held-out pass^1, users who want the non-default",
+                   "held-out pass^1, transfers (a control: nothing to learn)"],
         "group outcomes": ["groups all correct", "groups all wrong", "episodes that wrote without a yes",
                            "decision episodes that asked what the user wants",
                            "held-out decision episodes that asked (greedy)"],
@@ -579,7 +583,8 @@ def test_plot_curves_writes_a_png_with_each_curve(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 11, "rew')
-    (run / "summary.json").write_text(json.dumps({"eval/before/pass1": 0.2, "eval/after/pass1": None}))
+    (run / "summary.json").write_text(json.dumps({"eval/before/pass1": 0.2, "eval/after/pass1": None,
+                                                  "eval/after/by_meta": {"kind": {"transfer": {"pass^1": 0.9}}}}))
     evaluation.main(["--plot", str(run)])
     assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
