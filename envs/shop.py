@@ -6,7 +6,7 @@ tool schemas + a whole dialogue stay around 3,000 characters (about 1,000 tokens
 its two sibling stores, and the refund decision are in envs/shop_tasks.py; the scripted users in envs/shop_user.py;
 the scripted teacher in envs/shop_expert.py.
 
-    env = ShopEnv(n_train=5000, n_test=100, seed=0)       # make_env("shop"), "shop:static", "shop:replay", ...
+    env = ShopEnv(n_train=5000, n_test=256, seed=0)       # make_env("shop"), "shop:static", "shop:replay", ...
     task = env.tasks("train")[0]
     messages, reward, info, termination = play(env, task, env.expert(task))   # reward 1.0
 
@@ -250,7 +250,7 @@ class ShopEnv:
     "shop:replay:default", "shop:hard", "shop:old" (`from_name`)."""
     name = "shop"
 
-    def __init__(self, n_train: int = 5000, n_test: int = 100, seed: int = 0, user: str = "dynamic",
+    def __init__(self, n_train: int = 5000, n_test: int = 256, seed: int = 0, user: str = "dynamic",
                  goods: str = "shop", nondefault_share: float = NONDEFAULT_SHARE, procedure: Procedure = Procedure(),
                  old: bool = False):
         assert n_train <= 500_000 and n_test <= 500_000, "train and test seeds would overlap"
