@@ -273,9 +273,12 @@ def deadline_bench(args):
 
 
 def default_agent() -> str:
+    import grpo
     import sft
 
-    return sft.cold_start("tiny", "shop", "train", 0, False, 0.6, 0.5)  # grpo.py's defaults
+    cfg = grpo.Config()  # grpo.py's own cold start
+    return sft.cold_start("tiny", "shop", "train", cfg.seed, False, cfg.cold_start_skips_confirm,
+                          cfg.cold_start_skips_ask)
 
 
 def main():

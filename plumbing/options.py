@@ -1,6 +1,7 @@
 """plumbing/options.py: the option groups of the entry points, each defined once: how the agent samples (grpo.py,
-eval.py), the simulated user (grpo.py, sft.py, eval.py), LoRA adapters (grpo.py, sft.py), and grpo.py's start and run
-options (pipeline.py reads them; the algorithm's own are grpo.Algorithm), with `validate`, the check of grpo.py's
+eval.py), the simulated user (grpo.py, sft.py, eval.py), LoRA adapters (grpo.py, sft.py), sft.py's data (its training's
+own are sft.SFT), and grpo.py's start and run options (pipeline.py reads them; the algorithm's own are grpo.Algorithm),
+with `validate`, the check of grpo.py's
 options at start, and the checks grpo.py and sft.py share; the paper's recipe (`--recipe paper`, RECIPES) and
 --freeze applied to a model. An entry point's config dataclass inherits the groups it
 needs; `cli.parse_config` lists each group under its own header in --help, and a subclass may give a field another
@@ -126,6 +127,58 @@ class LoraOptions:
     lora_target_modules: str = lora.DEFAULT_TARGETS
     """layers that get adapters, by the last part of their name, comma-separated (the default: the attention and MLP
     projections of Llama/Qwen-style models; not the output layer, whose weight the trainer reads directly)"""
+
+
+@dataclass
+class SFTData:
+    """SFT: data (a file or a teacher), the checkpoint, the tiny base's pretraining"""
+    model: str = "tiny"
+    """model to fine-tune: 'tiny', 'smollm2-135m', a local checkpoint directory or a hub id (Qwen/Qwen3-8B)"""
+    data: str = ""
+    """JSONL conversations ({"messages": [...], "tools": [...]}); empty: synthesize them with --teacher"""
+    out: str = "runs/sft"
+    """the checkpoint's directory (Hugging Face format, tokenizer, this config); an existing one needs --overwrite"""
+    overwrite: bool = False
+    """replace the checkpoint already in --out (and an existing --data-out file); a directory that holds anything but
+    a checkpoint's files is refused even so: nothing else is ever deleted"""
+    strict_data: bool = False
+    """refuse a --data file with any malformed conversation (default: report each with its file and line, skip it)"""
+    teacher: str = "expert"
+    """cold-start teacher when --data is empty: 'expert' (scripted, small domain) or an OpenAI-compatible model"""
+    teacher_skips_confirm: Annotated[float, Range("[0, 1]")] = 0.0
+    """share of conversations in which the scripted expert writes without asking for a yes (shop only): kept when the
+    database is right (reward 0: demonstrations filtered on the database alone)"""
+    teacher_skips_ask: Annotated[float, Range("[0, 1]")] = 0.0
+    """share of conversations in which the scripted expert never asks what the user wants (shop only: refund, shipping):
+    it names what the user said, else nothing, and the write does the default; kept when the database is right"""
+    teacher_base_url: str = ""
+    """OpenAI-compatible endpoint of the teacher (default: OPENAI_BASE_URL)"""
+    env: str = "shop"
+    """environment the teacher plays: 'shop' or 'tau2:<domain>'"""
+    split: str = "train"
+    """task split the teacher plays"""
+    num_tasks: Annotated[int, Range("[1, inf)")] = 1200
+    """how many tasks the teacher plays (episodes with reward 1 are kept; see --teacher-skips-confirm)"""
+    data_out: str = ""
+    """also write the synthesized conversations here (JSONL)"""
+    pretrain_only: bool = False
+    """only make (or find) the pretrained 'tiny' base (`pretrain_tiny`) and exit"""
+    pretrain_target: Annotated[float, Range("[0, inf)")] = 0.1
+    """'tiny' pretraining stops when the held-out copy loss (nats per copied value) falls below this"""
+    pretrain_max_steps: Annotated[int, Range("[1, inf)")] = 3000
+    """'tiny' pretraining stops here at the latest (and says that it missed the target)"""
+    pretrain_batch_size: Annotated[int, Range("[1, inf)")] = 32
+    """drills per pretraining step, over all processes"""
+    tiny_width: Annotated[int, Range("[64, inf)")] = 128
+    """hidden size of the 'tiny' model pretrained here, a multiple of 64: 128 ~ 1M parameters, 256 ~ 3.5M"""
+    base_conversations: Annotated[int, Range("[1, inf)")] = 2400
+    """'tiny' pretraining's second stage: whole conversations it is fine-tuned on, half of them shop's"""
+    base_out: str = ""
+    """with --pretrain-only: also copy the base here (assets/tiny-base is the committed one)"""
+    dist_timeout: Annotated[float, TIMEOUTS] = 7200.0
+    """seconds a process waits for the others at a collective before it stops (NCCL's default: 10 minutes)"""
+    memory_check: bool = True
+    """on a GPU, stop at start when the estimated memory (printed: weights, gradients, AdamW state) exceeds it"""
 
 
 @dataclass

@@ -497,7 +497,7 @@ def test_eval_rollout_batch_and_memory_estimate(tmp_path, ckpt, capsys):
     evaluation.main(["--agent", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--num-tasks", "3", "--trials", "2",
                      "--max-new-tokens", "8", "--decode-slots", f"2x200,1x{top}", "--out-dir", str(tmp_path / "s")])
     assert [json.loads(line)["messages"] for line in open(tmp_path / "s" / "episodes.jsonl")] == eps["0"]
-    with pytest.raises(SystemExit, match=f"eval.py: --decode-slots 2x200: the largest slots .* --max-context"):
+    with pytest.raises(SystemExit, match="eval.py: --decode-slots 2x200: the largest slots .* --max-context"):
         evaluation.main(["--agent", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--decode-slots", "2x200",
                          "--out-dir", str(tmp_path / "bad")])
     assert "[eval] estimated memory per GPU" in out and "kv_cache" in out and "optimizer" not in out
