@@ -32,7 +32,7 @@ import torch
 from plumbing import checkpoints, cli, lora, memory, models, shard
 from plumbing.cli import SEEDS, Range
 from plumbing.coldstart import (NothingFits, copy_loss, drills, encode, length_limit, load_conversations,
-                                make_cold_start, nothing_fits, windows)
+                                make_cold_start, nothing_fits, teacher_data, windows)
 from envs import make_env
 from envs.shop_tasks import SIBLINGS, relabel_goods
 from fast.logprobs import token_logprobs
@@ -192,29 +192,63 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None, record: d
 
 
 def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_confirm: float,
-               skips_ask: float) -> str:
-    """grpo.py's cold start when it is given none: make (or reuse) the model's SFT checkpoint as the paper's pipeline
-    does, from conversations of the scripted teacher on the training split (skipping confirmations in `skips_confirm`
-    of them, never asking what the user wants in `skips_ask`), fine-tuning its pretrained base (`pretrain_tiny`).
-    Cached under MUARL_CACHE, keyed by the settings, the base's weights and the code that makes it (`cache_key`)."""
+               skips_ask: float, committed: bool = True) -> str:
+    """grpo.py's cold start when it is given none: the model fine-tuned on the scripted teacher's conversations on the
+    training split (skipping confirmations in `skips_confirm` of them, never asking what the user wants in
+    `skips_ask`), as the paper's pipeline does. For `tiny`: from its pretrained base (`pretrain_tiny`), on
+    models.TINY_COLD_START's tasks and drills, played with the dynamic user and a user who says its wishes unasked
+    (`cold_start_users`). The committed one (COMMITTED_COLD) when its settings and its very conversations are these;
+    else made once and cached under MUARL_CACHE, keyed by them and the code that makes it (`cache_key`)."""
+    store, users = cold_start_users(env) if model == "tiny" else (env, "")
     # The GRPO run's precision: Accelerate keeps one process-wide state, so an SFT inside it cannot ask for another.
-    cfg = SFTConfig(model=model, env=env, split=split, seed=seed, bf16=bf16, teacher_skips_confirm=skips_confirm,
-                    teacher_skips_ask=skips_ask, **(models.TINY_COLD_START if model == "tiny" else {}))
-    models.check_cache("grpo.py")  # before the synthesis and SFT whose checkpoint it is to hold
+    cfg = SFTConfig(model=model, env=store, split=split, seed=seed, bf16=bf16, teacher_skips_confirm=skips_confirm,
+                    teacher_skips_ask=skips_ask, teacher_users=users,
+                    **({**models.TINY_COLD_START, **models.TINY_COLD_DATA} if model == "tiny" else {}))
     base = pretrain_tiny(SFTConfig(bf16=bf16)) if model == "tiny" else model
-    weights = hashlib.sha256((base / "model.safetensors").read_bytes()).hexdigest() if model == "tiny" else ""
-    out = models.CACHE_DIR / f"coldstart-{env.replace(':', '-')}-{model}-{cache_key({**asdict(cfg), 'base': weights})}"
+    settings = {**{k: getattr(cfg, k) for k in COLD_START_KEYS}, "base": hashlib.sha256(
+        (Path(base) / "model.safetensors").read_bytes()).hexdigest()[:16] if model == "tiny" else model}
+    made = COMMITTED_COLD / "muarl_config.json"
+    committed = (json.loads(made.read_text())["cold_start"]["settings"] if committed and model == "tiny"
+                 and made.exists() else {})
+    if {k: v for k, v in committed.items() if k != "data"} != settings:
+        models.check_cache("grpo.py")  # before the synthesis and SFT whose checkpoint it is to hold
+    t0, data = time.time(), teacher_data(cfg)
+    settings["data"] = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]  # the very data
+    if committed == settings:
+        cli.main_print(f"[grpo] cold start: the committed one, {COMMITTED_COLD} (its settings and conversations; "
+                       f"checked in {time.time() - t0:.0f}s)")
+        return str(COMMITTED_COLD)
+    models.check_cache("grpo.py")
+    out = models.CACHE_DIR / f"coldstart-{store.replace(':', '-')}-{model}-{cache_key(settings)}"
     if (out / "config.json").exists():
         cli.main_print(f"[grpo] cold start: using the cached SFT checkpoint {out}")
         return str(out)
-    teacher = (f"conversations of the scripted teacher (writing without asking for a yes in {skips_confirm:.0%} of "
-               f"them, --cold-start-skips-confirm; never asking what the user wants in {skips_ask:.0%}, "
-               "--cold-start-skips-ask)")
-    cli.main_print(f"[grpo] cold start: no --init-from given, so making one: {cfg.num_tasks} {teacher} on "
-                   f"{env}:{split}, then SFT of {base} ({cfg.epochs:g} epochs) -> {out}")
-    cfg.out = str(out)
-    train(cfg, make_cold_start(cfg))  # its own Accelerator: GRPO's checkpoints hold GRPO's state only
+    cli.main_print(f"[grpo] cold start: no --init-from given, so making one: SFT of {base} ({cfg.epochs:g} epochs) on "
+                   f"{len(data)} conversations and drills of the scripted teacher on {store}:{split} (writing without "
+                   f"a yes in {skips_confirm:.0%}, --cold-start-skips-confirm; never asking what the user wants in "
+                   f"{skips_ask:.0%}, --cold-start-skips-ask) -> {out}")
+    cfg.out = str(out)  # its own Accelerator: GRPO's checkpoints hold GRPO's state only
+    train(cfg, data, record={"cold_start": {"settings": settings}})
     return str(out)
+
+
+def cold_start_users(env: str) -> tuple[str, str]:
+    """The tiny cold start's store and procedure (--env without its user and without ':default': every arm of
+    bench/ablation.py starts from one cold start), and its teacher's users: the dynamic user on 3 of every 4 tasks, on
+    the fourth the user who says its wish unasked (told; static for a static run), so that the cold start can talk to
+    either (bench/README.md, try 11)."""
+    from envs.shop import USERS
+
+    parts = env.split(":")
+    other = "static" if "static" in parts else "told"
+    return ":".join(p for p in parts if p not in USERS and p != "default"), f"dynamic:3,{other}:1"
+
+
+COLD_START_KEYS = ("env split seed bf16 teacher_skips_confirm teacher_skips_ask teacher_users num_tasks copy_drills "
+                   "epochs lr batch_size warmup_steps grad_clip weight_decay").split()
+# The committed cold start, grpo.py's default start (`./run python sft.py --cold-start-out assets/tiny-cold --overwrite
+# --teacher-skips-confirm C --teacher-skips-ask A`, with grpo.py's --cold-start-skips-*, rebuilds it).
+COMMITTED_COLD = Path(__file__).resolve().parent / "assets" / "tiny-cold"
 
 
 # What a cached base or cold start depends on besides envs/ (tokens, tokenizer, model, data, SFT loop, options ...).
@@ -326,17 +360,26 @@ def main(argv=None):
     cli.cuda_allocator_defaults()  # before CUDA starts: expandable segments, unless the user set the allocator
     cfg = cli.parse_config(SFTConfig, argv, description=__doc__.split("\n\n")[0], program="sft.py")
     check_user_sim(cfg, "sft.py")
-    if cfg.pretrain_only:
+    if cfg.pretrain_only or cfg.cold_start_out:
         if cfg.model != "tiny":
-            raise SystemExit("sft.py: --pretrain-only: only the 'tiny' model is pretrained here (--model tiny)")
-        base = pretrain_tiny(cfg, committed=not cfg.base_out)  # --base-out: made again (or the cached one)
-        print(f"[pretrain] the tiny base: {base}")
-        if cfg.base_out and Path(cfg.base_out).resolve() != base.resolve():
-            checkpoints.check_out(cfg.base_out, cfg.overwrite, option="--base-out")
-            shutil.rmtree(cfg.base_out, ignore_errors=True)
-            shutil.copytree(base, cfg.base_out)
-            print(f"[pretrain] copied to {cfg.base_out}")
+            raise SystemExit(f"sft.py: {'--pretrain-only' if cfg.pretrain_only else '--cold-start-out'}: only the "
+                             "'tiny' model is made here (--model tiny)")
+        if cfg.pretrain_only:  # --base-out: made again (or the cached one)
+            made, copy = pretrain_tiny(cfg, committed=not cfg.base_out), ("--base-out", cfg.base_out)
+        else:  # made again (or the cached one)
+            made = Path(cold_start("tiny", cfg.env, cfg.split, cfg.seed, cfg.bf16, cfg.teacher_skips_confirm,
+                                   cfg.teacher_skips_ask, committed=False))
+            copy = ("--cold-start-out", cfg.cold_start_out)
+        print(f"[sft] made: {made}")
+        if copy[1] and Path(copy[1]).resolve() != made.resolve():
+            checkpoints.check_out(copy[1], cfg.overwrite, option=copy[0])
+            shutil.rmtree(copy[1], ignore_errors=True)
+            shutil.copytree(made, copy[1])
+            print(f"[sft] copied to {copy[1]}")
         return
+    if cfg.copy_drills and cfg.data:
+        raise SystemExit("sft.py: --copy-drills: the drills are made of the teacher's shop conversations, not of "
+                         "--data")
     if cfg.epochs > 0:
         checkpoints.check_out(cfg.out, cfg.overwrite)
         with cli.option_errors("sft.py: --model"):
@@ -355,7 +398,7 @@ def main(argv=None):
         except (ValueError, OSError) as e:
             raise SystemExit(f"sft.py: --data: {e}") from None
     else:
-        conversations = make_cold_start(cfg)
+        conversations = teacher_data(cfg)
     if cfg.data_out and int(os.environ.get("RANK", "0")) == 0:  # one writer (every process synthesizes the same)
         Path(cfg.data_out).parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(cfg.data_out + ".tmp")

@@ -59,7 +59,6 @@ import fcntl
 import hashlib
 import json
 import os
-import random
 import sys
 import time
 from pathlib import Path
@@ -124,14 +123,7 @@ USER_ENV = {"dynamic": "shop", "static": "shop:static", "told": "shop:told", "re
 
 def user_shares(spec: str) -> list[tuple[str, int]]:
     """--cold-users as (user, share): "dynamic:3,static:1" gives the dynamic user 3 of every 4 tasks."""
-    shares = []
-    for part in spec.split(","):
-        user, _, n = part.partition(":")
-        if user not in USER_ENV or not (n or "1").isdigit() or int(n or "1") < 1:
-            raise SystemExit(f"bench/ablation.py: --cold-users: {part!r} is not USER[:SHARE] with USER among "
-                             f"{', '.join(USER_ENV)} and SHARE a whole number of at least 1")
-        shares.append((user, int(n or "1")))
-    return shares
+    return coldstart.user_shares(spec, "bench/ablation.py: --cold-users", USER_ENV)
 
 
 def teacher_conversations(n: int, seed: int, users: list[str] | list[tuple[str, int]]) -> list[dict]:
@@ -142,26 +134,9 @@ def teacher_conversations(n: int, seed: int, users: list[str] | list[tuple[str, 
     episodes (it skipped the authentication the static opening makes easy), so the static arm's GRPO had a mixed
     group in 1-6 of 120 and hardly trained, and the negative control came out dynamic > static by 0.06."""
     shares = [(u, 1) if isinstance(u, str) else u for u in users]
-    turn = [user for user, k in shares for _ in range(k)]  # task number modulo len(turn) -> its user
-    convs = []
-    for user in dict(shares):
-        cfg = sft.SFTConfig(env=USER_ENV[user], num_tasks=n, seed=seed, **TEACHER)
-        convs += [c for c in coldstart.make_cold_start(cfg)
-                  if turn[int(c["task_id"].rsplit("-", 1)[1]) % len(turn)] == user]
-    return convs
-
-
-def with_drills(convs: list[dict], seed: int, share: float) -> list[dict]:
-    """The conversations and `share` x as many copy drills of them, shuffled (the seed's order): windows that end in
-    a message the agent writes values into, the last 1-4 messages before it, items renamed as drawn (coldstart.drills,
-    as the base was pretrained). Without them, the copy of the user's answer into the write came out seed by seed:
-    at seed 1 the write after "(refund: original) ... Yes." carried the voucher, the answer asked for after asking in
-    that seed's data (bench/README.md, try 12)."""
-    if not share:
-        return convs  # (as tries 10 and 11 trained, and a run started before --cold-drills continues)
-    data = convs + coldstart.drills(convs, int(share * len(convs)), random.Random(seed))
-    random.Random(seed).shuffle(data)
-    return data
+    cfg = sft.SFTConfig(env="shop", num_tasks=n, seed=seed, teacher_users=",".join(f"{u}:{k}" for u, k in shares),
+                        **TEACHER)
+    return coldstart.teacher_data(cfg)  # each task with one user, as make_cold_start keeps them with that user
 
 
 def grpo_arm(start: list[str], env: str, out: Path, args, seed: int) -> tuple[float, float, list[tuple[int, Path]]]:
@@ -189,7 +164,7 @@ def run_arm(arm: str, seed: int, done: dict, base: str, args, out: Path, log) ->
     if arm == "cold":
         t0 = time.time()
         convs = teacher_conversations(args.cold_tasks, seed, user_shares(args.cold_users))
-        data = with_drills(convs, seed, args.cold_drills)
+        data = coldstart.with_drills(convs, seed, args.cold_drills)
         t1, c1 = time.time(), time.process_time()
         path = sft.train(sft.SFTConfig(model=base, out=str(d / "cold"), seed=seed, **models.TINY_COLD_START), data)
         t2, c2 = time.time(), time.process_time()  # SFT's cost a step, on its training alone (evaluation after)
@@ -203,7 +178,7 @@ def run_arm(arm: str, seed: int, done: dict, base: str, args, out: Path, log) ->
         # the cold start is rebuilt from its seed, and whether it came out bit for bit the same is recorded
         convs = teacher_conversations(args.cold_tasks, seed, user_shares(args.cold_users))
         cold = Path(sft.train(sft.SFTConfig(model=base, out=str(d / "cold"), seed=seed, **models.TINY_COLD_START),
-                              with_drills(convs, seed, args.cold_drills)))
+                              coldstart.with_drills(convs, seed, args.cold_drills)))
         same = weights_hash(cold) == done["cold"].get("weights")
         log(f"seed {seed}: cold start rebuilt for {arm}; {'the same weights' if same else 'OTHER WEIGHTS than measured'}")
         done["cold"]["rebuilt_same"] = done["cold"].get("rebuilt_same", True) and same
@@ -215,7 +190,7 @@ def run_arm(arm: str, seed: int, done: dict, base: str, args, out: Path, log) ->
         # CPU seconds, not wall seconds: a run paused (kill -STOP) or sharing the machine keeps the same budget
         budget = done["dynamic"]["cpu_s"] - (time.process_time() - c0)
         steps = max(1, int(budget / done["cold"]["sft_step_cpu_s"]))
-        more = with_drills(more, seed + 100, args.cold_drills)  # the cold start's recipe, on new conversations
+        more = coldstart.with_drills(more, seed + 100, args.cold_drills)  # the cold start's recipe, on new conversations
         epochs = (steps + 0.5) / max(1, len(more) // sft.SFTConfig.batch_size)
         path = sft.train(sft.SFTConfig(model=str(cold), out=str(d / "sft"), seed=seed + 100, epochs=epochs,
                                        lr=models.TINY_COLD_START["lr"]), more)

@@ -226,6 +226,51 @@ def make_cold_start(cfg) -> list[dict]:
     return kept
 
 
+def user_shares(spec: str, option: str = "--teacher-users", users=None) -> list[tuple[str, int]]:
+    """--teacher-users as (user, share): "dynamic:3,told:1" gives the dynamic user 3 of every 4 tasks."""
+    from envs.shop import USERS
+
+    shares = []
+    for part in spec.split(","):
+        user, _, n = part.partition(":")
+        if user not in (users or USERS) or not (n or "1").isdigit() or int(n or "1") < 1:
+            raise SystemExit(f"{option}: {part!r} is not USER[:SHARE] with USER among {', '.join(users or USERS)} "
+                             "and SHARE a whole number of at least 1")
+        shares.append((user, int(n or "1")))
+    return shares
+
+
+def teacher_data(cfg) -> list[dict]:
+    """The teacher's conversations (make_cold_start), each task played with one of --teacher-users (by its number in
+    the split, each user on its share of every sum-of-shares tasks; the same tasks as with one user), then
+    --copy-drills x as many copy drills of them (`drills`, the seed's draw), shuffled in among them."""
+    if cfg.copy_drills and cfg.env.split(":")[0] != "shop":
+        raise SystemExit(f"--copy-drills {cfg.copy_drills}: the drills rename shop's goods; --env is {cfg.env!r}")
+    if not cfg.teacher_users:
+        convs = make_cold_start(cfg)
+    else:
+        shares = user_shares(cfg.teacher_users)
+        if cfg.env.split(":")[0] != "shop" or any(p in dict(shares) for p in cfg.env.split(":")[1:]):
+            raise SystemExit(f"--teacher-users {cfg.teacher_users}: give a shop environment without a user of its own "
+                             f"as --env (not {cfg.env!r}): each user is added to it")
+        turn = [user for user, k in shares for _ in range(k)]  # task number modulo len(turn) -> its user
+        convs = [c for user in dict(shares) for c in make_cold_start(replace(
+            cfg, env=cfg.env if user == "dynamic" else f"{cfg.env}:{user}"))
+            if turn[int(c["task_id"].rsplit("-", 1)[1]) % len(turn)] == user]
+    return with_drills(convs, cfg.seed, cfg.copy_drills)
+
+
+def with_drills(convs: list[dict], seed: int, share: float) -> list[dict]:
+    """The conversations and `share` x as many copy drills of them (`drills`), shuffled together (the seed's order).
+    Without them the tiny cold start's copy of the user's answer into the write came out seed by seed: at seed 1 the
+    write after "(refund: original) ... Yes." carried the voucher (bench/README.md, try 12)."""
+    if not share:
+        return convs
+    data = convs + drills(convs, int(share * len(convs)), random.Random(seed))
+    random.Random(seed).shuffle(data)
+    return data
+
+
 def windows(conversations: list[dict], sizes=(1, 2, 4)) -> list[dict]:
     """The pretraining drills of 'tiny' (`pretrain_tiny`): each agent message that carries arguments (a tool
     call, or text with a digit: "I will cancel order o42") with the last 1, 2 and 4 messages before it, cut to

@@ -144,6 +144,9 @@ def env_tokenizer(env, vocab_size: int = 4096):
 # so asking a question cost the users who wanted the default what it won from the others, and GRPO had nothing to
 # reinforce (bench/README.md, the gates, try 10).
 TINY_COLD_START = {"epochs": 5.0, "lr": 1e-3}
+# grpo.py's own cold start for `tiny` also trains on copy drills beside its conversations (try 12: without them the
+# write after asking copied at one seed and not at the next) and plays more tasks (sft.cold_start; the ablation's).
+TINY_COLD_DATA = {"num_tasks": 1600, "copy_drills": 1.0}
 
 
 def tiny_config(vocab_size: int, arch: str = "llama", width: int = 128, **overrides):

@@ -151,6 +151,12 @@ class SFTData:
     teacher_skips_ask: Annotated[float, Range("[0, 1]")] = 0.0
     """share of conversations in which the scripted expert never asks what the user wants (shop only: refund, shipping):
     it names what the user said, else nothing, and the write does the default; kept when the database is right"""
+    teacher_users: str = ""
+    """the users the teacher talks to, each on its share of the tasks: 'dynamic:3,told:1' plays 3 of every 4 tasks with
+    --env's dynamic user, the fourth with its told user (shop's users; empty: --env's own)"""
+    copy_drills: Annotated[float, Range("[0, inf)")] = 0.0
+    """copy drills beside the conversations, per conversation (shop's family): windows of the last 1-4 messages before
+    one that writes values, items renamed as drawn, as the tiny base was pretrained (bench/README.md, try 12)"""
     teacher_base_url: str = ""
     """OpenAI-compatible endpoint of the teacher (default: OPENAI_BASE_URL)"""
     env: str = "shop"
@@ -175,6 +181,9 @@ class SFTData:
     """'tiny' pretraining's second stage: whole conversations it is fine-tuned on, half of them shop's"""
     base_out: str = ""
     """with --pretrain-only: also copy the base here (assets/tiny-base is the committed one)"""
+    cold_start_out: str = ""
+    """only make grpo.py's own cold start for --model tiny (sft.cold_start: of --env, --split and --seed, the teacher
+    skipping as --teacher-skips-* say) and copy it here (assets/tiny-cold is the committed one)"""
     dist_timeout: Annotated[float, TIMEOUTS] = 7200.0
     """seconds a process waits for the others at a collective before it stops (NCCL's default: 10 minutes)"""
     memory_check: bool = True

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plumbing import models
+from plumbing import coldstart, models
 from envs import make_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -172,9 +172,9 @@ def test_copy_drills_join_the_cold_start_s_conversations():
     into (a tool call or an id), shuffled in with the conversations the same way for the same seed; 0 leaves the
     conversations as they were (tries 10 and 11 trained on them in that order)."""
     convs = ablation.teacher_conversations(40, 0, ["dynamic"])
-    assert ablation.with_drills(convs, 0, 0.0) is convs
-    data = ablation.with_drills(convs, 3, 0.5)
-    assert data == ablation.with_drills(convs, 3, 0.5) and data != ablation.with_drills(convs, 4, 0.5)
+    assert coldstart.with_drills(convs, 0, 0.0) is convs
+    data = coldstart.with_drills(convs, 3, 0.5)
+    assert data == coldstart.with_drills(convs, 3, 0.5) and data != coldstart.with_drills(convs, 4, 0.5)
     drills = [c for c in data if c not in convs]
     assert len(data) == len(convs) + len(convs) // 2 and len(drills) == len(convs) // 2
     for d in drills:

@@ -6,6 +6,8 @@ import re
 import os
 import sys
 import warnings
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -536,6 +538,64 @@ def test_pretrain_tiny_stops_at_the_copy_target_then_learns_whole_conversations_
         sft.pretrain_tiny(sft.SFTConfig(env="tau2:retail"))
     with pytest.raises(SystemExit, match="--tiny-width 96: give a multiple of 64"):
         sft.pretrain_tiny(sft.SFTConfig(tiny_width=96))
+
+
+def test_the_teachers_users_take_turns_by_task_and_the_drills_join_the_conversations():
+    """--teacher-users: each task of the shuffled split played once, by the user its number gives (3 of every 4 by
+    the dynamic user here), the conversations those users' own runs keep; --copy-drills adds as many drills (windows
+    of the same conversations, items renamed), shuffled in by the seed; bad specs are named."""
+    cfg = sft.SFTConfig(env="shop", num_tasks=24, teacher_users="dynamic:3,told:1", teacher_skips_ask=0.7)
+    mixed = coldstart.teacher_data(cfg)
+    by_user = {u: {c["task_id"]: c for c in coldstart.make_cold_start(replace(cfg, env=e, teacher_users=""))}
+               for u, e in (("dynamic", "shop"), ("told", "shop:told"))}
+    for c in mixed:
+        user = "told" if int(c["task_id"].rsplit("-", 1)[1]) % 4 == 3 else "dynamic"
+        assert c == by_user[user][c["task_id"]]
+    assert {int(c["task_id"].rsplit("-", 1)[1]) % 4 for c in mixed} == {0, 1, 2, 3}
+    drilled = coldstart.teacher_data(replace(cfg, copy_drills=1.0))
+    assert len(drilled) == 2 * len(mixed) and all(c in drilled for c in mixed)
+    assert drilled == coldstart.teacher_data(replace(cfg, copy_drills=1.0))  # the seed's draw and order
+    assert drilled != coldstart.teacher_data(replace(cfg, copy_drills=1.0, seed=1))
+    for bad, match in ((dict(teacher_users="dynamic:3,nobody:1"), "'nobody:1' is not USER"),
+                       (dict(teacher_users="dynamic:0"), "'dynamic:0' is not USER"),
+                       (dict(env="shop:told"), "without a user of its own"),
+                       (dict(env="tau2:mock"), "without a user of its own")):
+        with pytest.raises(SystemExit, match=match):
+            coldstart.teacher_data(replace(cfg, **bad))
+    with pytest.raises(SystemExit, match="--copy-drills 1.0: the drills rename shop's goods"):
+        coldstart.teacher_data(sft.SFTConfig(env="tests.fake_env:FakeEnv", num_tasks=2, copy_drills=1.0))
+    with pytest.raises(SystemExit, match="--copy-drills: the drills are made of the teacher's shop conversations"):
+        sft.main(["--data", "x.jsonl", "--copy-drills", "1"])
+    with pytest.raises(SystemExit, match="--cold-start-out: only the 'tiny' model"):
+        sft.main(["--model", "smollm2-135m", "--cold-start-out", "x"])
+
+
+def test_the_committed_cold_start_is_used_only_for_its_own_settings_and_conversations(tmp_path, monkeypatch, capsys):
+    """grpo.py's cold start (sft.cold_start): made and cached with its settings and a digest of its very conversations
+    recorded; the committed one (assets/tiny-cold) returned when both are its own, from any run of that store
+    (the user and ':default' left out: one cold start for every arm), never when the conversations differ (a domain
+    changed since it was made) or the settings do; sft.py --cold-start-out makes one and copies it."""
+    monkeypatch.setattr(models, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr(sft, "COMMITTED_COLD", tmp_path / "committed")
+    monkeypatch.setattr(models, "TINY_COLD_START", {"epochs": 0.5, "lr": 1e-3})
+    monkeypatch.setattr(models, "TINY_COLD_DATA", {"num_tasks": 16, "copy_drills": 1.0})
+    made = Path(sft.cold_start("tiny", "shop", "train", 0, False, 0.3, 0.7))
+    assert made.parent == tmp_path / "cache" and "making one" in capsys.readouterr().out
+    settings = json.loads((made / "muarl_config.json").read_text())["cold_start"]["settings"]
+    assert settings["teacher_users"] == "dynamic:3,told:1" and settings["copy_drills"] == 1.0 and settings["env"] == "shop"
+    sft.main(["--cold-start-out", str(tmp_path / "committed"), "--teacher-skips-confirm", "0.3",
+              "--teacher-skips-ask", "0.7"])  # the cached one, copied
+    assert (tmp_path / "committed" / "model.safetensors").read_bytes() == (made / "model.safetensors").read_bytes()
+    for env in ("shop", "shop:told", "shop:default"):
+        assert sft.cold_start("tiny", env, "train", 0, False, 0.3, 0.7) == str(tmp_path / "committed")
+    assert sft.cold_start_users("shop:static") == ("shop", "dynamic:3,static:1")
+    assert sft.cold_start("tiny", "shop", "train", 0, False, 0.3, 0.8) != str(tmp_path / "committed")
+    record = json.loads((tmp_path / "committed" / "muarl_config.json").read_text())
+    record["cold_start"]["settings"]["data"] = "0" * 16  # as if the domain's conversations had changed since
+    (tmp_path / "committed" / "muarl_config.json").write_text(json.dumps(record))
+    capsys.readouterr()
+    assert sft.cold_start("tiny", "shop", "train", 0, False, 0.3, 0.7) == str(made)
+    assert "using the cached SFT checkpoint" in capsys.readouterr().out
 
 
 def test_copy_loss_matches_a_loop(tiny_tok, tiny_lm):
