@@ -197,9 +197,11 @@ class StartOptions:
     """policy to start from: 'tiny', 'smollm2-135m', a checkpoint directory or a hub id (Qwen/Qwen3-8B)"""
     init_from: str = ""
     """cold-start (SFT) checkpoint to start from; with --model tiny and none given, one is made and cached"""
-    cold_start_skips_confirm: Annotated[float, Range("[0, 1]")] = COLD_TEACHER["skip_confirm"]
+    cold_start_skips_confirm: Annotated[float, Range("[0, 1]")] = 0.6
     """the cold start made when no --init-from is given: share of the scripted teacher's write conversations in which
-    it writes without asking the user first (sft.py --teacher-skips-confirm), a decision the reward settles"""
+    it writes without asking the user first (sft.py --teacher-skips-confirm), a decision the reward settles (the
+    ablation's teacher: 0.3, COLD_TEACHER; at 0.6 the cold start's greedy agent writes without a yes, for GRPO to
+    unlearn beside learning to ask)"""
     cold_start_skips_ask: Annotated[float, Range("[0, 1]")] = COLD_TEACHER["skip_ask"]
     """likewise, the share of its conversations in which it never asks what the user wants (where a refund goes, how
     a new item ships; sft.py --teacher-skips-ask): decisions only a user who answers what it is asked can teach"""
@@ -251,7 +253,7 @@ class RunOptions:
     """also log to Accelerate trackers: 'tensorboard', 'wandb', ... (JSONL is always written)"""
     log_episodes: Annotated[int, Range("[0, inf)")] = 4
     """episodes per step saved as readable conversations (episodes.jsonl)"""
-    eval_tasks: Annotated[int, Range("[0, inf)")] = 64
+    eval_tasks: Annotated[int, Range("[0, inf)")] = 128
     """test-split tasks evaluated (greedy, pass^1) before and after training; 0 skips"""
     eval_every: Annotated[int, Range("[0, inf)")] = 10
     """also evaluate them every this many steps (eval/pass1 in metrics.jsonl, points on the curve); 0: only before
