@@ -594,6 +594,25 @@ def test_the_committed_base_is_the_default_settings_own_and_reads_every_store():
     assert tok.tokenize("the black bag") == tok.tokenize("the black") + tok.tokenize(" bag")
 
 
+def test_the_committed_cold_start_is_grpo_defaults_own(tmp_path, monkeypatch):
+    """assets/tiny-cold (sft.COMMITTED_COLD) is what `accelerate launch grpo.py` starts from: its recorded settings
+    and the digest of its very conversations are those grpo.py's defaults make today (the teacher's 1,600 tasks,
+    replayed in a few seconds), on the committed base, with the base's tokenizer. Rebuild it with `./run python sft.py
+    --cold-start-out assets/tiny-cold --overwrite --teacher-skips-confirm C --teacher-skips-ask A` (C, A: grpo.py's
+    --cold-start-skips-*; 30-40 min here) when this fails: the domain's conversations changed since it was made."""
+    import grpo
+    import sft
+    from plumbing import models
+
+    monkeypatch.setattr(models, "CACHE_DIR", tmp_path / "unwritable-and-unused")  # nothing is made or cached
+    monkeypatch.setattr(models, "check_cache", lambda program: pytest.fail("the committed cold start was not used"))
+    cfg = grpo.Config()
+    assert sft.cold_start("tiny", cfg.env, cfg.split, cfg.seed, cfg.bf16, cfg.cold_start_skips_confirm,
+                          cfg.cold_start_skips_ask) == str(sft.COMMITTED_COLD)
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        assert (sft.COMMITTED_COLD / name).read_bytes() == (sft.COMMITTED_BASE / name).read_bytes()
+
+
 def test_the_procedure_knobs_and_the_old_policy():
     """The default procedure is the reachable one (every user knows its email and order id, few changes of mind,
     fewer exchanges); ":hard" is the domain as the refund ablation met it, drawn from the same draws, and ":name-zip"
