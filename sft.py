@@ -210,7 +210,8 @@ def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_co
     made = COMMITTED_COLD / "muarl_config.json"
     committed = (json.loads(made.read_text())["cold_start"]["settings"] if committed and model == "tiny"
                  and made.exists() else {})
-    if {k: v for k, v in committed.items() if k != "data"} != settings:
+    maybe_committed = {k: v for k, v in committed.items() if k != "data"} == settings
+    if not maybe_committed:
         models.check_cache("grpo.py")  # before the synthesis and SFT whose checkpoint it is to hold
     t0, data = time.time(), teacher_data(cfg)
     settings["data"] = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]  # the very data
@@ -218,7 +219,8 @@ def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_co
         cli.main_print(f"[grpo] cold start: the committed one, {COMMITTED_COLD} (its settings and conversations; "
                        f"checked in {time.time() - t0:.0f}s)")
         return str(COMMITTED_COLD)
-    models.check_cache("grpo.py")
+    if maybe_committed:  # the same settings, other conversations: the domain changed since it was committed
+        models.check_cache("grpo.py")
     out = models.CACHE_DIR / f"coldstart-{store.replace(':', '-')}-{model}-{cache_key(settings)}"
     if (out / "config.json").exists():
         cli.main_print(f"[grpo] cold start: using the cached SFT checkpoint {out}")
