@@ -192,17 +192,17 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None, record: d
 
 
 def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_confirm: float,
-               skips_ask: float, committed: bool = True) -> str:
+               skips_ask: float, skips_status: float = 0.0, committed: bool = True) -> str:
     """grpo.py's cold start when it is given none: the model fine-tuned on the scripted teacher's conversations on the
     training split (skipping confirmations in `skips_confirm` of them, never asking what the user wants in
-    `skips_ask`), as the paper's pipeline does. For `tiny`: from its pretrained base (`pretrain_tiny`), on
-    models.TINY_COLD_START's tasks and drills, played with the dynamic user and a user who says its wishes unasked
-    (`cold_start_users`). The committed one (COMMITTED_COLD) when its settings and its very conversations are these;
-    else made once and cached under MUARL_CACHE, keyed by them and the code that makes it (`cache_key`)."""
+    `skips_ask`, writing before it reads the order's status in `skips_status`), as the paper's pipeline does. For
+    `tiny`: from its base (`pretrain_tiny`), on models.TINY_COLD_START's tasks and drills, with the dynamic user and
+    one who says its wishes unasked (`cold_start_users`). The committed one (COMMITTED_COLD) when its settings and
+    its very conversations are these; else made once and cached under MUARL_CACHE, keyed by them and its code."""
     store, users = cold_start_users(env) if model == "tiny" else (env, "")
     # The GRPO run's precision: Accelerate keeps one process-wide state, so an SFT inside it cannot ask for another.
     cfg = SFTConfig(model=model, env=store, split=split, seed=seed, bf16=bf16, teacher_skips_confirm=skips_confirm,
-                    teacher_skips_ask=skips_ask, teacher_users=users,
+                    teacher_skips_ask=skips_ask, teacher_skips_status=skips_status, teacher_users=users,
                     **({**models.TINY_COLD_START, **models.TINY_COLD_DATA} if model == "tiny" else {}))
     base = pretrain_tiny(SFTConfig(bf16=bf16)) if model == "tiny" else model
     settings = {**{k: getattr(cfg, k) for k in COLD_START_KEYS}, "base": hashlib.sha256(
@@ -246,10 +246,11 @@ def cold_start_users(env: str) -> tuple[str, str]:
     return ":".join(p for p in parts if p not in USERS and p != "default"), f"dynamic:3,{other}:1"
 
 
-COLD_START_KEYS = ("env split seed bf16 teacher_skips_confirm teacher_skips_ask teacher_users num_tasks copy_drills "
-                   "epochs lr batch_size warmup_steps grad_clip weight_decay").split()
+COLD_START_KEYS = ("env split seed bf16 teacher_skips_confirm teacher_skips_ask teacher_skips_status teacher_users "
+                   "num_tasks copy_drills epochs lr batch_size warmup_steps grad_clip weight_decay").split()
 # The committed cold start, grpo.py's default start (`./run python sft.py --cold-start-out assets/tiny-cold --overwrite
-# --teacher-skips-confirm C --teacher-skips-ask A`, with grpo.py's --cold-start-skips-*, rebuilds it).
+# --teacher-skips-confirm C --teacher-skips-ask A --teacher-skips-status S`, grpo.py's --cold-start-skips-*, rebuilds
+# it).
 COMMITTED_COLD = Path(__file__).resolve().parent / "assets" / "tiny-cold"
 
 
@@ -370,7 +371,7 @@ def main(argv=None):
             made, copy = pretrain_tiny(cfg, committed=not cfg.base_out), ("--base-out", cfg.base_out)
         else:  # made again (or the cached one)
             made = Path(cold_start("tiny", cfg.env, cfg.split, cfg.seed, cfg.bf16, cfg.teacher_skips_confirm,
-                                   cfg.teacher_skips_ask, committed=False))
+                                   cfg.teacher_skips_ask, cfg.teacher_skips_status, committed=False))
             copy = ("--cold-start-out", cfg.cold_start_out)
         print(f"[sft] made: {made}")
         if copy[1] and Path(copy[1]).resolve() != made.resolve():

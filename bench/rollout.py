@@ -278,7 +278,7 @@ def default_agent() -> str:
 
     cfg = grpo.Config()  # grpo.py's own cold start
     return sft.cold_start("tiny", "shop", "train", cfg.seed, False, cfg.cold_start_skips_confirm,
-                          cfg.cold_start_skips_ask)
+                          cfg.cold_start_skips_ask, cfg.cold_start_skips_status)
 
 
 def main():

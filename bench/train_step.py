@@ -60,7 +60,7 @@ def default_workload(agent: str = ""):
 
     cfg = grpo.Config()
     start = agent or sft.cold_start("tiny", "shop", "train", cfg.seed, False, cfg.cold_start_skips_confirm,
-                                    cfg.cold_start_skips_ask)
+                                    cfg.cold_start_skips_ask, cfg.cold_start_skips_status)
     model, tok = models.load_model(start, device="cpu")
     env = make_env("shop")
     sampling = RolloutConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,

@@ -300,13 +300,15 @@ class ShopEnv:
             self._replays[task.id] = [m["content"] for m in messages if m["role"] == "user"]
         return ReplayUser(self._replays[task.id])
 
-    def expert(self, task: Task, skip_confirm: float = 0.0, skip_ask: float = 0.0):
+    def expert(self, task: Task, skip_confirm: float = 0.0, skip_ask: float = 0.0, skip_status: float = 0.0):
         """The scripted teacher; with `skip_confirm` > 0 it writes without asking for a yes, with `skip_ask` > 0 it
-        never asks what the user wants of a decision (using what the user said, else the default), each in that
-        share of conversations (drawn per task, from its seed). Under the old policy it never asks."""
+        never asks what the user wants of a decision (using what the user said, else the default), with `skip_status`
+        > 0 it writes before reading the order's status and transfers when refused, each in that share of
+        conversations (drawn per task, from its seed). Under the old policy it never asks."""
         from envs.shop_expert import ShopExpert  # a player of the domain, loaded when asked for
 
-        return ShopExpert(task.data["goods"], skip_confirm, 1.0 if self.old else skip_ask, seed=task.data["seed"])
+        return ShopExpert(task.data["goods"], skip_confirm, 1.0 if self.old else skip_ask, seed=task.data["seed"],
+                          skip_status=skip_status)
 
     def tokenizer_words(self) -> list[str]:
         """The stores' identifiers, each one token of the tiny tokenizer (id_tokens)."""

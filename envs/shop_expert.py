@@ -28,15 +28,21 @@ class ShopExpert:
     `skip_ask`: likewise, the probability that it never asks what the user wants of a decision (where a refund goes,
     how a new item ships): it names what the user said unasked (a static user's), else nothing, and the write does
     the default (the original payment, standard shipping). Under a policy without the decisions (shop:old) it is 1:
-    it never asks and never names one."""
+    it never asks and never names one.
+    `skip_status`: likewise, the probability that it does not read the order's status before a write: it goes through
+    the write's flow (its questions, proposal and yes), and when the tool refuses (a pending order's return, a
+    delivered order's cancellation) it transfers, as the policy wants: a slip and its recovery, so that an agent which
+    met the refusal knows what follows it (bench/README.md, "The default run's recipe")."""
 
-    def __init__(self, goods: str = "shop", skip_confirm: float = 0.0, skip_ask: float = 0.0, seed: int = 0):
-        for name, p in (("skip_confirm", skip_confirm), ("skip_ask", skip_ask)):
+    def __init__(self, goods: str = "shop", skip_confirm: float = 0.0, skip_ask: float = 0.0, seed: int = 0,
+                 skip_status: float = 0.0):
+        for name, p in (("skip_confirm", skip_confirm), ("skip_ask", skip_ask), ("skip_status", skip_status)):
             if not 0.0 <= p <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {p}")
         self.goods = GOODS[goods]
         self.skips = random.Random(seed).random() < skip_confirm
         self.skips_ask = random.Random(f"refund-{seed}").random() < skip_ask
+        self.skips_status = random.Random(f"status-{seed}").random() < skip_status
 
     def act(self, messages: list[dict]) -> dict:
         s = _read(messages, self.goods)
@@ -73,7 +79,8 @@ class ShopExpert:
         if order not in s["fetched"]:
             return call("get_order", order_id=order)
         o = s["fetched"][order]
-        if o["status"] != self.goods.status["pending" if action == "cancel" else "delivered"]:
+        if o["status"] != self.goods.status["pending" if action == "cancel" else "delivered"] and (
+                not self.skips_status or s["refused"]):
             return call("transfer_to_human_agents")
         mine = [x for x in s["mentions"] if x in o["items"]]
         item = mine[-1] if mine and action != "cancel" else None
@@ -113,7 +120,8 @@ def _read(messages: list[dict], goods) -> dict:
     refund goes, how a new item ships), and what the tools returned."""
     s = {"email": None, "name": None, "zip": None, "user": None, "orders": [], "fetched": {}, "tried": set(),
          "action": None, "order": None, "hint": None, "mentions": [], "last_write": False, "wrote": False,
-         "said_yes": False, "last_agent_text": None, "refund": None, "shipping": None}
+         "said_yes": False, "last_agent_text": None, "refund": None, "shipping": None,
+         "refused": False}
     calls = {}
     for m in messages:
         role, text = m.get("role"), str(m.get("content") or "")
@@ -153,7 +161,9 @@ def _read(messages: list[dict], goods) -> dict:
                 s["wrote"] = s["wrote"] or f.get("name") in WRITE_TOOLS
                 if f.get("name") == "find_user" and isinstance(args, dict):
                     s["tried"].add(args.get("email") or (args.get("name"), args.get("zip")))
-        elif role == "tool" and not text.startswith("Error"):
+        elif role == "tool" and text.startswith("Error"):
+            s["refused"] = s["refused"] or calls.get(m.get("tool_call_id")) in WRITE_TOOLS
+        elif role == "tool":
             name, result = calls.get(m.get("tool_call_id")), json.loads(text)
             if name == "find_user":
                 s["user"], s["orders"] = result["user_id"], result["orders"]

@@ -177,7 +177,8 @@ def make_cold_start(cfg) -> list[dict]:
 
     from envs import load_tasks, message_history, play
 
-    skips = {"skip_confirm": cfg.teacher_skips_confirm, "skip_ask": cfg.teacher_skips_ask}
+    skips = {"skip_confirm": cfg.teacher_skips_confirm, "skip_ask": cfg.teacher_skips_ask,
+             "skip_status": cfg.teacher_skips_status}
     for name, p in skips.items():
         if not 0 <= p <= 1:
             raise SystemExit(f"sft.py: --teacher-{name[:4]}s-{name[5:]} {p}: must be in [0, 1]")

@@ -151,6 +151,9 @@ class SFTData:
     teacher_skips_ask: Annotated[float, Range("[0, 1]")] = 0.0
     """share of conversations in which the scripted expert never asks what the user wants (shop only: refund, shipping):
     it names what the user said, else nothing, and the write does the default; kept when the database is right"""
+    teacher_skips_status: Annotated[float, Range("[0, 1]")] = 0.0
+    """share of conversations in which the scripted expert writes before reading the order's status (shop only): where
+    the tool refuses (a pending order's return, a delivered order's cancellation), it transfers, as the policy wants"""
     teacher_users: str = ""
     """the users the teacher talks to, each on its share of the tasks: 'dynamic:3,told:1' plays 3 of every 4 tasks with
     --env's dynamic user, the fourth with its told user (shop's users; empty: --env's own)"""
@@ -205,6 +208,10 @@ class StartOptions:
     cold_start_skips_ask: Annotated[float, Range("[0, 1]")] = COLD_TEACHER["skip_ask"]
     """likewise, the share of its conversations in which it never asks what the user wants (where a refund goes, how
     a new item ships; sft.py --teacher-skips-ask): decisions only a user who answers what it is asked can teach"""
+    cold_start_skips_status: Annotated[float, Range("[0, 1]")] = 0.5
+    """likewise, the share in which it writes before reading the order's status and, refused by the tool, transfers
+    (sft.py --teacher-skips-status): the cold start then knows what follows a refusal (bench/README.md, "The default
+    run's recipe": without it GRPO's asking spread to pending orders' returns, which go to a human)"""
     env: str = "shop"
     """environment: 'shop' (small domain; 'shop:static': its user says everything at once, 'shop:replay' and
     'shop:teacher': the user's turns of the expert's, or the cold-start teacher's, conversation whatever the agent

@@ -234,6 +234,29 @@ def test_imperfect_teacher_skips_confirmation_in_a_share_of_conversations(env):
         env.expert(env.tasks("train")[0], skip_confirm=1.5)
 
 
+def test_imperfect_teacher_writes_before_the_status_and_transfers_when_refused(env):
+    """`expert(task, skip_status=p)`: in about p of the transfers a wrong status forces (a pending order's return, a
+    delivered order's cancellation), the teacher goes through the write's flow, is refused by the tool and then
+    transfers (reward 1: a refused write changes nothing); every other conversation is the perfect expert's."""
+    counts = Counter()
+    for task in env.tasks("train")[:600]:
+        teacher = env.expert(task, skip_status=0.5)
+        messages, reward, info, termination = play(env, task, teacher)
+        if task.meta["topic"] not in ("return_pending", "cancel_delivered") or not teacher.skips_status:
+            assert (messages, reward) == play(env, task, env.expert(task))[:2], task.id
+            continue
+        counts["slipped"] += 1
+        assert reward == 1.0 and termination == "transfer", (task.id, info)
+        refused = [i for i, m in enumerate(messages) if m["role"] == "tool" and m["content"].startswith("Error")]
+        assert len(refused) == 1 and "only" in messages[refused[0]]["content"], task.id
+        assert "yes/no" in str(messages[refused[0] - 3]["content"]) and messages[refused[0] - 2]["content"].startswith("Yes")
+        assert [c["function"]["name"] for c in messages[refused[0] + 1]["tool_calls"]] == ["transfer_to_human_agents"]
+    wrong = sum(t.meta["topic"] in ("return_pending", "cancel_delivered") for t in env.tasks("train")[:600])
+    assert wrong >= 30 and 0.3 < counts["slipped"] / wrong < 0.7, (counts, wrong)
+    with pytest.raises(ValueError, match="skip_status"):
+        env.expert(env.tasks("train")[0], skip_status=-0.1)
+
+
 def test_cold_start_with_an_imperfect_teacher_keeps_what_has_the_right_database():
     from plumbing import coldstart
     import sft
@@ -598,8 +621,9 @@ def test_the_committed_cold_start_is_grpo_defaults_own(tmp_path, monkeypatch):
     """assets/tiny-cold (sft.COMMITTED_COLD) is what `accelerate launch grpo.py` starts from: its recorded settings
     and the digest of its very conversations are those grpo.py's defaults make today (the teacher's 1,600 tasks,
     replayed in a few seconds), on the committed base, with the base's tokenizer. Rebuild it with `./run python sft.py
-    --cold-start-out assets/tiny-cold --overwrite --teacher-skips-confirm C --teacher-skips-ask A` (C, A: grpo.py's
-    --cold-start-skips-*; 30-40 min here) when this fails: the domain's conversations changed since it was made."""
+    --cold-start-out assets/tiny-cold --overwrite --teacher-skips-confirm C --teacher-skips-ask A
+    --teacher-skips-status S` (C, A, S: grpo.py's --cold-start-skips-*; 30-40 min here) when this fails: the domain's
+    conversations changed since it was made."""
     import grpo
     import sft
     from plumbing import models
@@ -608,7 +632,7 @@ def test_the_committed_cold_start_is_grpo_defaults_own(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "check_cache", lambda program: pytest.fail("the committed cold start was not used"))
     cfg = grpo.Config()
     assert sft.cold_start("tiny", cfg.env, cfg.split, cfg.seed, cfg.bf16, cfg.cold_start_skips_confirm,
-                          cfg.cold_start_skips_ask) == str(sft.COMMITTED_COLD)
+                          cfg.cold_start_skips_ask, cfg.cold_start_skips_status) == str(sft.COMMITTED_COLD)
     for name in ("tokenizer.json", "chat_template.jinja"):
         assert (sft.COMMITTED_COLD / name).read_bytes() == (sft.COMMITTED_BASE / name).read_bytes()
 
