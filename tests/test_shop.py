@@ -249,7 +249,8 @@ def test_imperfect_teacher_writes_before_the_status_and_transfers_when_refused(e
         assert reward == 1.0 and termination == "transfer", (task.id, info)
         refused = [i for i, m in enumerate(messages) if m["role"] == "tool" and m["content"].startswith("Error")]
         assert len(refused) == 1 and "only" in messages[refused[0]]["content"], task.id
-        assert "yes/no" in str(messages[refused[0] - 3]["content"]) and messages[refused[0] - 2]["content"].startswith("Yes")
+        proposal, answer = messages[refused[0] - 3]["content"], messages[refused[0] - 2]["content"]
+        assert "yes/no" in str(proposal) and answer.startswith("Yes"), task.id
         assert [c["function"]["name"] for c in messages[refused[0] + 1]["tool_calls"]] == ["transfer_to_human_agents"]
     wrong = sum(t.meta["topic"] in ("return_pending", "cancel_delivered") for t in env.tasks("train")[:600])
     assert wrong >= 30 and 0.3 < counts["slipped"] / wrong < 0.7, (counts, wrong)
