@@ -125,11 +125,17 @@ def save(acc, run, step: int) -> Path:
             raise
         if acc.is_main_process:  # the partial copy is the main process's to remove (the others stop at a collective)
             shutil.rmtree(tmp, ignore_errors=True)
-        newest = sorted(p.name for p in final.parent.glob("step-*") if not p.name.endswith(".tmp"))
-        kept = f"the newest checkpoint, {newest[-1]}, is untouched" if newest else "no checkpoint was saved before it"
-        raise SystemExit(f"grpo.py: writing the checkpoint of step {step} into {final.parent} failed: "
-                         f"{str(e).splitlines()[0][:200]} (is the disk full or read-only?). The partial copy was "
-                         f"removed; {kept}. Make room, then: accelerate launch grpo.py --resume {run.dir}") from None
+        raise refused(run.dir, f"writing the checkpoint of step {step} into {final.parent}", e,
+                      "The partial copy was removed") from None
+
+
+def refused(run_dir: Path, what: str, e: BaseException, undone: str, then: str = "") -> SystemExit:
+    """The one line a run stops with when the disk refused a write (`out_of_room`): what failed and why, what was
+    undone, the newest checkpoint, and how to go on (`then`; by default the --resume command)."""
+    newest = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*") if not p.name.endswith(".tmp"))
+    kept = f"the newest checkpoint, {newest[-1]}, is untouched" if newest else "no checkpoint was saved before it"
+    return SystemExit(f"grpo.py: {what} failed: {str(e).splitlines()[0][:200]} (is the disk full or read-only?). "
+                      f"{undone}; {kept}. Make room, then: {then or f'accelerate launch grpo.py --resume {run_dir}'}")
 
 
 def _save(acc, run, step: int, final: Path, tmp: Path) -> Path:

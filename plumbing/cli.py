@@ -164,7 +164,11 @@ def write_json_atomic(path, obj) -> None:
     """Write JSON so that a crash mid-write never leaves a truncated file (write a temp file, then rename)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, default=str))
+    except OSError:  # a full disk: no half-written copy left beside the file
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 

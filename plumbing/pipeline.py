@@ -282,7 +282,7 @@ def evaluate(run, tag: str) -> dict:
     eps = gather_object([e.to_json(tokens=True) for e in eps])
     s = summarize(eps, 1, {t.id: t.meta for t in test})
     if acc.is_main_process:
-        with open(run.dir / f"eval-{tag}.jsonl", "w", encoding="utf-8") as f:
+        with rundir.writing(run.dir, f"eval-{tag}.jsonl", f"the {tag} evaluation's episodes", "w") as f:
             f.writelines(cli.json_line(e) for e in eps)
     if not s["scored"]:
         first = next((e["reward_info"].get("error") for e in eps if e.get("reward_info")), None)
@@ -384,9 +384,9 @@ def log_step(run: Run, step: int, m: dict, episodes: list) -> None:
         m["eval_s"] = time.time() - t2
     samples = gather_object([e.to_json(tokens=True) for e in episodes[:max(0, cfg.log_episodes)]])
     if acc.is_main_process:
-        with open(run.dir / "metrics.jsonl", "a") as f:
+        with rundir.writing(run.dir, "metrics.jsonl", f"step {step + 1}'s metrics") as f:
             f.write(json.dumps(m) + "\n")
-        with open(run.dir / "episodes.jsonl", "a", encoding="utf-8") as f:
+        with rundir.writing(run.dir, "episodes.jsonl", f"step {step + 1}'s episodes") as f:
             for s in samples[:cfg.log_episodes]:
                 f.write(cli.json_line({"step": step + 1, **s}))
     if cfg.report_to:
@@ -400,9 +400,12 @@ def write(run, results: dict) -> None:
     """summary.json and the learning curves (curves.png: `python eval.py --plot RUN_DIR` draws them again)."""
 
     if run.acc.is_main_process:
-        cli.write_json_atomic(run.dir / "summary.json", {"steps": run.cfg.steps, **results})
-        if (run.dir / "metrics.jsonl").exists():
-            metrics.plot_run(run.dir)
+        with rundir.refusals(run.dir, "writing summary.json", "Every step was trained and saved (--resume evaluates)"):
+            cli.write_json_atomic(run.dir / "summary.json", {"steps": run.cfg.steps, **results})
+        with rundir.refusals(run.dir, "drawing curves.png", "summary.json holds the results",
+                             f"python eval.py --plot {run.dir}"):
+            if (run.dir / "metrics.jsonl").exists():
+                metrics.plot_run(run.dir)
     run.acc.wait_for_everyone()  # all tear down together: a peer still in a collective can hang gloo's teardown
     run.acc.end_training()
     run.acc.print(f"[grpo] done. Run directory: {run.dir} (metrics.jsonl, curves.png, episodes.jsonl, checkpoints/, "

@@ -227,6 +227,35 @@ def open_run(acc, run_dir: Path, config: dict, resume_step: int | None, changes:
     cli.write_json_atomic(run_dir / "config.json", config)
 
 
+@contextlib.contextmanager
+def refusals(run_dir: Path, what: str, undone: str, then: str = ""):
+    """A write the disk refuses inside (full, over quota, read-only: `checkpoints.out_of_room`) stops the run in one
+    line naming what was written, what was undone, the newest checkpoint and what to run then."""
+    try:
+        yield
+    except Exception as e:  # OSError, or a writer's own words for it
+        if not checkpoints.out_of_room(e):
+            raise
+        raise checkpoints.refused(run_dir, what, e, undone, then) from None
+
+
+@contextlib.contextmanager
+def writing(run_dir: Path, name: str, what: str, mode: str = "a"):
+    """One of the run's logs, open to append to (or, mode "w", to write whole). A failed write cuts the log back to
+    where it was, so that no line is left half written; a disk that refused it stops the run in one line."""
+    path = run_dir / name
+    size = path.stat().st_size if mode == "a" and path.exists() else 0
+    with refusals(run_dir, f"writing {what} to {path}",
+                  "The log was cut back to where it was" if size else "The file was removed"):
+        try:
+            with open(path, mode, encoding="utf-8") as f:
+                yield f
+        except OSError:  # the write, or the flush as the file closes
+            with contextlib.suppress(OSError):
+                os.truncate(path, size) if size else path.unlink()
+            raise
+
+
 def cut_log(path: Path, last_step: int) -> int:
     """Keep the lines of a JSONL log up to `last_step`; move later steps, and a line cut short by a crash, to
     `<path>.cut`. Returns how many lines moved. Streams: episodes.jsonl can be large."""

@@ -1330,6 +1330,77 @@ def test_a_full_disk_while_saving_stops_in_one_line_and_leaves_a_run_that_resume
     assert steps_logged(run) == [1, 2, 3]
 
 
+@pytest.mark.parametrize("log", ["metrics.jsonl", "episodes.jsonl"])
+def test_a_full_disk_while_logging_a_step_cuts_the_log_back_and_stops_in_one_line(tmp_path, ckpt, monkeypatch, log):
+    """The disk fills while step 2's line is written, half of it on disk: the log is cut back to step 1's lines, the
+    run stops in one line naming the log and the newest checkpoint, and a --resume logs every step once."""
+    import builtins
+    import errno
+    from pathlib import Path
+
+    from plumbing import rundir
+
+    class HalfWritten:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, s):
+            if s.startswith('{"step": 2,'):
+                self.f.write(s[:len(s) // 2])
+                self.f.flush()
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(s)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def full(path, mode="r", **kw):
+        f = builtins.open(path, mode, **kw)
+        return HalfWritten(f) if Path(path).name == log else f
+
+    monkeypatch.setattr(rundir, "open", full, raising=False)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit, match=rf"grpo.py: writing step 2's \w+ to .*run/{log} failed: \[Errno 28\] No space "
+                       r"left on device \(is the disk full or read-only\?\)\. The log was cut back to where it was; the "
+                       r"newest checkpoint, step-000001, is untouched\. Make room, then: accelerate launch grpo.py "
+                       r"--resume"):
+        grpo.main(grpo_args(ckpt, run, "--steps", "3", "--save-every", "1", "--log-episodes", "2"))
+    assert sorted(set(steps_logged(run, log))) == [1]  # every line whole: steps_logged parses each
+    monkeypatch.undo()
+    grpo.main(["--resume", str(run), "--env", FAKE_ENV])
+    assert sorted(set(steps_logged(run, log))) == [1, 2, 3] and not (run / f"{log}.cut").exists()
+
+
+def test_a_full_disk_at_the_summary_stops_in_one_line_and_a_resume_writes_it(tmp_path, ckpt, monkeypatch):
+    """The last step is saved, then the disk fills while summary.json is written (half of it reaches its temporary
+    copy): the copy is removed, the run stops in one line, and a --resume evaluates again and writes the summary."""
+    import errno
+    from pathlib import Path
+
+    real = Path.write_text
+
+    def full(self, text, *a, **kw):
+        if self.name == "summary.json.tmp":
+            real(self, text[:len(text) // 2], *a, **kw)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, text, *a, **kw)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"grpo.py: writing summary.json failed: \[Errno 28\] No space left on device "
+                       r"\(is the disk full or read-only\?\)\. Every step was trained and saved \(--resume evaluates\); "
+                       r"the newest checkpoint, step-000002, is untouched\. Make room, then: accelerate launch grpo.py "
+                       r"--resume"):
+        grpo.main(grpo_args(ckpt, run))
+    assert not (run / "summary.json.tmp").exists() and not (run / "summary.json").exists()
+    monkeypatch.undo()
+    grpo.main(["--resume", str(run), "--env", FAKE_ENV])
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2 and steps_logged(run) == [1, 2]
+
+
 def _du(path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
