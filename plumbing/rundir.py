@@ -91,6 +91,12 @@ RUN_FILES = ("config.json", "metrics.jsonl", "episodes.jsonl", "eval-before.json
              "episodes.jsonl.cut")
 
 
+def run_files(run_dir: Path) -> list[str]:
+    """The files of RUN_FILES in `run_dir`, and its evaluations along the way (eval-stepN.jsonl, --eval-every)."""
+    return ([n for n in RUN_FILES if (run_dir / n).exists()] +
+            sorted(p.name for p in run_dir.glob("eval-step*.jsonl")) if run_dir.is_dir() else [])
+
+
 _held: list = []  # the open lock files of the run directories this process writes (kept for its lifetime)
 
 
@@ -171,7 +177,7 @@ def claim(acc, run_dir: Path, resuming: bool, overwrite: bool) -> Path:
 
     decision = [None, str(run_dir)]
     if acc.is_main_process:
-        present = [n for n in RUN_FILES if (run_dir / n).exists()]
+        present = run_files(run_dir)
         if run_dir.exists() and not run_dir.is_dir():
             decision[0] = f"grpo.py: --out-dir: {run_dir} is a file"
         elif present and not resuming and not overwrite:
@@ -198,7 +204,7 @@ def open_run(acc, run_dir: Path, config: dict, resume_step: int | None, changes:
     what it changed in resumes.jsonl; then config.json is written."""
     if not acc.is_main_process:
         return
-    present = [n for n in RUN_FILES if (run_dir / n).exists()]
+    present = run_files(run_dir)
     if resume_step is not None:
         for stale in sorted((run_dir / "checkpoints").glob("step-*.tmp")):  # a save cut short: its room comes first
             print(f"[grpo] --resume: removing {stale.name}, a checkpoint whose save never finished", flush=True)

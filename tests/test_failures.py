@@ -82,7 +82,8 @@ def test_save_pretrained_leaves_a_foreign_directory_alone(tmp_path, tiny_lm, tin
 
 def test_grpo_refuses_an_existing_run_unless_resume_or_overwrite(tmp_path, ckpt):
     run = tmp_path / "run"
-    grpo.main(grpo_args(ckpt, run))
+    grpo.main(grpo_args(ckpt, run, "--eval-tasks", "2", "--eval-every", "1"))  # evaluated along the way too
+    assert (run / "eval-step1.jsonl").exists()
     (run / "notes.txt").write_text("mine")
     before = (run / "metrics.jsonl").read_text()
     with pytest.raises(SystemExit, match=r"already holds a run.*--resume.*--overwrite"):
@@ -96,6 +97,7 @@ def test_grpo_refuses_an_existing_run_unless_resume_or_overwrite(tmp_path, ckpt)
     grpo.main(grpo_args(ckpt, run, "--seed", "1", "--overwrite"))
     assert steps_logged(run) == [1, 2] and json.loads((run / "config.json").read_text())["seed"] == 1
     assert (run / "notes.txt").read_text() == "mine"  # --overwrite removes the run's own files only
+    assert not (run / "eval-step1.jsonl").exists()  # an evaluation the new run never made is not left beside it
 
 
 def test_resume_cuts_the_logs_back_to_the_checkpoint(tmp_path, ckpt):
