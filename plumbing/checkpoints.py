@@ -72,29 +72,54 @@ def save_pretrained(acc, model, tok, out: Path, run_config: dict) -> None:
 
     state = shard.full_state_dict(acc, model)  # fp32 master weights under DeepSpeed too
     error = [None]
-    if acc.is_main_process:
+    try:
+        if acc.is_main_process:
+            error[0] = _write_pretrained(acc, model, tok, out, tmp, state, run_config)
+    except Exception as e:  # a full or read-only disk: the partial copy goes, and every process stops alike
+        if not out_of_room(e):
+            raise
         shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped = acc.unwrap_model(model)
-        if lora.is_adapted(unwrapped):  # the adapters only, in PEFT's format (PeftModel.from_pretrained loads them)
-            unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True, save_embedding_layers=False)
-            (tmp / "README.md").unlink(missing_ok=True)  # peft's generated model card: not a file a checkpoint keeps
-        else:
-            # files of at most 5 GB: safetensors serializes a whole file in host memory before writing it
-            unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True,
-                                      max_shard_size=memory.MODEL_FILE_BYTES)
-        tok.save_pretrained(tmp)
-        cli.write_json_atomic(tmp / "muarl_config.json", run_config)
-        other = not_checkpoint_files(out) if out.is_dir() else []
-        if other:
-            error[0] = (f"{out} holds files that are not a checkpoint's ({', '.join(other[:8])}); it was not "
-                        f"replaced. The new checkpoint is in {tmp}")
-        else:
-            shutil.rmtree(out, ignore_errors=True)
-            os.replace(tmp, out)
+        error[0] = ("refused", str(e).splitlines()[0][:200])
     if acc.num_processes > 1:
         broadcast_object_list(error)  # every process stops with the main one
+    if isinstance(error[0], tuple):
+        raise Refused(out, error[0][1])
     if error[0]:
         raise SystemExit(error[0])
+
+
+class Refused(SystemExit):
+    """A write the disk refused (`out_of_room`) while a model directory was written, raised on every process alike:
+    one line, no traceback. `why`: the writer's words (grpo.py's checkpoint adds what comes next)."""
+
+    def __init__(self, out: Path, why: str):
+        self.why = why
+        super().__init__(f"writing {out} failed: {why} (is the disk full or read-only?). The partial copy was "
+                         "removed; make room, then run the same command again")
+
+
+def _write_pretrained(acc, model, tok, out: Path, tmp: Path, state: dict, run_config: dict) -> str | None:
+    """save_pretrained's writing, on the main process: None, or the error every process stops with."""
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    unwrapped = acc.unwrap_model(model)
+    if lora.is_adapted(unwrapped):  # the adapters only, in PEFT's format (PeftModel.from_pretrained loads them)
+        unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True, save_embedding_layers=False)
+        (tmp / "README.md").unlink(missing_ok=True)  # peft's generated model card: not a file a checkpoint keeps
+    else:
+        # files of at most 5 GB: safetensors serializes a whole file in host memory before writing it
+        unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True,
+                                  max_shard_size=memory.MODEL_FILE_BYTES)
+    tok.save_pretrained(tmp)
+    cli.write_json_atomic(tmp / "muarl_config.json", run_config)
+    other = not_checkpoint_files(out) if out.is_dir() else []
+    if other:
+        return (f"{out} holds files that are not a checkpoint's ({', '.join(other[:8])}); it was not replaced. The "
+                f"new checkpoint is in {tmp}")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return None
 
 
 # How a failed write reads when it is not an OSError: torch's zip writer (torch.save, Accelerate's save_state) raises
@@ -106,6 +131,8 @@ WRITE_FAILURES = ("No space left", "write failed", "failed writing file", "unexp
 
 def out_of_room(e: BaseException) -> bool:
     """Whether an error raised while writing means the disk refused the bytes (full, over quota, read-only, failing)."""
+    if isinstance(e, Refused):
+        return True
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EIO, errno.EFBIG):
         return True
     return any(s in str(e) for s in WRITE_FAILURES)
@@ -120,7 +147,7 @@ def save(acc, run, step: int) -> Path:
     tmp = final.with_name(final.name + ".tmp")
     try:
         return _save(acc, run, step, final, tmp)
-    except Exception as e:  # OSError, torch's RuntimeError, safetensors' SafetensorError: out_of_room reads them
+    except (Exception, Refused) as e:  # OSError, torch's RuntimeError, safetensors' own error: out_of_room reads them
         if not out_of_room(e):
             raise
         if acc.is_main_process:  # the partial copy is the main process's to remove (the others stop at a collective)
@@ -132,9 +159,10 @@ def save(acc, run, step: int) -> Path:
 def refused(run_dir: Path, what: str, e: BaseException, undone: str, then: str = "") -> SystemExit:
     """The one line a run stops with when the disk refused a write (`out_of_room`): what failed and why, what was
     undone, the newest checkpoint, and how to go on (`then`; by default the --resume command)."""
+    why = e.why if isinstance(e, Refused) else str(e).splitlines()[0][:200]
     newest = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*") if not p.name.endswith(".tmp"))
     kept = f"the newest checkpoint, {newest[-1]}, is untouched" if newest else "no checkpoint was saved before it"
-    return SystemExit(f"grpo.py: {what} failed: {str(e).splitlines()[0][:200]} (is the disk full or read-only?). "
+    return SystemExit(f"grpo.py: {what} failed: {why} (is the disk full or read-only?). "
                       f"{undone}; {kept}. Make room, then: {then or f'accelerate launch grpo.py --resume {run_dir}'}")
 
 

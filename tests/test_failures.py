@@ -1403,6 +1403,38 @@ def test_a_full_disk_at_the_summary_stops_in_one_line_and_a_resume_writes_it(tmp
     assert json.loads((run / "summary.json").read_text())["steps"] == 2 and steps_logged(run) == [1, 2]
 
 
+def test_a_full_disk_while_a_model_is_written_removes_the_partial_copy_and_stops_every_writer_in_one_line(
+        tmp_path, ckpt, monkeypatch):
+    """The weights are written, then the disk fills (at muarl_config.json): sft.py stops in one line with no partial
+    copy left and no --out made; grpo.py's checkpoint through the same writer says which checkpoint is untouched."""
+    import errno
+
+    from plumbing import checkpoints
+
+    real, stop_at = cli.write_json_atomic, {"sft"}
+
+    def full(path, obj):
+        if path.name == "muarl_config.json" and any(part in str(path) for part in stop_at):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, obj)
+
+    monkeypatch.setattr(cli, "write_json_atomic", full)
+    data = tmp_path / "data.jsonl"
+    data.write_text(conv(U, A) + "\n")
+    out = tmp_path / "sft"
+    with pytest.raises(checkpoints.Refused, match=rf"^writing {re.escape(str(out))} failed: \[Errno 28\] No space left "
+                       r"on device \(is the disk full or read-only\?\)\. The partial copy was removed; make room, "
+                       r"then run the same command again$"):
+        sft.main(["--model", str(ckpt), "--data", str(data), "--out", str(out), "--batch-size", "1"])
+    assert not out.exists() and not (tmp_path / "sft.tmp").exists()
+    stop_at = {"step-000002"}
+    with pytest.raises(SystemExit, match=r"^grpo.py: writing the checkpoint of step 2 into .* failed: \[Errno 28\] No "
+                       r"space left on device \(is the disk full or read-only\?\)\. The partial copy was removed; the "
+                       r"newest checkpoint, step-000001, is untouched\. Make room, then: accelerate launch grpo.py "):
+        grpo.main(grpo_args(ckpt, tmp_path / "run", "--save-every", "1"))
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["latest.json", "step-000001"]
+
+
 def _du(path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
