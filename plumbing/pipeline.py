@@ -282,7 +282,8 @@ def evaluate(run, tag: str) -> dict:
     eps = gather_object([e.to_json(tokens=True) for e in eps])
     s = summarize(eps, 1, {t.id: t.meta for t in test})
     if acc.is_main_process:
-        with rundir.writing(run.dir, f"eval-{tag}.jsonl", f"the {tag} evaluation's episodes", "w") as f:
+        when = {"before": "before training", "after": "after training"}.get(tag, f"at step {tag[4:]}")
+        with rundir.writing(run.dir, f"eval-{tag}.jsonl", f"the episodes of the evaluation {when}", "w") as f:
             f.writelines(cli.json_line(e) for e in eps)
     if not s["scored"]:
         first = next((e["reward_info"].get("error") for e in eps if e.get("reward_info")), None)
@@ -299,7 +300,8 @@ def evaluate(run, tag: str) -> dict:
            f"eval/{tag}/by_meta": s.get("by_meta", {}),  # the reward's checks over the episodes that record them
            f"eval/{tag}/rates": {k: r["rate"] for k, r in s.get("rates", {}).items()}}
     if tag == "before" and acc.is_main_process:  # a resumed run's summary still holds it
-        cli.write_json_atomic(run.dir / "eval-before.json", out)
+        with rundir.refusals(run.dir, f"writing eval-before.json to {run.dir}", "The run has not trained"):
+            cli.write_json_atomic(run.dir / "eval-before.json", out)
     if tag == "after" and (run.dir / "eval-before.jsonl").exists():
         out["eval/gain"] = metrics.gain(run.dir, {t.id: t.meta for t in test}, acc.print)
     return out

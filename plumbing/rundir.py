@@ -230,7 +230,11 @@ def open_run(acc, run_dir: Path, config: dict, resume_step: int | None, changes:
             p = run_dir / name
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
-    cli.write_json_atomic(run_dir / "config.json", config)
+    new = resume_step is None
+    with refusals(run_dir, f"writing config.json to {run_dir}",
+                  "The run has not started" if new else "config.json is as it was",
+                  "run the same command again" if new else ""):
+        cli.write_json_atomic(run_dir / "config.json", config)
 
 
 @contextlib.contextmanager

@@ -1481,6 +1481,40 @@ def test_a_real_full_disk_stops_the_save_in_one_line_and_the_resume_frees_what_a
         subprocess.run(["umount", "-l", str(disk)])
 
 
+def test_a_disk_that_fills_at_any_write_stops_the_run_in_one_line_and_its_command_then_finishes_it(tmp_path, ckpt):
+    """On real small filesystems (tmpfs, as root can mount), from one page to most of what a run writes, so that the
+    disk fills at each of its writes in turn (config.json, the evaluations' episodes, a step's logs, a checkpoint):
+    every run stops in one line, and the command that line names finishes it once room is made, each step logged
+    once."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root")
+    args = ("--steps", "2", "--save-every", "1", "--eval-tasks", "1", "--eval-every", "1")
+    grpo.main(grpo_args(ckpt, tmp_path / "sizing", *args))
+    total, stopped_at = _du(tmp_path / "sizing"), []
+    for size in sorted({4096 * 2 ** k for k in range(6)} | {total * 9 // 10 // 4096 * 4096}):  # 4 KiB..128 KiB, 90%
+        disk = tmp_path / f"disk{size}"
+        disk.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)]).returncode:
+            pytest.skip("no tmpfs could be mounted here")
+        try:
+            run = disk / "run"
+            with pytest.raises(SystemExit) as stop:
+                grpo.main(grpo_args(ckpt, run, *args))
+            line = str(stop.value.code)
+            assert re.fullmatch(r"grpo.py: writing (.+) failed: .* \(is the disk full or read-only\?\)\. .*; (the newest "
+                                r"checkpoint, step-\d+, is untouched|no checkpoint was saved before it)\. Make room, then: "
+                                r"(accelerate launch grpo.py --resume .*|run the same command again)", line), line
+            stopped_at.append(line.split(" failed")[0].removeprefix("grpo.py: writing "))
+            subprocess.run(["mount", "-o", f"remount,size={3 * total}", str(disk)], check=True)  # room made
+            grpo.main(["--resume", str(run), "--env", FAKE_ENV] if "--resume" in line else grpo_args(ckpt, run, *args))
+            assert steps_logged(run) == [1, 2] and json.loads((run / "summary.json").read_text())["steps"] == 2, line
+            assert not list(run.rglob("*.tmp")), line
+        finally:
+            subprocess.run(["umount", "-l", str(disk)])
+    kinds = {k for k in ("config.json", "evaluation", "step 1's", "checkpoint") if any(k in w for w in stopped_at)}
+    assert len(kinds) == 4, stopped_at  # each kind of write met a full disk at some size
+
+
 def test_the_writers_own_words_for_a_refused_write_are_recognised(tmp_path):
     """torch's zip writer and safetensors word a short write in their own ways, not as an OSError: each is made to
     fail for real (a file-size limit in a child process, what a full disk does to a write) and must read as a disk
