@@ -344,14 +344,15 @@ def main(argv=None):
     episodes = gather_object(episodes)
     if acc.is_main_process:
         out = Path(cfg.out_dir or f"runs/eval-{cfg.env.replace(':', '-')}-{time.strftime('%Y%m%d-%H%M%S')}")
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "episodes.jsonl", "w", encoding="utf-8") as f:
-            for e in episodes:
-                f.write(cli.json_line(e))
+        cli.write_jsonl_atomic(out / "episodes.jsonl", episodes, "eval.py: --out-dir")
         s = summarize(episodes, cfg.trials, {t.id: t.meta for t in tasks})
         s["config"], s["seconds"] = asdict(cfg), time.time() - t0
-        cli.write_json_atomic(out / "summary.json", s)
-        (out / "results.md").write_text(markdown(cfg, s))
+        try:
+            cli.write_json_atomic(out / "summary.json", s)
+            (out / "results.md").write_text(markdown(cfg, s))
+        except OSError as e:  # a full disk: episodes.jsonl holds every episode (eval.py --show reads it)
+            raise SystemExit(f"eval.py: --out-dir: cannot write {out}'s summary: {e.strerror or e} (is the disk full "
+                             "or read-only?); its episodes.jsonl is whole") from None
         ks = " ".join(f"{k} {_num(s[k])}{_ci(s.get(k + '_ci95'))}" for k in pass_keys(s) + (
             ["category_mean"] if "category_mean" in s else []))
         print(f"[eval] {cfg.agent} on {cfg.env}:{cfg.split}: {s['tasks']} tasks x {cfg.trials}: {ks}, "

@@ -403,11 +403,7 @@ def main(argv=None):
     else:
         conversations = teacher_data(cfg)
     if cfg.data_out and int(os.environ.get("RANK", "0")) == 0:  # one writer (every process synthesizes the same)
-        Path(cfg.data_out).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(cfg.data_out + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(cli.json_line(c) for c in conversations)
-        os.replace(tmp, cfg.data_out)
+        cli.write_jsonl_atomic(cfg.data_out, conversations, "sft.py: --data-out")
     if cfg.epochs > 0:
         try:
             train(cfg, conversations)

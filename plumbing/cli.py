@@ -6,6 +6,8 @@ episodes. It imports nothing of the project.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 from pathlib import Path
@@ -158,6 +160,26 @@ def json_line(obj) -> str:
     string. Every JSONL writer goes through here, whatever the text came from; a surrogate is checked for again only
     where text meets a tokenizer (toolcall.parse_assistant, envs.users.reply_problem, coldstart.load_conversations)."""
     return json.dumps(obj, ensure_ascii=False, default=str).encode("utf-8", "backslashreplace").decode("utf-8") + "\n"
+
+
+def write_jsonl_atomic(path, objs, option: str) -> None:
+    """A JSONL file written whole (a temporary copy renamed into place) for the command-line option naming it; a
+    write that fails (a full or read-only disk) removes the copy and stops in one line naming the option."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json_line(o) for o in objs)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        below = next((p for p in path.parents if p.exists()), None)  # the nearest that is there: a file?
+        why = (f"{below} is a file, not a directory" if below and not below.is_dir() else f"{e.strerror or e}" +
+               (" (is the disk full or read-only?)" if e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT,
+                                                                   errno.EFBIG, errno.EIO) else ""))
+        raise SystemExit(f"{option}: cannot write {path}: {why}; nothing was written there") from None
 
 
 def write_json_atomic(path, obj) -> None:

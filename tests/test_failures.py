@@ -376,6 +376,39 @@ def test_text_that_is_not_unicode_is_written_as_its_escape(tmp_path):
     assert "café" in line and json.loads(line)["messages"][0]["content"] == "caf\u00e9 \ud800"
 
 
+def test_sft_data_out_below_a_file_or_on_a_full_disk_stops_in_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    import builtins
+    import errno
+
+    d = tmp_path / "d.jsonl"
+    d.write_text(conv(U, A) + "\n" + conv(U, A) + "\n")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit, match=r"^sft.py: --data-out: cannot write .*afile/out.jsonl: .*afile is a file, not a "
+                       r"directory; nothing was written there$"):
+        sft.main(["--data", str(d), "--data-out", str(tmp_path / "afile" / "out.jsonl"), "--epochs", "0"])
+
+    class HalfWritten:  # the disk fills after the first line
+        def __init__(self, f):
+            self.f = f
+
+        def writelines(self, lines):
+            self.f.write(next(iter(lines)))
+            self.f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(cli, "open", lambda *a, **kw: HalfWritten(builtins.open(*a, **kw)), raising=False)
+    with pytest.raises(SystemExit, match=r"^sft.py: --data-out: cannot write .*out.jsonl: No space left on device \(is "
+                       r"the disk full or read-only\?\); nothing was written there$"):
+        sft.main(["--data", str(d), "--data-out", str(tmp_path / "out.jsonl"), "--epochs", "0"])
+    assert not list(tmp_path.glob("out.jsonl*"))
+
+
 def test_paths_that_are_no_files_or_lie_below_one(tmp_path, ckpt, capsys):
     d = tmp_path / "d.jsonl"
     d.write_text(conv(U, A) + "\n")
@@ -468,6 +501,38 @@ def test_eval_with_nothing_scored_exits_non_zero(tmp_path, ckpt):
         dead.close()
     s = json.loads((tmp_path / "ev" / "summary.json").read_text())
     assert s["scored"] == 0 and s["pass^1"] is None  # null: nothing was measured, not a score of 0
+
+
+def test_eval_on_a_full_disk_stops_in_one_line_and_leaves_nothing_half_written(tmp_path, ckpt):
+    """On real small filesystems (tmpfs, as root can mount): too small for the episodes, nothing is left but an empty
+    --out-dir; room for the episodes alone, they are whole and the summary's failure is one line."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root")
+    argv = ["--agent", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--num-tasks", "4", "--max-new-tokens", "16"]
+    evaluation.main(argv + ["--out-dir", str(tmp_path / "sizing")])
+    size = (tmp_path / "sizing" / "episodes.jsonl").stat().st_size
+    pages = -(-size // 4096)
+    assert pages >= 2, size
+
+    def ids(path):  # each episode's tokens (their timings differ from run to run)
+        return [json.loads(line)["input_ids"] for line in open(path)]
+
+    for room, words in ((4096 * (pages - 1), r"cannot write .*episodes.jsonl: No space left on device \(is the disk "
+                         r"full or read-only\?\); nothing was written there"),
+                        (4096 * pages, r"cannot write .*'s summary: No space left on device \(is the disk full or "
+                         r"read-only\?\); its episodes.jsonl is whole")):
+        disk = tmp_path / f"disk{room}"
+        disk.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", str(disk)]).returncode:
+            pytest.skip("no tmpfs could be mounted here")
+        try:
+            with pytest.raises(SystemExit, match=rf"^eval.py: --out-dir: {words}$"):
+                evaluation.main(argv + ["--out-dir", str(disk / "ev")])
+            left = sorted(p.name for p in (disk / "ev").iterdir())
+            assert left == ([] if room < 4096 * pages else ["episodes.jsonl"]), left
+            assert not left or ids(disk / "ev" / left[0]) == ids(tmp_path / "sizing" / "episodes.jsonl")
+        finally:
+            subprocess.run(["umount", "-l", str(disk)])
 
 
 def test_an_evaluation_on_the_cpu_decodes_what_the_free_host_memory_holds(tmp_path, ckpt, monkeypatch, capsys):
