@@ -258,6 +258,28 @@ def test_a_process_that_waits_past_the_timeout_stops_naming_the_option(tmp_path,
     assert "waited more than --dist-timeout 3 s for another at a collective" in r.stderr + r.stdout, r.stderr[-3000:]
 
 
+def test_a_log_line_the_disk_refuses_stops_every_process_in_one_line(tmp_path, ckpt):
+    """The main process's disk fills while step 2's metrics are appended: it cuts the log back and every process stops
+    after the step with one line (the main's names the log and the --resume command), none with a traceback."""
+    full = ("import builtins, errno\nfrom pathlib import Path\nfrom plumbing import rundir\n"
+            "class HalfWritten:\n    def __init__(self, f):\n        self.f = f\n"
+            "    def write(self, s):\n        if s.startswith('{\"step\": 2,'):\n"
+            "            self.f.write(s[:len(s) // 2]); self.f.flush(); raise OSError(errno.ENOSPC, 'No space left')\n"
+            "        return self.f.write(s)\n    def __enter__(self):\n        return self\n"
+            "    def __exit__(self, *exc):\n        self.f.close()\n"
+            "def full(path, mode='r', **kw):\n    f = builtins.open(path, mode, **kw)\n"
+            "    return HalfWritten(f) if Path(path).name == 'metrics.jsonl' else f\nrundir.open = full\n")
+    run = tmp_path / "run"
+    r = _torchrun(tmp_path, grpo_args(ckpt, run, "--steps", "3", "--save-every", "1"), full, port=29521)
+    assert r.returncode != 0
+    assert re.search(r"grpo.py: writing step 2's metrics to .*metrics.jsonl failed: .*No space left \(is the disk full "
+                     r"or read-only\?\)\. The log was cut back to where it was; the newest checkpoint, step-000001, is "
+                     r"untouched\. Make room, then: accelerate launch grpo.py --resume", r.stderr), r.stderr[-3000:]
+    assert "grpo.py: stopped with the process whose disk refused a write" in r.stderr, r.stderr[-3000:]
+    assert "[rank0]: Traceback" not in r.stderr and "[rank1]: Traceback" not in r.stderr, r.stderr[-3000:]
+    assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1]
+
+
 def test_a_process_whose_episodes_all_failed_keeps_in_step(tmp_path, ckpt):
     """Each process rolls out one task; every episode of train-0 fails on infrastructure (a NaN reward), so one
     process has nothing to train on in every step: it runs the same collectives as the other (empty micro-batches,
