@@ -18,6 +18,7 @@ unweighted mean (`category_mean`), the benchmark's headline.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -350,9 +351,13 @@ def main(argv=None):
         try:
             cli.write_json_atomic(out / "summary.json", s)
             (out / "results.md").write_text(markdown(cfg, s))
-        except OSError as e:  # a full disk: episodes.jsonl holds every episode (eval.py --show reads it)
+        except OSError as e:  # a full disk: no summary (a stale one neither) beside episodes.jsonl, which is whole
+            for name in ("summary.json", "results.md"):
+                with contextlib.suppress(OSError):
+                    (out / name).unlink(missing_ok=True)
             raise SystemExit(f"eval.py: --out-dir: cannot write {out}'s summary: {e.strerror or e} (is the disk full "
-                             "or read-only?); its episodes.jsonl is whole") from None
+                             "or read-only?); its episodes.jsonl is whole (eval.py --show reads it). Make room, then "
+                             "evaluate again into another --out-dir") from None
         ks = " ".join(f"{k} {_num(s[k])}{_ci(s.get(k + '_ci95'))}" for k in pass_keys(s) + (
             ["category_mean"] if "category_mean" in s else []))
         print(f"[eval] {cfg.agent} on {cfg.env}:{cfg.split}: {s['tasks']} tasks x {cfg.trials}: {ks}, "

@@ -186,7 +186,9 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None, record: d
     fit(acc, model, opt, sched, data, total, cfg.batch_size, cfg.micro_batch_size, tok.pad_token_id, cfg.seed,
         cfg.grad_clip, "")
     out = Path(cfg.out)
-    checkpoints.save_pretrained(acc, model, tok, out, {"sft": asdict(cfg), **(record or {})})
+    checkpoints.save_pretrained(acc, model, tok, out, {"sft": asdict(cfg), **(record or {})},
+                                f"train from the data written: --data {cfg.data_out}" if cfg.data_out else
+                                "run the same command again")
     acc.print(f"[sft] checkpoint written to {out}")
     return out
 

@@ -60,10 +60,11 @@ def check_out(out: str, overwrite: bool | None, program: str = "sft.py", option:
                          + f"another {option}")
 
 
-def save_pretrained(acc, model, tok, out: Path, run_config: dict) -> None:
+def save_pretrained(acc, model, tok, out: Path, run_config: dict, then: str = "run the same command again") -> None:
     """A Hugging Face checkpoint (safetensors + tokenizer + the run config), written beside `out` and renamed into
     place: a crash never leaves half a checkpoint. An existing `out` is replaced only when it holds nothing but a
-    checkpoint's files; otherwise the new checkpoint is left beside it, and the error says where."""
+    checkpoint's files; otherwise the new checkpoint is left beside it, and the error says where. A full disk
+    removes the partial copy and stops every process in one line (Refused) ending with `then`."""
     import shutil
 
     out = Path(out)
@@ -83,19 +84,19 @@ def save_pretrained(acc, model, tok, out: Path, run_config: dict) -> None:
     if acc.num_processes > 1:
         broadcast_object_list(error)  # every process stops with the main one
     if isinstance(error[0], tuple):
-        raise Refused(out, error[0][1])
+        raise Refused(f"writing {out} failed: {error[0][1]} (is the disk full or read-only?). The partial copy was "
+                      f"removed; make room, then {then}", error[0][1])
     if error[0]:
         raise SystemExit(error[0])
 
 
 class Refused(SystemExit):
-    """A write the disk refused (`out_of_room`) while a model directory was written, raised on every process alike:
-    one line, no traceback. `why`: the writer's words (grpo.py's checkpoint adds what comes next)."""
+    """A write the disk refused (`out_of_room`): the one line a program stops with (no traceback), raised on every
+    process alike where they write together. `why`: the writer's words."""
 
-    def __init__(self, out: Path, why: str):
+    def __init__(self, line: str, why: str):
         self.why = why
-        super().__init__(f"writing {out} failed: {why} (is the disk full or read-only?). The partial copy was "
-                         "removed; make room, then run the same command again")
+        super().__init__(line)
 
 
 def _write_pretrained(acc, model, tok, out: Path, tmp: Path, state: dict, run_config: dict) -> str | None:
@@ -156,14 +157,16 @@ def save(acc, run, step: int) -> Path:
                       "The partial copy was removed") from None
 
 
-def refused(run_dir: Path, what: str, e: BaseException, undone: str, then: str = "") -> SystemExit:
+def refused(run_dir: Path, what: str, e: BaseException, undone: str, then: str = "") -> Refused:
     """The one line a run stops with when the disk refused a write (`out_of_room`): what failed and why, what was
     undone, the newest checkpoint, and how to go on (`then`; by default the --resume command)."""
     why = e.why if isinstance(e, Refused) else str(e).splitlines()[0][:200]
     newest = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*") if not p.name.endswith(".tmp"))
     kept = f"the newest checkpoint, {newest[-1]}, is untouched" if newest else "no checkpoint was saved before it"
-    return SystemExit(f"grpo.py: {what} failed: {why} (is the disk full or read-only?). "
-                      f"{undone}; {kept}. Make room, then: {then or f'accelerate launch grpo.py --resume {run_dir}'}")
+    if newest and not then and not (run_dir / "checkpoints" / newest[-1] / "accelerate").is_dir():  # weights only
+        then = f"train on from its weights in a new run: --init-from {run_dir / 'checkpoints' / newest[-1] / 'model'}"
+    return Refused(f"grpo.py: {what} failed: {why} (is the disk full or read-only?). {undone}; {kept}. Make room, "
+                   f"then: {then or f'accelerate launch grpo.py --resume {run_dir}'}", why)
 
 
 def _save(acc, run, step: int, final: Path, tmp: Path) -> Path:

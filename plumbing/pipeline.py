@@ -59,17 +59,6 @@ def step_tasks(tasks: list, cfg, step: int, rank: int, world: int) -> list:
     return out[rank::world]  # whole groups per process: group statistics never cross processes
 
 
-def load_reference(start: str, device, seed: int = 0, attn_implementation=None):
-    """The frozen reference: a copy of the starting policy in the policy's own precision path, fp32 weights scored
-    under the same autocast (train_on_episodes), so that `kl` is 0 up to rounding until the policy moves. A bf16
-    copy is not the same function: its embeddings, norms and residual stream run in bf16 where the policy's run in
-    fp32 under autocast, and kl was not 0 at step 1. Cost: 4 bytes a parameter instead of 2 (no gradients, no
-    optimizer state)."""
-    ref, _ = models.load_model(start, device=device, seed=seed, dtype=torch.float32,
-                              attn_implementation=attn_implementation, merge_adapters=True)
-    return ref.eval().requires_grad_(False)
-
-
 # ---------------------------------------------------------------------------------------------------------
 def start(cfg, resume_from: Path | None, changes: dict) -> Run:
     """What a run needs before its policy, checked: the Accelerator, the run directory, the environment and its
@@ -140,7 +129,8 @@ def load(run: Run) -> None:
     if resume_from:
         acc.print(f"[grpo] resumed from {resume_from} at step {run.first_step}")
     # Once everything has loaded: a run that fails to start leaves the directory as it was.
-    rundir.open_run(acc, run_dir, asdict(cfg), run.first_step if cfg.resume else None, run.changes, cfg.overwrite)
+    with rundir.together(acc):  # a disk that refuses config.json stops every process
+        rundir.open_run(acc, run_dir, asdict(cfg), run.first_step if cfg.resume else None, run.changes, cfg.overwrite)
     run.done_steps = run.first_step  # steps whose update and logs are complete
     run.sampling = RolloutConfig.from_options(cfg, on_gpu=acc.device.type != "cpu")
     return run
@@ -224,7 +214,7 @@ def load_policy(run) -> None:
         run.ref = acc.unwrap_model(run.model) if cfg.kl_coef > 0 else None
         lora.checkpoint_hooks(acc)  # checkpoints hold the adapters, not the frozen base
     else:
-        run.ref = load_reference(start, load_on, cfg.seed, attn) if cfg.kl_coef > 0 else None
+        run.ref = models.load_reference(start, load_on, cfg.seed, attn) if cfg.kl_coef > 0 else None
         if run.ref is not None:  # each process loaded its own copy: the same one?
             shard.check_same_weights(acc, run.ref, f"the reference ({start})")
         if run.ref is not None and shard.is_sharded(run.model):
@@ -282,27 +272,29 @@ def evaluate(run, tag: str) -> dict:
                       replace(run.sampling, greedy=True))
     eps = gather_object([e.to_json(tokens=True) for e in eps])
     s = summarize(eps, 1, {t.id: t.meta for t in test})
-    if acc.is_main_process:
-        when = {"before": "before training", "after": "after training"}.get(tag, f"at step {tag[4:]}")
-        with rundir.writing(run.dir, f"eval-{tag}.jsonl", f"the episodes of the evaluation {when}", "w") as f:
-            f.writelines(cli.json_line(e) for e in eps)
+    out = {f"eval/{tag}/pass1": s["pass^1"], f"eval/{tag}/tasks": s["tasks"]} if not s["scored"] else {
+        f"eval/{tag}/pass1": s["pass^1"], f"eval/{tag}/tasks": s["tasks"],
+        f"eval/{tag}/by_meta": s.get("by_meta", {}),  # the reward's checks over the episodes that record them
+        f"eval/{tag}/rates": {k: r["rate"] for k, r in s.get("rates", {}).items()}}
+    with rundir.together(acc):  # a disk that refuses these stops every process
+        if acc.is_main_process:
+            when = {"before": "before training", "after": "after training"}.get(tag, f"at step {tag[4:]}")
+            with rundir.writing(run.dir, f"eval-{tag}.jsonl", f"the episodes of the evaluation {when}", "w") as f:
+                f.writelines(cli.json_line(e) for e in eps)
+            if tag == "before":  # a resumed run's summary still holds it
+                with rundir.refusals(run.dir, f"writing eval-before.json to {run.dir}", "The run has not trained"):
+                    cli.write_json_atomic(run.dir / "eval-before.json", out)
     if not s["scored"]:
         first = next((e["reward_info"].get("error") for e in eps if e.get("reward_info")), None)
         acc.print(f"[grpo] eval ({tag}): none of the {len(eps)} episodes was scored (all failed on infrastructure; "
                   f"the first error: {first})")
-        return {f"eval/{tag}/pass1": None, f"eval/{tag}/tasks": s["tasks"]}
+        return out
     kinds = "; ".join(f"{k}: " + ", ".join(f"{v} {r['pass^1']:.2f}" for v, r in vs.items())
                       for k, vs in list(s.get("by_meta", {}).items())[:2])
     where = f" of {cfg.eval_env}" if run.eval_env is not run.env else ""
     rates = "".join(f", {k} {r['rate']:.2f}" for k, r in s.get("rates", {}).items())
     acc.print(f"[grpo] eval ({tag}) on {s['tasks']} test tasks{where}, greedy: pass^1 = {s['pass^1']:.3f}"
               + (f" ({kinds})" if kinds else "") + rates)
-    out = {f"eval/{tag}/pass1": s["pass^1"], f"eval/{tag}/tasks": s["tasks"],
-           f"eval/{tag}/by_meta": s.get("by_meta", {}),  # the reward's checks over the episodes that record them
-           f"eval/{tag}/rates": {k: r["rate"] for k, r in s.get("rates", {}).items()}}
-    if tag == "before" and acc.is_main_process:  # a resumed run's summary still holds it
-        with rundir.refusals(run.dir, f"writing eval-before.json to {run.dir}", "The run has not trained"):
-            cli.write_json_atomic(run.dir / "eval-before.json", out)
     if tag == "after" and (run.dir / "eval-before.jsonl").exists():
         out["eval/gain"] = metrics.gain(run.dir, {t.id: t.meta for t in test}, acc.print)
     return out
@@ -393,25 +385,26 @@ def log_step(run: Run, step: int, m: dict, episodes: list) -> None:
             with rundir.writing(run.dir, "episodes.jsonl", f"step {step + 1}'s episodes") as f:
                 for s in samples[:cfg.log_episodes]:
                     f.write(cli.json_line({"step": step + 1, **s}))
-        except SystemExit as e:  # the disk refused a line: every process stops with it after the step (train)
+        except checkpoints.Refused as e:  # the disk refused a line: every process stops with it after the step (train)
             run.refused = str(e.code)
     if cfg.report_to:
         acc.log(m, step=step + 1)
     run.done_steps = step + 1 if not run.refused else run.done_steps
-    if stopped:
+    if stopped and not run.refused:  # (with a refused line, the run stops on it in train, a stop signal or not)
         raise stopped
 
 
 def write(run, results: dict) -> None:
     """summary.json and the learning curves (curves.png: `python eval.py --plot RUN_DIR` draws them again)."""
 
-    if run.acc.is_main_process:
-        with rundir.refusals(run.dir, "writing summary.json", "Every step was trained and saved (--resume evaluates)"):
-            cli.write_json_atomic(run.dir / "summary.json", {"steps": run.cfg.steps, **results})
-        with rundir.refusals(run.dir, "drawing curves.png", "summary.json holds the results",
-                             f"python eval.py --plot {run.dir}"):
-            if (run.dir / "metrics.jsonl").exists():
-                metrics.plot_run(run.dir)
+    with rundir.together(run.acc):  # a disk that refuses these stops every process
+        if run.acc.is_main_process:
+            with rundir.refusals(run.dir, "writing summary.json", "Every step was saved (--resume evaluates)"):
+                cli.write_json_atomic(run.dir / "summary.json", {"steps": run.cfg.steps, **results})
+            with rundir.refusals(run.dir, "drawing curves.png", "summary.json holds the results",
+                                 f"python eval.py --plot {run.dir}"):
+                if (run.dir / "metrics.jsonl").exists():
+                    metrics.plot_run(run.dir)
     run.acc.wait_for_everyone()  # all tear down together: a peer still in a collective can hang gloo's teardown
     run.acc.end_training()
     run.acc.print(f"[grpo] done. Run directory: {run.dir} (metrics.jsonl, curves.png, episodes.jsonl, checkpoints/, "

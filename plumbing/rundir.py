@@ -250,6 +250,23 @@ def refusals(run_dir: Path, what: str, undone: str, then: str = ""):
 
 
 @contextlib.contextmanager
+def together(acc):
+    """Around writes only the main process makes, reached by every process: a write the disk refused there (a
+    `checkpoints.Refused`) stops every process here in one line each, not the others at their next collective."""
+    line = [None]
+    try:
+        yield
+    except checkpoints.Refused as e:
+        line[0] = str(e.code)
+    if acc.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(line)
+    if line[0]:
+        raise checkpoints.Refused(line[0] if acc.is_main_process else stopping.REFUSED_ELSEWHERE, "")
+
+
+@contextlib.contextmanager
 def writing(run_dir: Path, name: str, what: str, mode: str = "a"):
     """One of the run's logs, open to append to (or, mode "w", to write whole). A failed write cuts the log back to
     where it was, so that no line is left half written; a disk that refused it stops the run in one line."""
@@ -260,7 +277,7 @@ def writing(run_dir: Path, name: str, what: str, mode: str = "a"):
         try:
             with open(path, mode, encoding="utf-8") as f:
                 yield f
-        except OSError:  # the write, or the flush as the file closes
+        except BaseException:  # the write, the flush as the file closes, or a stop signal between lines
             with contextlib.suppress(OSError):
                 os.truncate(path, size) if size else path.unlink()
             raise

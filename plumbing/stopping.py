@@ -114,9 +114,13 @@ class StopOnInterrupt:
             flags = acc.reduce(torch.tensor([float(asked), float(stops)], device=acc.device), reduction="max")
             asked, stops = (bool(v > 0) for v in flags.tolist())
         if stops:
-            raise SystemExit(refused or "grpo.py: stopped with the process whose disk refused a write (its line says "
-                                        "which, and how to go on)")
+            raise SystemExit(refused or REFUSED_ELSEWHERE)
         return asked
+
+
+# What the other processes say when the main one's disk refused a write they all stop on
+REFUSED_ELSEWHERE = ("grpo.py: stopped with the process whose disk refused a write (its line says which, and how to "
+                     "go on)")
 
 
 def follow_launcher() -> None:

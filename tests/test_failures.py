@@ -1,6 +1,7 @@
 """What happens to a run when something breaks: nothing a user had is lost, nothing fails silently, bad input is
 named. One test per failure mode of the README's table ("When something breaks"); the user-simulator ones talk to
 a real HTTP endpoint on the loopback (conftest.ChatServer) that fails in the way under test."""
+import errno
 import functools
 import json
 import os
@@ -383,8 +384,8 @@ def test_sft_data_out_below_a_file_or_on_a_full_disk_stops_in_one_line_and_leave
     d = tmp_path / "d.jsonl"
     d.write_text(conv(U, A) + "\n" + conv(U, A) + "\n")
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(SystemExit, match=r"^sft.py: --data-out: cannot write .*afile/out.jsonl: .*afile is a file, not a "
-                       r"directory; nothing was written there$"):
+    with pytest.raises(SystemExit, match=r"^sft.py: --data-out: cannot write .*afile/out.jsonl: .*afile is a file, "
+                       r"not a directory; nothing was written there$"):
         sft.main(["--data", str(d), "--data-out", str(tmp_path / "afile" / "out.jsonl"), "--epochs", "0"])
 
     class HalfWritten:  # the disk fills after the first line
@@ -520,7 +521,8 @@ def test_eval_on_a_full_disk_stops_in_one_line_and_leaves_nothing_half_written(t
     for room, words in ((4096 * (pages - 1), r"cannot write .*episodes.jsonl: No space left on device \(is the disk "
                          r"full or read-only\?\); nothing was written there"),
                         (4096 * pages, r"cannot write .*'s summary: No space left on device \(is the disk full or "
-                         r"read-only\?\); its episodes.jsonl is whole")):
+                         r"read-only\?\); its episodes.jsonl is whole \(eval.py --show reads it\)\. Make room, then "
+                         r"evaluate again into another --out-dir")):
         disk = tmp_path / f"disk{room}"
         disk.mkdir()
         if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", str(disk)]).returncode:
@@ -1397,48 +1399,96 @@ def test_a_full_disk_while_saving_stops_in_one_line_and_leaves_a_run_that_resume
     assert steps_logged(run) == [1, 2, 3]
 
 
+class HalfWritten:
+    """A file whose disk fills at the first line starting with `at`: half of that line is written, then ENOSPC."""
+
+    def __init__(self, f, at: str):
+        self.f, self.at = f, at
+
+    def write(self, s):
+        if s.startswith(self.at):
+            self.f.write(s[:len(s) // 2])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.f.write(s)
+
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def fills_at(module, monkeypatch, name: str, at: str) -> None:
+    """`module`'s open() gives the file called `name` a disk that fills at its first line starting with `at`."""
+    import builtins
+
+    def opener(path, mode="r", **kw):
+        f = builtins.open(path, mode, **kw)
+        return HalfWritten(f, at) if os.path.basename(path) == name else f
+
+    monkeypatch.setattr(module, "open", opener, raising=False)
+
+
 @pytest.mark.parametrize("log", ["metrics.jsonl", "episodes.jsonl"])
 def test_a_full_disk_while_logging_a_step_cuts_the_log_back_and_stops_in_one_line(tmp_path, ckpt, monkeypatch, log):
     """The disk fills while step 2's line is written, half of it on disk: the log is cut back to step 1's lines, the
     run stops in one line naming the log and the newest checkpoint, and a --resume logs every step once."""
-    import builtins
-    import errno
-    from pathlib import Path
-
     from plumbing import rundir
 
-    class HalfWritten:
-        def __init__(self, f):
-            self.f = f
-
-        def write(self, s):
-            if s.startswith('{"step": 2,'):
-                self.f.write(s[:len(s) // 2])
-                self.f.flush()
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return self.f.write(s)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-    def full(path, mode="r", **kw):
-        f = builtins.open(path, mode, **kw)
-        return HalfWritten(f) if Path(path).name == log else f
-
-    monkeypatch.setattr(rundir, "open", full, raising=False)
+    fills_at(rundir, monkeypatch, log, '{"step": 2,')
     run = tmp_path / "run"
     with pytest.raises(SystemExit, match=rf"grpo.py: writing step 2's \w+ to .*run/{log} failed: \[Errno 28\] No space "
-                       r"left on device \(is the disk full or read-only\?\)\. The log was cut back to where it was; the "
-                       r"newest checkpoint, step-000001, is untouched\. Make room, then: accelerate launch grpo.py "
+                       r"left on device \(is the disk full or read-only\?\)\. The log was cut back to where it was; "
+                       r"the newest checkpoint, step-000001, is untouched\. Make room, then: accelerate launch grpo.py "
                        r"--resume"):
         grpo.main(grpo_args(ckpt, run, "--steps", "3", "--save-every", "1", "--log-episodes", "2"))
     assert sorted(set(steps_logged(run, log))) == [1]  # every line whole: steps_logged parses each
     monkeypatch.undo()
     grpo.main(["--resume", str(run), "--env", FAKE_ENV])
     assert sorted(set(steps_logged(run, log))) == [1, 2, 3] and not (run / f"{log}.cut").exists()
+
+
+def test_a_refused_log_line_after_a_stop_signal_in_the_evaluation_saves_no_checkpoint_and_says_the_disk(
+        tmp_path, ckpt, monkeypatch):
+    """A stop signal leaves step 2's evaluation, then the disk refuses step 2's metrics: the run stops on the disk's
+    line. No checkpoint is saved: step 2's update is in the weights while its logs are not, and a checkpoint of
+    step 1 holding them would train step 2 twice on --resume."""
+    from plumbing import pipeline, rundir, stopping
+
+    real = pipeline.evaluate
+
+    def stopped_at_step_2(run, tag):
+        if tag == "step2":
+            raise stopping.Abandoned("SIGINT")
+        return real(run, tag)
+
+    monkeypatch.setattr(pipeline, "evaluate", stopped_at_step_2)
+    fills_at(rundir, monkeypatch, "metrics.jsonl", '{"step": 2,')
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"grpo.py: writing step 2's metrics .* No space left on device .* no "
+                       r"checkpoint was saved before it\. Make room, then: accelerate launch grpo.py --resume"):
+        grpo.main(grpo_args(ckpt, run, "--steps", "3", "--save-every", "5", "--eval-tasks", "1", "--eval-every", "1"))
+    assert steps_logged(run) == [1] and not list((run / "checkpoints").glob("step-*"))
+
+
+def test_the_disk_line_of_a_weights_only_run_names_a_new_run_from_its_weights(tmp_path):
+    """--save-weights-only checkpoints cannot be resumed: the line says how to go on from them instead."""
+    import errno
+
+    from plumbing import checkpoints
+
+    (tmp_path / "checkpoints" / "step-000004" / "model").mkdir(parents=True)
+    line = str(checkpoints.refused(tmp_path, "writing x", OSError(errno.ENOSPC, "No space left on device"), "Undone").code)
+    assert line.endswith(f"the newest checkpoint, step-000004, is untouched. Make room, then: train on from its "
+                         f"weights in a new run: --init-from {tmp_path}/checkpoints/step-000004/model"), line
+    (tmp_path / "checkpoints" / "step-000004" / "accelerate").mkdir()
+    line = str(checkpoints.refused(tmp_path, "writing x", OSError(errno.ENOSPC, "No space left on device"), "Undone").code)
+    assert line.endswith(f"Make room, then: accelerate launch grpo.py --resume {tmp_path}"), line
 
 
 def test_a_full_disk_at_the_summary_stops_in_one_line_and_a_resume_writes_it(tmp_path, ckpt, monkeypatch):
@@ -1458,7 +1508,7 @@ def test_a_full_disk_at_the_summary_stops_in_one_line_and_a_resume_writes_it(tmp
     monkeypatch.setattr(Path, "write_text", full)
     run = tmp_path / "run"
     with pytest.raises(SystemExit, match=r"grpo.py: writing summary.json failed: \[Errno 28\] No space left on device "
-                       r"\(is the disk full or read-only\?\)\. Every step was trained and saved \(--resume evaluates\); "
+                       r"\(is the disk full or read-only\?\)\. Every step was saved \(--resume evaluates\); "
                        r"the newest checkpoint, step-000002, is untouched\. Make room, then: accelerate launch grpo.py "
                        r"--resume"):
         grpo.main(grpo_args(ckpt, run))
@@ -1492,12 +1542,38 @@ def test_a_full_disk_while_a_model_is_written_removes_the_partial_copy_and_stops
                        r"then run the same command again$"):
         sft.main(["--model", str(ckpt), "--data", str(data), "--out", str(out), "--batch-size", "1"])
     assert not out.exists() and not (tmp_path / "sft.tmp").exists()
+    kept = tmp_path / "kept.jsonl"  # the data was written before the model: the line says to train from it
+    with pytest.raises(checkpoints.Refused, match=rf"make room, then train from the data written: --data "
+                       rf"{re.escape(str(kept))}$"):
+        sft.main(["--model", str(ckpt), "--data", str(data), "--data-out", str(kept), "--out", str(out),
+                  "--batch-size", "1"])
+    assert kept.exists() and not out.exists()
     stop_at = {"step-000002"}
     with pytest.raises(SystemExit, match=r"^grpo.py: writing the checkpoint of step 2 into .* failed: \[Errno 28\] No "
                        r"space left on device \(is the disk full or read-only\?\)\. The partial copy was removed; the "
                        r"newest checkpoint, step-000001, is untouched\. Make room, then: accelerate launch grpo.py "):
         grpo.main(grpo_args(ckpt, tmp_path / "run", "--save-every", "1"))
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["latest.json", "step-000001"]
+
+
+def test_a_full_disk_at_the_curves_leaves_no_half_picture_and_says_how_to_draw_it(tmp_path, ckpt, monkeypatch):
+    from matplotlib.figure import Figure
+
+    def full(self, path, **kw):
+        with open(path, "wb") as f:
+            f.write(b"\x89PNG\r\n")  # a picture cut short
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"grpo.py: drawing curves.png failed: \[Errno 28\] No space left on device \(is "
+                       r"the disk full or read-only\?\)\. summary.json holds the results; the newest checkpoint, "
+                       rf"step-000002, is untouched\. Make room, then: python eval.py --plot {re.escape(str(run))}$"):
+        grpo.main(grpo_args(ckpt, run))
+    assert (run / "summary.json").exists() and not list(run.glob("curves.png*"))
+    monkeypatch.undo()
+    evaluation.main(["--plot", str(run)])
+    assert (run / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def _du(path) -> int:
@@ -1566,9 +1642,10 @@ def test_a_disk_that_fills_at_any_write_stops_the_run_in_one_line_and_its_comman
             with pytest.raises(SystemExit) as stop:
                 grpo.main(grpo_args(ckpt, run, *args))
             line = str(stop.value.code)
-            assert re.fullmatch(r"grpo.py: writing (.+) failed: .* \(is the disk full or read-only\?\)\. .*; (the newest "
-                                r"checkpoint, step-\d+, is untouched|no checkpoint was saved before it)\. Make room, then: "
-                                r"(accelerate launch grpo.py --resume .*|run the same command again)", line), line
+            assert re.fullmatch(r"grpo.py: writing (.+) failed: .* \(is the disk full or read-only\?\)\. .*; "
+                                r"(the newest checkpoint, step-\d+, is untouched|no checkpoint was saved before it)\. "
+                                r"Make room, then: (accelerate launch grpo.py --resume .*|run the same command again)",
+                                line), line
             stopped_at.append(line.split(" failed")[0].removeprefix("grpo.py: writing "))
             subprocess.run(["mount", "-o", f"remount,size={3 * total}", str(disk)], check=True)  # room made
             grpo.main(["--resume", str(run), "--env", FAKE_ENV] if "--resume" in line else grpo_args(ckpt, run, *args))

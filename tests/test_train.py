@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plumbing import coldstart, models, pipeline, stats
+from plumbing import coldstart, models, stats
 import eval as evaluation
 import grpo
 from fast import logprobs
@@ -258,26 +258,31 @@ def test_a_process_that_waits_past_the_timeout_stops_naming_the_option(tmp_path,
     assert "waited more than --dist-timeout 3 s for another at a collective" in r.stderr + r.stdout, r.stderr[-3000:]
 
 
-def test_a_log_line_the_disk_refuses_stops_every_process_in_one_line(tmp_path, ckpt):
-    """The main process's disk fills while step 2's metrics are appended: it cuts the log back and every process stops
-    after the step with one line (the main's names the log and the --resume command), none with a traceback."""
-    full = ("import builtins, errno\nfrom pathlib import Path\nfrom plumbing import rundir\n"
-            "class HalfWritten:\n    def __init__(self, f):\n        self.f = f\n"
-            "    def write(self, s):\n        if s.startswith('{\"step\": 2,'):\n"
-            "            self.f.write(s[:len(s) // 2]); self.f.flush(); raise OSError(errno.ENOSPC, 'No space left')\n"
-            "        return self.f.write(s)\n    def __enter__(self):\n        return self\n"
-            "    def __exit__(self, *exc):\n        self.f.close()\n"
-            "def full(path, mode='r', **kw):\n    f = builtins.open(path, mode, **kw)\n"
-            "    return HalfWritten(f) if Path(path).name == 'metrics.jsonl' else f\nrundir.open = full\n")
+@pytest.mark.parametrize("where", ["metrics", "evaluation"])
+def test_a_write_the_main_disk_refuses_stops_every_process_in_one_line(tmp_path, ckpt, where):
+    """The main process's disk fills while step 2's metrics line is appended, or while step 1's evaluation is written:
+    the file is cut back or removed and every process stops in one line (the main's names the file and the --resume
+    command), none with a traceback at its next collective."""
+    name, at, port = {"metrics": ("metrics.jsonl", '{"step": 2,', 29521),
+                      "evaluation": ("eval-step1.jsonl", "", 29522)}[where]
+    full = (f"sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})\nimport test_failures\nfrom plumbing import rundir\n"
+            f"if os.environ['RANK'] == '0':\n    test_failures.fills_at(rundir, __import__('pytest').MonkeyPatch(), "
+            f"{name!r}, {at!r})\n")
     run = tmp_path / "run"
-    r = _torchrun(tmp_path, grpo_args(ckpt, run, "--steps", "3", "--save-every", "1"), full, port=29521)
+    r = _torchrun(tmp_path, grpo_args(ckpt, run, "--steps", "3", "--save-every", "1", "--eval-tasks", "2",
+                                      "--eval-every", "1"), full, port=port)
     assert r.returncode != 0
-    assert re.search(r"grpo.py: writing step 2's metrics to .*metrics.jsonl failed: .*No space left \(is the disk full "
-                     r"or read-only\?\)\. The log was cut back to where it was; the newest checkpoint, step-000001, is "
-                     r"untouched\. Make room, then: accelerate launch grpo.py --resume", r.stderr), r.stderr[-3000:]
+    said = {"metrics": r"writing step 2's metrics to .*metrics.jsonl failed: .*No space left on device \(is the disk "
+                       r"full or read-only\?\)\. The log was cut back to where it was; the newest checkpoint, "
+                       r"step-000001, is untouched",
+            "evaluation": r"writing the episodes of the evaluation at step 1 to .*eval-step1.jsonl failed: .*No space "
+                          r"left on device \(is the disk full or read-only\?\)\. The file was removed; no checkpoint "
+                          r"was saved before it"}[where]
+    assert re.search(rf"grpo.py: {said}\. Make room, then: accelerate launch grpo.py --resume", r.stderr), r.stderr[-3000:]
     assert "grpo.py: stopped with the process whose disk refused a write" in r.stderr, r.stderr[-3000:]
     assert "[rank0]: Traceback" not in r.stderr and "[rank1]: Traceback" not in r.stderr, r.stderr[-3000:]
-    assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1]
+    assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1] if where == "metrics" else \
+        not (run / "metrics.jsonl").exists() and not (run / "eval-step1.jsonl").exists()
 
 
 def test_a_process_whose_episodes_all_failed_keeps_in_step(tmp_path, ckpt):
@@ -695,7 +700,7 @@ def test_reference_kl_is_zero_at_step_one_under_bf16(ckpt, tiny_tok, bf16_accele
         policy, opt = acc.prepare(policy, opt)
         return grpo.train_on_episodes(episodes, policy, ref, opt, sched, acc, cfg, tok.pad_token_id)["kl"]
 
-    assert step_one_kl(pipeline.load_reference(str(ckpt), "cpu")) < 1e-6
+    assert step_one_kl(models.load_reference(str(ckpt), "cpu")) < 1e-6
     bf16_ref, _ = models.load_model(str(ckpt), device="cpu", dtype=torch.bfloat16)
     assert step_one_kl(bf16_ref.eval()) > 5e-6  # 1.9e-5 here
 
