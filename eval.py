@@ -210,7 +210,14 @@ def compare(a: str, b: str) -> str:
         path = Path(d) / "summary.json"
         if not path.exists():
             raise SystemExit(f"eval.py: --compare: {path} does not exist (give eval.py --out-dir directories)")
-        runs.append(json.loads(path.read_text()))
+        try:
+            runs.append(json.loads(path.read_text()))
+            runs[-1].get("steps")  # (an object, not a list or a number)
+        except (OSError, ValueError, AttributeError) as e:
+            raise SystemExit(f"eval.py: --compare: {path} is unreadable ({e.__class__.__name__}: {e})") from None
+        if "steps" in runs[-1]:
+            raise SystemExit(f"eval.py: --compare: {d} is a training run (grpo.py's summary.json): compare the "
+                             "directories of two evaluations (eval.py --out-dir)")
     where = [(r.get("config", {}).get("env"), r.get("config", {}).get("split")) for r in runs]
     if where[0] != where[1]:  # shop and shop:default share task ids, not tasks
         raise SystemExit(f"eval.py: --compare: {a} evaluated {':'.join(map(str, where[0]))}, {b} "
@@ -234,7 +241,9 @@ WRITES = ("episodes.jsonl", "summary.json", "results.md")
 
 def check_out_dir(out: Path) -> None:
     """Refuse an --out-dir whose files this evaluation would replace and no evaluation wrote: a training run's, or
-    anything holding a file of WRITES beside no summary.json of an earlier evaluation (which names its --agent)."""
+    anything holding a file of WRITES beside no summary.json of an earlier evaluation (which names its --agent), and
+    a place it cannot write into (read-only, below a file), before the evaluation rather than after."""
+    cli.check_writable(out, "eval.py", "--out-dir")
     if any((out / name).exists() for name in ("config.json", "checkpoints")):
         raise SystemExit(f"eval.py: --out-dir: {out} holds a training run (config.json, checkpoints/), whose "
                          "episodes.jsonl and summary.json this evaluation would replace; give it a directory of its "

@@ -393,6 +393,8 @@ def main(argv=None):
                    if cfg.lora_rank else None)  # before any data is made
     if cfg.data_out and Path(cfg.data_out).is_dir():
         raise SystemExit(f"sft.py: --data-out: {cfg.data_out} is a directory; give the JSONL file to write")
+    if cfg.data_out:
+        cli.check_writable(Path(cfg.data_out).parent, "sft.py", "--data-out")
     if cfg.data_out and Path(cfg.data_out).exists() and not cfg.overwrite:
         raise SystemExit(f"sft.py: --data-out: {cfg.data_out} exists; replace it with --overwrite, or choose another")
     if cfg.data_out and cfg.data and Path(cfg.data_out).resolve() == Path(cfg.data).resolve():

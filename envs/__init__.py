@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
@@ -179,6 +180,11 @@ def load_tasks(name: str, split: str, program: str, option: str = "--env", **opt
         env = make_env(name, **options)
     except ValueError as e:
         raise SystemExit(f"{program}: {option} {name}: {e}") from None
+    except TypeError as e:  # an option this environment does not take (--env-reward is tau2's)
+        if not options:
+            raise
+        given = ", ".join(f"--env-{k.replace('_', '-')} {v}" for k, v in options.items())
+        raise SystemExit(f"{program}: {given}: {option} {name} takes no such option ({e})") from None
     try:
         return env, env.tasks(split)
     except ValueError as e:
@@ -344,7 +350,11 @@ class OpenAIAgent:
     def __init__(self, model: str, tools: list[dict], base_url: str = "", temperature: float = 0.0):
         from openai import OpenAI
 
-        self.client = OpenAI(base_url=base_url or None, max_retries=5)
+        key = os.environ.get("OPENAI_API_KEY")
+        if not key and not base_url:
+            raise SystemExit(f"OpenAI-compatible agent {model!r}: OPENAI_API_KEY is not set, and no base URL names "
+                             "another server (--agent-base-url, --teacher-base-url)")
+        self.client = OpenAI(base_url=base_url or None, api_key=key or "EMPTY", max_retries=5)  # local: any key
         self.model, self.tools, self.temperature = model, tools, temperature
 
     def act(self, messages: list[dict]) -> dict:

@@ -47,6 +47,7 @@ def check_out(out: str, overwrite: bool | None, program: str = "sft.py", option:
     p = Path(out)
     if p.exists() and not p.is_dir():
         raise SystemExit(f"{program}: {option}: {p} is a file, not a directory")
+    cli.check_writable(p.parent, program, option)  # (the checkpoint is written beside it, then renamed)
     if not p.exists() or not any(p.iterdir()):
         return
     other = not_checkpoint_files(p)
@@ -229,7 +230,9 @@ def newest(ckpt_dir: Path) -> Path:
     steps = sorted(p for p in ckpt_dir.glob("step-*") if not p.name.endswith(".tmp")
                    and (p / "trainer_state.json").exists())
     if not steps:
-        raise SystemExit(f"grpo.py: --resume: {latest} {why}, and {ckpt_dir} holds no complete checkpoint")
+        raise SystemExit(f"grpo.py: --resume: {latest} {why}, and {ckpt_dir} holds no complete checkpoint (each has "
+                         "its trainer_state.json): to train the run again from step 0, give its command with "
+                         "--overwrite")
     cli.main_print(f"[grpo] --resume: {latest} {why}; using the newest complete checkpoint, {steps[-1].name}")
     return steps[-1]
 
@@ -283,7 +286,15 @@ def load(acc, path: Path, tasks_per_step: int, sched) -> int:
     except pickle.UnpicklingError as e:  # a payload planted in the run directory: refused, never run
         raise SystemExit(f"grpo.py: --resume: {state_dir} holds a file that is not plain saved state, so it was not "
                          f"loaded (it could run code): {str(e).splitlines()[0][:200]}") from None
+    except Exception as e:  # a file cut short or damaged (torch's, safetensors' and pickle's own errors)
+        if isinstance(e, (torch.OutOfMemoryError, MemoryError, ImportError)) or cli.is_collective_timeout(e):
+            raise
+        raise SystemExit(f"grpo.py: --resume: {state_dir} could not be loaded ({e.__class__.__name__}: "
+                         f"{str(e).splitlines()[0][:200]}): the checkpoint is damaged; move it away to resume from an "
+                         "earlier one") from None
     state_file, old = state_dir / "scheduler.json", state_dir / "custom_checkpoint_0.pkl"
+    if not state_file.exists() and not old.exists():  # the schedule would start again: the resume would not be exact
+        raise SystemExit(f"grpo.py: --resume: {state_file} is missing: the checkpoint is incomplete")
     if state_file.exists():
         try:
             sched.load_state_dict(json.loads(state_file.read_text()))

@@ -162,6 +162,23 @@ def json_line(obj) -> str:
     return json.dumps(obj, ensure_ascii=False, default=str).encode("utf-8", "backslashreplace").decode("utf-8") + "\n"
 
 
+def check_writable(path, program: str, option: str) -> None:
+    """Refuse at start a place a program will write into but cannot (a read-only disk, a path below a file), rather
+    than after the work: the nearest part of `path` that exists must be a directory this process can add a file to."""
+    import tempfile
+
+    p = Path(path).absolute()
+    while not p.exists():
+        p = p.parent
+    if not p.is_dir():
+        raise SystemExit(f"{program}: {option}: cannot write below {p}: it is a file, not a directory")
+    try:
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".muarl-probe-"):
+            pass
+    except OSError as e:
+        raise SystemExit(f"{program}: {option}: cannot write into {p}: {e.strerror or e}") from None
+
+
 def write_jsonl_atomic(path, objs, option: str) -> None:
     """A JSONL file written whole (a temporary copy renamed into place) for the command-line option naming it; a
     write that fails (a full or read-only disk) removes the copy and stops in one line naming the option."""

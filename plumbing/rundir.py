@@ -325,9 +325,9 @@ def unsaved_run(path: str) -> Path | None:
     p = Path(path)
     if not (p / "config.json").is_file() or (p / "trainer_state.json").exists():
         return None
-    ckpts = p / "checkpoints"
-    if ckpts.is_dir() and any((s / "trainer_state.json").exists() for s in ckpts.glob("step-*")
-                              if not s.name.endswith(".tmp")):
+    ckpts = p / "checkpoints"  # a checkpoint saved once (latest.json, a step-N), even if damaged since: not unsaved
+    if ckpts.is_dir() and ((ckpts / "latest.json").exists() or any(
+            not s.name.endswith(".tmp") for s in ckpts.glob("step-*"))):
         return None
     return p
 
@@ -335,9 +335,17 @@ def unsaved_run(path: str) -> Path | None:
 def saved_settings(path: Path) -> dict:
     """The settings a run was started with: a checkpoint's (model/muarl_config.json) or a run directory's
     (config.json, for a run that saved no checkpoint)."""
-    if (path / "config.json").is_file() and not (path / "trainer_state.json").exists():
-        return json.loads((path / "config.json").read_text())
-    return json.loads((path / "model" / "muarl_config.json").read_text())["grpo"]
+    run_dir = (path / "config.json").is_file() and not (path / "trainer_state.json").exists()
+    file = path / "config.json" if run_dir else path / "model" / "muarl_config.json"
+    try:
+        saved = json.loads(file.read_text())
+        saved = saved if run_dir else saved["grpo"]
+        if not isinstance(saved, dict):
+            raise TypeError(f"{type(saved).__name__}, not an object of settings")
+        return saved
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"grpo.py: --resume: {file} is unreadable ({e.__class__.__name__}: {e}): the run's saved "
+                         "settings are damaged") from None
 
 
 SHIPPED_ENVS = ("shop:", "tau2:", "bfcl:", "acebench:")  # and "shop": the environments envs.make_env builds itself

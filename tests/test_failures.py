@@ -384,8 +384,8 @@ def test_sft_data_out_below_a_file_or_on_a_full_disk_stops_in_one_line_and_leave
     d = tmp_path / "d.jsonl"
     d.write_text(conv(U, A) + "\n" + conv(U, A) + "\n")
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(SystemExit, match=r"^sft.py: --data-out: cannot write .*afile/out.jsonl: .*afile is a file, "
-                       r"not a directory; nothing was written there$"):
+    with pytest.raises(SystemExit, match=r"^sft.py: --data-out: cannot write below .*afile: it is a file, not a "
+                       r"directory$"):
         sft.main(["--data", str(d), "--data-out", str(tmp_path / "afile" / "out.jsonl"), "--epochs", "0"])
 
     class HalfWritten:  # the disk fills after the first line
@@ -491,6 +491,16 @@ def test_user_timeout_and_retries_are_options(tmp_path):
         options.validate(grpo.Config(user_timeout=0), 1)
 
 
+def test_an_openai_agent_without_a_key_or_a_server_stops_in_one_line(monkeypatch):
+    from envs import OpenAIAgent
+
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(SystemExit, match=r"^OpenAI-compatible agent 'gpt-x': OPENAI_API_KEY is not set, and no base "
+                       r"URL names another server \(--agent-base-url, --teacher-base-url\)$"):
+        OpenAIAgent("gpt-x", [])
+    assert OpenAIAgent("gpt-x", [], base_url="http://127.0.0.1:9").client.api_key == "EMPTY"  # a local server
+
+
 def test_eval_with_nothing_scored_exits_non_zero(tmp_path, ckpt):
     dead = ChatServer(lambda body, n: (500, {}))
     try:
@@ -502,6 +512,34 @@ def test_eval_with_nothing_scored_exits_non_zero(tmp_path, ckpt):
         dead.close()
     s = json.loads((tmp_path / "ev" / "summary.json").read_text())
     assert s["scored"] == 0 and s["pass^1"] is None  # null: nothing was measured, not a score of 0
+
+
+def test_a_read_only_place_to_write_is_refused_at_start_not_after_the_work(tmp_path, ckpt):
+    """sft.py --out and --data-out, eval.py --out-dir on a read-only filesystem (or below a file): refused before
+    any training, synthesis or evaluation, in one line naming the option."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only filesystem needs root")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)]).returncode:
+        pytest.skip("no tmpfs could be mounted here")
+    data = tmp_path / "d.jsonl"
+    data.write_text(conv(U, A) + "\n")
+    try:
+        for argv, words in (
+                (["sft.py", "--model", str(ckpt), "--data", str(data), "--out", str(ro / "x")], "sft.py: --out"),
+                (["sft.py", "--data", str(data), "--data-out", str(ro / "d.jsonl"), "--epochs", "0"],
+                 "sft.py: --data-out"),
+                (["eval.py", "--agent", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--out-dir", str(ro / "e")],
+                 "eval.py: --out-dir")):
+            with pytest.raises(SystemExit, match=rf"^{words}: cannot write into {re.escape(str(ro))}: Read-only file "
+                               r"system$"):
+                (sft.main if argv[0] == "sft.py" else evaluation.main)(argv[1:])
+    finally:
+        subprocess.run(["umount", "-l", str(ro)])
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit, match=r"^sft.py: --out: cannot write below .*afile: it is a file, not a directory$"):
+        sft.main(["--model", str(ckpt), "--data", str(data), "--out", str(tmp_path / "afile" / "x")])
 
 
 def test_eval_on_a_full_disk_stops_in_one_line_and_leaves_nothing_half_written(tmp_path, ckpt):
@@ -1363,6 +1401,45 @@ def test_damaged_state_files_and_a_checkpoint_outside_the_run_are_named_in_one_l
     scheduler.write_text(scheduler.read_text()[:10])
     with pytest.raises(SystemExit, match=r"scheduler.json is unreadable \(JSONDecodeError: .*the checkpoint is damaged"):
         grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "3"])
+
+
+DAMAGE = {  # what is done to the run's only checkpoint -> the line --resume stops with
+    "no trainer_state.json": (lambda c: (c / "trainer_state.json").unlink(),
+                              r"latest.json names step-000002, which is not a complete checkpoint, and .* holds no "
+                              r"complete checkpoint .*: to train the run again from step 0, give its command with "
+                              r"--overwrite"),
+    "no step directory": (lambda c: shutil.rmtree(c), r"latest.json names step-000002, which is not a complete "
+                          r"checkpoint, and .* holds no complete checkpoint"),
+    "no scheduler.json": (lambda c: (c / "accelerate" / "scheduler.json").unlink(),
+                          r"scheduler.json is missing: the checkpoint is incomplete"),
+    "optimizer cut short": (lambda c: cut(c / "accelerate" / "optimizer.bin"),
+                            r"accelerate could not be loaded \(\w+: .*\): the checkpoint is damaged; move it away"),
+    "weights cut short": (lambda c: cut(c / "accelerate" / "model.safetensors"),
+                          r"accelerate could not be loaded \(\w+: .*\): the checkpoint is damaged; move it away"),
+    "RNG cut short": (lambda c: cut(c / "accelerate" / "random_states_0.pkl"),
+                      r"accelerate could not be loaded \(\w+: .*\): the checkpoint is damaged; move it away"),
+    "settings cut short": (lambda c: cut(c / "model" / "muarl_config.json"),
+                           r"muarl_config.json is unreadable \(JSONDecodeError: .*\): the run's saved settings are "
+                           r"damaged"),
+}
+
+
+def cut(path):
+    path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_or_incomplete_checkpoint_stops_the_resume_in_one_line_and_is_never_taken_for_none(
+        tmp_path, ckpt, damage):
+    """A run's only checkpoint, damaged: --resume stops in one line naming the file, never a traceback, and never
+    takes the run for one that saved nothing (which starts again from step 0, dropping what was trained)."""
+    run = tmp_path / "run"
+    grpo.main(grpo_args(ckpt, run, "--save-every", "2"))
+    do, words = DAMAGE[damage]
+    do(run / "checkpoints" / "step-000002")
+    with pytest.raises(SystemExit, match=rf"^grpo.py: --resume: .*{words}"):
+        grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "3"])
+    assert steps_logged(run) == [1, 2]  # nothing cut or started again
 
 
 # What a full disk raises while a checkpoint is written, as each writer words it (the words measured by the next test)

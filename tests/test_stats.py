@@ -66,6 +66,13 @@ def test_summary_reports_intervals_rates_and_compare_pairs_by_group(tmp_path):
     assert f"+{diff:.3f} [" in rows["all tasks"] and rows["refund = None"].split(" | ")[4].startswith("+0.000")
     with pytest.raises(SystemExit, match="summary.json does not exist"):
         evaluation.compare(str(tmp_path / "A"), str(tmp_path / "nowhere"))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "summary.json").write_text(json.dumps({"steps": 30, "eval/before/pass1": 0.2}))
+    with pytest.raises(SystemExit, match=r"^eval.py: --compare: .*run is a training run \(grpo.py's summary.json\)"):
+        evaluation.compare(str(tmp_path / "A"), str(tmp_path / "run"))
+    (tmp_path / "run" / "summary.json").write_text('{"pass^1": 0.5, "con')  # cut short
+    with pytest.raises(SystemExit, match=r"^eval.py: --compare: .*summary.json is unreadable \(JSONDecodeError: "):
+        evaluation.compare(str(tmp_path / "run"), str(tmp_path / "A"))
     with pytest.raises(SystemExit, match="--compare takes two"):
         evaluation.main(["--compare", str(tmp_path / "A")])
 

@@ -175,6 +175,7 @@ def test_non_finite_reward_is_left_out_not_scored(tmp_path, ckpt):
     (["--agg", "nope"], "--agg"), (["--group-size", "1"], "--group-size"), (["--user-sim", "x"], "--user-sim"),
     (["--tasks-per-step", "0"], "--tasks-per-step"), (["--temperature", "0"], "--temperature"),
     (["--optimizer", "lion"], "--optimizer"), (["--cold-start-skips-confirm", "2"], "--cold-start-skips-confirm"),
+    (["--env-reward", "db"], "--env-reward"), (["--decode-slots", "foo"], "--decode-slots"),
 ])
 def test_bad_option_fails_at_start_naming_it(tmp_path, ckpt, argv, option, capsys):
     with pytest.raises(SystemExit) as e:
