@@ -235,7 +235,12 @@ def load_tokenizer(name: str, env=None):
         raise SystemExit(f"{name}: no tokenizer files in the checkpoint (none of {', '.join(TOKENIZER_FILES)}); "
                          "save the tokenizer beside the model (tokenizer.save_pretrained) or copy its files there")
     path = str(_smollm2_dir()) if name == "smollm2-135m" else name
-    tok = AutoTokenizer.from_pretrained(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except OSError as e:  # a hub id neither cached nor reachable; a checkpoint's config.json cut short
+        where = "" if local is not None else ("not a local directory, and no model of that name could be found in "
+                                              "the Hugging Face cache or on the hub: ")
+        raise SystemExit(f"{name}: {where}{str(e).splitlines()[0][:300]}") from None
     if not template_renders_tools(tok):
         tok.chat_template = TOOL_CHAT_TEMPLATE
     if tok.pad_token_id is None:

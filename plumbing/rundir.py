@@ -190,7 +190,8 @@ def claim(acc, run_dir: Path, resuming: bool, overwrite: bool) -> Path:
             try:
                 decision[0] = lock(run_dir)
             except OSError as e:  # below a file, an unwritable or read-only place
-                decision[0] = f"grpo.py: --out-dir: cannot make {run_dir}: {unusable(run_dir, e)}"
+                decision[0] = (f"grpo.py: {'--resume' if resuming else '--out-dir'}: cannot "
+                               f"{'write into' if run_dir.is_dir() else 'make'} {run_dir}: {unusable(run_dir, e)}")
     if acc.num_processes > 1:
         broadcast_object_list(decision)
     if decision[0]:

@@ -491,6 +491,18 @@ def test_user_timeout_and_retries_are_options(tmp_path):
         options.validate(grpo.Config(user_timeout=0), 1)
 
 
+def test_a_model_name_that_is_nowhere_or_a_checkpoint_config_cut_short_stops_in_one_line(tmp_path, ckpt):
+    with pytest.raises(SystemExit, match=r"^grpo.py: --model: nosuchmodel: not a local directory, and no model of that "
+                       r"name could be found in the Hugging Face cache or on the hub: "):
+        grpo.main(["--model", "nosuchmodel", "--env", FAKE_ENV, "--eval-tasks", "0", "--out-dir", str(tmp_path / "r")])
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    cut(broken / "config.json")
+    with pytest.raises(SystemExit, match=rf"^eval.py: --agent: {re.escape(str(broken))}: .*config.json.* not a valid "
+                       r"JSON file"):
+        evaluation.main(["--agent", str(broken), "--env", FAKE_ENV, "--out-dir", str(tmp_path / "e")])
+
+
 def test_an_openai_agent_without_a_key_or_a_server_stops_in_one_line(monkeypatch):
     from envs import OpenAIAgent
 
@@ -540,6 +552,16 @@ def test_a_read_only_place_to_write_is_refused_at_start_not_after_the_work(tmp_p
     (tmp_path / "afile").write_text("x")
     with pytest.raises(SystemExit, match=r"^sft.py: --out: cannot write below .*afile: it is a file, not a directory$"):
         sft.main(["--model", str(ckpt), "--data", str(data), "--out", str(tmp_path / "afile" / "x")])
+    run, view = tmp_path / "run", tmp_path / "view"  # a run seen read-only: its --resume says so, naming --resume
+    grpo.main(grpo_args(ckpt, run, "--steps", "1"))
+    view.mkdir()
+    subprocess.run(["mount", "--bind", str(run), str(view)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True)
+        with pytest.raises(SystemExit, match=r"^grpo.py: --resume: cannot write into .*view: Read-only file system"):
+            grpo.main(["--resume", str(view), "--env", FAKE_ENV, "--steps", "2"])
+    finally:
+        subprocess.run(["umount", "-l", str(view)])
 
 
 def test_eval_on_a_full_disk_stops_in_one_line_and_leaves_nothing_half_written(tmp_path, ckpt):
