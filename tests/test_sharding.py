@@ -297,6 +297,7 @@ def test_an_fsdp2_checkpoint_saved_whole_is_read_whole_and_the_run_saves_sharded
     state = tmp_path / "step-000002" / "accelerate"
     state.mkdir(parents=True)
     torch.save({"python": 1}, state / "random_states_0.pkl")
+    (state / "scheduler.json").write_text("{}")  # (a checkpoint without it is refused: the schedule would restart)
     (state.parent / "trainer_state.json").write_text('{"step": 2, "data_position": 8}')
     seen = []
     acc = SimpleNamespace(process_index=0, state=SimpleNamespace(fsdp_plugin=plugin),
