@@ -294,7 +294,8 @@ def validate(cfg, world: int) -> None:
                                    "never does")
     for opt, names in (("ratio_level", RATIO_LEVELS), ("policy_loss", tuple(POLICY_LOSSES)), ("credit", tuple(CREDIT)),
                        ("correction", tuple(CORRECTIONS)), ("tis_level", RATIO_LEVELS),
-                       ("rollout", ("engine", "reference"))):
+                       ("rollout", ("engine", "reference")), ("compile_decode", ("auto", "on", "off")),
+                       ("decode_graphs", ("auto", "on", "off"))):
         if getattr(cfg, opt) not in names:
             bad(opt, f"{opt} must be one of {names}, got {getattr(cfg, opt)!r}")
     if cfg.dual_clip and cfg.dual_clip <= 1:

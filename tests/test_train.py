@@ -176,6 +176,7 @@ def test_non_finite_reward_is_left_out_not_scored(tmp_path, ckpt):
     (["--tasks-per-step", "0"], "--tasks-per-step"), (["--temperature", "0"], "--temperature"),
     (["--optimizer", "lion"], "--optimizer"), (["--cold-start-skips-confirm", "2"], "--cold-start-skips-confirm"),
     (["--env-reward", "db"], "--env-reward"), (["--decode-slots", "foo"], "--decode-slots"),
+    (["--compile-decode", "foo"], "grpo.py: --compile-decode"), (["--decode-graphs", "yes"], "grpo.py: --decode-graphs"),
 ])
 def test_bad_option_fails_at_start_naming_it(tmp_path, ckpt, argv, option, capsys):
     with pytest.raises(SystemExit) as e:
