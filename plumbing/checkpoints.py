@@ -13,7 +13,6 @@ user had is lost. sft.py and grpo.py use it.
            is unreadable); resume_settings: its saved settings and the few a resume may change
     load   its optimizer, scheduler and RNG states into the prepared Accelerator; the step to continue from
 """
-import errno
 import json
 import os
 import shutil
@@ -135,7 +134,7 @@ def out_of_room(e: BaseException) -> bool:
     """Whether an error raised while writing means the disk refused the bytes (full, over quota, read-only, failing)."""
     if isinstance(e, Refused):
         return True
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EIO, errno.EFBIG):
+    if isinstance(e, OSError) and e.errno in cli.DISK_REFUSED:
         return True
     return any(s in str(e) for s in WRITE_FAILURES)
 

@@ -179,37 +179,49 @@ def check_writable(path, program: str, option: str) -> None:
         raise SystemExit(f"{program}: {option}: cannot write into {p}: {e.strerror or e}") from None
 
 
-def write_jsonl_atomic(path, objs, option: str) -> None:
-    """A JSONL file written whole (a temporary copy renamed into place) for the command-line option naming it; a
-    write that fails (a full or read-only disk) removes the copy and stops in one line naming the option."""
+# The errors of a disk that refuses the bytes: full, read-only, over quota, a file past its size limit, failing
+DISK_REFUSED = (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG, errno.EIO)
+
+
+def unusable(path: Path, e: OSError) -> str:
+    """Why `path` could not be made or written, naming the culprit: the file it would sit below, or the OS's reason."""
+    for parent in path.parents:
+        if parent.exists():
+            return f"{parent} is a file, not a directory" if not parent.is_dir() else (e.strerror or str(e))
+    return e.strerror or str(e)
+
+
+@contextlib.contextmanager
+def replaced(path):
+    """A temporary path beside `path`, renamed over it when the block ends well and removed when it does not: a
+    crash or a full disk never leaves half a file, nor a half-written copy beside it."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(json_line(o) for o in objs)
+        yield tmp
         os.replace(tmp, path)
-    except OSError as e:
+    finally:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        below = next((p for p in path.parents if p.exists()), None)  # the nearest that is there: a file?
-        why = (f"{below} is a file, not a directory" if below and not below.is_dir() else f"{e.strerror or e}" +
-               (" (is the disk full or read-only?)" if e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT,
-                                                                   errno.EFBIG, errno.EIO) else ""))
+
+
+def write_jsonl_atomic(path, objs, option: str) -> None:
+    """A JSONL file written whole (`replaced`) for the command-line option naming it; a write that fails (a full or
+    read-only disk, a path below a file) stops in one line naming the option."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with replaced(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json_line(o) for o in objs)
+    except OSError as e:
+        why = unusable(path, e) + (" (is the disk full or read-only?)" if e.errno in DISK_REFUSED else "")
         raise SystemExit(f"{option}: cannot write {path}: {why}; nothing was written there") from None
 
 
 def write_json_atomic(path, obj) -> None:
-    """Write JSON so that a crash mid-write never leaves a truncated file (write a temp file, then rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
+    """Write JSON so that a crash mid-write never leaves a truncated file (`replaced`)."""
+    with replaced(path) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, default=str))
-    except OSError:  # a full disk: no half-written copy left beside the file
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)
 
 
 def make_accelerator(dist_timeout: float | None = None, **kwargs):

@@ -44,7 +44,6 @@ class Run:
     done_steps: int = 0              # steps whose update and logs are complete
     stop_signals: Any = None         # Ctrl-C, SIGTERM, SIGHUP (stopping.StopOnInterrupt; grpo.main)
     rng_at_step: Any = None          # the RNG state at the step's start, restored when its rollout is abandoned
-    refused: str = ""                # the line of a log the disk refused: every process stops on it after the step
 
 
 def step_tasks(tasks: list, cfg, step: int, rank: int, world: int) -> list:
@@ -332,7 +331,7 @@ def train(run: Run, grpo_step) -> None:
             if acc.is_main_process:
                 bar.set_postfix(reward=f"{m.get('reward_mean', 0):.3f}", kl=f"{m.get('kl', 0):.4f}")
                 tqdm.write(metrics.console_line(m, failed, m["rollout_s"], m["update_s"]))
-            stop = signals.agreed(acc, run.refused)  # every process stops after the same step
+            stop = signals.agreed(acc)  # every process stops after the same step
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stop:
                 checkpoints.save(acc, run, step + 1)
                 saved = step + 1
@@ -383,19 +382,17 @@ def log_step(run: Run, step: int, m: dict, episodes: list) -> None:
             stopped = e
         m["eval_s"] = time.time() - t2
     samples = gather_object([e.to_json(tokens=True) for e in episodes[:max(0, cfg.log_episodes)]])
-    if acc.is_main_process:
-        try:
+    with rundir.together(acc):  # a disk that refuses a line stops every process here, a stop signal or not
+        if acc.is_main_process:
             with rundir.writing(run.dir, "metrics.jsonl", f"step {step + 1}'s metrics") as f:
                 f.write(json.dumps(m) + "\n")
             with rundir.writing(run.dir, "episodes.jsonl", f"step {step + 1}'s episodes") as f:
                 for s in samples[:cfg.log_episodes]:
                     f.write(cli.json_line({"step": step + 1, **s}))
-        except checkpoints.Refused as e:  # the disk refused a line: every process stops with it after the step (train)
-            run.refused = str(e.code)
     if cfg.report_to:
         acc.log(m, step=step + 1)
-    run.done_steps = step + 1 if not run.refused else run.done_steps
-    if stopped and not run.refused:  # (with a refused line, the run stops on it in train, a stop signal or not)
+    run.done_steps = step + 1
+    if stopped:
         raise stopped
 
 

@@ -159,14 +159,6 @@ def unlock() -> None:
                 run_dir.rmdir()
 
 
-def unusable(path: Path, e: OSError) -> str:
-    """Why a directory could not be made, naming the culprit: the file it would sit below, or the OS's reason."""
-    for parent in path.parents:
-        if parent.exists():
-            return f"{parent} is a file, not a directory" if not parent.is_dir() else (e.strerror or str(e))
-    return e.strerror or str(e)
-
-
 def claim(acc, run_dir: Path, resuming: bool, overwrite: bool) -> Path:
     """Check, at start, that this run may write into `run_dir`; returns it as the main process named it (a default
     name holds the time, which could tick between processes). A directory that already holds a run is refused
@@ -191,7 +183,8 @@ def claim(acc, run_dir: Path, resuming: bool, overwrite: bool) -> Path:
                 decision[0] = lock(run_dir)
             except OSError as e:  # below a file, an unwritable or read-only place
                 decision[0] = (f"grpo.py: {'--resume' if resuming else '--out-dir'}: cannot "
-                               f"{'write into' if run_dir.is_dir() else 'make'} {run_dir}: {unusable(run_dir, e)}")
+                               f"{'write into' if run_dir.is_dir() else 'make'} {run_dir}: "
+                               f"{cli.unusable(run_dir, e)}")
     if acc.num_processes > 1:
         broadcast_object_list(decision)
     if decision[0]:
@@ -250,6 +243,11 @@ def refusals(run_dir: Path, what: str, undone: str, then: str = ""):
         raise checkpoints.refused(run_dir, what, e, undone, then) from None
 
 
+# What the other processes say when the main one's disk refused a write they all stop on (together)
+REFUSED_ELSEWHERE = ("grpo.py: stopped with the process whose disk refused a write (its line says which, and how to "
+                     "go on)")
+
+
 @contextlib.contextmanager
 def together(acc):
     """Around writes only the main process makes, reached by every process: a write the disk refused there (a
@@ -264,7 +262,7 @@ def together(acc):
 
         broadcast_object_list(line)
     if line[0]:
-        raise checkpoints.Refused(line[0] if acc.is_main_process else stopping.REFUSED_ELSEWHERE, "")
+        raise checkpoints.Refused(line[0] if acc.is_main_process else REFUSED_ELSEWHERE, "")
 
 
 @contextlib.contextmanager

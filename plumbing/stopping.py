@@ -106,21 +106,11 @@ class StopOnInterrupt:
             signal.signal(sig, old)
         return False
 
-    def agreed(self, acc, refused: str = "") -> bool:
-        """Whether any process was asked to stop (a collective when there are several: call it on every one). One
-        holding `refused`, the line of a write its disk refused, stops them all here, each in one line."""
-        asked, stops = bool(self.asked), bool(refused)
-        if acc.num_processes > 1:
-            flags = acc.reduce(torch.tensor([float(asked), float(stops)], device=acc.device), reduction="max")
-            asked, stops = (bool(v > 0) for v in flags.tolist())
-        if stops:
-            raise SystemExit(refused or REFUSED_ELSEWHERE)
-        return asked
-
-
-# What the other processes say when the main one's disk refused a write they all stop on
-REFUSED_ELSEWHERE = ("grpo.py: stopped with the process whose disk refused a write (its line says which, and how to "
-                     "go on)")
+    def agreed(self, acc) -> bool:
+        """Whether any process was asked to stop (a collective when there are several: call it on every one)."""
+        if acc.num_processes == 1:
+            return bool(self.asked)
+        return acc.reduce(torch.tensor(float(bool(self.asked)), device=acc.device), reduction="max").item() > 0
 
 
 def follow_launcher() -> None:
