@@ -374,7 +374,8 @@ def main(argv=None):
         if not s["scored"]:
             first = next((e["reward_info"].get("error") for e in episodes if e.get("reward_info")), None)
             raise SystemExit(f"eval.py: none of the {len(episodes)} episodes was scored: all failed on infrastructure "
-                             f"(the user simulator or the evaluator); the first error: {first}")
+                             "(an endpoint the agent or the user simulator calls, or the evaluator); the first error: "
+                             f"{first}")
 
 
 if __name__ == "__main__":

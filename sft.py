@@ -383,8 +383,9 @@ def main(argv=None):
             print(f"[sft] copied to {copy[1]}")
         return
     if cfg.copy_drills and cfg.data:
-        raise SystemExit("sft.py: --copy-drills: the drills are made of the teacher's shop conversations, not of "
-                         "--data")
+        raise SystemExit("sft.py: --copy-drills: the drills are made of the teacher's conversations, not of --data")
+    if not cfg.epochs and not cfg.data_out:
+        raise SystemExit("sft.py: --epochs 0 trains nothing, and without --data-out it would write nothing either")
     if cfg.epochs > 0:
         checkpoints.check_out(cfg.out, cfg.overwrite)
         with cli.option_errors("sft.py: --model"):

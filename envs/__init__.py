@@ -135,6 +135,9 @@ class Environment(Protocol):
         """Optional: identifiers the `tiny` tokenizer keeps as single tokens (order ids, emails)."""
 
 
+REQUIRED = ("name", "tasks", "system_prompt", "tools", "user_tools", "start")  # what Environment's doc requires
+
+
 def make_env(name: str, **options) -> Environment:
     """Build an environment from its command-line name: "shop" ("shop:static", "shop:replay", "shop:garden", ...:
     envs.shop.from_name), "tau2:<domain>", "bfcl:<category>" (BFCL-V3
@@ -168,7 +171,15 @@ def make_env(name: str, **options) -> Environment:
             raise ValueError(f"unknown environment {name!r}: there is no module {module!r}") from None
         if not hasattr(found, cls):
             raise ValueError(f"unknown environment {name!r}: {module} has no {cls!r}")
-        return getattr(found, cls)(**options)
+        if not isinstance(getattr(found, cls), type):
+            raise ValueError(f"{module}.{cls} is a {type(getattr(found, cls)).__name__}, not a class: name an "
+                             "Environment class (README.md, \"Add an environment\")")
+        env = getattr(found, cls)(**options)
+        lacks = [a for a in REQUIRED if not hasattr(env, a)]
+        if lacks:
+            raise ValueError(f"{module}.{cls} is no Environment: it lacks {', '.join(lacks)} (README.md, \"Add an "
+                             "environment\")")
+        return env
     raise ValueError(f"unknown environment {name!r}: use 'shop', 'tau2:<retail|airline|telecom|mock>', "
                      "'bfcl:<multi_turn|multi_turn_base|...>', 'acebench:agent' or 'package.module:ClassName'")
 
@@ -265,7 +276,7 @@ class Termination(_Word):
     MAX_TURNS = "max_turns"                     # the agent's max_turns-th message was said
     CONTEXT_LIMIT = "context_limit"             # the episode's tokens reached the context cap
     RESPONSE_TRUNCATED = "response_truncated"   # a turn reached the per-turn cap on new tokens
-    INFRA_ERROR = "infra_error"                 # the user simulator or the evaluator failed: not scored, not trained
+    INFRA_ERROR = "infra_error"                 # an endpoint or the evaluator failed: not scored, not trained
 
 
 # The endings where the dialogue finished. Any other (the turn, context or response cap, an infrastructure

@@ -151,10 +151,45 @@ def save(acc, run, step: int) -> Path:
     except (Exception, Refused) as e:  # OSError, torch's RuntimeError, safetensors' own error: out_of_room reads them
         if not out_of_room(e):
             raise
-        if acc.is_main_process:  # the partial copy is the main process's to remove (the others stop at a collective)
+        if acc.is_main_process:  # the partial copy is the main process's to remove
             shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, RefusedElsewhere):
+            raise
         raise refused(run.dir, f"writing the checkpoint of step {step} into {final.parent}", e,
                       "The partial copy was removed") from None
+
+
+class RefusedElsewhere(Refused):
+    """What the other processes stop with when one process's disk refused a write they made together."""
+
+    def __init__(self):
+        super().__init__("grpo.py: stopped with the process whose disk refused a write (its line says which, and how "
+                         "to go on)", "")
+
+
+def agreed(acc, work) -> None:
+    """`work()` on this process, then one collective: a write the disk refused on any process (`out_of_room`) stops
+    every process here, the one that failed with its error and the others with RefusedElsewhere, so that none is left
+    waiting at a collective the failed one never reaches. (Any other error is a bug: it is raised where it happens.)"""
+    try:
+        work()
+    except (Exception, Refused) as e:
+        if not out_of_room(e):
+            raise
+        any_failed(acc, True)
+        raise  # never kept in a local: that would keep its frames, and the files they hold open, until the garbage
+        # collector runs, and the partial copy's room with them (found on a real full disk)
+    if any_failed(acc, False):
+        raise RefusedElsewhere()
+
+
+def any_failed(acc, failed: bool) -> bool:
+    """Whether `failed` is true on any process (a collective every process must reach)."""
+    if acc.num_processes == 1:
+        return failed
+    from accelerate.utils import gather_object
+
+    return any(gather_object([failed]))
 
 
 def refused(run_dir: Path, what: str, e: BaseException, undone: str, then: str = "") -> Refused:
@@ -171,27 +206,39 @@ def refused(run_dir: Path, what: str, e: BaseException, undone: str, then: str =
 
 def _save(acc, run, step: int, final: Path, tmp: Path) -> Path:
     model, tok, cfg, run_dir = run.model, run.tok, run.cfg, run.dir
-    if acc.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    acc.wait_for_everyone()
-    if not cfg.save_weights_only:
+    main = acc.is_main_process
+
+    def start():
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+
+    def states():  # every process writes its RNG state, the main one the model's, the optimizer's and the scheduler's
         acc.save_state(str(tmp / "accelerate"))
-        if acc.is_main_process:
+        if main:
             cli.write_json_atomic(tmp / "accelerate" / "scheduler.json", run.sched.state_dict())
-    save_pretrained(acc, model, tok, tmp / "model", {"grpo": asdict(cfg)})
-    if acc.is_main_process:
-        cli.write_json_atomic(tmp / "trainer_state.json", {"step": step, "data_position": step * cfg.tasks_per_step})
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        cli.write_json_atomic(run_dir / "checkpoints" / "latest.json", {"checkpoint": final.name})
-        if cfg.keep_checkpoints:
-            older = sorted(p for p in final.parent.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
-            for p in older[:-cfg.keep_checkpoints]:
-                if p != final:
-                    shutil.rmtree(p, ignore_errors=True)
-    acc.wait_for_everyone()
+
+    # Each part ends in an agreement (every process at the same collective): a disk that refuses one process's write
+    # stops them all there in one line, never the others at a later collective.
+    agreed(acc, start)
+    if not cfg.save_weights_only:
+        agreed(acc, states)
+    save_pretrained(acc, model, tok, tmp / "model", {"grpo": asdict(cfg)})  # (which agrees by itself)
+    agreed(acc, lambda: main and finish(cfg, run_dir, step, final, tmp))
     return final
+
+
+def finish(cfg, run_dir: Path, step: int, final: Path, tmp: Path) -> None:
+    """A checkpoint's last files and its rename into place, then `latest` and the pruning of older ones (main)."""
+    cli.write_json_atomic(tmp / "trainer_state.json", {"step": step, "data_position": step * cfg.tasks_per_step})
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    cli.write_json_atomic(run_dir / "checkpoints" / "latest.json", {"checkpoint": final.name})
+    if cfg.keep_checkpoints:
+        older = sorted(p for p in final.parent.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+        for p in older[:-cfg.keep_checkpoints]:
+            if p != final:
+                shutil.rmtree(p, ignore_errors=True)
 
 
 def find(path: str) -> Path:

@@ -97,6 +97,31 @@ def check_ranges(cfg, program: str) -> None:
             raise SystemExit(f"{program}: --{name.replace('_', '-')} {value}: must be {finite}in {allowed}")
 
 
+KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def check_saved(cls, saved: dict) -> None:
+    """Settings read back from a file (a resumed run's) as dataclass `cls` takes them: a name `cls` has no field for,
+    a value of another type (an int is a float; a bool is no number) or a number outside its Range raises ValueError
+    naming the setting, never a TypeError from `cls(**saved)` or a refusal that blames an option nobody gave."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ValueError(f"it holds {', '.join(map(repr, unknown))}, which {cls.__name__} has no setting for")
+    for name, value in saved.items():
+        kind = hints[name]
+        if kind not in KINDS:
+            continue
+        if isinstance(value, bool) != (kind is bool) or not isinstance(value, (int, float) if kind is float else kind):
+            raise ValueError(f"its {name} is {value!r}, not {KINDS[kind]}")
+        allowed = range_of(cls, name) if kind in (int, float) else None
+        if allowed is not None and value not in allowed:
+            raise ValueError(f"its {name} is {value!r}, outside {allowed}")
+
+
 def parse_config(cls, argv=None, recipes: dict | None = None, description: str = "", given: set | None = None,
                  program: str = ""):
     """Parse --field value options into `cls` (a dataclass). `--recipe NAME` applies a preset first; options

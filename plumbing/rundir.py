@@ -243,11 +243,6 @@ def refusals(run_dir: Path, what: str, undone: str, then: str = ""):
         raise checkpoints.refused(run_dir, what, e, undone, then) from None
 
 
-# What the other processes say when the main one's disk refused a write they all stop on (together)
-REFUSED_ELSEWHERE = ("grpo.py: stopped with the process whose disk refused a write (its line says which, and how to "
-                     "go on)")
-
-
 @contextlib.contextmanager
 def together(acc):
     """Around writes only the main process makes, reached by every process: a write the disk refused there (a
@@ -262,7 +257,7 @@ def together(acc):
 
         broadcast_object_list(line)
     if line[0]:
-        raise checkpoints.Refused(line[0] if acc.is_main_process else REFUSED_ELSEWHERE, "")
+        raise checkpoints.Refused(line[0], "") if acc.is_main_process else checkpoints.RefusedElsewhere()
 
 
 @contextlib.contextmanager
@@ -331,9 +326,9 @@ def unsaved_run(path: str) -> Path | None:
     return p
 
 
-def saved_settings(path: Path) -> dict:
+def saved_settings(path: Path, cls) -> dict:
     """The settings a run was started with: a checkpoint's (model/muarl_config.json) or a run directory's
-    (config.json, for a run that saved no checkpoint)."""
+    (config.json, for a run that saved no checkpoint), each one that `cls` (the Config) takes (cli.check_saved)."""
     run_dir = (path / "config.json").is_file() and not (path / "trainer_state.json").exists()
     file = path / "config.json" if run_dir else path / "model" / "muarl_config.json"
     try:
@@ -341,6 +336,7 @@ def saved_settings(path: Path) -> dict:
         saved = saved if run_dir else saved["grpo"]
         if not isinstance(saved, dict):
             raise TypeError(f"{type(saved).__name__}, not an object of settings")
+        cli.check_saved(cls, saved)
         return saved
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"grpo.py: --resume: {file} is unreadable ({e.__class__.__name__}: {e}): the run's saved "
@@ -354,7 +350,7 @@ def resume_settings(path: Path, cfg, given: set, resumable: tuple) -> tuple[dict
     """The settings a resumed run continues with: the checkpoint's (or the unsaved run's, `path` its directory),
     with the options given on the command line that may change (`resumable`; an option equal to the saved value is
     no change). Returns (settings, changes: name -> [saved, new]); any other change is refused, naming it."""
-    saved = {**BEFORE_THEY_EXISTED, **saved_settings(path)}
+    saved = {**BEFORE_THEY_EXISTED, **saved_settings(path, type(cfg))}
     for key in ("env", "eval_env"):
         env = saved.get(key, "shop" if key == "env" else "")  # (absent: the default)
         if not (isinstance(env, str) and (env in ("shop", "") or env.startswith(SHIPPED_ENVS))) and not (

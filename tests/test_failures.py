@@ -715,6 +715,10 @@ def test_seeds_fit_every_generator_they_feed():
     ("grpo.py", ["--env", "tests.nope:Env"], "grpo.py: --env tests.nope:Env: unknown environment "
                                              "'tests.nope:Env': there is no module 'tests.nope'"),
     ("grpo.py", ["--env", "tests.fake_env:Nope"], "tests.fake_env has no 'Nope'"),
+    ("grpo.py", ["--env", "os:system"], "grpo.py: --env os:system: os.system is a builtin_function_or_method, not a "
+                                        "class: name an Environment class"),
+    ("eval.py", ["--env", "collections:Counter"],
+     "eval.py: --env collections:Counter: collections.Counter is no Environment: it lacks name, tasks, system_prompt"),
     ("grpo.py", ["--split", "nope"], "grpo.py: --split nope: unknown split 'nope': train, test"),
     ("eval.py", ["--env", "nope"], "eval.py: --env nope: unknown environment 'nope': use 'shop'"),
     ("eval.py", ["--split", "nope"], "eval.py: --split nope: unknown split 'nope': train, test"),
@@ -1443,7 +1447,20 @@ DAMAGE = {  # what is done to the run's only checkpoint -> the line --resume sto
     "settings cut short": (lambda c: cut(c / "model" / "muarl_config.json"),
                            r"muarl_config.json is unreadable \(JSONDecodeError: .*\): the run's saved settings are "
                            r"damaged"),
+    "a setting of the wrong type": (lambda c: settings(c, lr="abc"), r"muarl_config.json is unreadable \(ValueError: "
+                                    r"its lr is 'abc', not a number\): the run's saved settings are damaged"),
+    "a setting out of range": (lambda c: settings(c, group_size=-2), r"its group_size is -2, outside \[2, inf\)"),
+    "a setting muarl lacks": (lambda c: settings(c, frobnicate=1), r"it holds 'frobnicate', which Config has no "
+                              r"setting for"),
 }
+
+
+def settings(checkpoint, **changes):
+    """The checkpoint's saved settings with `changes` written over them."""
+    path = checkpoint / "model" / "muarl_config.json"
+    saved = json.loads(path.read_text())
+    saved["grpo"].update(changes)
+    path.write_text(json.dumps(saved))
 
 
 def cut(path):

@@ -461,7 +461,7 @@ def test_a_run_saved_before_lora_decode_existed_resumes_as_it_ran(tmp_path):
     from plumbing import rundir
 
     (tmp_path / "config.json").write_text(json.dumps({"lora_rank": 4}))
-    cfg = SimpleNamespace(lora_decode="merged")
+    cfg = grpo.Config(lora_decode="merged")
     settings, changes = rundir.resume_settings(tmp_path, cfg, set(), rundir.RESUMABLE)
     assert settings["lora_decode"] == "unmerged" and not changes
     settings, changes = rundir.resume_settings(tmp_path, cfg, {"lora_decode"}, rundir.RESUMABLE)

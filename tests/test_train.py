@@ -287,6 +287,44 @@ def test_a_write_the_main_disk_refuses_stops_every_process_in_one_line(tmp_path,
         not (run / "metrics.jsonl").exists() and not (run / "eval-step1.jsonl").exists()
 
 
+# A disk that fills on one process while step 2's checkpoint is written: (rank, what fails there, the launch's port)
+CHECKPOINT_FILLS = {
+    "the main's states": (0, "accelerate:Accelerator.save_state", 29523),  # its model, optimizer and RNG state
+    "the other's states": (1, "accelerate:Accelerator.save_state", 29524),  # its RNG state
+    "the main's last files": (0, "plumbing.checkpoints:finish", 29525),  # trainer_state.json, rename, latest.json
+}
+
+
+@pytest.mark.parametrize("where", sorted(CHECKPOINT_FILLS))
+def test_a_checkpoint_one_processs_disk_refuses_stops_every_process_in_one_line(tmp_path, ckpt, where):
+    """The disk of one of two processes fills while step 2's checkpoint is written: the partial copy is removed and
+    every process stops at the same collective, the one whose disk refused with the line that says how to go on, the
+    other saying so; none with a traceback, none left waiting at a later collective."""
+    rank, fails, port = CHECKPOINT_FILLS[where]
+    module, attribute = fails.split(":")
+    owner, name = attribute.rpartition(".")[::2]
+    full = (f"import errno, importlib\nif os.environ['RANK'] == '{rank}':\n"
+            f"    owner = importlib.import_module({module!r})\n"
+            f"    owner = getattr(owner, {owner!r}) if {owner!r} else owner\n"
+            f"    real = getattr(owner, {name!r})\n"
+            "    def full(*a, **k):\n"
+            "        if 'step-000002' in ' '.join(map(str, a)):\n"
+            "            raise OSError(errno.ENOSPC, 'No space left on device')\n"
+            "        return real(*a, **k)\n"
+            f"    setattr(owner, {name!r}, full)\n")
+    run = tmp_path / "run"
+    r = _torchrun(tmp_path, grpo_args(ckpt, run, "--steps", "3", "--save-every", "1"), full, port=port)
+    assert r.returncode != 0
+    assert re.search(r"grpo.py: writing the checkpoint of step 2 into .*checkpoints failed: \[Errno 28\] No space left "
+                     r"on device \(is the disk full or read-only\?\)\. The partial copy was removed; the newest "
+                     r"checkpoint, step-000001, is untouched\. Make room, then: accelerate launch grpo.py --resume",
+                     r.stderr), r.stderr[-3000:]
+    assert "grpo.py: stopped with the process whose disk refused a write" in r.stderr, r.stderr[-3000:]
+    assert "[rank0]: Traceback" not in r.stderr and "[rank1]: Traceback" not in r.stderr, r.stderr[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest.json", "step-000001"]
+    assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1, 2]
+
+
 def test_a_process_whose_episodes_all_failed_keeps_in_step(tmp_path, ckpt):
     """Each process rolls out one task; every episode of train-0 fails on infrastructure (a NaN reward), so one
     process has nothing to train on in every step: it runs the same collectives as the other (empty micro-batches,
@@ -593,8 +631,10 @@ def test_the_teachers_users_take_turns_by_task_and_the_drills_join_the_conversat
             coldstart.teacher_data(replace(cfg, **bad))
     with pytest.raises(SystemExit, match="--copy-drills 1.0: the drills rename shop's goods"):
         coldstart.teacher_data(sft.SFTConfig(env="tests.fake_env:FakeEnv", num_tasks=2, copy_drills=1.0))
-    with pytest.raises(SystemExit, match="--copy-drills: the drills are made of the teacher's shop conversations"):
+    with pytest.raises(SystemExit, match="--copy-drills: the drills are made of the teacher's conversations, not of"):
         sft.main(["--data", "x.jsonl", "--copy-drills", "1"])
+    with pytest.raises(SystemExit, match="^sft.py: --epochs 0 trains nothing, and without --data-out it would write"):
+        sft.main(["--data", "x.jsonl", "--epochs", "0"])  # before the file is read: it does not exist
     with pytest.raises(SystemExit, match="--cold-start-out: only the 'tiny' model"):
         sft.main(["--model", "smollm2-135m", "--cold-start-out", "x"])
 
