@@ -31,8 +31,8 @@ import torch
 
 from plumbing import checkpoints, cli, lora, memory, models, shard
 from plumbing.cli import SEEDS, Range
-from plumbing.coldstart import (NothingFits, copy_loss, drills, encode, length_limit, load_conversations,
-                                make_cold_start, nothing_fits, teacher_data, windows)
+from plumbing.coldstart import (NothingFits, check_data_out, copy_loss, drills, encode, length_limit,
+                                load_conversations, make_cold_start, nothing_fits, teacher_data, windows)
 from envs import make_env
 from envs.shop_tasks import SIBLINGS, relabel_goods
 from fast.logprobs import token_logprobs
@@ -384,22 +384,16 @@ def main(argv=None):
         return
     if cfg.copy_drills and cfg.data:
         raise SystemExit("sft.py: --copy-drills: the drills are made of the teacher's conversations, not of --data")
-    if not cfg.epochs and not cfg.data_out:
-        raise SystemExit("sft.py: --epochs 0 trains nothing, and without --data-out it would write nothing either")
+    if not cfg.epochs and not cfg.data_out and not cfg.data:
+        raise SystemExit("sft.py: --epochs 0 trains nothing: give --data-out to keep the teacher's conversations")
     if cfg.epochs > 0:
         checkpoints.check_out(cfg.out, cfg.overwrite)
         with cli.option_errors("sft.py: --model"):
             models.check_local(cfg.model)
         check_lora(cfg, cli.make_accelerator(cfg.dist_timeout, mixed_precision="bf16" if cfg.bf16 else "no")
                    if cfg.lora_rank else None)  # before any data is made
-    if cfg.data_out and Path(cfg.data_out).is_dir():
-        raise SystemExit(f"sft.py: --data-out: {cfg.data_out} is a directory; give the JSONL file to write")
     if cfg.data_out:
-        cli.check_writable(Path(cfg.data_out).parent, "sft.py", "--data-out")
-    if cfg.data_out and Path(cfg.data_out).exists() and not cfg.overwrite:
-        raise SystemExit(f"sft.py: --data-out: {cfg.data_out} exists; replace it with --overwrite, or choose another")
-    if cfg.data_out and cfg.data and Path(cfg.data_out).resolve() == Path(cfg.data).resolve():
-        raise SystemExit(f"sft.py: --data-out {cfg.data_out} is the --data file it reads")
+        check_data_out(cfg.data_out, cfg.data, cfg.overwrite)
     if cfg.data:
         try:
             conversations = load_conversations(cfg.data, cfg.strict_data)
@@ -414,6 +408,8 @@ def main(argv=None):
             train(cfg, conversations)
         except NothingFits as e:
             raise SystemExit(str(e)) from None
+    elif not cfg.data_out:  # a check of the file's conversations
+        print(f"[sft] --epochs 0: {cfg.data} holds {len(conversations)} conversation(s) to train on; nothing trained")
 
 
 if __name__ == "__main__":

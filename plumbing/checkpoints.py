@@ -130,8 +130,25 @@ WRITE_FAILURES = ("No space left", "write failed", "failed writing file", "unexp
                   "File too large", "Read-only file system")
 
 
+def writers_error(e: BaseException) -> BaseException:
+    """The error the writer raised: torch.distributed.checkpoint (FSDP2's sharded checkpoints) raises a
+    CheckpointException on every process alike when any process's write failed, carrying each failed one's error."""
+    failures = getattr(e, "failures", None)
+    return next(iter(failures.values()))[0] if isinstance(failures, dict) and failures else e
+
+
+def save_errors() -> tuple:
+    """What a save may raise that out_of_room reads: CheckpointException is a BaseException, not an Exception."""
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException
+    except ImportError:  # a torch built without distributed
+        return Exception, Refused
+    return Exception, Refused, CheckpointException
+
+
 def out_of_room(e: BaseException) -> bool:
     """Whether an error raised while writing means the disk refused the bytes (full, over quota, read-only, failing)."""
+    e = writers_error(e)
     if isinstance(e, Refused):
         return True
     if isinstance(e, OSError) and e.errno in cli.DISK_REFUSED:
@@ -148,12 +165,17 @@ def save(acc, run, step: int) -> Path:
     tmp = final.with_name(final.name + ".tmp")
     try:
         return _save(acc, run, step, final, tmp)
-    except (Exception, Refused) as e:  # OSError, torch's RuntimeError, safetensors' own error: out_of_room reads them
+    except save_errors() as e:  # OSError, torch's RuntimeError, safetensors' own error: out_of_room reads them
         if not out_of_room(e):
             raise
-        if acc.is_main_process:  # the partial copy is the main process's to remove
+        here = not isinstance(e, RefusedElsewhere)  # this process's disk refused (else another's)
+        if here and acc.is_main_process and final.is_dir() and not tmp.exists():  # renamed whole, `latest` behind
+            raise refused(run.dir, f"writing {run.dir / 'checkpoints' / 'latest.json'} after {final.name}", e,
+                          f"{final.name} was saved whole, but latest.json names the checkpoint before it",
+                          f"accelerate launch grpo.py --resume {final}") from None
+        if acc.is_main_process:  # the partial copy is the main process's to remove, whichever disk refused
             shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, RefusedElsewhere):
+        if not here:
             raise
         raise refused(run.dir, f"writing the checkpoint of step {step} into {final.parent}", e,
                       "The partial copy was removed") from None
@@ -173,7 +195,7 @@ def agreed(acc, work) -> None:
     waiting at a collective the failed one never reaches. (Any other error is a bug: it is raised where it happens.)"""
     try:
         work()
-    except (Exception, Refused) as e:
+    except save_errors() as e:
         if not out_of_room(e):
             raise
         any_failed(acc, True)
@@ -195,6 +217,7 @@ def any_failed(acc, failed: bool) -> bool:
 def refused(run_dir: Path, what: str, e: BaseException, undone: str, then: str = "") -> Refused:
     """The one line a run stops with when the disk refused a write (`out_of_room`): what failed and why, what was
     undone, the newest checkpoint, and how to go on (`then`; by default the --resume command)."""
+    e = writers_error(e)
     why = e.why if isinstance(e, Refused) else str(e).splitlines()[0][:200]
     newest = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*") if not p.name.endswith(".tmp"))
     kept = f"the newest checkpoint, {newest[-1]}, is untouched" if newest else "no checkpoint was saved before it"
@@ -221,7 +244,10 @@ def _save(acc, run, step: int, final: Path, tmp: Path) -> Path:
     # Each part ends in an agreement (every process at the same collective): a disk that refuses one process's write
     # stops them all there in one line, never the others at a later collective.
     agreed(acc, start)
-    if not cfg.save_weights_only:
+    if not cfg.save_weights_only and str(getattr(acc.distributed_type, "value", acc.distributed_type)) == "DEEPSPEED":
+        states()  # DeepSpeed's save has collectives after its writes: a process leaving it early would meet the others
+        # at another collective than theirs, so no agreement here; they stop where they wait (gloo's or NCCL's error)
+    elif not cfg.save_weights_only:  # DDP (no collective after a write) and FSDP2 (failures raised on every process)
         agreed(acc, states)
     save_pretrained(acc, model, tok, tmp / "model", {"grpo": asdict(cfg)})  # (which agrees by itself)
     agreed(acc, lambda: main and finish(cfg, run_dir, step, final, tmp))

@@ -109,6 +109,20 @@ def check_conversation(rec) -> dict:
     return {"messages": out, "tools": tools, "prompt_messages": n_prompt}
 
 
+def check_data_out(data_out: str, data: str, overwrite: bool) -> None:
+    """sft.py --data-out, at start: a file it may write (not a directory, not the --data file it reads, replaced only
+    with --overwrite), in a directory it can write to."""
+    from pathlib import Path
+
+    if Path(data_out).is_dir():
+        raise SystemExit(f"sft.py: --data-out: {data_out} is a directory; give the JSONL file to write")
+    cli.check_writable(Path(data_out).parent, "sft.py", "--data-out")
+    if Path(data_out).exists() and not overwrite:
+        raise SystemExit(f"sft.py: --data-out: {data_out} exists; replace it with --overwrite, or choose another")
+    if data and Path(data_out).resolve() == Path(data).resolve():
+        raise SystemExit(f"sft.py: --data-out {data_out} is the --data file it reads")
+
+
 def load_conversations(path: str, strict: bool = False) -> list[dict]:
     """Read JSONL conversations, each checked (`check_conversation`). A bad line (longer than MAX_LINE_BYTES, not UTF-8,
     not JSON, nested deeper than toolcall.MAX_JSON_DEPTH, not text, a broken conversation) is reported with its file

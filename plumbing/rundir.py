@@ -326,17 +326,21 @@ def unsaved_run(path: str) -> Path | None:
     return p
 
 
-def saved_settings(path: Path, cls) -> dict:
-    """The settings a run was started with: a checkpoint's (model/muarl_config.json) or a run directory's
-    (config.json, for a run that saved no checkpoint), each one that `cls` (the Config) takes (cli.check_saved)."""
+def settings_file(path: Path) -> Path:
+    """Where a run's settings are saved: a checkpoint's model/muarl_config.json, or a run directory's config.json (a
+    run that saved no checkpoint)."""
     run_dir = (path / "config.json").is_file() and not (path / "trainer_state.json").exists()
-    file = path / "config.json" if run_dir else path / "model" / "muarl_config.json"
+    return path / "config.json" if run_dir else path / "model" / "muarl_config.json"
+
+
+def saved_settings(path: Path) -> dict:
+    """The settings a run was started with (settings_file)."""
+    file = settings_file(path)
     try:
         saved = json.loads(file.read_text())
-        saved = saved if run_dir else saved["grpo"]
+        saved = saved if file.name == "config.json" else saved["grpo"]
         if not isinstance(saved, dict):
             raise TypeError(f"{type(saved).__name__}, not an object of settings")
-        cli.check_saved(cls, saved)
         return saved
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"grpo.py: --resume: {file} is unreadable ({e.__class__.__name__}: {e}): the run's saved "
@@ -350,7 +354,7 @@ def resume_settings(path: Path, cfg, given: set, resumable: tuple) -> tuple[dict
     """The settings a resumed run continues with: the checkpoint's (or the unsaved run's, `path` its directory),
     with the options given on the command line that may change (`resumable`; an option equal to the saved value is
     no change). Returns (settings, changes: name -> [saved, new]); any other change is refused, naming it."""
-    saved = {**BEFORE_THEY_EXISTED, **saved_settings(path, type(cfg))}
+    saved = {**BEFORE_THEY_EXISTED, **saved_settings(path)}
     for key in ("env", "eval_env"):
         env = saved.get(key, "shop" if key == "env" else "")  # (absent: the default)
         if not (isinstance(env, str) and (env in ("shop", "") or env.startswith(SHIPPED_ENVS))) and not (
@@ -367,7 +371,13 @@ def resume_settings(path: Path, cfg, given: set, resumable: tuple) -> tuple[dict
                          f"{', '.join('--' + k.replace('_', '-') for k in fixed)} cannot change in it (only "
                          f"{', '.join('--' + k.replace('_', '-') for k in resumable)} can); start a new run with "
                          f"--init-from {path / 'model'} to change them")
-    return {**saved, **{k: new for k, (_, new) in changes.items()}}, changes
+    settings = {**saved, **{k: new for k, (_, new) in changes.items()}}
+    try:  # (after the changes: a resume may mend a setting it may change)
+        cli.check_saved(type(cfg), settings)
+    except ValueError as e:
+        raise SystemExit(f"grpo.py: --resume: the settings saved in {settings_file(path)}: {e} (saved by another "
+                         "version of muarl, or damaged)") from None
+    return settings, changes
 
 
 def results_so_far(run) -> dict:

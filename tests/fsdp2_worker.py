@@ -1,6 +1,6 @@
 """One process of tests/test_sharding.py's two-process FSDP2 runs (started by torchrun; see that file).
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/fsdp2_worker.py grads|rollout|recipe|checkpoint OUT_JSON
+    python -m torch.distributed.run --nproc_per_node 2 tests/fsdp2_worker.py grads|rollout|recipe|checkpoint|refused OUT_JSON
 
 Each process builds the same tiny model in-process (nothing downloaded), keeps an unsharded copy as the oracle,
 shards the other with raw `fully_shard` over a CPU mesh, and writes what it measured; rank 0 writes OUT_JSON.
@@ -280,6 +280,35 @@ def checkpoint(acc, mesh, tok, out_dir):
                             if p.is_file())}
 
 
+def refused(acc, mesh, tok, out_dir):
+    """Process 1's disk refuses its shard while FSDP2's sharded checkpoint is written (torch.distributed.checkpoint):
+    what checkpoints.agreed raises on each process, and the line checkpoints.refused makes of it."""
+    import errno
+    from pathlib import Path
+
+    from accelerate import FullyShardedDataParallelPlugin
+    from accelerate.utils import save_fsdp_model
+    from torch.distributed.checkpoint import filesystem
+
+    from plumbing import checkpoints
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    cli.sharded_checkpoints(plugin)
+    policy = tiny_model(tok, tied=False)
+    fsdp2(policy, mesh)
+    if acc.process_index == 1:
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        filesystem.FileSystemWriter.write_data = full
+    try:
+        checkpoints.agreed(acc, lambda: save_fsdp_model(plugin, acc, policy, out_dir))
+    except BaseException as e:
+        line = checkpoints.refused(Path(out_dir), "writing the checkpoint", e, "The partial copy was removed")
+        return {"raised": type(e).__name__, "line": str(line.code)}
+    return {"raised": None}
+
+
 def main():
     mode, out_path = sys.argv[1], sys.argv[2]
     acc = cli.make_accelerator()  # joins torchrun's processes over gloo, as grpo.main does
@@ -290,6 +319,11 @@ def main():
                   for layout in ("layers", "accelerate")}
     elif mode == "checkpoint":
         result = checkpoint(acc, mesh, tok, os.path.join(os.path.dirname(out_path), "ckpt"))
+        every = [None] * acc.num_processes
+        dist.all_gather_object(every, result)
+        result = every
+    elif mode == "refused":
+        result = refused(acc, mesh, tok, os.path.join(os.path.dirname(out_path), "ckpt"))
         every = [None] * acc.num_processes
         dist.all_gather_object(every, result)
         result = every

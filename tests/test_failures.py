@@ -448,9 +448,11 @@ def test_an_unwritable_cache_is_named_before_the_work_whose_result_it_would_hold
     assert "eval.py: --env bfcl:multi_turn_base: BFCL's working directory /proc/muarl-nope/bfcl" in out.stderr
 
 
-def test_sft_data_out_and_a_dead_teacher_user(tmp_path):
+def test_sft_data_out_and_a_dead_teacher_user(tmp_path, capsys):
     d = tmp_path / "d.jsonl"
     d.write_text(conv(U, A) + "\n")
+    sft.main(["--data", str(d), "--epochs", "0"])  # a check of the file: said, not silent
+    assert f"[sft] --epochs 0: {d} holds 1 conversation(s) to train on; nothing trained" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--data-out: .*exists; replace it with --overwrite"):
         sft.main(["--data", str(d), "--data-out", str(d), "--epochs", "0"])
     with pytest.raises(SystemExit, match="is the --data file it reads"):
@@ -460,7 +462,7 @@ def test_sft_data_out_and_a_dead_teacher_user(tmp_path):
     try:  # the scripted expert teaches against an LLM user whose endpoint is down: stop, saying why
         with pytest.raises(SystemExit, match=r"(?s)2 of 2 failed and none was kept.*500"):
             sft.main(["--env", "shop", "--num-tasks", "2", "--user-sim", "openai", "--user-base-url", dead.url,
-                      "--user-retries", "0", "--epochs", "0"])
+                      "--user-retries", "0", "--epochs", "0", "--data-out", str(tmp_path / "out.jsonl")])
     finally:
         dead.close()
 
@@ -1447,8 +1449,8 @@ DAMAGE = {  # what is done to the run's only checkpoint -> the line --resume sto
     "settings cut short": (lambda c: cut(c / "model" / "muarl_config.json"),
                            r"muarl_config.json is unreadable \(JSONDecodeError: .*\): the run's saved settings are "
                            r"damaged"),
-    "a setting of the wrong type": (lambda c: settings(c, lr="abc"), r"muarl_config.json is unreadable \(ValueError: "
-                                    r"its lr is 'abc', not a number\): the run's saved settings are damaged"),
+    "a setting of the wrong type": (lambda c: settings(c, lr="abc"), r"the settings saved in .*muarl_config.json: "
+                                    r"its lr is 'abc', not a number \(saved by another version of muarl, or damaged\)$"),
     "a setting out of range": (lambda c: settings(c, group_size=-2), r"its group_size is -2, outside \[2, inf\)"),
     "a setting muarl lacks": (lambda c: settings(c, frobnicate=1), r"it holds 'frobnicate', which Config has no "
                               r"setting for"),
@@ -1479,6 +1481,17 @@ def test_a_damaged_or_incomplete_checkpoint_stops_the_resume_in_one_line_and_is_
     with pytest.raises(SystemExit, match=rf"^grpo.py: --resume: .*{words}"):
         grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "3"])
     assert steps_logged(run) == [1, 2]  # nothing cut or started again
+
+
+def test_a_saved_setting_out_of_range_is_named_and_a_resume_may_mend_one_it_may_change(tmp_path, ckpt):
+    run = tmp_path / "run"
+    grpo.main(grpo_args(ckpt, run, "--save-every", "2"))
+    settings(run / "checkpoints" / "step-000002", save_every=0)  # outside [1, inf): saved by another version, say
+    with pytest.raises(SystemExit, match=r"^grpo.py: --resume: the settings saved in .*muarl_config.json: its "
+                       r"save_every is 0, outside \[1, inf\) \(saved by another version of muarl, or damaged\)$"):
+        grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "3"])
+    grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "3", "--save-every", "1"])  # --save-every may change
+    assert steps_logged(run) == [1, 2, 3]
 
 
 # What a full disk raises while a checkpoint is written, as each writer words it (the words measured by the next test)
@@ -1512,6 +1525,35 @@ def test_a_full_disk_while_saving_stops_in_one_line_and_leaves_a_run_that_resume
     assert not (run / "checkpoints" / "step-000002.tmp").exists()
     monkeypatch.undo()
     grpo.main(["--resume", str(run), "--env", FAKE_ENV])
+    assert steps_logged(run) == [1, 2, 3]
+
+
+def test_a_full_disk_at_latest_after_the_rename_says_the_checkpoint_is_whole_and_resumes_from_it(tmp_path, ckpt,
+                                                                                                 monkeypatch):
+    """The disk fills at latest.json, after step 2's checkpoint was renamed into place whole: the line says so (not
+    "the partial copy was removed"), and the --resume it gives continues from step 2, not from the step latest.json
+    still names."""
+    import errno
+
+    from plumbing import checkpoints
+
+    real = checkpoints.cli.write_json_atomic
+
+    def full(path, obj):
+        if os.path.basename(path) == "latest.json" and obj == {"checkpoint": "step-000002"}:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, obj)
+
+    monkeypatch.setattr(checkpoints.cli, "write_json_atomic", full)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit, match=rf"^grpo.py: writing {re.escape(str(run))}/checkpoints/latest.json after "
+                       r"step-000002 failed: \[Errno 28\] No space left on device \(is the disk full or read-only\?\)\. "
+                       r"step-000002 was saved whole, but latest.json names the checkpoint before it; the newest "
+                       rf"checkpoint, step-000002, is untouched\. Make room, then: accelerate launch grpo.py --resume "
+                       rf"{re.escape(str(run))}/checkpoints/step-000002$"):
+        grpo.main(grpo_args(ckpt, run, "--steps", "3", "--save-every", "1"))
+    monkeypatch.undo()
+    grpo.main(["--resume", str(run / "checkpoints" / "step-000002"), "--env", FAKE_ENV])
     assert steps_logged(run) == [1, 2, 3]
 
 

@@ -14,6 +14,7 @@ code on DTensor gradients.
 import importlib.util
 import json
 import os
+import re
 import warnings
 from types import SimpleNamespace
 
@@ -95,6 +96,18 @@ def test_fsdp2_checkpoints_are_written_by_every_process_and_gathered_on_the_writ
     assert not any(f.endswith(".bin") for f in main["files"])  # no full state dict saved by one process
     assert len(main["whole"]) == main["params"] and other["whole"] == {}
     assert all(dev == "cpu" and diff == 0.0 for _, dev, diff in main["whole"].values())
+
+
+@pytest.mark.versions
+def test_fsdp2_a_shard_one_processs_disk_refuses_stops_every_process_at_the_same_place_in_one_line(tmp_path):
+    """Process 1's disk refuses its shard of an FSDP2 checkpoint: torch.distributed.checkpoint raises on both
+    processes alike (a CheckpointException, a BaseException), which checkpoints.agreed takes for a refused write on
+    each, and the line names process 1's own error, not the exception's wrapper."""
+    main, other = run_worker("refused", tmp_path, 29565)
+    assert main["raised"] == other["raised"] == "CheckpointException"
+    assert re.match(r"grpo.py: writing the checkpoint failed: \[Errno 28\] No space left on device \(is the disk full "
+                    r"or read-only\?\)\. The partial copy was removed", main["line"]), main["line"]
+    assert main["line"] == other["line"]
 
 
 def check_rollout_then_train(r):

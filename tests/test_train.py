@@ -633,8 +633,8 @@ def test_the_teachers_users_take_turns_by_task_and_the_drills_join_the_conversat
         coldstart.teacher_data(sft.SFTConfig(env="tests.fake_env:FakeEnv", num_tasks=2, copy_drills=1.0))
     with pytest.raises(SystemExit, match="--copy-drills: the drills are made of the teacher's conversations, not of"):
         sft.main(["--data", "x.jsonl", "--copy-drills", "1"])
-    with pytest.raises(SystemExit, match="^sft.py: --epochs 0 trains nothing, and without --data-out it would write"):
-        sft.main(["--data", "x.jsonl", "--epochs", "0"])  # before the file is read: it does not exist
+    with pytest.raises(SystemExit, match="^sft.py: --epochs 0 trains nothing: give --data-out to keep the teacher's"):
+        sft.main(["--epochs", "0"])  # before any conversation is made
     with pytest.raises(SystemExit, match="--cold-start-out: only the 'tiny' model"):
         sft.main(["--model", "smollm2-135m", "--cold-start-out", "x"])
 
