@@ -294,6 +294,11 @@ def main(argv=None):
     if cfg.env.startswith("acebench:") and cfg.acebench_root:
         options["root"] = cfg.acebench_root
     env, tasks = load_tasks(cfg.env, cfg.split, "eval.py", **options)
+    if cfg.agent == "expert" and not callable(getattr(env, "expert", None)):
+        raise SystemExit(f"eval.py: --agent expert: {cfg.env} has no scripted expert (shop and bfcl: have one)")
+    if cfg.agent == "tiny":  # a model made here from random weights: its score says nothing of anything trained
+        raise SystemExit("eval.py: --agent tiny: the tiny model untrained (random weights); give a checkpoint of it: "
+                         "assets/tiny-base, a run's checkpoints/step-N/model, or sft.py's --out")
     tasks = tasks[:cfg.num_tasks] if cfg.num_tasks else tasks
     if cfg.tool_timeout:
         prepare(env)  # the keeper of the tool calls' probes, forked while this process is small (deadlines.py)

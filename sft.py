@@ -31,7 +31,7 @@ import torch
 
 from plumbing import checkpoints, cli, lora, memory, models, shard
 from plumbing.cli import SEEDS, Range
-from plumbing.coldstart import (NothingFits, check_data_out, copy_loss, drills, encode, length_limit,
+from plumbing.coldstart import (NothingFits, Untokenizable, check_data_out, copy_loss, drills, encode, length_limit,
                                 load_conversations, make_cold_start, nothing_fits, teacher_data, windows)
 from envs import make_env
 from envs.shop_tasks import SIBLINGS, relabel_goods
@@ -406,8 +406,8 @@ def main(argv=None):
     if cfg.epochs > 0:
         try:
             train(cfg, conversations)
-        except NothingFits as e:
-            raise SystemExit(str(e)) from None
+        except (NothingFits, Untokenizable) as e:
+            raise SystemExit(f"sft.py: {e}" if isinstance(e, Untokenizable) else str(e)) from None
     elif not cfg.data_out:  # a check of the file's conversations
         print(f"[sft] --epochs 0: {cfg.data} holds {len(conversations)} conversation(s) to train on; nothing trained")
 

@@ -53,7 +53,7 @@ from envs import USER_STOP_MARKERS, Task, ToolResult, openai_schema
 
 # Importing bfcl_eval creates result/, score/ and .file_locks/ under its project root, which defaults to the
 # package's own directory inside site-packages.
-os.environ.setdefault("BFCL_PROJECT_ROOT", str(Path(os.environ.get("MUARL_CACHE", Path.home() / ".cache" / "muarl"))
+os.environ.setdefault("BFCL_PROJECT_ROOT", str(Path(os.environ.get("MUARL_CACHE") or Path.home() / ".cache" / "muarl")
                                               / "bfcl"))
 try:
     Path(os.environ["BFCL_PROJECT_ROOT"]).mkdir(parents=True, exist_ok=True)

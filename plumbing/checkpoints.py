@@ -40,6 +40,21 @@ def not_checkpoint_files(out: Path) -> list[str]:
                   if p.is_dir() or not any(fnmatch.fnmatch(p.name, pat) for pat in CHECKPOINT_FILES))
 
 
+def holds_model(path) -> bool:
+    """Whether directory `path` holds a model (a config.json of Hugging Face's, with its model_type, or an adapter's
+    config), not a run of grpo.py, whose config.json holds its settings: the two must never be taken for each other."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return (Path(path) / "adapter_config.json").is_file()
+    return isinstance(config, dict) and ("model_type" in config or "architectures" in config)
+
+
+def holds_run(path) -> bool:
+    """Whether directory `path` holds grpo.py's settings (its config.json), not a model's."""
+    return (Path(path) / "config.json").is_file() and not holds_model(path)
+
+
 def check_out(out: str, overwrite: bool | None, program: str = "sft.py", option: str = "--out") -> None:
     """Refuse, at start, an output directory whose contents the run would destroy: anything that is there unless
     --overwrite (None: the program has no such option), and even with it anything that is not a checkpoint's file."""
@@ -49,7 +64,7 @@ def check_out(out: str, overwrite: bool | None, program: str = "sft.py", option:
     cli.check_writable(p.parent, program, option)  # (the checkpoint is written beside it, then renamed)
     if not p.exists() or not any(p.iterdir()):
         return
-    other = not_checkpoint_files(p)
+    other = not_checkpoint_files(p) or (["config.json (a grpo.py run's settings)"] if holds_run(p) else [])
     if other:
         raise SystemExit(f"{program}: {option}: {p} holds files that are not a checkpoint's ({', '.join(other[:8])}"
                          f"{', ...' if len(other) > 8 else ''}); writing the checkpoint there would delete them: "

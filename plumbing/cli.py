@@ -265,13 +265,21 @@ def make_accelerator(dist_timeout: float | None = None, **kwargs):
     if dist_timeout:
         kwargs["kwargs_handlers"] = [*kwargs.get("kwargs_handlers", []),
                                      InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout))]
-    acc = Accelerator(cpu=not torch.cuda.is_available(), **kwargs)
+    try:
+        acc = Accelerator(cpu=not torch.cuda.is_available(), **kwargs)
+    except (RuntimeError, ValueError) as e:  # e.g. an FSDP or XLA configuration where no such device is
+        raise SystemExit(f"Accelerate cannot start with this launch's configuration here ({str(e)[:300]}): see "
+                         "`accelerate env`, or give another with `accelerate launch --config_file`") from None
     sharded_checkpoints(getattr(acc.state, "fsdp_plugin", None))
     if acc.device.type == "cpu":
         # `accelerate launch` sets OMP_NUM_THREADS=1 when it has no config, which halves a 2-core machine:
         # share the cores among this machine's processes instead (MUARL_THREADS overrides).
         local = int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes))
-        torch.set_num_threads(int(os.environ.get("MUARL_THREADS", 0)) or max(1, (os.cpu_count() or 1) // local))
+        threads = os.environ.get("MUARL_THREADS", "").strip() or "0"
+        if not threads.isdigit():
+            raise SystemExit(f"MUARL_THREADS={os.environ['MUARL_THREADS']!r}: must be a whole number of threads (0 or "
+                             "unset: this machine's cores shared among its processes)")
+        torch.set_num_threads(int(threads) or max(1, (os.cpu_count() or 1) // local))
     return acc
 
 

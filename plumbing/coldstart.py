@@ -29,6 +29,9 @@ skipped as too long)."""
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
+SCHEMA = '{"type": "function", "function": {"name": ..., "parameters": ...}}'  # a tool, as OpenAI's API takes it
+
+
 def check_conversation(rec) -> dict:
     """One cold-start record, checked and normalized: {"messages", "tools", "prompt_messages"}. Raises ValueError
     naming the first problem. Content may be a string or OpenAI content parts (their texts are joined); every tool
@@ -94,7 +97,13 @@ def check_conversation(rec) -> dict:
     tools = rec.get("tools") or []
     if not isinstance(tools, list):
         raise ValueError("'tools' must be a list")
-    named = {(t.get("function") or {}).get("name") if isinstance(t, dict) else None for t in tools}
+    tools = [{"type": "function", "function": t} if isinstance(t, dict) and "function" not in t and "name" in t else t
+             for t in tools]  # a flat schema ({"name", "parameters"}), as some exports write them: wrapped
+    for k, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"tool {k}: not a function schema ({SCHEMA}): {json.dumps(t)[:80]}")
+    named = {t["function"]["name"] for t in tools}
     for i, m in enumerate(out):  # a call of a tool the conversation does not offer would be taught as a call to make
         for c in m.get("tool_calls") or [] if tools else []:
             if c["function"]["name"] not in named:
@@ -197,6 +206,9 @@ def make_cold_start(cfg) -> list[dict]:
         if not 0 <= p <= 1:
             raise SystemExit(f"sft.py: --teacher-{name[:4]}s-{name[5:]} {p}: must be in [0, 1]")
     env, tasks = load_tasks(cfg.env, cfg.split, "sft.py")
+    if cfg.teacher == "expert" and not callable(getattr(env, "expert", None)):
+        raise SystemExit(f"sft.py: --teacher expert: {cfg.env} has no scripted expert (shop and bfcl: have one); give "
+                         "--teacher MODEL (an OpenAI-compatible endpoint: --teacher-base-url) or --data FILE")
     for name, p in skips.items():
         if p and (cfg.teacher != "expert" or name not in
                   inspect.signature(getattr(env, "expert", lambda task: None)).parameters):
@@ -351,6 +363,10 @@ def copy_loss(model, tok, data, copy_ids: set[int], micro_batch_size: int = 32) 
     return (sums[0] / sums[1].clamp(min=1)).item(), (sums[2] / sums[3].clamp(min=1)).item()
 
 
+class Untokenizable(ValueError):
+    """A conversation the chat template cannot render (encode): sft.py stops in one line naming its file and line."""
+
+
 def encode(tok, conversations: list[dict], max_len: int) -> tuple[list[tuple[list[int], list[int]]], list[int]]:
     """(ids, loss_mask) per conversation no longer than max_len, and the lengths of those skipped (never cut). A
     conversation the chat template cannot render stops with its source (file:line) named."""
@@ -359,7 +375,7 @@ def encode(tok, conversations: list[dict], max_len: int) -> tuple[list[tuple[lis
         try:
             ids, mask = encode_conversation(tok, conv["messages"], conv["tools"], conv.get("prompt_messages", 0))
         except Exception as e:
-            raise ValueError(f"{conv.get('source', f'conversation {k}')}: cannot be tokenized: {e!r}") from e
+            raise Untokenizable(f"{conv.get('source', f'conversation {k}')}: cannot be tokenized: {e!r}") from e
         if len(ids) > max_len:
             skipped.append(len(ids))
         else:

@@ -245,7 +245,7 @@ def plot_curves(rows: list[dict], path, before: float | None = None, after: floa
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in rows]
-    col = lambda key: [r.get(key, float("nan")) for r in rows]
+    col = lambda key: [r[key] if type(r.get(key)) in (int, float) else float("nan") for r in rows]  # (a number)
     reward = col("reward_mean")
     last5 = [[x for x in reward[max(0, i - 4):i + 1] if x == x] for i in range(len(reward))]  # x == x: not NaN
     mean5 = [sum(xs) / len(xs) if xs else float("nan") for xs in last5]
@@ -324,12 +324,21 @@ def plot_run(run_dir) -> Path:
     if not (run_dir / "metrics.jsonl").exists():
         raise SystemExit(f"eval.py: --plot: {run_dir} has no metrics.jsonl (not a grpo.py run directory?)")
     rows = []
-    for line in open(run_dir / "metrics.jsonl", encoding="utf-8"):
+    for line in open(run_dir / "metrics.jsonl", encoding="utf-8", errors="replace"):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except ValueError:
             continue  # a line cut short by a crash
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+        if isinstance(row, dict) and type(row.get("step")) is int:
+            rows.append(row)
+    if not rows:
+        raise SystemExit(f"eval.py: --plot: {run_dir / 'metrics.jsonl'} holds no step's metrics: nothing to draw")
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    except (OSError, ValueError) as e:  # a summary cut short: the curves without the evaluations' lines
+        print(f"[eval] --plot: {run_dir / 'summary.json'} is unreadable ({e}): drawn without the evaluations")
+        summary = {}
+    summary = summary if isinstance(summary, dict) else {}
     asked = tuple((summary.get(f"eval/{tag}/rates") or {}).get("asked") for tag in ("before", "after"))
     def group_pass1(tag: str, group: str):  # summary.json's eval/<tag>/by_meta: {field: {value: {"pass^1": ...}}}
         field, value = group.split("=")

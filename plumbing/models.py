@@ -19,7 +19,7 @@ from muarl import end_of_turn_id
 from toolcall import render
 from toolcall import TOOL_CHAT_TEMPLATE, template_renders_tools
 
-CACHE_DIR = Path(os.environ.get("MUARL_CACHE", Path.home() / ".cache" / "muarl"))
+CACHE_DIR = Path(os.environ.get("MUARL_CACHE") or Path.home() / ".cache" / "muarl")  # (set but empty: the default)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]

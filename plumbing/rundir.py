@@ -34,6 +34,9 @@ def options(Config, argv, recipes: dict) -> tuple:
                            program="grpo.py")
     if not cfg.resume:
         return cfg, None, {}
+    if checkpoints.holds_model(cfg.resume):
+        raise SystemExit(f"grpo.py: --resume: {cfg.resume} is a model, not a run of grpo.py or one of its checkpoints: "
+                         f"to train from it, --init-from {cfg.resume}")
     unsaved = unsaved_run(cfg.resume)  # stopped before its first checkpoint: starts again at step 0
     resume_from = None if unsaved else checkpoints.find(cfg.resume)
     saved, changes = resume_settings(unsaved or resume_from, cfg, given, RESUMABLE)
@@ -172,6 +175,10 @@ def claim(acc, run_dir: Path, resuming: bool, overwrite: bool) -> Path:
         present = run_files(run_dir)
         if run_dir.exists() and not run_dir.is_dir():
             decision[0] = f"grpo.py: --out-dir: {run_dir} is a file"
+        elif not resuming and run_dir.is_dir() and checkpoints.holds_model(run_dir):
+            decision[0] = (f"grpo.py: --out-dir: {run_dir} holds a model, not a run (its config.json is the model's, "
+                           f"which a run's would replace): choose another --out-dir; to train from it, --init-from "
+                           f"{run_dir}")
         elif present and not resuming and not overwrite:
             decision[0] = (f"grpo.py: --out-dir: {run_dir} already holds a run ({', '.join(present)}); continue it "
                            f"with --resume {run_dir}, replace it with --overwrite, or choose another --out-dir")
@@ -317,7 +324,7 @@ def unsaved_run(path: str) -> Path | None:
     """The run directory --resume names when it holds a run that stopped before its first checkpoint (config.json,
     no complete step): such a run starts again from step 0 with its own settings."""
     p = Path(path)
-    if not (p / "config.json").is_file() or (p / "trainer_state.json").exists():
+    if not checkpoints.holds_run(p) or (p / "trainer_state.json").exists():
         return None
     ckpts = p / "checkpoints"  # a checkpoint saved once (latest.json, a step-N), even if damaged since: not unsaved
     if ckpts.is_dir() and ((ckpts / "latest.json").exists() or any(

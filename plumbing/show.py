@@ -17,22 +17,57 @@ OPEN, CLOSE = "\u27e6", "\u27e7"  # around the trained tokens without colour
 
 
 def record(path: str, index: int) -> dict:
-    """Line `index` (0-based) of a JSONL file of episodes, checked to hold its tokens."""
+    """Line `index` (0-based) of a JSONL file of episodes, checked to hold its tokens (check_tokens)."""
     p = Path(path)
+    if p.is_dir():
+        raise SystemExit(f"eval.py: --show: {path} is a directory: give one of its JSONL files of episodes "
+                         "(episodes.jsonl, eval-*.jsonl)")
     if not p.is_file():
         raise SystemExit(f"eval.py: --show: {path}: no such file (a run's episodes.jsonl or eval-*.jsonl)")
-    lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"eval.py: --show: {path} is not text (UTF-8, byte {e.start}): give a JSONL file of "
+                         "episodes") from None
     if not 0 <= index < len(lines):
         raise SystemExit(f"eval.py: --show-index {index}: {path} holds {len(lines)} episodes (0 to {len(lines) - 1})")
     try:
         rec = json.loads(lines[index])
     except ValueError as e:
         raise SystemExit(f"eval.py: --show: {path}, episode {index}: not JSON ({e})") from None
-    missing = [k for k in ("input_ids", "loss_mask") if not isinstance(rec.get(k), list)]
-    if missing:
-        raise SystemExit(f"eval.py: --show: {path}, episode {index} has no {' or '.join(missing)}: it was logged "
-                         "without its tokens (by an older muarl); the viewer shows recorded tokens only")
+    problem = check_tokens(rec)
+    if problem:
+        raise SystemExit(f"eval.py: --show: {path}, line {index + 1}: {problem}")
     return rec
+
+
+def check_tokens(rec) -> str:
+    """What keeps a record from being shown ('' when nothing does): it must be an episode with its token ids, a loss
+    mask of 0s and 1s as long, and turn spans (if any) in order inside them over trained tokens only."""
+    if not isinstance(rec, dict):
+        return f"a JSON {type(rec).__name__}, not an episode (an object)"
+    if "step" in rec and "task_id" not in rec:
+        return "a step's metrics, not an episode: give episodes.jsonl or an eval-*.jsonl"
+    missing = [k for k in ("input_ids", "loss_mask") if k not in rec]
+    if missing:
+        return (f"an episode without its {' or '.join(missing)} (an API agent's, or logged by an older muarl): the "
+                "viewer shows recorded tokens only")
+    ids, mask, spans = rec["input_ids"], rec["loss_mask"], rec.get("turn_spans")
+    if not (isinstance(ids, list) and all(type(t) is int and 0 <= t < 1 << 31 for t in ids)):
+        return "input_ids is not a list of token ids (whole numbers, 0 or more): the record is damaged"
+    if not (isinstance(mask, list) and len(mask) == len(ids) and all(m in (0, 1) and type(m) is not float
+                                                                     for m in mask)):
+        return f"loss_mask is not a list of {len(ids)} 0s and 1s, one a token: the record is damaged"
+    if spans is None:
+        return ""
+    if not (isinstance(spans, list) and all(isinstance(s, list) and len(s) == 2 and all(type(x) is int for x in s)
+                                            for s in spans)):
+        return "turn_spans is not a list of [start, end] pairs: the record is damaged"
+    ends = [x for s in spans for x in s]
+    if ends != sorted(ends) or any(a >= b for a, b in spans) or (ends and not 0 <= ends[0] <= ends[-1] <= len(ids)):
+        return f"turn_spans are not in order inside the episode's {len(ids)} tokens: the record is damaged"
+    untrained = [k + 1 for k, (a, b) in enumerate(spans) if not all(mask[a:b])]
+    return f"agent turn {untrained[0]}'s span holds untrained tokens: the record is damaged" if untrained else ""
 
 
 def tokenizer_for(path: str, agent: str = ""):
@@ -92,7 +127,6 @@ def render(tokenizer, rec: dict, color: bool) -> str:
         if turn < 0:
             out.append(f"{PROMPT}{text}{RESET}" if color else text)
         else:
-            assert all(mask[start:end]), f"agent turn {turn + 1} at {start}-{end} holds untrained tokens"
             out.append(f"\n--- agent turn {turn + 1}: tokens {start}-{end - 1}, {end - start} trained ---\n")
             out.append(f"{TRAINED}{text}{RESET}" if color else f"{OPEN}{text}{CLOSE}")
     return "".join(out) + "\n"

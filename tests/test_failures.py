@@ -726,9 +726,17 @@ def test_seeds_fit_every_generator_they_feed():
     ("eval.py", ["--split", "nope"], "eval.py: --split nope: unknown split 'nope': train, test"),
     ("sft.py", ["--env", "nope"], "sft.py: --env nope: unknown environment 'nope': use 'shop'"),
     ("sft.py", ["--split", "nope"], "sft.py: --split nope: unknown split 'nope': shop has train, test"),
+    ("sft.py", ["--env", "tau2:mock", "--split", "base"], "sft.py: --teacher expert: tau2:mock has no scripted expert"),
+    ("eval.py", ["--env", "tau2:mock", "--split", "base", "--agent", "expert"],
+     "eval.py: --agent expert: tau2:mock has no scripted expert"),
     ("grpo.py", ["--report-to", "nope"], "grpo.py: --report-to nope: not a tracker Accelerate knows (aim, "),
     *[(p, ["--user-sim", "nope"], f"{p}: --user-sim 'nope': not one of scripted, openai, hf")
       for p in ("grpo.py", "eval.py", "sft.py")],
+    ("eval.py", ["--user-base-url", "http://localhost:1/v1"], "eval.py: --user-base-url: the options of an LLM user, "
+                                                              "with the scripted one (--user-sim scripted, the default)"),
+    ("sft.py", ["--user-model", "gpt-4.1"], "sft.py: --user-model: the options of an LLM user, with the scripted one"),
+    ("grpo.py", ["--user-sim", "hf"], "grpo.py: --user-sim hf: name the local model with --user-model"),
+    ("eval.py", ["--agent", "tiny"], "eval.py: --agent tiny: the tiny model untrained (random weights); give a "),
 ])
 def test_an_unknown_name_is_refused_at_start_with_the_known_ones(tmp_path, ckpt, monkeypatch, program, argv, shown):
     monkeypatch.setattr(models, "load_model", lambda *args, **kwargs: pytest.fail("a model was loaded"))
@@ -824,8 +832,10 @@ RESULT = {"role": "tool", "tool_call_id": "c1", "content": "x"}
     (conv(U, {"role": "assistant", "content": "x" * coldstart.MAX_LINE_BYTES}), "bytes long, more than a conversation"),
     ('{"messages": ' + "[" * 5000 + "]" * 5000 + "}", "nested 5001 levels deep"),
     (conv(U, {"role": "assistant", "content": "caf\ud800"}), "an escape of an unpaired surrogate"),
+    (conv(U, CALL, RESULT, A, tools=["echo"]), "tool 0: not a function schema"),
+    (conv(U, CALL, RESULT, A, tools=[{"function": {"name": ""}}]), "tool 0: not a function schema"),
 ], ids=["no-call", "other-call", "not-json-arguments", "arguments-not-object", "no-function", "no-content", "role",
-        "image", "too-long", "too-deep", "surrogate"])
+        "image", "too-long", "too-deep", "surrogate", "tool-a-name", "tool-no-name"])
 def test_broken_cold_start_conversations_are_named_and_skipped(tmp_path, line, problem, capsys):
     p = tmp_path / "d.jsonl"
     good = conv(U, CALL, RESULT, {"role": "assistant", "content": [{"type": "text", "text": "done"}]})
@@ -1492,6 +1502,58 @@ def test_a_saved_setting_out_of_range_is_named_and_a_resume_may_mend_one_it_may_
         grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "3"])
     grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "3", "--save-every", "1"])  # --save-every may change
     assert steps_logged(run) == [1, 2, 3]
+
+
+def test_a_model_and_a_run_are_never_taken_for_each_other(tmp_path, ckpt, monkeypatch):
+    """A model's directory given as a run's (--out-dir, even with --overwrite; --resume) is refused before anything
+    is written, naming --init-from: a run's config.json would replace the model's. And a run's directory given to
+    sft.py as --out with --overwrite keeps the run's config.json."""
+    monkeypatch.setattr(models, "load_model", lambda *args, **kwargs: pytest.fail("a model was loaded"))
+    model = tmp_path / "model"
+    shutil.copytree(ckpt, model)
+    config = (model / "config.json").read_text()
+    for extra in ([], ["--overwrite"]):
+        with pytest.raises(SystemExit, match=rf"^grpo.py: --out-dir: {re.escape(str(model))} holds a model, not a run "
+                           rf".*: choose another --out-dir; to train from it, --init-from {re.escape(str(model))}$"):
+            grpo.main(grpo_args(ckpt, model, *extra))
+    with pytest.raises(SystemExit, match=rf"^grpo.py: --resume: {re.escape(str(model))} is a model, not a run of "
+                       rf"grpo.py or one of its checkpoints: to train from it, --init-from {re.escape(str(model))}$"):
+        grpo.main(["--resume", str(model)])
+    assert (model / "config.json").read_text() == config and not (model / "run.lock").exists()
+    run = tmp_path / "run"  # a run that stopped at its start: its settings only
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"steps": 2, "lr": 0.01}))
+    with pytest.raises(SystemExit, match=r"^sft.py: --out: .*run holds files that are not a checkpoint's \(config.json "
+                       r"\(a grpo.py run's settings\)\)"):
+        sft.main(["--out", str(run), "--overwrite", "--num-tasks", "2"])
+    assert json.loads((run / "config.json").read_text()) == {"steps": 2, "lr": 0.01}
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "1.5"])
+def test_muarl_threads_that_is_no_whole_number_is_refused_in_one_line(monkeypatch, value):
+    monkeypatch.setenv("MUARL_THREADS", value)
+    with pytest.raises(SystemExit, match=rf"^MUARL_THREADS='{re.escape(value)}': must be a whole number of threads"):
+        cli.make_accelerator()
+
+
+def test_an_accelerate_configuration_that_cannot_start_here_stops_in_one_line(monkeypatch):
+    """As an FSDP configuration did under `accelerate launch --config_file` on a machine without a GPU."""
+    import accelerate
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("There are currently no available devices found, must be one of 'XPU', 'CUDA', or 'NPU'.")
+
+    monkeypatch.setattr(accelerate, "Accelerator", refuse)
+    with pytest.raises(SystemExit, match=r"^Accelerate cannot start with this launch's configuration here \(There are "
+                       r"currently no available devices found.*\): see `accelerate env`"):
+        cli.make_accelerator()
+
+
+def test_muarl_cache_set_but_empty_is_the_default_not_the_working_directory():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    said = subprocess.run([sys.executable, "-c", "from plumbing import models; print(models.CACHE_DIR)"], cwd=root,
+                          env={**os.environ, "MUARL_CACHE": ""}, capture_output=True, text=True, check=True).stdout
+    assert said.strip() == os.path.expanduser("~/.cache/muarl")
 
 
 # What a full disk raises while a checkpoint is written, as each writer words it (the words measured by the next test)

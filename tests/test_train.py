@@ -373,6 +373,9 @@ def test_sft_data_errors_name_file_and_line(tmp_path):
                                          r"conversation's tools \(get_order\)"):
         coldstart.load_conversations(str(p), strict=True)
     assert len(coldstart.load_conversations(str(p))) == 1  # skipped and counted, not trained on
+    schema = {"name": "format_disk", "parameters": {"type": "object", "properties": {}}}  # flat, as some exports
+    p.write_text(json.dumps({**good, "messages": good["messages"] + [call], "tools": [schema]}) + "\n")
+    assert coldstart.load_conversations(str(p), strict=True)[0]["tools"] == [{"type": "function", "function": schema}]
 
 
 def test_sft_windows_train_only_the_agent_message_that_ends_them(tiny_tok):
@@ -718,6 +721,17 @@ def test_plot_curves_writes_a_png_with_each_curve(tmp_path):
     assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
         evaluation.main(["--plot", str(tmp_path)])
+    # Damaged: rows that are no step's (a list, no step, a word for a number, a line not UTF-8) are left out; a
+    # summary cut short draws the curves without the evaluations; nothing to draw is said, not drawn empty.
+    (run / "metrics.jsonl").write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in rows) + b'[1, 2]\n{"x": 1}\n'
+                                        b'{"step": 11, "reward_mean": "high"}\n\xff\xfe\n')
+    (run / "summary.json").write_text('{"eval/before/pass1": 0.')
+    (run / "curves.png").unlink()
+    evaluation.main(["--plot", str(run)])
+    assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (run / "metrics.jsonl").write_text("")
+    with pytest.raises(SystemExit, match=r"^eval.py: --plot: .*metrics.jsonl holds no step's metrics: nothing to draw$"):
+        evaluation.main(["--plot", str(run)])
 
 
 @pytest.mark.versions
@@ -768,8 +782,24 @@ def test_the_viewer_shows_an_episode_s_recorded_tokens_with_its_loss_mask(tmp_pa
         assert text == tok.decode(ids[start:end], skip_special_tokens=False) and all(mask[start:end])
     assert sum(end - start for start, end in rec["turn_spans"]) == sum(mask)
     assert out.count("--- agent turn ") == rec["turns"]
-    (tmp_path / "old.jsonl").write_text(json.dumps({"task_id": "t", "messages": []}) + "\n")
-    with pytest.raises(SystemExit, match=r"old.jsonl, episode 0 has no input_ids or loss_mask"):
-        show.show(str(tmp_path / "old.jsonl"), 0, str(ckpt))
+    first_prompt = rec["turn_spans"][0][0] - 1  # a token of the prompt: loss mask 0
+    for bad, said in [({"task_id": "t", "messages": []}, r"an episode without its input_ids or loss_mask \(an API "),
+                      ({"step": 1, "reward_mean": 0.5}, r"a step's metrics, not an episode: give episodes.jsonl"),
+                      ([1, 2, 3], r"a JSON list, not an episode"),
+                      ({**rec, "input_ids": ["a", *ids[1:]]}, r"input_ids is not a list of token ids"),
+                      ({**rec, "input_ids": [-1, *ids[1:]]}, r"input_ids is not a list of token ids"),
+                      ({**rec, "loss_mask": mask[:-1]}, rf"loss_mask is not a list of {len(ids)} 0s and 1s"),
+                      ({**rec, "loss_mask": ["1"] * len(ids)}, r"loss_mask is not a list"),
+                      ({**rec, "turn_spans": [[5, 3]]}, r"turn_spans are not in order"),
+                      ({**rec, "turn_spans": [5]}, r"turn_spans is not a list of \[start, end\] pairs"),
+                      ({**rec, "turn_spans": [[first_prompt, first_prompt + 2]]}, r"agent turn 1's span holds ")]:
+        (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
+        with pytest.raises(SystemExit, match=rf"^eval.py: --show: .*bad.jsonl, line 1: {said}"):
+            show.show(str(tmp_path / "bad.jsonl"), 0, str(ckpt))
+    (tmp_path / "bad.jsonl").write_bytes(b"\x89PNG\r\n\x1a\n\xff")
+    with pytest.raises(SystemExit, match=r"bad.jsonl is not text \(UTF-8, byte \d+\): give a JSONL file of episodes"):
+        show.show(str(tmp_path / "bad.jsonl"), 0, str(ckpt))
+    with pytest.raises(SystemExit, match=r"--show: .*run is a directory: give one of its JSONL files of episodes"):
+        show.show(str(run), 0, str(ckpt))
     with pytest.raises(SystemExit, match=r"--show-index 5: .* holds 2 episodes"):
         show.show(str(run / "episodes.jsonl"), 5)
