@@ -97,8 +97,9 @@ def check_conversation(rec) -> dict:
     tools = rec.get("tools") or []
     if not isinstance(tools, list):
         raise ValueError("'tools' must be a list")
-    tools = [{"type": "function", "function": t} if isinstance(t, dict) and "function" not in t and "name" in t else t
-             for t in tools]  # a flat schema ({"name", "parameters"}), as some exports write them: wrapped
+    tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+             if isinstance(t, dict) and "function" not in t and "name" in t else t
+             for t in tools]  # a flat schema ({"name", "parameters"}, as some exports and the Responses API): wrapped
     for k, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:

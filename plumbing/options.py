@@ -300,7 +300,7 @@ def validate(cfg, world: int) -> None:
             bad(opt, f"{opt} must be one of {names}, got {getattr(cfg, opt)!r}")
     if cfg.dual_clip and cfg.dual_clip <= 1:
         bad("dual_clip", f"dual_clip must be > 1 (or 0: off), got {cfg.dual_clip}")
-    check_user_sim(cfg, "grpo.py")
+    check_user_sim(cfg, "grpo.py", resumed=bool(cfg.resume))
     if cfg.tasks_per_step % world:
         bad("tasks_per_step", f"{cfg.tasks_per_step} must be a multiple of the {world} processes")
     if cfg.model == "tiny" and not cfg.init_from and not cfg.resume and cfg.env.split(":")[0] != "shop":

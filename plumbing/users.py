@@ -15,14 +15,15 @@ from plumbing import cli, models
 USER_SIMS = {"scripted": ScriptedUserSim, "openai": OpenAIUserSim, "hf": HFUserSim}
 
 
-def check_user_sim(cfg, program: str) -> None:
-    """--user-sim one muarl has, and the LLM user's options never given to another (where they would do nothing)."""
+def check_user_sim(cfg, program: str, resumed: bool = False) -> None:
+    """--user-sim one muarl has, and the LLM user's options never given to another (where they would do nothing; a
+    run that began so before this check is resumed as it ran: --user-sim cannot change in a resume)."""
     if cfg.user_sim not in USER_SIMS:
         raise SystemExit(f"{program}: --user-sim {cfg.user_sim!r}: not one of {', '.join(USER_SIMS)}")
     default = type(cfg).__dataclass_fields__["user_model"].default  # an endpoint's model name
     llm_options = {"--user-base-url": bool(cfg.user_base_url), "--user-model": cfg.user_model != default}
     given = [option for option, on in llm_options.items() if on]
-    if cfg.user_sim == "scripted" and given:
+    if cfg.user_sim == "scripted" and given and not resumed:
         raise SystemExit(f"{program}: {' and '.join(given)}: the options of an LLM user, with the scripted one "
                          "(--user-sim scripted, the default): add --user-sim openai (or hf)")
     if cfg.user_sim == "hf" and cfg.user_model == default:

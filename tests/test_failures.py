@@ -1496,7 +1496,8 @@ def test_a_damaged_or_incomplete_checkpoint_stops_the_resume_in_one_line_and_is_
 def test_a_saved_setting_out_of_range_is_named_and_a_resume_may_mend_one_it_may_change(tmp_path, ckpt):
     run = tmp_path / "run"
     grpo.main(grpo_args(ckpt, run, "--save-every", "2"))
-    settings(run / "checkpoints" / "step-000002", save_every=0)  # outside [1, inf): saved by another version, say
+    settings(run / "checkpoints" / "step-000002", save_every=0,  # outside [1, inf): saved by another version, say
+             user_base_url="http://localhost:1/v1")  # ignored by the scripted user, as runs begun before it was refused
     with pytest.raises(SystemExit, match=r"^grpo.py: --resume: the settings saved in .*muarl_config.json: its "
                        r"save_every is 0, outside \[1, inf\) \(saved by another version of muarl, or damaged\)$"):
         grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "3"])

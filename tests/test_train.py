@@ -374,7 +374,8 @@ def test_sft_data_errors_name_file_and_line(tmp_path):
         coldstart.load_conversations(str(p), strict=True)
     assert len(coldstart.load_conversations(str(p))) == 1  # skipped and counted, not trained on
     schema = {"name": "format_disk", "parameters": {"type": "object", "properties": {}}}  # flat, as some exports
-    p.write_text(json.dumps({**good, "messages": good["messages"] + [call], "tools": [schema]}) + "\n")
+    p.write_text(json.dumps({**good, "messages": good["messages"] + [call], "tools": [{"type": "function", **schema}]})
+                 + "\n")
     assert coldstart.load_conversations(str(p), strict=True)[0]["tools"] == [{"type": "function", "function": schema}]
 
 
