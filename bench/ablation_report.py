@@ -191,16 +191,22 @@ PREDICTIONS_DECISIONS = [
 ]
 
 
-def verdict(sc: dict | None, kind: str) -> str:
+def verdict(sc: dict | None, kind: str, within: float | None = None) -> str:
     """What a 95% interval says of a prediction: "above" holds when the interval lies above 0 and is refuted when it
     lies below; "none" (no difference) fails when the interval excludes 0 and is otherwise not refuted (an interval
-    around 0 shows no difference as large as its half-width, not that there is none)."""
+    around 0 shows no difference as large as its half-width, not that there is none): with a tolerance predicted
+    ("within 0.1"), it holds only when the whole interval lies within it."""
     if sc is None:
         return "not run"
     lo, hi = sc["ci"]
     if kind == "above":
         return "held" if lo > 0 else "refuted (below 0)" if hi < 0 else "not shown (interval spans 0)"
-    return "failed (a difference)" if lo > 0 or hi < 0 else f"held (interval within +-{max(abs(lo), abs(hi)):.3f})"
+    width = max(abs(lo), abs(hi))
+    if lo > 0 or hi < 0:
+        return "failed (a difference)"
+    if within is not None and width > within:
+        return f"not shown (interval within +-{width:.3f}, wider than +-{within:g})"
+    return f"held (interval within +-{width:.3f})"
 
 
 def size_verdict(sc: dict | None, size: float) -> str:
@@ -225,8 +231,10 @@ def predictions(results: dict) -> list[str]:
         name = " ".join(f"{'+' if sign > 0 else '-'} {a}" for sign, a in terms).lstrip("+ ")
         size = re.search(r"\(\+(\d+(?:\.\d+)?)", text) if kind == "above" else None  # the size predicted, if any
         sized = (lambda sc: size_verdict(sc, float(size[1]))) if size else (lambda sc: "")
-        lines.append(f"| {text} | {name} | {g['seeds'] if g else 0} | {cell(g, True)} | {verdict(g, kind)}{sized(g)} "
-                     f"| {cell(smp, True)} | {verdict(smp, kind)}{sized(smp)} |")
+        within = re.search(r"within (\d+(?:\.\d+)?)", text) if kind == "none" else None  # the tolerance, if any
+        judge = lambda sc: verdict(sc, kind, float(within[1]) if within else None) + sized(sc)
+        lines.append(f"| {text} | {name} | {g['seeds'] if g else 0} | {cell(g, True)} | {judge(g)} "
+                     f"| {cell(smp, True)} | {judge(smp)} |")
     return lines
 
 

@@ -131,6 +131,10 @@ def test_the_predictions_take_their_verdicts_from_paired_intervals():
     assert nondefault["tasks"] == 1 and nondefault["mean"] == 1.0  # t1 alone
     assert ablation_report.verdict({"ci": [-0.2, -0.1]}, "above") == "refuted (below 0)"
     assert ablation_report.verdict({"ci": [-0.05, 0.02]}, "none") == "held (interval within +-0.050)"
+    assert ablation_report.verdict({"ci": [-0.05, 0.02]}, "none", 0.1) == "held (interval within +-0.050)"
+    assert ablation_report.verdict({"ci": [-0.33, 0.0]}, "none", 0.1) == ("not shown (interval within +-0.330, wider "
+                                                                          "than +-0.1)")
+    assert ablation_report.verdict({"ci": [-0.33, -0.01]}, "none", 0.1) == "failed (a difference)"
 
 
 def test_bad_options_are_refused_by_name(tmp_path):
