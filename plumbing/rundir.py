@@ -253,18 +253,15 @@ def refusals(run_dir: Path, what: str, undone: str, then: str = ""):
 @contextlib.contextmanager
 def together(acc):
     """Around writes only the main process makes, reached by every process: a write the disk refused there (a
-    `checkpoints.Refused`) stops every process here in one line each, not the others at their next collective."""
-    line = [None]
+    `checkpoints.Refused`) stops every process here in one line each, not the others at their next collective (the
+    agreement of checkpoints.agreed)."""
     try:
         yield
-    except checkpoints.Refused as e:
-        line[0] = str(e.code)
-    if acc.num_processes > 1:
-        from accelerate.utils import broadcast_object_list
-
-        broadcast_object_list(line)
-    if line[0]:
-        raise checkpoints.Refused(line[0], "") if acc.is_main_process else checkpoints.RefusedElsewhere()
+    except checkpoints.Refused:
+        checkpoints.any_failed(acc, True)
+        raise
+    if checkpoints.any_failed(acc, False):
+        raise checkpoints.RefusedElsewhere()
 
 
 @contextlib.contextmanager
