@@ -42,3 +42,22 @@ def test_gpu_checks_pass_at_toy_size_on_the_cpu(tmp_path):
     assert rows["lora"]["kl"][0] == 0.0 and rows["lora"]["base bit-identical"] is True
     assert rows["lora"]["lora_decode_same_episodes"] == 1.0  # fp32: folded adapters play the same greedy tokens
     assert (tmp_path / "report.md").read_text().startswith("# bench/gpu.py report")
+
+
+def test_a_check_that_fails_after_its_first_figures_keeps_them(tmp_path):
+    """A check that crashes late (on an H200, share_opening's float32 comparison ran out of memory after the timed
+    updates) is a FAIL that still reports what it measured before."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import gpu
+
+    def late_crash():
+        gpu.PROGRESS({"micro-batches of 4": {"x": 1.3}})
+        raise RuntimeError("out of memory")
+
+    report = gpu.Report(tmp_path)
+    report.run("late", late_crash)
+    report.run("clean", lambda: ("PASS", {"a": 1}))
+    rows = {row["check"]: row for row in json.loads((tmp_path / "report.json").read_text())}
+    assert rows["late"]["status"] == "FAIL" and rows["late"]["micro-batches of 4"] == {"x": 1.3}
+    assert "out of memory" in rows["late"]["error"]
+    assert rows["clean"] == {"check": "clean", "status": "PASS", "a": 1, "seconds": rows["clean"]["seconds"]}
