@@ -25,11 +25,13 @@ Checks, in order; each is PASS, FAIL or SKIP (with why) and its figures, in OUT/
              stop tokens' output rows zeroed so that every row decodes to its cap, each side's prefill untimed
   roofline   the engine's decoding step (bench/rollout.py's step_cost: decode_logits and the sampler) against its
              memory roofline, the weights and the live KV cache read once over the measured copy bandwidth, with the
-             model's attention, the grouped one, the grouped one graphed (--decode-graphs: captured as CUDA graphs;
-             on the CPU its body run eagerly) and compiled, bf16, at Qwen3's 0.6B and 8B shapes (151,936 tokens),
-             batches 16 and 64, contexts 1k to 32k (those that fit; compiled at the target's point only, after the
-             grid: a compile takes minutes there); PASS when the graphed step at 8B, batch 16, 8k is within 1.5x of its roofline (the
-             target; on the CPU, toy size: figures only)
+             grouped attention eager as before issue 52 (no kernel cuts) and now, graphed with and without the cuts
+             (--decode-graphs: captured as CUDA graphs; on the CPU its body run eagerly), the model's attention at the
+             first point, compiled at the target's point after the grid (a compile takes minutes there); bf16,
+             Qwen3's 0.6B and 8B shapes (151,936 tokens), batches 16 and 64, contexts 1k and 8k; greedy too at the
+             first point; capture seconds and replays; at the target's point the attention alone and the GEMMs alone
+             in GB/s. PASS when the graphed step at 8B, batch 16, 8k is within 1.5x of its roofline (the target; on
+             the CPU, toy size: figures only)
   train      2 SFT steps, then 2 GRPO steps (bf16 and gradient checkpointing on a GPU): kl 0 at step 1, a finite
              gradient norm, no skipped update, logprob_gap ~0, the peak memory against the start-up estimate; then
              --resume for one more step
@@ -209,15 +211,15 @@ class Report:
 
 @contextlib.contextmanager
 def kernel_cuts(on: bool):
-    """decode.KERNEL_CUTS set to `on` for the block (the eager twin of the step's kernel cuts when False), and back on
+    """cuts.ON set to `on` for the block (the eager twin of the step's kernel cuts when False), and back on
     after, also when the block raises."""
-    from fast import decode as decode_module
+    from fast import cuts
 
-    decode_module.KERNEL_CUTS = on
+    cuts.ON = on
     try:
         yield
     finally:
-        decode_module.KERNEL_CUTS = True
+        cuts.ON = True
 
 def versions(device):
     import accelerate
@@ -235,7 +237,7 @@ def versions(device):
 
 def engine(model, tok, env, tasks, device):
     """Greedy: the engine (batched, KV cache across turns) plays exactly the reference rollout's episodes, with the
-    kernel cuts and without them (decode.KERNEL_CUTS), with its decoding step replayed as CUDA graphs, and with the
+    kernel cuts and without them (cuts.ON), with its decoding step replayed as CUDA graphs, and with the
     groups' openings held apart (--decode-share-opening), eagerly and graphed."""
     from fast import pool as pool_module  # the kept pool; the parked caches' host blocks: page-locked in place
     from fast.batched_rollout import RolloutConfig, rollout
@@ -485,75 +487,152 @@ def ops_a_step(model, batch: int, context: int, cfg) -> int:
     return n[0]
 
 
+def replayed_ms(fn, device, reps: int = 10) -> float:
+    """Milliseconds one call of `fn` takes, captured as a CUDA graph and replayed (on the CPU: called)."""
+    fn()
+    run = fn
+    if device.type == "cuda":
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        run = graph.replay
+    run()
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(reps):
+        run()
+    sync(device)
+    return (time.perf_counter() - t) / reps * 1e3
+
+
+def step_parts(model, batch: int, context: int, bandwidth: float, device) -> dict:
+    """Where a decoding step's time goes, each part alone and replayed as a graph: every layer's grouped attention
+    over `context` cached columns (one [batch, kv heads, context, head] cache a layer, read through the step's own
+    attention function and mask), and every layer's seven projections and the output layer at `batch` rows. Each as
+    ms and GB/s of what it must read (the cache; the weights), against the copy bandwidth: {part: (line, ms)}."""
+    from fast.decode import grouped_decode_attention
+
+    c, dtype = model.config, next(model.parameters()).dtype
+    layers, kvh, d = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+    cache = torch.randn(2, layers, batch, kvh, context, d, device=device, dtype=dtype)
+    q = torch.randn(batch, c.num_attention_heads, 1, d, device=device, dtype=dtype)
+    seen = torch.ones(batch, 1, 1, context, dtype=torch.bool, device=device)
+    attn = model.model.layers[0].self_attn
+
+    def attention():
+        for i in range(layers):
+            grouped_decode_attention(attn, q, cache[0, i], cache[1, i], seen, scaling=d ** -0.5)
+
+    mats = [m.weight for layer in model.model.layers for m in (
+        layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)] + [model.lm_head.weight]
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], device=device, dtype=dtype) for w in mats}
+
+    def gemms():
+        for w in mats:
+            torch.nn.functional.linear(inputs[w.shape[1]], w)
+
+    with torch.no_grad():
+        a_ms, g_ms = replayed_ms(attention, device), replayed_ms(gemms, device)
+    read_a = cache.numel() * cache.element_size()
+    read_g = sum(w.numel() * w.element_size() for w in mats)
+    return {name: (f"{ms:.2f} ms, {read / ms / 1e6:.0f} GB/s ({read / ms / 1e6 / (bandwidth / 1e9):.0%} of the "
+                   "copy's)", ms) for name, ms, read in (("attention", a_ms, read_a), ("gemms", g_ms, read_g))}
+
+
 def roofline(device, cpu: bool):
     """The decoding step's seconds against the time to read its weights and live KV cache once at the copy
-    bandwidth, with the model's attention (sdpa and a padding mask) and the grouped one, eager, graphed, and graphed
-    without the kernel cuts (decode.KERNEL_CUTS: each norm fused, the mask made once a step), in bf16 (CPU: fp32
-    toy)."""
+    bandwidth: eager (the grouped attention) as before issue 52 (no kernel cuts) and now, graphed with and without
+    the cuts (cuts.ON: each norm fused, the mask made once a step), the model's own attention at the first
+    point, and compiled at the target's point after the grid; in bf16 (CPU: fp32 toy), sampling at temperature 1,
+    and greedy at the first point. At the target's point, the step's attention alone and its GEMMs alone."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from fast.batched_rollout import RolloutConfig as cfg
+    from fast.graphs import col_bucket
 
     step_cost = bench_rollout().step_cost
-    variants = {"model": cfg(decode_attention="model", compile_decode="off"), "grouped": cfg(compile_decode="off"),
-                "graphed": cfg(compile_decode="off", decode_graphs="on"), "compiled": cfg(compile_decode="on"),
-                "graphed uncut": cfg(compile_decode="off", decode_graphs="on")}  # decode.KERNEL_CUTS off
+    eager, graphed = cfg(compile_decode="off"), cfg(compile_decode="off", decode_graphs="on")
+    variants = {"eager uncut": eager, "eager": eager, "graphed": graphed, "graphed uncut": graphed}
+    uncut = ("eager uncut", "graphed uncut")  # cuts.ON off: the step as it was before issue 52
 
-    def step_ms(model, how, cfg, batch, context):
-        with kernel_cuts(how != "graphed uncut"):
-            return min(step_cost(model, batch, context, steps=10, cfg=cfg) for _ in range(2)) * 1e3
+    def step_ms(model, how, c, batch, context, seen=None):
+        with kernel_cuts(how not in uncut):
+            return min(step_cost(model, batch, context, steps=10, cfg=c, seen=seen) for _ in range(2)) * 1e3
 
     dtype = torch.float32 if cpu else torch.bfloat16
     shapes = {"toy": dict(SHAPES["toy"], vocab_size=4096)} if cpu else {
         "qwen3-0.6b": dict(SHAPES["qwen3-0.6b"], vocab_size=151936, tie_word_embeddings=True),
         "qwen3-8b": dict(SHAPES["qwen3-8b-attn-4l"], num_hidden_layers=36, vocab_size=151936)}
-    grid = [(b, c) for b in ((4, 16) if cpu else (16, 64)) for c in ((128, 512) if cpu else (1024, 4096, 8192, 32768))]
+    grid = [(b, c) for b in ((4, 16) if cpu else (16, 64)) for c in ((128, 512) if cpu else (1024, 8192))]
+    target_point = grid[-1] if cpu else (16, 8192)
     bandwidth = copy_bandwidth(device, (64 if cpu else 2048) << 20)
     figs, target = {"copy_GB_per_s": round(bandwidth / 1e9, 1)}, None
     for name, shape in shapes.items():
         torch.manual_seed(0)
-        cfg = Qwen3Config(**shape, max_position_embeddings=40960)
-        cfg._attn_implementation = "sdpa"
+        mc = Qwen3Config(**shape, max_position_embeddings=40960)
+        mc._attn_implementation = "sdpa"
         before = torch.get_default_dtype()
         torch.set_default_dtype(dtype)  # made in bf16 on the device: 8B in float32 first would need 32 GB more
         try:
             with torch.device(device):
-                model = Qwen3ForCausalLM(cfg).eval()
+                model = Qwen3ForCausalLM(mc).eval()
         finally:
             torch.set_default_dtype(before)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+        per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * torch.finfo(dtype).bits // 8
         for batch, context in grid:
             cache = batch * (context + 64) * per_token
             free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 1 << 40
+            key = f"{name} b{batch} ctx{context}"
             if 1.3 * cache + (1 << 30) > free:  # the buffers, the model attention's copies of one layer, logits
-                figs[f"{name} b{batch} ctx{context}"] = f"skipped: its {cache / 2**30:.0f} GiB cache does not fit"
+                figs[key] = f"skipped: its {cache / 2**30:.0f} GiB cache does not fit"
                 continue
-            at_target = (name, batch, context) == ("qwen3-8b", 16, 8192)
-            ms = {how: step_ms(model, how, cfg, batch, context) for how, cfg in variants.items() if how != "compiled"}
+            seen, ms = {}, {}
+            for how, c in variants.items():
+                ms[how] = step_ms(model, how, c, batch, context, seen if how == "graphed" else None)
+            if (batch, context) == grid[0]:  # the engine before issue 37, once
+                ms["model's attention"] = step_ms(model, "model", cfg(decode_attention="model", compile_decode="off"),
+                                                  batch, context)
             bound = (weights + batch * context * per_token) / bandwidth * 1e3
+            cols = col_bucket(context + 13, 1 << 30)  # the columns the graphed step's bucket reads at its last step
+            bucket_bound = (weights + batch * cols * per_token) / bandwidth * 1e3
             best = ms["graphed"]
-            figs[f"{name} b{batch} ctx{context}"] = (
-                ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()) + f", roofline {bound:.2f} ms: graphed "
-                f"{best / bound:.2f}x the roofline, {batch / best * 1e3:.0f} tokens/s, {ms['grouped'] / best:.1f}x "
-                f"the eager step's, the cuts {ms['graphed uncut'] / best:.2f}x")
-            if (batch, context) == grid[0]:  # the step's ops (~kernels), with and without the cuts, greedy, sampled
-                eager = variants["grouped"]
+            figs[key] = (", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()) + f"; roofline {bound:.2f} ms: graphed "
+                         f"{best / bound:.2f}x the roofline ({best / bucket_bound:.2f}x at the {cols} columns its "
+                         f"bucket reads), {batch / best * 1e3:.0f} tokens/s, {ms['eager uncut'] / best:.1f}x the "
+                         f"eager step's before issue 52 ({ms['eager'] / best:.1f}x with the cuts), the cuts "
+                         f"{ms['graphed uncut'] / best:.2f}x graphed; first step (its capture) {seen['first_s']:.2f} "
+                         f"s, {seen['replays']} replays in {seen['buckets']} bucket(s)")
+            if (batch, context) == grid[0]:  # greedy too, and the step's ops (~kernels), with and without the cuts
+                g = {how: step_ms(model, how, dataclasses.replace(variants[how], greedy=True), batch, context)
+                     for how in ("eager uncut", "graphed")}
+                figs[f"{key} greedy"] = (f"eager uncut {g['eager uncut']:.2f} ms, graphed {g['graphed']:.2f} ms: "
+                                         f"{g['eager uncut'] / g['graphed']:.1f}x")
                 for how, c in (("greedy", dataclasses.replace(eager, greedy=True)), ("sampled top-p 0.9",
                                dataclasses.replace(eager, greedy=False, temperature=0.7, top_p=0.9))):
                     for cuts in (True, False):
                         with kernel_cuts(cuts):
                             figs[f"{name} ops a step, {how}{'' if cuts else ', uncut'}"] = ops_a_step(
                                 model, batch, context, c)
-            if at_target:
-                target = ms["graphed"] / bound
+            if (name == "qwen3-8b" or cpu) and (batch, context) == target_point:
+                target = best / bound
+                parts = step_parts(model, batch, context, bandwidth, device)
+                figs[f"{key} alone"] = {**{k: line for k, (line, _) in parts.items()}, "the rest": (
+                    f"{best - sum(ms for _, ms in parts.values()):.2f} ms of the graphed step's {best:.2f} (norms, "
+                    "rotary, cache writes, activations, the draw, and the parts' overlap)")}
             PROGRESS(figs)  # each point written as it is measured
         # compiled last, at the target's point only (the toy's first on the CPU): on an H200 one compile of the 0.6B
-        # step took 114 s, and every shape compiles anew, so it must not hold back the graphed figures
-        point = grid[0] if cpu else (16, 8192)
+        # step took 114 s and one of the 8B step 130 s, so it must not hold back the graphed figures
         if cpu or name == "qwen3-8b":
+            point = grid[0] if cpu else target_point
             start = time.perf_counter()
-            first = step_ms(model, "compiled", variants["compiled"], *point)
+            first = step_ms(model, "compiled", cfg(compile_decode="on"), *point)
             figs[f"{name} b{point[0]} ctx{point[1]} compiled"] = (
                 f"{first:.2f} ms a step; its compile and two timed calls {time.perf_counter() - start:.0f} s")
             PROGRESS(figs)

@@ -111,11 +111,13 @@ class KeepTalking:
 
 
 @torch.no_grad()
-def step_cost(model, batch: int, context: int, steps: int = 30, cfg: RolloutConfig | None = None) -> float:
+def step_cost(model, batch: int, context: int, steps: int = 30, cfg: RolloutConfig | None = None,
+              seen: dict | None = None) -> float:
     """Seconds per decoding step (decode.decode_step: the decoder's forward for one token a row, and the draw) of
     `batch` rows over `context` cached tokens: how much batching can buy on this device at all (on a small CPU a
     step's cost grows with the batch; on a GPU it stays nearly flat). `cfg`: its decode_attention, compile_decode,
-    decode_graphs (the step over fixed buffers, graphs.py: captured on a GPU, its capture in the warm-up steps)."""
+    decode_graphs (the step over fixed buffers, graphs.py: captured on a GPU, its capture in the warm-up steps).
+    `seen`, if given, gets the first step's seconds (`first_s`: its capture, where graphed) and the graphs' replays."""
     from fast.decode import decode_attention, decode_step
     from fast.engine import _cache, _mask, _View
     from fast.graphs import graphs_on, step_graphs
@@ -132,8 +134,15 @@ def step_cost(model, batch: int, context: int, steps: int = 30, cfg: RolloutConf
     view = _View(pool, 0)
     cache = _cache([view])
     graphs = step_graphs(model, pool, cfg) if graphs_on(cfg, dev, batch) else None
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t = time.perf_counter()
     with decode_attention(model, cfg.decode_attention):
         for i in range(steps + 3):
+            if i == 1 and seen is not None:
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                seen["first_s"] = time.perf_counter() - t
             if i == 3:
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
@@ -147,6 +156,8 @@ def step_cost(model, batch: int, context: int, steps: int = 30, cfg: RolloutConf
             lens = lens + 1
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+    if seen is not None:
+        seen["replays"], seen["buckets"] = (graphs.replays, len(graphs.buckets)) if graphs is not None else (0, 0)
     return (time.perf_counter() - t) / steps
 
 

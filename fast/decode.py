@@ -12,16 +12,17 @@ it was batched; nucleus sampling finds its cut in one sort of each row (`top_p_k
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import sys
-import textwrap
 import time
 import warnings
 
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
+
+from fast import cuts
+from fast.cuts import cut_kernels, once
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -61,14 +62,13 @@ def grouped_decode_attention(module, query, key, value, attention_mask, scaling=
                                   "cache slots have no per-row window; use --max-context of at most the window")
     n_rep = H // kvh
     q = query.reshape(B, kvh, n_rep * W, D)  # row r * W + w of head group g: query head g * n_rep + r, token w
-    mask = attention_mask.repeat(1, 1, n_rep, 1) if W > 1 else _additive(attention_mask, q.dtype) if KERNEL_CUTS \
+    mask = attention_mask.repeat(1, 1, n_rep, 1) if W > 1 else _additive(attention_mask, q.dtype) if cuts.ON \
         else attention_mask
     out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(B, H, W, D).transpose(1, 2), None
 
 
 AttentionInterface.register(GROUPED, grouped_decode_attention)
-KERNEL_CUTS = True  # fused norms and the mask made once a step (False: as the model and SDPA do them; bench/gpu.py)
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -124,25 +124,6 @@ def _fused(q, k, v, sees, scale):
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias.expand(*q.shape[:3], L), True,
                                                                       scale=scale)[:2]
     return out.float(), lse[..., :q.shape[2]].float()
-
-
-_ONCE: list = []  # (key, value) of the last few `once` calls
-
-
-def once(key: tuple, make):
-    """make(), made once for `key`, objects compared by identity: a decoding step hands every layer the same mask
-    object, so what is made of it (the grouped attention's additive mask, the openings' masks and biases) is made
-    at the first layer and read by the others. The last 8 are kept (a step's masks, not a rollout's); a prefill's
-    (a mask of several queries a row, key[0]) is made anew in every layer: large, and kept it would outlive its
-    forward into the next chunk's."""
-    if key[0].shape[-2] > 1:
-        return make()
-    for k, value in _ONCE:
-        if len(k) == len(key) and all(a is b for a, b in zip(k, key)):
-            return value
-    _ONCE.append((key, make()))
-    del _ONCE[:-8]
-    return _ONCE[-1][1]
 
 
 def _written(q, k, v, sees, scale):
@@ -226,57 +207,11 @@ def decode_attention(model, name: str, openings: tuple | None = None):
     cfg._attn_implementation_internal = GROUPED if openings is None else OPENING
     _OPENINGS.append(openings)
     try:
-        with fused_norms(model):
+        with cut_kernels(model):
             yield
     finally:
         cfg._attn_implementation_internal = before
         _OPENINGS.pop()
-
-
-# Llama's RMSNorm forward (Qwen2's, Qwen3's, Mistral's copy it): only norms of this code are fused (not Gemma's 1 + w)
-RMS_NORM_FORWARD = '''def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    input_dtype = hidden_states.dtype
-    hidden_states = hidden_states.to(torch.float32)
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-    return self.weight * hidden_states.to(input_dtype)
-'''
-_FUSED: dict[int, object] = {}  # the models whose norms a fused_norms holds fused now
-
-
-@functools.cache
-def _is_llama_norm(cls: type) -> bool:
-    try:
-        return textwrap.dedent(inspect.getsource(cls.forward)) == RMS_NORM_FORWARD
-    except (OSError, TypeError, IndexError):
-        return False
-
-
-@contextlib.contextmanager
-def fused_norms(model, on: bool = True):
-    """Every RMSNorm of the model whose forward is RMS_NORM_FORWARD computed, while decoding, as one call of torch's
-    rms_norm (normalized in float32, rounded to the input's dtype: one fused kernel on CUDA, where the module launches
-    6-8) and the weight's product: bitwise the module's on the CPU; on CUDA the fused kernel sums the squares in its
-    own order. A layer's four norms go from ~30 kernels to 8. Held once a turn by the engine (a call inside it does
-    nothing); the modules' own forwards are put back after."""
-    mine = on and KERNEL_CUTS and id(model) not in _FUSED
-    norms = [m for m in model.modules() if _is_llama_norm(type(m)) and "forward" not in vars(m)] if mine else []
-    _FUSED.update({id(model): model} if mine else {})
-    try:
-        for m in norms:
-            m.forward = _fused_norm(m)
-        yield
-    finally:
-        for m in norms:
-            vars(m).pop("forward", None)
-        if mine:
-            del _FUSED[id(model)]
-
-
-def _fused_norm(norm):
-    def forward(x: torch.Tensor) -> torch.Tensor:  # (under autocast rms_norm runs in float32: rounded as the module)
-        return norm.weight * torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
-    return forward
 
 
 # ---------------------------------------------------------------------------------------------------------

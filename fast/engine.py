@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from fast.decode import Parts, decode_attention, decode_step, fused_norms, with_cache
+from fast.cuts import cut_kernels
+from fast.decode import Parts, decode_attention, decode_step, with_cache
 from fast.opening import Members
 from fast.pool import Opening, SlotPool, Tiers, _Spilled
 from muarl import TurnEnd
@@ -222,7 +223,7 @@ def _prefill_shared_openings(model, opens: SlotPool, groups: list[list[_Row]], c
 
 @torch.no_grad()
 def generate_turn(model, pool: SlotPool | Tiers, rows: list[_Row], cfg, stops: list[int], ready=None) -> None:
-    with fused_norms(model, cfg.decode_attention == "grouped"):  # once a turn, not each step (decode_attention)
+    with cut_kernels(model, cfg.decode_attention == "grouped"):  # once a turn, not each step (decode_attention)
         _generate_turn(model, pool, rows, cfg, stops, ready)
 
 

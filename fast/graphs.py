@@ -1,11 +1,12 @@
 """The decoding step over fixed buffers, so that CUDA can capture it once as a graph and replay it every step.
 
-Eagerly, a decoding step of a small model is ~1,700 kernel launches with Python around each (59 a layer; ~33 since
-decode.KERNEL_CUTS fuses each norm and makes the mask once a step, by the same count, not yet profiled on a GPU), tens
-of times the time its arithmetic and memory reads take on a GPU. A CUDA graph replays all of a step's kernels in one
-launch, but only over the memory it was captured with, at the shapes it was captured with. So the step is written
-here as a body that reads only fixed buffers: per bucket of rows and columns (`row_bucket`, `col_bucket`), the
-tokens, lengths and seeds of its rows ([Bb]), the pool's key and value buffers, the model's weights. A batch of B
+Eagerly, a decoding step of a small model is ~1,700 kernel launches with Python around each (59 a layer; 1,120 ops
+a step at Qwen3-0.6B's shape once cuts.py fused each norm and made the mask once a step, counted on an H200, fewer
+since it halved the rotary's), tens of times the time its arithmetic and memory reads take on a GPU. A CUDA graph
+replays all of a step's kernels in one launch, but only over the memory it was captured with, at the shapes it was
+captured with. So the step is written here as a body that reads only fixed buffers: per bucket of rows and columns
+(`row_bucket`, `col_bucket`), the tokens, lengths and seeds of its rows ([Bb]), the pool's key and value buffers, the
+model's weights. A batch of B
 rows fills the first B of a bucket's Bb; the padding rows get the last column of the pool (`capacity - 1`, scratch:
 never a real token's, pool.SlotPool) as their length, so their keys and values go only there. The columns the
 attention reads are rounded up to the bucket's Lb; the mask keeps each row's own length, so a row's result is the
@@ -33,7 +34,7 @@ import weakref
 
 import torch
 
-from fast import decode
+from fast import cuts, decode
 from fast.decode import _sample, decode_logits
 from fast.engine import _cache, _View
 from fast.opening import Members
@@ -208,7 +209,7 @@ def graph_key(model, cfg) -> tuple | None:
     """What a kept step's graphs were captured for: the model (its weights' addresses) and the draw (the sampling
     settings are constants inside a graph); None when nothing can be kept."""
     where = weights_key(model)
-    return None if where is None else (id(model), where, cfg.greedy, cfg.temperature, cfg.top_p, decode.KERNEL_CUTS)
+    return None if where is None else (id(model), where, cfg.greedy, cfg.temperature, cfg.top_p, cuts.ON)
 
 
 _SAID: set[str] = set()

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from fast import decode, opening
+from fast import cuts, decode, opening
 from fast.batched_rollout import RolloutConfig, rollout
 from plumbing.users import make_user_sim
 from test_rollout import FakeEnv
@@ -78,7 +78,7 @@ def test_attention_over_a_group_opening_held_once_is_attention_over_each_row_who
     mask = (torch.arange(L)[None, None, :] <= pos[:, :, None])[:, None]
     members = opening.Members.of(groups, lengths)
     out = opening.opening_attention(q, k, v, mask, open_k, open_v, members, D ** -0.5)
-    assert all(key[0].shape[-2] == 1 for key, _ in decode._ONCE)  # a prefill's masks (width > 1) are not kept
+    assert all(key[0].shape[-2] == 1 for key, _ in cuts._ONCE)  # a prefill's masks (width > 1) are not kept
     want = _attention_over_opening_and_own(q, k, v, mask, open_k, open_v, groups, lengths, D ** -0.5)
     assert out.shape == (B, width, heads, D) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
@@ -675,7 +675,8 @@ def test_a_decoding_step_calls_each_norm_once_and_makes_its_mask_once(lm, tiny_t
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from fast.decode import decode_attention, fused_norms
+    from fast.cuts import cut_kernels
+    from fast.decode import decode_attention
 
     calls, ops = [], []
 
@@ -714,13 +715,66 @@ def test_a_decoding_step_calls_each_norm_once_and_makes_its_mask_once(lm, tiny_t
             return hidden_states * (1 + self.weight)
 
     holder = torch.nn.Sequential(OnePlus(8))
-    with fused_norms(holder):
+    with cut_kernels(holder):
         assert "forward" not in vars(holder[0])
     fused = lambda: ["forward" in vars(m) for m in norms]  # noqa: E731
-    with fused_norms(lm):  # the engine's, once a turn: decode_attention's inside it leaves them as they are
+    with cut_kernels(lm):  # the engine's, once a turn: decode_attention's inside it leaves them as they are
         with decode_attention(lm, "grouped"):
             assert all(fused())
         assert all(fused())
-    with fused_norms(lm, on=False):  # --decode-attention model: the model's own norms
+    with cut_kernels(lm, on=False):  # --decode-attention model: the model's own norms
         assert not any(fused())
     assert not any(fused())
+
+
+def test_the_rotary_cut_is_the_models_rotary_bitwise_in_half_the_kernels(lm):
+    """cuts.rotary: the queries and keys rotated as one tensor, rotate_half's sign carried by the sine made once a
+    step: bitwise the model's apply_rotary_pos_emb (float32 and bf16, one token and several, the queries and keys
+    laid out as the attention makes them), in 5 kernels where the model's launches 10. cut_kernels puts it in the
+    model's module while decoding (a forward's logits bitwise the model's own) and the module's own back after, when
+    the last of two holders lets go."""
+    import importlib
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fast.cuts import cut_kernels, rotary
+
+    module = importlib.import_module(type(lm.model.layers[0].self_attn).__module__)
+    own, ops = module.apply_rotary_pos_emb, []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.extend([] if func.is_view else [func.__name__.split(".")[0]])
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for T in (1, 5):
+            q = (torch.randn(3, T, 4, 16) * 4).to(dtype).transpose(1, 2)  # [B, H, T, D], as q_proj's view makes it
+            k = (torch.randn(3, T, 2, 16) * 4).to(dtype).transpose(1, 2)
+            pos = torch.arange(90, 90 + T) + torch.tensor([0, 37, 501])[:, None]
+            cos, sin = lm.model.rotary_emb(q, pos)
+            (q1, k1), (q2, k2) = own(q, k, cos, sin), rotary(q, k, cos, sin)
+            assert torch.equal(q1, q2) and torch.equal(k1, k2) and q2.shape == q.shape and k2.shape == k.shape
+            assert q1.dtype == q2.dtype and (q1 != 0).all()
+    q, k, (cos, sin) = q[:, :, :1], k[:, :, :1], (t[:, :1] for t in (cos, sin))  # a decoding step's one token
+    for fn in (own, rotary, rotary):  # the second call of the step's: its signed sine made once
+        ops.clear()
+        with Ops():
+            fn(q, k, cos, sin)
+        if fn is own:
+            assert len(ops) == 10 and ops.count("neg") == 2
+    assert len(ops) == 5 and "neg" not in ops
+    ids = torch.randint(0, lm.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        plain = lm(ids).logits
+        with cut_kernels(lm):
+            assert module.apply_rotary_pos_emb is not own
+            holder = torch.nn.Sequential(torch.nn.Linear(2, 2), lm.model.layers[0].self_attn)  # a second holder
+            with cut_kernels(holder):
+                pass
+            assert module.apply_rotary_pos_emb is not own
+            cut = lm(ids).logits
+            one = lm(ids[:, :1]).logits  # one token a row: the step's shape, its signed sine made once
+        assert module.apply_rotary_pos_emb is own
+        assert torch.equal(plain, cut) and torch.equal(lm(ids[:, :1]).logits, one)

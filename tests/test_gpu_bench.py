@@ -24,6 +24,11 @@ def test_gpu_checks_pass_at_toy_size_on_the_cpu(tmp_path):
         assert layouts["shared" + graphed]["pools_MiB"] < layouts["per-row" + graphed]["pools_MiB"]
     assert all("graphed uncut" in rows["roofline"][f"toy b{b} ctx{c}"] for b in (4, 16) for c in (128, 512))
     assert "ms a step" in rows["roofline"]["toy b4 ctx128 compiled"]  # measured last, after the grid
+    first = rows["roofline"]["toy b4 ctx128"]
+    assert "replays" in first and "x the eager step's before" in first
+    assert "graphed" in rows["roofline"]["toy b4 ctx128 greedy"]
+    alone = rows["roofline"]["toy b16 ctx512 alone"]  # the target point's parts, each alone
+    assert "GB/s" in alone["attention"] and "GB/s" in alone["gemms"] and "ms of the graphed step's" in alone["the rest"]
     errors = rows["share_opening"]["bf16 gradient error vs float32"]
     assert 0 < errors["whole"] < 0.1 and errors["shared"] <= 2 * errors["whole"]
     assert all(rows[c]["why"] == "needs CUDA" for c in ("flash", "kv_peak", "fsdp2", "zero3", "fsdp2_x2"))
