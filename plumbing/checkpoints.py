@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from plumbing import cli, lora, memory, shard
+from plumbing.disk import Refused, RefusedElsewhere, agreed, out_of_room, refused, save_errors
 
 
 # The files a checkpoint directory holds (save_pretrained: the model's, the tokenizer's, muarl's): the only ones ever
@@ -105,15 +106,6 @@ def save_pretrained(acc, model, tok, out: Path, run_config: dict, then: str = "r
         raise SystemExit(error[0])
 
 
-class Refused(SystemExit):
-    """A write the disk refused (`out_of_room`): the one line a program stops with (no traceback), raised on every
-    process alike where they write together. `why`: the writer's words."""
-
-    def __init__(self, line: str, why: str):
-        self.why = why
-        super().__init__(line)
-
-
 def _write_pretrained(acc, model, tok, out: Path, tmp: Path, state: dict, run_config: dict) -> str | None:
     """save_pretrained's writing, on the main process: None, or the error every process stops with."""
     import shutil
@@ -136,39 +128,6 @@ def _write_pretrained(acc, model, tok, out: Path, tmp: Path, state: dict, run_co
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return None
-
-
-# How a failed write reads when it is not an OSError: torch's zip writer (torch.save, Accelerate's save_state) raises
-# RuntimeError "[enforce fail at inline_container.cc] . unexpected pos N vs M" or "... failed writing file ..." on a
-# short write; safetensors raises its own SafetensorError with the OS's words ("No space left on device (os error 28)").
-WRITE_FAILURES = ("No space left", "write failed", "failed writing file", "unexpected pos", "Disk quota exceeded",
-                  "File too large", "Read-only file system")
-
-
-def writers_error(e: BaseException) -> BaseException:
-    """The error the writer raised: torch.distributed.checkpoint (FSDP2's sharded checkpoints) raises a
-    CheckpointException on every process alike when any process's write failed, carrying each failed one's error."""
-    failures = getattr(e, "failures", None)
-    return next(iter(failures.values()))[0] if isinstance(failures, dict) and failures else e
-
-
-def save_errors() -> tuple:
-    """What a save may raise that out_of_room reads: CheckpointException is a BaseException, not an Exception."""
-    try:
-        from torch.distributed.checkpoint.api import CheckpointException
-    except ImportError:  # a torch built without distributed
-        return Exception, Refused
-    return Exception, Refused, CheckpointException
-
-
-def out_of_room(e: BaseException) -> bool:
-    """Whether an error raised while writing means the disk refused the bytes (full, over quota, read-only, failing)."""
-    e = writers_error(e)
-    if isinstance(e, Refused):
-        return True
-    if isinstance(e, OSError) and e.errno in cli.DISK_REFUSED:
-        return True
-    return any(s in str(e) for s in WRITE_FAILURES)
 
 
 def save(acc, run, step: int) -> Path:
@@ -194,52 +153,6 @@ def save(acc, run, step: int) -> Path:
             raise
         raise refused(run.dir, f"writing the checkpoint of step {step} into {final.parent}", e,
                       "The partial copy was removed") from None
-
-
-class RefusedElsewhere(Refused):
-    """What the other processes stop with when one process's disk refused a write they made together."""
-
-    def __init__(self):
-        super().__init__("grpo.py: stopped with the process whose disk refused a write (its line says which, and how "
-                         "to go on)", "")
-
-
-def agreed(acc, work) -> None:
-    """`work()` on this process, then one collective: a write the disk refused on any process (`out_of_room`) stops
-    every process here, the one that failed with its error and the others with RefusedElsewhere, so that none is left
-    waiting at a collective the failed one never reaches. (Any other error is a bug: it is raised where it happens.)"""
-    try:
-        work()
-    except save_errors() as e:
-        if not out_of_room(e):
-            raise
-        any_failed(acc, True)
-        raise  # never kept in a local: that would keep its frames, and the files they hold open, until the garbage
-        # collector runs, and the partial copy's room with them (found on a real full disk)
-    if any_failed(acc, False):
-        raise RefusedElsewhere()
-
-
-def any_failed(acc, failed: bool) -> bool:
-    """Whether `failed` is true on any process (a collective every process must reach)."""
-    if acc.num_processes == 1:
-        return failed
-    from accelerate.utils import gather_object
-
-    return any(gather_object([failed]))
-
-
-def refused(run_dir: Path, what: str, e: BaseException, undone: str, then: str = "") -> Refused:
-    """The one line a run stops with when the disk refused a write (`out_of_room`): what failed and why, what was
-    undone, the newest checkpoint, and how to go on (`then`; by default the --resume command)."""
-    e = writers_error(e)
-    why = e.why if isinstance(e, Refused) else str(e).splitlines()[0][:200]
-    newest = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*") if not p.name.endswith(".tmp"))
-    kept = f"the newest checkpoint, {newest[-1]}, is untouched" if newest else "no checkpoint was saved before it"
-    if newest and not then and not (run_dir / "checkpoints" / newest[-1] / "accelerate").is_dir():  # weights only
-        then = f"train on from its weights in a new run: --init-from {run_dir / 'checkpoints' / newest[-1] / 'model'}"
-    return Refused(f"grpo.py: {what} failed: {why} (is the disk full or read-only?). {undone}; {kept}. Make room, "
-                   f"then: {then or f'accelerate launch grpo.py --resume {run_dir}'}", why)
 
 
 def _save(acc, run, step: int, final: Path, tmp: Path) -> Path:

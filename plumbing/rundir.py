@@ -13,7 +13,7 @@ import shutil
 import time
 from pathlib import Path
 
-from plumbing import checkpoints, cli, stopping
+from plumbing import checkpoints, cli, disk, stopping
 
 # What --resume lets a user change: how the run reaches its user simulator and how it reports and saves; none of it
 # changes the algorithm. A dead endpoint can be replaced on resume, under another model name if the new server
@@ -220,7 +220,7 @@ def open_run(acc, run_dir: Path, config: dict, resume_step: int | None, changes:
                 f.write(json.dumps({"step": resume_step, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                                     "changed": changes}) + "\n")
         except OSError as e:
-            if not checkpoints.out_of_room(e):
+            if not disk.out_of_room(e):
                 raise
             raise SystemExit(f"grpo.py: --resume: cannot rewrite the logs of {run_dir}: {e.strerror or e} (is the "
                              f"disk full or read-only?). The logs and checkpoints are as they were. Make room, then "
@@ -240,28 +240,28 @@ def open_run(acc, run_dir: Path, config: dict, resume_step: int | None, changes:
 
 @contextlib.contextmanager
 def refusals(run_dir: Path, what: str, undone: str, then: str = ""):
-    """A write the disk refuses inside (full, over quota, read-only: `checkpoints.out_of_room`) stops the run in one
+    """A write the disk refuses inside (full, over quota, read-only: `disk.out_of_room`) stops the run in one
     line naming what was written, what was undone, the newest checkpoint and what to run then."""
     try:
         yield
     except Exception as e:  # OSError, or a writer's own words for it
-        if not checkpoints.out_of_room(e):
+        if not disk.out_of_room(e):
             raise
-        raise checkpoints.refused(run_dir, what, e, undone, then) from None
+        raise disk.refused(run_dir, what, e, undone, then) from None
 
 
 @contextlib.contextmanager
 def together(acc):
     """Around writes only the main process makes, reached by every process: a write the disk refused there (a
-    `checkpoints.Refused`) stops every process here in one line each, not the others at their next collective (the
-    agreement of checkpoints.agreed)."""
+    `disk.Refused`) stops every process here in one line each, not the others at their next collective (the
+    agreement of disk.agreed)."""
     try:
         yield
-    except checkpoints.Refused:
-        checkpoints.any_failed(acc, True)
+    except disk.Refused:
+        disk.any_failed(acc, True)
         raise
-    if checkpoints.any_failed(acc, False):
-        raise checkpoints.RefusedElsewhere()
+    if disk.any_failed(acc, False):
+        raise disk.RefusedElsewhere()
 
 
 @contextlib.contextmanager

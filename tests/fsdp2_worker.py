@@ -282,7 +282,7 @@ def checkpoint(acc, mesh, tok, out_dir):
 
 def refused(acc, mesh, tok, out_dir):
     """Process 1's disk refuses its shard while FSDP2's sharded checkpoint is written (torch.distributed.checkpoint):
-    what checkpoints.agreed raises on each process, and the line checkpoints.refused makes of it."""
+    what disk.agreed raises on each process, and the line disk.refused makes of it."""
     import errno
     from pathlib import Path
 
@@ -290,7 +290,7 @@ def refused(acc, mesh, tok, out_dir):
     from accelerate.utils import save_fsdp_model
     from torch.distributed.checkpoint import filesystem
 
-    from plumbing import checkpoints
+    from plumbing import disk
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
     cli.sharded_checkpoints(plugin)
@@ -302,9 +302,9 @@ def refused(acc, mesh, tok, out_dir):
 
         filesystem.FileSystemWriter.write_data = full
     try:
-        checkpoints.agreed(acc, lambda: save_fsdp_model(plugin, acc, policy, out_dir))
+        disk.agreed(acc, lambda: save_fsdp_model(plugin, acc, policy, out_dir))
     except BaseException as e:
-        line = checkpoints.refused(Path(out_dir), "writing the checkpoint", e, "The partial copy was removed")
+        line = disk.refused(Path(out_dir), "writing the checkpoint", e, "The partial copy was removed")
         return {"raised": type(e).__name__, "line": str(line.code)}
     return {"raised": None}
 

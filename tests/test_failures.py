@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from plumbing import cli, coldstart, models, options
+from plumbing import cli, coldstart, disk, models, options
 import eval as evaluation
 import grpo
 import sft
@@ -1704,11 +1704,11 @@ def test_the_disk_line_of_a_weights_only_run_names_a_new_run_from_its_weights(tm
     from plumbing import checkpoints
 
     (tmp_path / "checkpoints" / "step-000004" / "model").mkdir(parents=True)
-    line = str(checkpoints.refused(tmp_path, "writing x", OSError(errno.ENOSPC, "No space left on device"), "Undone").code)
+    line = str(disk.refused(tmp_path, "writing x", OSError(errno.ENOSPC, "No space left on device"), "Undone").code)
     assert line.endswith(f"the newest checkpoint, step-000004, is untouched. Make room, then: train on from its "
                          f"weights in a new run: --init-from {tmp_path}/checkpoints/step-000004/model"), line
     (tmp_path / "checkpoints" / "step-000004" / "accelerate").mkdir()
-    line = str(checkpoints.refused(tmp_path, "writing x", OSError(errno.ENOSPC, "No space left on device"), "Undone").code)
+    line = str(disk.refused(tmp_path, "writing x", OSError(errno.ENOSPC, "No space left on device"), "Undone").code)
     assert line.endswith(f"Make room, then: accelerate launch grpo.py --resume {tmp_path}"), line
 
 
@@ -1758,13 +1758,13 @@ def test_a_full_disk_while_a_model_is_written_removes_the_partial_copy_and_stops
     data = tmp_path / "data.jsonl"
     data.write_text(conv(U, A) + "\n")
     out = tmp_path / "sft"
-    with pytest.raises(checkpoints.Refused, match=rf"^writing {re.escape(str(out))} failed: \[Errno 28\] No space left "
+    with pytest.raises(disk.Refused, match=rf"^writing {re.escape(str(out))} failed: \[Errno 28\] No space left "
                        r"on device \(is the disk full or read-only\?\)\. The partial copy was removed; make room, "
                        r"then run the same command again$"):
         sft.main(["--model", str(ckpt), "--data", str(data), "--out", str(out), "--batch-size", "1"])
     assert not out.exists() and not (tmp_path / "sft.tmp").exists()
     kept = tmp_path / "kept.jsonl"  # the data was written before the model: the line says to train from it
-    with pytest.raises(checkpoints.Refused, match=rf"make room, then train from the data written: --data "
+    with pytest.raises(disk.Refused, match=rf"make room, then train from the data written: --data "
                        rf"{re.escape(str(kept))}$"):
         sft.main(["--model", str(ckpt), "--data", str(data), "--data-out", str(kept), "--out", str(out),
                   "--batch-size", "1"])
@@ -1883,12 +1883,12 @@ def test_the_writers_own_words_for_a_refused_write_are_recognised(tmp_path):
     fail for real (a file-size limit in a child process, what a full disk does to a write) and must read as a disk
     that refused the bytes."""
     code = ("import resource, signal, sys, torch; from safetensors.torch import save_file; "
-            "from plumbing import checkpoints; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "from plumbing import disk; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
             "resource.setrlimit(resource.RLIMIT_FSIZE, (100000, 100000))\n"
             "for name, write in (('torch', lambda p: torch.save({'w': torch.zeros(100000)}, p)), "
             "('safetensors', lambda p: save_file({'w': torch.zeros(100000)}, p))):\n"
             "    try:\n        write(sys.argv[1] + '/' + name)\n        print(name, 'wrote')\n"
-            "    except Exception as e:\n        print(name, checkpoints.out_of_room(e), type(e).__name__, str(e)[:120])\n")
+            "    except Exception as e:\n        print(name, disk.out_of_room(e), type(e).__name__, str(e)[:120])\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=root, capture_output=True, text=True,
                          timeout=120)
@@ -1931,10 +1931,10 @@ def test_cutting_a_log_on_a_full_disk_changes_nothing_and_leaves_nothing(tmp_pat
     log.write_text("".join(json.dumps({"step": s, "text": "x" * 2000}) + "\n" for s in range(1, 101)))
     (tmp_path / "episodes.jsonl.cut").write_text('{"step": 7}\n')
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    code = ("import resource, signal, sys; from pathlib import Path; from plumbing import checkpoints, rundir; "
+    code = ("import resource, signal, sys; from pathlib import Path; from plumbing import disk, rundir; "
             "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (50000, 50000))"
             "\ntry:\n    rundir.cut_log(Path(sys.argv[1]), 60)\nexcept OSError as e:\n"
-            "    print('refused', checkpoints.out_of_room(e))\n")
+            "    print('refused', disk.out_of_room(e))\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code, str(log)], cwd=root, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "refused True", out.stdout + out.stderr

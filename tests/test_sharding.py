@@ -101,7 +101,7 @@ def test_fsdp2_checkpoints_are_written_by_every_process_and_gathered_on_the_writ
 @pytest.mark.versions
 def test_fsdp2_a_shard_one_processs_disk_refuses_stops_every_process_at_the_same_place_in_one_line(tmp_path):
     """Process 1's disk refuses its shard of an FSDP2 checkpoint: torch.distributed.checkpoint raises on both
-    processes alike (a CheckpointException, a BaseException), which checkpoints.agreed takes for a refused write on
+    processes alike (a CheckpointException, a BaseException), which disk.agreed takes for a refused write on
     each, and the line names process 1's own error, not the exception's wrapper."""
     main, other = run_worker("refused", tmp_path, 29565)
     assert main["raised"] == other["raised"] == "CheckpointException"
