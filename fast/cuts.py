@@ -10,6 +10,7 @@ step as the model writes it (bench/gpu.py times both).
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import inspect
@@ -46,26 +47,32 @@ def _fused_norm(norm):
     return forward
 
 
-# Llama's rotary embedding (Qwen2's, Qwen3's, Mistral's copy it), the body of its module's apply_rotary_pos_emb and
-# rotate_half: only a module whose two functions end in this code gets the cut
-ROTARY_BODY = """    cos = cos.unsqueeze(unsqueeze_dim)
+# Llama's rotary embedding (Qwen2's, Qwen3's, Mistral's copy it): only a module whose apply_rotary_pos_emb and
+# rotate_half are this code (their signatures and statements; docstrings and decorators aside) gets the cut
+ROTARY = """def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
     q_embed = (q * cos) + (rotate_half(q) * sin)
     k_embed = (k * cos) + (rotate_half(k) * sin)
     return q_embed, k_embed
 """
-ROTATE_HALF_BODY = """    x1 = x[..., : x.shape[-1] // 2]
+ROTATE_HALF = """def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
     x2 = x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
 """
 _ROTARY: dict[str, list] = {}  # module name -> [its own apply_rotary_pos_emb, how many holders have it cut]
 
 
-def _ends_in(fn, body: str) -> bool:
+def _written_as(fn, reference: str) -> bool:
+    """Whether function `fn` is `reference`'s code: the same arguments and statements (its docstring aside)."""
+    def core(f) -> tuple:
+        return ast.dump(f.args), [ast.dump(s) for s in f.body[ast.get_docstring(f) is not None:]]
     try:
-        return textwrap.dedent(inspect.getsource(fn)).endswith(body)
-    except (OSError, TypeError):
+        mine = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
         return False
+    return isinstance(mine, ast.FunctionDef) and core(mine) == core(ast.parse(reference).body[0])
 
 
 def _llama_rotary(module) -> bool:
@@ -74,7 +81,7 @@ def _llama_rotary(module) -> bool:
 
 @functools.cache
 def _is_llama_rotary(apply, rotate) -> bool:
-    return _ends_in(apply, ROTARY_BODY) and _ends_in(rotate, ROTATE_HALF_BODY)
+    return _written_as(apply, ROTARY) and _written_as(rotate, ROTATE_HALF)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1):
@@ -91,7 +98,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 def _rotary_for(name: str, q, k, cos, sin, unsqueeze_dim: int = 1):
     """`rotary` in place of module `name`'s apply_rotary_pos_emb; the module's own where the layout is another."""
     if q.dim() != 4 or k.dim() != 4 or unsqueeze_dim != 1 or q.dtype != k.dtype or q.shape[2:] != k.shape[2:]:
-        return _ROTARY[name][0](q, k, cos, sin, unsqueeze_dim)
+        return _ROTARY[name][0](q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
     return rotary(q, k, cos, sin)
 
 
@@ -108,18 +115,20 @@ def cut_kernels(model, on: bool = True):
     names = sorted({type(m).__module__ for m in model.modules()}) if mine else []
     modules = [sys.modules[n] for n in names if n in sys.modules and (n in _ROTARY or _llama_rotary(sys.modules[n]))]
     _HELD.update({id(model): model} if mine else {})
+    cut = []  # the modules whose rotary this call swapped (put back after, whatever raised)
     try:
         for m in norms:
             m.forward = _fused_norm(m)
         for module in modules:
             held = _ROTARY.setdefault(module.__name__, [module.apply_rotary_pos_emb, 0])
             held[1] += 1
+            cut.append(module)
             module.apply_rotary_pos_emb = functools.partial(_rotary_for, module.__name__)
         yield
     finally:
         for m in norms:
             vars(m).pop("forward", None)
-        for module in modules:
+        for module in cut:
             held = _ROTARY[module.__name__]
             held[1] -= 1
             if not held[1]:
@@ -129,22 +138,25 @@ def cut_kernels(model, on: bool = True):
             del _HELD[id(model)]
 
 
-_ONCE: list = []  # (key, value) of the last few `once` calls
+_ONCE: list = []  # (key, value) of the last few `once` calls, the most recently used last
+ONCE_KEPT = 16
 
 
 def once(key: tuple, make):
     """make(), made once for `key`, objects compared by identity: a decoding step hands every layer the same mask
     object, so what is made of it (the grouped attention's additive mask, the openings' masks and biases) is made
-    at the first layer and read by the others. The last 8 are kept (a step's masks, not a rollout's); a prefill's
-    (a mask of several queries a row, key[0]) is made anew in every layer: large, and kept it would outlive its
-    forward into the next chunk's."""
+    at the first layer and read by the others. The ONCE_KEPT most recently used are kept (a step's masks, not a
+    rollout's: what every layer reads stays, whatever a layer makes anew); a prefill's (a mask of several queries a
+    row, key[0]) is made anew in every layer: large, and kept it would outlive its forward into the next chunk's."""
     if key[0].shape[-2] > 1:
         return make()
-    for k, value in _ONCE:
+    for i, (k, value) in enumerate(_ONCE):
         if len(k) == len(key) and all(a is b for a, b in zip(k, key)):
+            _ONCE.append(_ONCE.pop(i))
             return value
-    _ONCE.append((key, make()))
-    del _ONCE[:-8]
-    return _ONCE[-1][1]
+    value = make()
+    _ONCE.append((key, value))
+    del _ONCE[:-ONCE_KEPT]
+    return value
 
 

@@ -727,6 +727,7 @@ def test_a_decoding_step_calls_each_norm_once_and_makes_its_mask_once(lm, tiny_t
     assert not any(fused())
 
 
+@pytest.mark.versions  # (the model's code is transformers': 5.17's too, the GPU machines')
 def test_the_rotary_cut_is_the_models_rotary_bitwise_in_half_the_kernels(lm):
     """cuts.rotary: the queries and keys rotated as one tensor, rotate_half's sign carried by the sine made once a
     step: bitwise the model's apply_rotary_pos_emb (float32 and bf16, one token and several, the queries and keys
@@ -778,3 +779,44 @@ def test_the_rotary_cut_is_the_models_rotary_bitwise_in_half_the_kernels(lm):
             one = lm(ids[:, :1]).logits  # one token a row: the step's shape, its signed sine made once
         assert module.apply_rotary_pos_emb is own
         assert torch.equal(plain, cut) and torch.equal(lm(ids[:, :1]).logits, one)
+
+
+def _rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rotary_cast_first(q, k, cos, sin, unsqueeze_dim=1):
+    q, k = q.float(), k.float()  # a preamble: another computation, whatever follows
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)  # noqa: F821
+    k_embed = (k * cos) + (rotate_half(k) * sin)  # noqa: F821
+    return q_embed, k_embed
+
+
+def test_once_keeps_what_every_layer_reads_and_the_rotary_cut_takes_only_llamas_code():
+    """cuts.once keeps the most recently used: the step's signed sine, read by every layer, is made once however many
+    other things the layers make anew (with several sizes of slot each layer slices its mask per tier: a new key per
+    tier and layer, which pushed the sine out of a first-in-first-out list of 8). A module whose rotary differs from
+    Llama's anywhere (here a cast before the same statements) keeps its own."""
+    import types
+
+    from fast import cuts
+
+    cuts._ONCE.clear()
+    shared, made = torch.zeros(1, 1), []
+    for _ in range(40):
+        cuts.once((shared, "signed"), lambda: made.append(1) or torch.ones(1))
+        for tier in range(3):
+            cuts.once((torch.zeros(1, 1), tier), lambda: torch.ones(1))
+    assert len(made) == 1
+    cuts._ONCE.clear()
+    llama = types.SimpleNamespace(apply_rotary_pos_emb=cuts.rotary, rotate_half=_rotate_half)
+    assert not cuts._llama_rotary(llama)  # (cuts.rotary is not Llama's code either)
+    import transformers.models.qwen3.modeling_qwen3 as qwen3
+    assert cuts._llama_rotary(types.SimpleNamespace(apply_rotary_pos_emb=qwen3.apply_rotary_pos_emb,
+                                                    rotate_half=_rotate_half))
+    assert not cuts._llama_rotary(types.SimpleNamespace(apply_rotary_pos_emb=_rotary_cast_first,
+                                                        rotate_half=_rotate_half))
