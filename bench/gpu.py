@@ -136,11 +136,13 @@ def greedy_turns_end(model, tok, env, tasks, rate: float = 1 / 12) -> None:
     w[eot] += (c * u / (u @ u)).to(w.dtype)
 
 
-def sampled_turns_end(model, tok, env, tasks, mean_turn: float = 12.0) -> None:
+def sampled_turns_end(model, tok, env, tasks, mean_turn: float = 12.0, tail: int | None = 200) -> None:
     """As greedy_turns_end, for sampling at temperature 1: turns average ~mean_turn tokens (bench/rollout.py's
-    end_turns_sooner). For the training check,
+    end_turns_sooner), fitted after the openings' last `tail` tokens (None: the whole openings, at the positions
+    where the episodes decode: a fit at positions 0-263 does not hold at 4,000). For the training check,
     whose episodes are sampled and score only when the dialogue ends."""
-    bench_rollout().end_turns_sooner(model, tok, [o[-200:] for o in openings(tok, env, tasks[:4])], mean_turn)
+    contexts = [o[-tail:] if tail else o for o in openings(tok, env, tasks[:4])]
+    bench_rollout().end_turns_sooner(model, tok, contexts, mean_turn)
 
 
 def bench_rollout(name: str = "rollout"):
@@ -252,6 +254,7 @@ def engine(model, tok, env, tasks, device):
     def with_(**kw):
         return RolloutConfig(**{**base.__dict__, **kw})
 
+    where = str(pool_module._compute_dtype_device(model)[1])  # the kept pool's key: the weights' device, "cuda:0"
     for name, cfg, user in (("all", base, sim), ("uncut", base, sim), ("max_batch 2", with_(max_batch=2), sim),
                             ("parked", with_(max_batch=2, park_device="cpu"), sim),
                             ("prefill chunks", with_(prefill_tokens=256), sim), ("slow user", base, slow),
@@ -266,11 +269,13 @@ def engine(model, tok, env, tasks, device):
         figs[name] = f"{same}/{len(ref)} equal"
         ok &= same == len(ref)
         if name.startswith("graphed"):  # what keeping the pool saves: the first rollout captures, the next replays
-            steps = pool_module._KEPT[str(device)].graphs
+            steps = pool_module._KEPT[where].graphs
             figs[f"{name}: time"] = (f"{time.perf_counter() - t:.2f} s, {len(steps.buckets)} buckets, {steps.replays} "
                                      f"replays{', failed: ' + steps.failed[:80] if steps.failed else ''}")
+        PROGRESS(figs)
 
-    pool_module._KEPT.clear()  # the kept pool let go: later checks measure their own memory
+    for tag in ("", ":openings"):  # the kept pools and their graphs let go: later checks measure their own memory
+        pool_module.let_go(model, tag)
     blocks = [b for free in pool_module._HOST_BLOCKS.values() for b in free]
     pinned = sum(b.is_pinned() and b.data_ptr() % 4096 == 0 for b in blocks)  # cudaHostRegister'd in place
     figs["parked host blocks"] = f"{len(blocks)}, {pinned} page-aligned and page-locked"
@@ -974,7 +979,7 @@ def decode_layouts(tok, device, shape: str, opening: int, context: int, group: i
     first = len(openings(tok, plain, [task])[0])
     env = bench_rollout().KeepTalking(Padded(plain, max(0, round((opening - first) / per_word))))
     tasks = env.tasks("train")[:1]
-    sampled_turns_end(model, tok, env, tasks, 40)
+    sampled_turns_end(model, tok, env, tasks, 40, tail=None)
     n = len(openings(tok, env, tasks)[0])
     base = dict(temperature=1.0, max_new_tokens=256, max_turns=400, max_context=context)
     half = (context - n) // 2 + 256 + 2
@@ -983,10 +988,18 @@ def decode_layouts(tok, device, shape: str, opening: int, context: int, group: i
                "sized": cfg(**base, decode_share_opening=True, decode_slots=f"{group // 2}x{half},{group}x{context}"),
                "per-row graphed": cfg(**base, decode_graphs="on"),
                "shared graphed": cfg(**base, decode_share_opening=True, decode_graphs="on")}
-    out = op.compare(model, tok, env, tasks, group, layouts, rounds=1, log=lambda line: print(f"[gpu] {line}"))
+    lines = []
+
+    def log(line):  # each layout's round as it ends, kept in the report should the command be cut off
+        print(f"[gpu] {line}", flush=True)
+        lines.append(line)
+        PROGRESS({"rounds": lines})
+
+    out = op.compare(model, tok, env, tasks, group, layouts, rounds=1, log=log)
     bandwidth = copy_bandwidth(device, (64 if device.type == "cpu" else 2048) << 20)
     weights = sum(q.numel() * q.element_size() for q in model.parameters())
-    figs = {"opening_tokens": n, "copy_GB_per_s": round(bandwidth / 1e9, 1), "same_episodes": out["same"]}
+    figs = {"opening_tokens": n, "copy_GB_per_s": round(bandwidth / 1e9, 1), "same_episodes": out["same"],
+            "graphs_failed": {k: out[k]["graphs_failed"] for k in layouts if out[k]["graphs_failed"]} or None}
     for name in layouts:
         f = out[name]
         bound = (weights + f["read"]) / bandwidth  # seconds a decoding step of `group` rows, at best

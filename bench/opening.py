@@ -94,14 +94,18 @@ def compare(model, tok, env, tasks, group: int, layouts: dict, rounds: int, log=
 
     cfg = model.config
     per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * next(model.parameters()).itemsize
-    seen = dict(rows=0, groups=0, steps=0)
+    # steps, the columns the rows read, each group's opening once: counted on the device, never read back while a
+    # rollout runs (a host read would sync every step, and inside a CUDA graph's capture it is refused): a graphed
+    # step's counting is captured with it and replayed with it (a bucket's first step, run eagerly before its
+    # capture and replayed after, is counted twice)
+    counts = torch.zeros(3, dtype=torch.long, device=model.device)
 
     def count(module, a, kw):  # a decoding step: the columns each row reads, and each group's opening once
         if kw["input_ids"].shape[1] == 1:
-            seen["steps"] += 1
-            seen["rows"] += int(kw["attention_mask"].sum())
+            counts[0] += 1
+            counts[1] += kw["attention_mask"].sum()
             if decode._OPENINGS and decode._OPENINGS[-1] is not None:
-                seen["groups"] += int(decode._OPENINGS[-1][2].lengths.sum())
+                counts[2] += decode._OPENINGS[-1][2].lengths.sum()
 
     hook = model.get_decoder().register_forward_pre_hook(count, with_kwargs=True)
     held, real_init = [], pools.SlotPool.__init__
@@ -111,7 +115,7 @@ def compare(model, tok, env, tasks, group: int, layouts: dict, rounds: int, log=
         held.append(self)
 
     def play(c, seed, turns=None):
-        seen.update(rows=0, groups=0, steps=0)
+        counts.zero_()
         held.clear()
         c = RolloutConfig(**{**c.__dict__, **({"max_turns": turns} if turns else {})})
         for p in pools._KEPT.values():  # each layout's own pools, made in its play (the graphed step captures in
@@ -129,21 +133,23 @@ def compare(model, tok, env, tasks, group: int, layouts: dict, rounds: int, log=
         finally:
             pools.SlotPool.__init__ = real_init
         nbytes = sum(b.numel() * b.element_size() for p in held for b in p.k + p.v)
-        return eps, dt, nbytes, (seen["rows"] + seen["groups"]) * per_token / max(1, seen["steps"]), seen["steps"]
+        steps, rows, groups = counts.tolist()
+        failed = next((p.graphs.failed for p in held if getattr(p, "graphs", None) and p.graphs.failed), None)
+        return eps, dt, nbytes, (rows + groups) * per_token / max(1, steps), steps, failed
 
     try:
         for c in layouts.values():  # warm-up
             play(c, 0, turns=2)
-        figures = {k: {"tok_s": [], "held": 0, "read": 0, "steps": 0} for k in layouts}
+        figures = {k: {"tok_s": [], "held": 0, "read": 0, "steps": 0, "graphs_failed": None} for k in layouts}
         same = True
         for r in range(rounds):
             out = {}
             for name in (layouts if r % 2 == 0 else reversed(list(layouts))):
-                eps, dt, nbytes, read, steps = out[name] = play(layouts[name], 1 + r)
+                eps, dt, nbytes, read, steps, failed = out[name] = play(layouts[name], 1 + r)
                 toks, lens = sum(e.gen_tokens for e in eps), sorted(len(e.input_ids) for e in eps)
                 f = figures[name]
                 f["tok_s"].append(toks / dt)
-                f.update(held=nbytes, read=read, steps=steps)
+                f.update(held=nbytes, read=read, steps=steps, graphs_failed=failed)
                 log(f"round {r} {name:8s} {dt:7.1f} s {toks:7d} tokens {toks / dt:8.1f} tok/s; episodes of "
                     f"{lens[0]}/{lens[len(lens) // 2]}/{lens[-1]} tokens (min/median/max); pools hold "
                     f"{nbytes / 2**20:.1f} MiB; a decoding step reads {read / 2**20:.2f} MiB of cache")
