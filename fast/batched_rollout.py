@@ -86,8 +86,8 @@ class RolloutConfig(Sampling):
     ~1.1x a rollout after a compile of 10-45 s, bench/README.md)"""
     decode_graphs: str = "off"
     """'on': the decoding step over fixed buffers by bucket of rows and columns (graphs.py), captured as CUDA graphs
-    on a GPU and replayed, run eagerly on the CPU (the same tokens); 'auto': on a GPU only; 'off' (the default until it
-    is timed on a GPU: bench/gpu.py)"""
+    on a GPU and replayed, run eagerly on the CPU (the same tokens); 'auto': on a GPU only; 'off' (the default until
+    its tokens and memory through a real run are checked on a GPU; timed on an H200: bench/README.md)"""
     decode_share_opening: bool = False
     """hold each group's opening once, in a pool of its own, and let its rows' slots hold only what follows it: the
     opening's keys and values are read once per group a decoding step (opening.opening_attention, with

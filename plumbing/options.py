@@ -51,7 +51,8 @@ class SamplingOptions:
     decode_graphs: str = "off"
     """the decoding step over fixed buffers, captured as CUDA graphs and replayed (fast/graphs.py): 'on', 'off', or
     'auto' (on a GPU only; on the CPU 'on' runs the same body eagerly); where a capture fails it warns once and
-    decodes eagerly. Off by default until it is timed on a GPU (bench/gpu.py)"""
+    decodes eagerly. Off by default: timed on an H200 (2.2x the eager step at Qwen3-8B's shape, batch 16, 8k;
+    bench/README.md), its tokens and memory through a real run not yet checked on a GPU"""
     decode_share_opening: bool = False
     """hold a group's opening (system prompt, tools, first user message) once while its episodes decode, each
     episode's KV cache only what follows it, the opening read once per group a step (opening.opening_attention; with
