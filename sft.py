@@ -188,7 +188,7 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None, record: d
     out = Path(cfg.out)
     checkpoints.save_pretrained(acc, model, tok, out, {"sft": asdict(cfg), **(record or {})},
                                 f"train from the data written: --data {cfg.data_out}" if cfg.data_out else
-                                "run the same command again")
+                                "run the same command again", program="sft.py")
     acc.print(f"[sft] checkpoint written to {out}")
     return out
 
@@ -349,7 +349,7 @@ def pretrain_tiny(cfg: SFTConfig, committed: bool = True) -> Path:
         acc.print(f"[pretrain] stopped at --pretrain-max-steps {cfg.pretrain_max_steps} with copy loss {loss:.3f} "
                   f"above the target {cfg.pretrain_target}: the cold start will copy values badly")
     drilled = out.with_name(out.name + "-drills")
-    checkpoints.save_pretrained(acc, model, tok, drilled, {})
+    checkpoints.save_pretrained(acc, model, tok, drilled, {}, program="sft.py")
     del model, opt
     talk = [c for i, (store, part) in enumerate(BASE_STORES.items()) for c in make_cold_start(replace(
         cfg, env=store, teacher="expert", user_sim="scripted", seed=cfg.seed + 1 + i,

@@ -76,11 +76,13 @@ def check_out(out: str, overwrite: bool | None, program: str = "sft.py", option:
                          + f"another {option}")
 
 
-def save_pretrained(acc, model, tok, out: Path, run_config: dict, then: str = "run the same command again") -> None:
+def save_pretrained(acc, model, tok, out: Path, run_config: dict, then: str = "run the same command again",
+                    program: str = "grpo.py") -> None:
     """A Hugging Face checkpoint (safetensors + tokenizer + the run config), written beside `out` and renamed into
     place: a crash never leaves half a checkpoint. An existing `out` is replaced only when it holds nothing but a
     checkpoint's files; otherwise the new checkpoint is left beside it, and the error says where. A full disk
-    removes the partial copy and stops every process in one line (Refused) ending with `then`."""
+    removes the partial copy and stops every process: the main one in one line (Refused) ending with `then`, the
+    others saying they stopped with it (RefusedElsewhere: inside a checkpoint's save, not taken for their own)."""
     import shutil
 
     out = Path(out)
@@ -99,11 +101,14 @@ def save_pretrained(acc, model, tok, out: Path, run_config: dict, then: str = "r
         error[0] = ("refused", str(e).splitlines()[0][:200])
     if acc.num_processes > 1:
         broadcast_object_list(error)  # every process stops with the main one
+    if isinstance(error[0], tuple) and not acc.is_main_process:
+        raise RefusedElsewhere(program)
     if isinstance(error[0], tuple):
         raise Refused(f"writing {out} failed: {error[0][1]} (is the disk full or read-only?). The partial copy was "
                       f"removed; make room, then {then}", error[0][1])
     if error[0]:
-        raise SystemExit(error[0])
+        raise SystemExit(error[0] if acc.is_main_process else f"{program}: stopped with the main process, which did "
+                         f"not replace {out} (its line says why)")
 
 
 def _write_pretrained(acc, model, tok, out: Path, tmp: Path, state: dict, run_config: dict) -> str | None:

@@ -57,9 +57,9 @@ def out_of_room(e: BaseException) -> bool:
 class RefusedElsewhere(Refused):
     """What the other processes stop with when one process's disk refused a write they made together."""
 
-    def __init__(self):
-        super().__init__("grpo.py: stopped with the process whose disk refused a write (its line says which, and how "
-                         "to go on)", "")
+    def __init__(self, program: str = "grpo.py"):
+        super().__init__(f"{program}: stopped with the process whose disk refused a write (its line says which, and "
+                         "how to go on)", "")
 
 
 def agreed(acc, work) -> None:

@@ -292,6 +292,7 @@ CHECKPOINT_FILLS = {
     "the main's states": (0, "accelerate:Accelerator.save_state", 29523),  # its model, optimizer and RNG state
     "the other's states": (1, "accelerate:Accelerator.save_state", 29524),  # its RNG state
     "the main's last files": (0, "plumbing.checkpoints:finish", 29525),  # trainer_state.json, rename, latest.json
+    "the main's model": (0, "plumbing.checkpoints:_write_pretrained", 29526),  # the weights and tokenizer
 }
 
 
