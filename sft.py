@@ -1,5 +1,6 @@
-"""sft.py: cold-start SFT on multi-turn tool-use conversations (the conversations: coldstart.py), the `tiny` base's
-pretraining, and the cached cold start grpo.py makes for `tiny` when it is given none.
+"""sft.py: cold-start SFT on multi-turn tool-use conversations (made: plumbing/coldstart.py; read from a file:
+plumbing/conversations.py), the `tiny` base's pretraining, and the cached cold start grpo.py makes for `tiny` when it
+is given none.
 
 The paper fine-tunes on ~2,000 multi-turn trajectories before RL. Here the conversations are JSONL lines in
 OpenAI format, {"messages": [...], "tools": [...]}, tokenized exactly as the rollout tokenizes an episode
@@ -31,8 +32,10 @@ import torch
 
 from plumbing import checkpoints, cli, lora, memory, models, shard
 from plumbing.cli import SEEDS, Range
-from plumbing.coldstart import (NothingFits, Untokenizable, check_data_out, copy_loss, drills, encode, length_limit,
-                                load_conversations, make_cold_start, nothing_fits, teacher_data, windows)
+from plumbing import coldstart
+from plumbing.coldstart import (NothingFits, Untokenizable, copy_loss, drills, encode, length_limit, make_cold_start,
+                                nothing_fits, teacher_data, windows)
+from plumbing.conversations import check_data_out, load_conversations
 from envs import make_env
 from envs.shop_tasks import SIBLINGS, relabel_goods
 from fast.logprobs import token_logprobs
@@ -201,7 +204,7 @@ def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_co
     `tiny`: from its base (`pretrain_tiny`), on models.TINY_COLD_START's tasks and drills, with the dynamic user and
     one who says its wishes unasked (`cold_start_users`). The committed one (COMMITTED_COLD) when its settings and
     its very conversations are these; else made once and cached under MUARL_CACHE, keyed by them and its code."""
-    store, users = cold_start_users(env) if model == "tiny" else (env, "")
+    store, users = coldstart.cold_start_users(env) if model == "tiny" else (env, "")
     # The GRPO run's precision: Accelerate keeps one process-wide state, so an SFT inside it cannot ask for another.
     cfg = SFTConfig(model=model, env=store, split=split, seed=seed, bf16=bf16, teacher_skips_confirm=skips_confirm,
                     teacher_skips_ask=skips_ask, teacher_skips_status=skips_status, teacher_users=users,
@@ -223,7 +226,7 @@ def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_co
         return str(COMMITTED_COLD)
     if maybe_committed:  # the same settings, other conversations: the domain changed since it was committed
         models.check_cache("grpo.py")
-    out = models.CACHE_DIR / f"coldstart-{store.replace(':', '-')}-{model}-{cache_key(settings)}"
+    out = models.CACHE_DIR / f"coldstart-{store.replace(':', '-')}-{model}-{models.cache_key(settings)}"
     if (out / "config.json").exists():
         cli.main_print(f"[grpo] cold start: using the cached SFT checkpoint {out}")
         return str(out)
@@ -236,37 +239,12 @@ def cold_start(model: str, env: str, split: str, seed: int, bf16: bool, skips_co
     return str(out)
 
 
-def cold_start_users(env: str) -> tuple[str, str]:
-    """The tiny cold start's store and procedure (--env without its user and without ':default': every arm of
-    bench/ablation.py starts from one cold start), and its teacher's users: the dynamic user on 3 of every 4 tasks, on
-    the fourth the user who says its wish unasked (told; static for a static run), so that the cold start can talk to
-    either (bench/README.md, try 11)."""
-    from envs.shop import USERS
-
-    parts = env.split(":")
-    other = "static" if "static" in parts else "told"
-    return ":".join(p for p in parts if p not in USERS and p != "default"), f"dynamic:3,{other}:1"
-
-
 COLD_START_KEYS = ("env split seed bf16 teacher_skips_confirm teacher_skips_ask teacher_skips_status teacher_users "
                    "num_tasks copy_drills epochs lr batch_size warmup_steps grad_clip weight_decay").split()
 # The committed cold start, grpo.py's default start (`./run python sft.py --cold-start-out assets/tiny-cold --overwrite
 # --teacher-skips-confirm C --teacher-skips-ask A --teacher-skips-status S`, grpo.py's --cold-start-skips-*, rebuilds
 # it).
 COMMITTED_COLD = Path(__file__).resolve().parent / "assets" / "tiny-cold"
-
-
-# What a cached base or cold start depends on besides envs/ (tokens, tokenizer, model, data, SFT loop, options ...).
-CACHED_CODE = (*(f"{m}.py" for m in ("toolcall", "muarl", "sft", "loss", "rollout")),
-               *(f"fast/{m}.py" for m in ("logprobs", "batched_rollout", "engine", "decode")),
-               *(f"plumbing/{m}.py" for m in ("models", "coldstart", "shard", "cli", "options", "lora", "checkpoints")))
-
-
-def cache_key(settings: dict) -> str:
-    """A key for a cached checkpoint: its settings and the code that makes it (CACHED_CODE): never another's."""
-    here = Path(__file__).resolve().parent
-    code = b"".join(p.read_bytes() for p in [*(here / f for f in CACHED_CODE), *sorted((here / "envs").glob("*.py"))])
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode() + code).hexdigest()[:10]
 
 
 # The committed base (`./run python sft.py --pretrain-only --base-out assets/tiny-base --overwrite` rebuilds it).
@@ -308,7 +286,7 @@ def pretrain_tiny(cfg: SFTConfig, committed: bool = True) -> Path:
     made = COMMITTED_BASE / "muarl_config.json"
     if committed and made.exists() and json.loads(made.read_text())["pretrain"]["settings"] == settings:
         return COMMITTED_BASE
-    out = models.CACHE_DIR / f"tiny-base-{cache_key(settings)}"
+    out = models.CACHE_DIR / f"tiny-base-{models.cache_key(settings)}"
     if (out / "config.json").exists():
         return out
     held_out, t0 = 64, time.time()

@@ -183,7 +183,8 @@ def json_line(obj) -> str:
     UTF-8: an unpaired surrogate, which json.loads makes of an escape like "\\ud800" wherever JSON is read (a tool
     call, an endpoint's reply, a data file), is written back as that escape, so the line reads back to the same
     string. Every JSONL writer goes through here, whatever the text came from; a surrogate is checked for again only
-    where text meets a tokenizer (toolcall.parse_assistant, envs.users.reply_problem, coldstart.load_conversations)."""
+    where text meets a tokenizer (toolcall.parse_assistant, envs.users.reply_problem,
+    conversations.load_conversations)."""
     return json.dumps(obj, ensure_ascii=False, default=str).encode("utf-8", "backslashreplace").decode("utf-8") + "\n"
 
 

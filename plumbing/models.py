@@ -6,6 +6,8 @@ path: muarl.py says what an episode is, this file loads what reads it."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import random
 import tempfile
@@ -35,6 +37,19 @@ def check_cache(program: str) -> Path:
         raise SystemExit(f"{program}: MUARL_CACHE: cannot write into {CACHE_DIR} ({e.strerror or e}): set MUARL_CACHE "
                          "to a writable directory, or give a checkpoint (--init-from) so that nothing is cached")
     return CACHE_DIR
+
+
+# What a cached base or cold start depends on besides envs/ (tokens, tokenizer, model, data, SFT loop, options ...).
+CACHED_CODE = (*(f"{m}.py" for m in ("toolcall", "muarl", "sft", "loss", "rollout")),
+               *(f"fast/{m}.py" for m in ("logprobs", "batched_rollout", "engine", "decode")),
+               *(f"plumbing/{m}.py" for m in ("models", "coldstart", "shard", "cli", "options", "lora", "checkpoints")))
+
+
+def cache_key(settings: dict) -> str:
+    """A key for a cached checkpoint: its settings and the code that makes it (CACHED_CODE): never another's."""
+    here = Path(__file__).resolve().parent.parent  # the repository's root
+    code = b"".join(p.read_bytes() for p in [*(here / f for f in CACHED_CODE), *sorted((here / "envs").glob("*.py"))])
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode() + code).hexdigest()[:10]
 
 
 def seed_everything(seed: int) -> None:

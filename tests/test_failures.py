@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from plumbing import cli, coldstart, disk, models, options
+from plumbing import cli, conversations, disk, models, options
 import eval as evaluation
 import grpo
 import sft
@@ -425,7 +425,7 @@ def test_paths_that_are_no_files_or_lie_below_one(tmp_path, ckpt, capsys):
 
     writer = threading.Thread(target=lambda: fifo.write_text(conv(U, A) + "\n"), daemon=True)
     writer.start()
-    assert len(coldstart.load_conversations(str(fifo))) == 1
+    assert len(conversations.load_conversations(str(fifo))) == 1
     writer.join(timeout=10)
     assert "is not a regular file (a pipe or a device): reading it waits" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"--out-dir: cannot make .*sub: .*d.jsonl is a file, not a directory"):
@@ -829,7 +829,7 @@ RESULT = {"role": "tool", "tool_call_id": "c1", "content": "x"}
     (conv(U, CALL, {"role": "tool", "tool_call_id": "c1"}, A), "content must be a string"),
     (conv({"role": "robot", "content": "x"}, A), "role must be one of"),
     (conv(U, {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}), "other than text"),
-    (conv(U, {"role": "assistant", "content": "x" * coldstart.MAX_LINE_BYTES}), "bytes long, more than a conversation"),
+    (conv(U, {"role": "assistant", "content": "x" * conversations.MAX_LINE_BYTES}), "bytes long, more than a conversation"),
     ('{"messages": ' + "[" * 5000 + "]" * 5000 + "}", "nested 5001 levels deep"),
     (conv(U, {"role": "assistant", "content": "caf\ud800"}), "an escape of an unpaired surrogate"),
     (conv(U, CALL, RESULT, A, tools=["echo"]), "tool 0: not a function schema"),
@@ -840,13 +840,13 @@ def test_broken_cold_start_conversations_are_named_and_skipped(tmp_path, line, p
     p = tmp_path / "d.jsonl"
     good = conv(U, CALL, RESULT, {"role": "assistant", "content": [{"type": "text", "text": "done"}]})
     p.write_text(good + "\n" + line + "\n")
-    kept = coldstart.load_conversations(str(p))
+    kept = conversations.load_conversations(str(p))
     assert len(kept) == 1 and kept[0]["messages"][-1]["content"] == "done"  # content parts joined
     assert kept[0]["source"].endswith("d.jsonl:1")
     out = capsys.readouterr().out
     assert "d.jsonl:2:" in out and problem in out and "1 malformed conversation(s) skipped, 1 kept" in out
     with pytest.raises(ValueError, match=f"d.jsonl:2: malformed conversation: .*{problem}"):
-        coldstart.load_conversations(str(p), strict=True)
+        conversations.load_conversations(str(p), strict=True)
 
 
 def test_data_file_encoding_and_emptiness_are_named(tmp_path):
@@ -854,13 +854,13 @@ def test_data_file_encoding_and_emptiness_are_named(tmp_path):
     bad = b'{"messages": [{"role": "user", "content": "caf\xe9"}]}'
     p.write_bytes(conv(U, A).encode() + b"\n" + bad + b"\n")
     with pytest.raises(ValueError, match=rf"d.jsonl:2: .*not UTF-8: byte 0xe9 at column {bad.index(0xe9) + 1}"):
-        coldstart.load_conversations(str(p), strict=True)
+        conversations.load_conversations(str(p), strict=True)
     p.write_text("\n\n")
     with pytest.raises(ValueError, match="d.jsonl: the file is empty"):
-        coldstart.load_conversations(str(p))
+        conversations.load_conversations(str(p))
     p.write_text("{bad\n[1]\n")
     with pytest.raises(ValueError, match=r"none of its 2 conversations is usable"):
-        coldstart.load_conversations(str(p))
+        conversations.load_conversations(str(p))
     with pytest.raises(SystemExit, match=r"sft.py: --data: .*the file is empty"):
         (tmp_path / "e.jsonl").write_text("")
         sft.main(["--data", str(tmp_path / "e.jsonl"), "--out", str(tmp_path / "o")])

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plumbing import coldstart, models, stats
+from plumbing import coldstart, conversations, models, stats
 import eval as evaluation
 import grpo
 from fast import logprobs
@@ -350,21 +350,21 @@ def test_sft_data_errors_name_file_and_line(tmp_path):
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     p.write_text(json.dumps(good) + "\n\n" + "{not json\n")
     with pytest.raises(ValueError, match=r"d.jsonl:3"):
-        coldstart.load_conversations(str(p), strict=True)
+        conversations.load_conversations(str(p), strict=True)
     p.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(ValueError, match=r"d.jsonl:1.*no assistant"):
-        coldstart.load_conversations(str(p))
+        conversations.load_conversations(str(p))
     p.write_text(json.dumps({**good, "prompt_messages": 2}) + "\n")  # the only assistant turn is prompt
     with pytest.raises(ValueError, match=r"d.jsonl:1.*prompt_messages"):
-        coldstart.load_conversations(str(p))
+        conversations.load_conversations(str(p))
     p.write_text(json.dumps({**good, "prompt_messages": 1}) + "\n")
-    assert coldstart.load_conversations(str(p))[0]["prompt_messages"] == 1
+    assert conversations.load_conversations(str(p))[0]["prompt_messages"] == 1
     # roles out of order (a system message after the start), a call of a tool the conversation does not offer
     late = {"messages": [{"role": "assistant", "content": "hello"}, {"role": "system", "content": "policy"},
                          {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     p.write_text(json.dumps(late) + "\n")
     with pytest.raises(ValueError, match=r"d.jsonl:1: malformed conversation: message 1: a system message after the conversation began"):
-        coldstart.load_conversations(str(p), strict=True)
+        conversations.load_conversations(str(p), strict=True)
     call = {"role": "assistant", "content": "", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "format_disk", "arguments": "{}"}}]}
     unknown = {**good, "messages": good["messages"] + [call], "tools": [{"type": "function", "function": {
@@ -372,12 +372,12 @@ def test_sft_data_errors_name_file_and_line(tmp_path):
     p.write_text(json.dumps(unknown) + "\n" + json.dumps(good) + "\n")
     with pytest.raises(ValueError, match=r"d.jsonl:1: .*message 2: calls .format_disk., which is not among the "
                                          r"conversation's tools \(get_order\)"):
-        coldstart.load_conversations(str(p), strict=True)
-    assert len(coldstart.load_conversations(str(p))) == 1  # skipped and counted, not trained on
+        conversations.load_conversations(str(p), strict=True)
+    assert len(conversations.load_conversations(str(p))) == 1  # skipped and counted, not trained on
     schema = {"name": "format_disk", "parameters": {"type": "object", "properties": {}}}  # flat, as some exports
     p.write_text(json.dumps({**good, "messages": good["messages"] + [call], "tools": [{"type": "function", **schema}]})
                  + "\n")
-    assert coldstart.load_conversations(str(p), strict=True)[0]["tools"] == [{"type": "function", "function": schema}]
+    assert conversations.load_conversations(str(p), strict=True)[0]["tools"] == [{"type": "function", "function": schema}]
 
 
 def test_sft_windows_train_only_the_agent_message_that_ends_them(tiny_tok):
@@ -426,7 +426,7 @@ def test_sft_lowers_the_loss_on_agent_tokens(tmp_path, tiny_tok, tiny_lm):
     p = tmp_path / "c.jsonl"
     p.write_text("".join(json.dumps(c) + "\n" for c in convs))
     out = sft.train(sft.SFTConfig(model=str(ckpt), out=str(tmp_path / "sft"), epochs=10, batch_size=4,
-                                  micro_batch_size=2, warmup_steps=1, lr=1e-2), coldstart.load_conversations(str(p)))
+                                  micro_batch_size=2, warmup_steps=1, lr=1e-2), conversations.load_conversations(str(p)))
     import muarl
     from fast.logprobs import token_logprobs
     losses = []
@@ -662,7 +662,7 @@ def test_the_committed_cold_start_is_used_only_for_its_own_settings_and_conversa
     assert (tmp_path / "committed" / "model.safetensors").read_bytes() == (made / "model.safetensors").read_bytes()
     for env in ("shop", "shop:told", "shop:default"):
         assert sft.cold_start("tiny", env, "train", 0, False, 0.3, 0.7) == str(tmp_path / "committed")
-    assert sft.cold_start_users("shop:static") == ("shop", "dynamic:3,static:1")
+    assert coldstart.cold_start_users("shop:static") == ("shop", "dynamic:3,static:1")
     assert sft.cold_start("tiny", "shop", "train", 0, False, 0.3, 0.8) != str(tmp_path / "committed")
     record = json.loads((tmp_path / "committed" / "muarl_config.json").read_text())
     record["cold_start"]["settings"]["data"] = "0" * 16  # as if the domain's conversations had changed since
