@@ -21,9 +21,9 @@ back together with the rows mid-turn. So the batch stays at least half full inst
 turn.
 
 A user behind an endpoint never stalls decoding: a row whose turn ends with a message to the user leaves the batch,
-its reply is requested at once from a thread of the user simulator's own (an event loop: the endpoint's
-concurrency limit applies there), and the row rejoins the next batch once the reply is in; a batch also returns
-early when enough replies have arrived to be worth taking in. The model runs only in the caller's thread.
+its reply is requested at once from a thread of the user simulator's own (userloop.py, an event loop: the
+endpoint's concurrency limit applies there), and the row rejoins the next batch once the reply is in; a batch also
+returns early when enough replies have arrived to be worth taking in. The model runs only in the caller's thread.
 Tool calls run between batches, in the decoding thread (local database calls), unless the environment says they
 are slow (`slow_tools = True`: a remote service); then they run from the user thread too while others decode. Not
 overlapped: a user that is local (`UserSim.local`: the scripted user, which answers at once, and an hf user, which
@@ -40,7 +40,6 @@ import asyncio
 import concurrent.futures
 import hashlib
 import logging
-import threading
 import time
 from dataclasses import dataclass
 
@@ -50,8 +49,9 @@ from fast.deadlines import guard
 from fast.engine import _prefill_openings, _Row, admit, generate_turn
 from fast.graphs import graphs_on, step_graphs
 from fast.pool import SlotPool, Tiers, _compute_dtype_device, let_go, parse_slots, rollout_pool
+from fast.userloop import UserLoop
 from envs import Speaker, Termination, next_turn, opening_messages
-from envs.users import UserSimError, close_user_sim, opening_retries, reply_problem, retries_of
+from envs.users import UserSimError, opening_retries, reply_problem, retries_of
 from muarl import Episode, TurnEnd, prompt_ids, stop_token_ids
 from rollout import (Sampling, add_to_conversation, agent_turn, append_delta, end_episode, record_turn,
                      reference_rollout, run_tool_calls)
@@ -149,53 +149,6 @@ def episode_seed(base: int, task_id, sample: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-class _UserThread:
-    """An event loop in a thread of its own, where the user simulator's requests run while the caller's thread
-    decodes. The model only ever runs in the caller's thread (with its autocast, device and sharding state, which
-    are per thread in torch); the user thread touches only the user simulator's state of the episodes it answers."""
-
-    def __init__(self, user_sim):
-        self.user_sim = user_sim
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="muarl-users", daemon=True)
-        self.thread.start()
-
-    def submit(self, coro) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def wait(self, futures, first: bool) -> None:
-        """Wait for the first of `futures` (or all), in slices, so that a user thread that died fails loudly
-        instead of leaving the rollout waiting forever."""
-        how = concurrent.futures.FIRST_COMPLETED if first else concurrent.futures.ALL_COMPLETED
-        while True:
-            done, pending = concurrent.futures.wait(futures, timeout=5.0, return_when=how)
-            if done if first else not pending:
-                return
-            if not self.thread.is_alive():
-                raise RuntimeError("the user simulator's thread stopped with requests still waiting")
-
-    def close(self) -> None:
-        """Cancel what still runs (a rollout that raised or was interrupted), release the simulator's client, stop
-        the loop and join the thread."""
-        async def cancel_all():
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await close_user_sim(self.user_sim)
-
-        try:
-            if self.thread.is_alive():
-                self.submit(cancel_all()).result(timeout=30)
-        except Exception:  # a task that will not cancel, or a client that will not close: the thread is a daemon
-            log.warning("the user simulator's thread did not shut down cleanly", exc_info=True)
-        finally:  # stop() is safe before run_forever starts and after it ended
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=30)
-            if not self.thread.is_alive():
-                self.loop.close()
-
-
 def rollout(model, tokenizer, env, tasks: list, group_size: int, user_sim, cfg: RolloutConfig | None = None,
             generator: torch.Generator | None = None, seed: int | None = None) -> list[Episode]:
     """Play `group_size` episodes of every task; returns them task by task, a group's episodes consecutive.
@@ -217,7 +170,7 @@ def rollout(model, tokenizer, env, tasks: list, group_size: int, user_sim, cfg: 
     # this thread; any other (an LLM endpoint) from a thread of its own, so that decoding goes on while it answers,
     # and so are the tools of an environment that says they are slow (env.slow_tools: a remote service).
     local, slow_tools = getattr(user_sim, "local", False), getattr(env, "slow_tools", False)
-    users = None if local and not slow_tools or cfg.reference else _UserThread(user_sim)
+    users = None if local and not slow_tools or cfg.reference else UserLoop(user_sim)
     try:
         if cfg.reference:  # --rollout reference: rollout.py's loop, each episode alone, under the same guarantees
             return [reference_rollout(model, tokenizer, env, task, user_sim, cfg, sample=g,

@@ -853,7 +853,7 @@ def test_hf_user_sim(lm, tiny_lm, tiny_tok, monkeypatch):
     env = FakeEnv(n_tasks=2)
     sim = make_user_sim("hf", model=lm, tokenizer=tiny_tok, max_new_tokens=6)  # a user that says something
     assert sim.local and make_user_sim("scripted").local and not make_user_sim("openai", base_url="http://x").local
-    monkeypatch.setattr(R, "_UserThread", None)  # a user thread would fail here
+    monkeypatch.setattr(R, "UserLoop", None)  # a user thread would fail here
     eps = rollout(lm, tiny_tok, env, env.tasks(), 2, sim, RolloutConfig(greedy=True, max_new_tokens=64, max_turns=3))
     assert not any(ep.infra_failed for ep in eps)
     for ep in eps:
