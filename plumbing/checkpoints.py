@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from plumbing import cli, lora, memory, shard
-from plumbing.disk import Refused, RefusedElsewhere, agreed, out_of_room, refused, save_errors
+from plumbing.disk import (NoRoom, Refused, RefusedElsewhere, agreed, check_room, out_of_room, refused, save_errors,
+                           tree_bytes)
 
 
 # The files a checkpoint directory holds (save_pretrained: the model's, the tokenizer's, muarl's): the only ones ever
@@ -138,8 +139,9 @@ def _write_pretrained(acc, model, tok, out: Path, tmp: Path, state: dict, run_co
 def save(acc, run, step: int) -> Path:
     """run_dir/checkpoints/step-N: Hugging Face model + tokenizer + run config, and accelerate/ (optimizer and RNG
     states of every process; the scheduler's as JSON). Written to a temporary directory and renamed, then `latest`
-    is updated: a crash mid-save never corrupts the last good checkpoint. A full or read-only disk removes the
-    partial copy (so that a --resume has room) and stops the run in one line."""
+    is updated: a crash mid-save never corrupts the last good checkpoint. A disk with less room than the checkpoint
+    needs (`room_needed`) refuses it before its first byte; a full or read-only disk mid-save removes the partial copy
+    (so that a --resume has room); either stops the run in one line."""
     final = run.dir / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     try:
@@ -148,7 +150,8 @@ def save(acc, run, step: int) -> Path:
         if not out_of_room(e):
             raise
         here = not isinstance(e, RefusedElsewhere)  # this process's disk refused (else another's)
-        if here and acc.is_main_process and final.is_dir() and not tmp.exists():  # renamed whole, `latest` behind
+        if here and acc.is_main_process and final.is_dir() and not tmp.exists() and not isinstance(e, NoRoom):
+            # renamed whole, `latest` behind
             raise refused(run.dir, f"writing {run.dir / 'checkpoints' / 'latest.json'} after {final.name}", e,
                           f"{final.name} was saved whole, but latest.json names the checkpoint before it",
                           f"accelerate launch grpo.py --resume {final}") from None
@@ -157,7 +160,7 @@ def save(acc, run, step: int) -> Path:
         if not here:
             raise
         raise refused(run.dir, f"writing the checkpoint of step {step} into {final.parent}", e,
-                      "The partial copy was removed") from None
+                      "Nothing was written" if isinstance(e, NoRoom) else "The partial copy was removed") from None
 
 
 def _save(acc, run, step: int, final: Path, tmp: Path) -> Path:
@@ -175,7 +178,8 @@ def _save(acc, run, step: int, final: Path, tmp: Path) -> Path:
             cli.write_json_atomic(tmp / "accelerate" / "scheduler.json", run.sched.state_dict())
 
     # Each part ends in an agreement (every process at the same collective): a disk that refuses one process's write
-    # stops them all there in one line, never the others at a later collective.
+    # stops them all there in one line, never the others at a later collective. First, one that cannot fit at all.
+    agreed(acc, lambda: main and check_room(final.parent, *room_needed(run, final)))
     agreed(acc, start)
     if not cfg.save_weights_only and str(getattr(acc.distributed_type, "value", acc.distributed_type)) == "DEEPSPEED":
         states()  # DeepSpeed's save has collectives after its writes: a process leaving it early would meet the others
@@ -185,6 +189,18 @@ def _save(acc, run, step: int, final: Path, tmp: Path) -> Path:
     save_pretrained(acc, model, tok, tmp / "model", {"grpo": asdict(cfg)})  # (which agrees by itself)
     agreed(acc, lambda: main and finish(cfg, run_dir, step, final, tmp))
     return final
+
+
+def room_needed(run, final: Path) -> tuple[int, str]:
+    """At least the bytes checkpoint `final` will take, and whence the figure: the newest complete checkpoint of the
+    run (the same shapes, the same files), else the weights it trains, at 4 bytes each, twice more for AdamW's
+    moments unless --save-weights-only (a lower bound: the frozen weights, the RNG states and the tokenizer aside)."""
+    older = sorted(p for p in final.parent.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp") and p != final)
+    if older and (older[-1] / "trainer_state.json").exists():
+        return tree_bytes(older[-1]), f"what {older[-1].name} took"
+    trained = sum(getattr(p, "ds_numel", None) or p.numel() for p in run.model.parameters() if p.requires_grad)
+    moments = 2 if run.cfg.optimizer != "sgd" and not run.cfg.save_weights_only else 0
+    return trained * 4 * (1 + moments), f"{trained:,} trained weights{' and their optimizer state' if moments else ''}"
 
 
 def finish(cfg, run_dir: Path, step: int, final: Path, tmp: Path) -> None:

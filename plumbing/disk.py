@@ -6,7 +6,11 @@ nor with the others left waiting at their next collective. checkpoints.py and ru
            zip writer, safetensors and torch.distributed.checkpoint use for one)
     agreed  a write on each process, then one collective: a refusal on any stops every process there
     refused  the line a run stops with (Refused, a SystemExit)
+    check_room  before a write of a known size: refused at once (NoRoom) when the disk has less room than it needs
 """
+import errno
+import os
+import shutil
 from pathlib import Path
 
 from plumbing import cli
@@ -98,3 +102,38 @@ def refused(run_dir: Path, what: str, e: BaseException, undone: str, then: str =
         then = f"train on from its weights in a new run: --init-from {run_dir / 'checkpoints' / newest[-1] / 'model'}"
     return Refused(f"grpo.py: {what} failed: {why} (is the disk full or read-only?). {undone}; {kept}. Make room, "
                    f"then: {then or f'accelerate launch grpo.py --resume {run_dir}'}", why)
+
+
+class NoRoom(OSError):
+    """A write refused before it began: the disk has less room than the write needs (`check_room`)."""
+
+
+def free_bytes(path: Path) -> int | None:
+    """The bytes a write into `path` (or the nearest directory above it that exists) may still take; None when the
+    filesystem does not say."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def check_room(path: Path, need: int, whence: str) -> None:
+    """Raise NoRoom (ENOSPC: `out_of_room` reads it as the disk's refusal) when the disk of `path` has less than
+    `need` bytes free: a write that cannot fit is refused before its first byte, instead of after minutes of writing
+    (and, under DeepSpeed, whose save has collectives of its own after its writes, instead of leaving the other
+    processes waiting there)."""
+    from plumbing.memory import gib
+
+    free = free_bytes(path)
+    if free is not None and free < need:
+        raise NoRoom(errno.ENOSPC, f"{gib(free)} free on the disk of {path}, and it needs at least {gib(need)} "
+                                   f"({whence})")
+
+
+def tree_bytes(path: Path) -> int:
+    """The bytes of the files under `path` (0 when it is not there)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+

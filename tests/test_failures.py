@@ -1591,6 +1591,36 @@ def test_a_full_disk_while_saving_stops_in_one_line_and_leaves_a_run_that_resume
     assert steps_logged(run) == [1, 2, 3]
 
 
+def test_a_checkpoint_the_disk_has_no_room_for_is_refused_before_its_first_byte(tmp_path, ckpt, monkeypatch):
+    """Less room on the disk than the newest checkpoint took: the next save stops at once, in one line naming the room
+    and the need, having written nothing (under DeepSpeed, whose save has collectives after its writes, a refusal
+    mid-save would leave the other processes waiting); the run resumes. The first save's need, from the trained
+    weights, is a lower bound of what it took."""
+    from plumbing import checkpoints, disk
+
+    needs, real = [], checkpoints.room_needed
+
+    def spy(run, final):
+        needs.append(real(run, final))
+        return needs[-1]
+
+    monkeypatch.setattr(checkpoints, "room_needed", spy)
+    monkeypatch.setattr(disk, "free_bytes", lambda path: needs[-1][0] // 2 if len(needs) == 2 else 1 << 50)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"writing the checkpoint of step 2 into .*checkpoints failed: .* free on the "
+                       r"disk of .*checkpoints, and it needs at least .* \(what step-000001 took\) \(is the disk full "
+                       r"or read-only\?\)\. Nothing was written; the newest checkpoint, step-000001, is untouched\. "
+                       r"Make room, then: accelerate launch grpo.py --resume"):
+        grpo.main(grpo_args(ckpt, run, "--steps", "3", "--save-every", "1"))
+    first = disk.tree_bytes(run / "checkpoints" / "step-000001")
+    assert "trained weights and their optimizer state" in needs[0][1] and 0 < needs[0][0] <= first
+    assert needs[1][0] == first
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest.json", "step-000001"]
+    monkeypatch.undo()
+    grpo.main(["--resume", str(run), "--env", FAKE_ENV])
+    assert steps_logged(run) == [1, 2, 3]
+
+
 def test_a_full_disk_at_latest_after_the_rename_says_the_checkpoint_is_whole_and_resumes_from_it(tmp_path, ckpt,
                                                                                                  monkeypatch):
     """The disk fills at latest.json, after step 2's checkpoint was renamed into place whole: the line says so (not
