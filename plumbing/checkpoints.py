@@ -140,7 +140,8 @@ def save(acc, run, step: int) -> Path:
     """run_dir/checkpoints/step-N: Hugging Face model + tokenizer + run config, and accelerate/ (optimizer and RNG
     states of every process; the scheduler's as JSON). Written to a temporary directory and renamed, then `latest`
     is updated: a crash mid-save never corrupts the last good checkpoint. A disk with less room than the checkpoint
-    needs (`room_needed`) refuses it before its first byte; a full or read-only disk mid-save removes the partial copy
+    needs (`room_needed`), even once the older checkpoints --keep-checkpoints prunes after it are gone (never the
+    newest), refuses it before its first byte; a full or read-only disk mid-save removes the partial copy
     (so that a --resume has room); either stops the run in one line."""
     final = run.dir / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -177,9 +178,26 @@ def _save(acc, run, step: int, final: Path, tmp: Path) -> Path:
         if main:
             cli.write_json_atomic(tmp / "accelerate" / "scheduler.json", run.sched.state_dict())
 
+    def room():  # a checkpoint that cannot fit is refused before its first byte, after the older ones that
+        # --keep-checkpoints prunes once it is written have made what room they can (never the newest)
+        need = room_needed(run, final)
+        try:
+            check_room(final.parent, *need)
+        except NoRoom:
+            kept = max(cfg.keep_checkpoints - 1, 1)  # finish keeps K - 1 older ones; the newest is never removed here
+            doomed = complete(final.parent, but=final)[:-kept] if cfg.keep_checkpoints else []
+            if not doomed:
+                raise
+            for p in doomed:
+                shutil.rmtree(p, ignore_errors=True)
+            names = ", ".join(p.name for p in doomed)
+            cli.main_print(f"[grpo] too little room for the checkpoint of step {step}: removed {names} first, which "
+                           f"--keep-checkpoints {cfg.keep_checkpoints} removes once it is written")
+            check_room(final.parent, *need)
+
     # Each part ends in an agreement (every process at the same collective): a disk that refuses one process's write
     # stops them all there in one line, never the others at a later collective. First, one that cannot fit at all.
-    agreed(acc, lambda: main and check_room(final.parent, *room_needed(run, final)))
+    agreed(acc, lambda: main and room())
     agreed(acc, start)
     if not cfg.save_weights_only and str(getattr(acc.distributed_type, "value", acc.distributed_type)) == "DEEPSPEED":
         states()  # DeepSpeed's save has collectives after its writes: a process leaving it early would meet the others
@@ -191,12 +209,18 @@ def _save(acc, run, step: int, final: Path, tmp: Path) -> Path:
     return final
 
 
+def complete(checkpoints: Path, but: Path | None = None) -> list[Path]:
+    """The run's complete checkpoints (step-N with its trainer_state.json), oldest first, `but` aside."""
+    return sorted(p for p in checkpoints.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp") and p != but
+                  and (p / "trainer_state.json").exists())
+
+
 def room_needed(run, final: Path) -> tuple[int, str]:
     """At least the bytes checkpoint `final` will take, and whence the figure: the newest complete checkpoint of the
     run (the same shapes, the same files), else the weights it trains, at 4 bytes each, twice more for AdamW's
     moments unless --save-weights-only (a lower bound: the frozen weights, the RNG states and the tokenizer aside)."""
-    older = sorted(p for p in final.parent.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp") and p != final)
-    if older and (older[-1] / "trainer_state.json").exists():
+    older = complete(final.parent, but=final)
+    if older:
         return tree_bytes(older[-1]), f"what {older[-1].name} took"
     trained = sum(getattr(p, "ds_numel", None) or p.numel() for p in run.model.parameters() if p.requires_grad)
     moments = 2 if run.cfg.optimizer != "sgd" and not run.cfg.save_weights_only else 0

@@ -1621,6 +1621,30 @@ def test_a_checkpoint_the_disk_has_no_room_for_is_refused_before_its_first_byte(
     assert steps_logged(run) == [1, 2, 3]
 
 
+def test_a_disk_short_of_room_first_loses_the_checkpoints_keep_checkpoints_would_prune_never_the_newest(
+        tmp_path, ckpt, monkeypatch, capsys):
+    """--keep-checkpoints 2 and room for two: the third save removes step 1 (which it prunes once written) before it
+    writes, says so, and goes on; --keep-checkpoints 1 never removes the only one before the new one is written."""
+    from plumbing import checkpoints, disk
+
+    run, room_for = tmp_path / "run", [2]
+
+    def free(path):  # room for room_for[0] checkpoints
+        held = checkpoints.complete(run / "checkpoints")
+        return 1 << 50 if len(held) < room_for[0] else disk.tree_bytes(held[-1]) // 2
+
+    monkeypatch.setattr(disk, "free_bytes", free)
+    grpo.main(grpo_args(ckpt, run, "--steps", "3", "--save-every", "1", "--keep-checkpoints", "2"))
+    assert "too little room for the checkpoint of step 3: removed step-000001 first, which --keep-checkpoints 2 " \
+           "removes once it is written" in capsys.readouterr().out
+    assert [p.name for p in checkpoints.complete(run / "checkpoints")] == ["step-000002", "step-000003"]
+    run, room_for[0] = tmp_path / "one", 1
+    with pytest.raises(SystemExit, match=r"checkpoint of step 2 .* needs at least .* Nothing was written; the newest "
+                       r"checkpoint, step-000001, is untouched"):
+        grpo.main(grpo_args(ckpt, run, "--steps", "3", "--save-every", "1", "--keep-checkpoints", "1"))
+    assert [p.name for p in checkpoints.complete(run / "checkpoints")] == ["step-000001"]
+
+
 def test_a_full_disk_at_latest_after_the_rename_says_the_checkpoint_is_whole_and_resumes_from_it(tmp_path, ckpt,
                                                                                                  monkeypatch):
     """The disk fills at latest.json, after step 2's checkpoint was renamed into place whole: the line says so (not
