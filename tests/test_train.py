@@ -293,6 +293,7 @@ CHECKPOINT_FILLS = {
     "the other's states": (1, "accelerate:Accelerator.save_state", 29524),  # its RNG state
     "the main's last files": (0, "plumbing.checkpoints:finish", 29525),  # trainer_state.json, rename, latest.json
     "the main's model": (0, "plumbing.checkpoints:_write_pretrained", 29526),  # the weights and tokenizer
+    "the main's room check": (0, "plumbing.checkpoints:room_needed", 29527),  # before the first byte
 }
 
 
