@@ -190,9 +190,11 @@ def _save(acc, run, step: int, final: Path, tmp: Path) -> Path:
                 raise
             for p in doomed:
                 shutil.rmtree(p, ignore_errors=True)
+            from tqdm.auto import tqdm  # (a line of its own under the run's progress bar)
+
             names = ", ".join(p.name for p in doomed)
-            cli.main_print(f"[grpo] too little room for the checkpoint of step {step}: removed {names} first, which "
-                           f"--keep-checkpoints {cfg.keep_checkpoints} removes once it is written")
+            tqdm.write(f"[grpo] too little room for the checkpoint of step {step}: removed {names} first, which "
+                       f"--keep-checkpoints {cfg.keep_checkpoints} removes once it is written")
             check_room(final.parent, *need)
 
     # Each part ends in an agreement (every process at the same collective): a disk that refuses one process's write
