@@ -251,7 +251,8 @@ class RunOptions:
     save_every: Annotated[int, Range("[1, inf)")] = 20
     """steps between checkpoints (the last step is always saved)"""
     keep_checkpoints: Annotated[int, Range("[0, inf)")] = 0
-    """keep only the newest N checkpoints of the run (0: keep all); the one `latest` names is never removed"""
+    """keep only the newest N checkpoints of the run (0: keep all), removed once the next one is written, or before it
+    when the disk has too little room for it; the newest is never removed before its successor is written"""
     save_weights_only: bool = False
     """checkpoints hold the model and tokenizer only: no optimizer, scheduler or RNG state (a quarter of the size
     with AdamW in fp32), so they start new runs (--init-from) but cannot be resumed"""
