@@ -229,6 +229,30 @@ def room_needed(run, final: Path) -> tuple[int, str]:
     return trained * 4 * (1 + moments), f"{trained:,} trained weights{' and their optimizer state' if moments else ''}"
 
 
+def check_room_to_start(acc, path: Path, need: tuple[int, str], refusal: str) -> None:
+    """Work whose result cannot fit on its disk is refused before it starts (not after the hours it took), on every
+    process at once: `need` is (bytes, whence), `refusal` the start of the line (program and option) and its advice
+    follows the room and the need."""
+    try:
+        agreed(acc, lambda: acc.is_main_process and check_room(path, *need))
+    except NoRoom as e:
+        raise SystemExit(refusal.format(room=e.strerror)) from None
+
+
+def check_first_room(acc, run) -> None:
+    """A new run whose first checkpoint cannot fit on the disk of its directory is refused at start (before the
+    evaluation and the --save-every steps that come before that checkpoint); --overwrite counts the old run's
+    checkpoints as room, since they go before the first step."""
+    if run.resume_from:  # a resumed run's saves check for themselves, with the room its older checkpoints can make
+        return
+    need, whence = room_needed(run, run.dir / "checkpoints" / "step-000001")
+    if run.cfg.overwrite:
+        need -= tree_bytes(run.dir / "checkpoints")
+    check_room_to_start(acc, run.dir, (need, f"its first checkpoint: {whence}"),
+                        f"grpo.py: --out-dir {run.dir}: {{room}}. Nothing was done: make room, or choose another "
+                        "--out-dir")
+
+
 def finish(cfg, run_dir: Path, step: int, final: Path, tmp: Path) -> None:
     """A checkpoint's last files and its rename into place, then `latest` and the pruning of older ones (main)."""
     cli.write_json_atomic(tmp / "trainer_state.json", {"step": step, "data_position": step * cfg.tasks_per_step})

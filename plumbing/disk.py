@@ -95,7 +95,7 @@ def refused(run_dir: Path, what: str, e: BaseException, undone: str, then: str =
     """The one line a run stops with when the disk refused a write (`out_of_room`): what failed and why, what was
     undone, the newest checkpoint, and how to go on (`then`; by default the --resume command)."""
     e = writers_error(e)
-    why = e.why if isinstance(e, Refused) else str(e).splitlines()[0][:200]
+    why = e.why if isinstance(e, Refused) else str(e) if isinstance(e, NoRoom) else str(e).splitlines()[0][:200]
     newest = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*") if not p.name.endswith(".tmp"))
     kept = f"the newest checkpoint, {newest[-1]}, is untouched" if newest else "no checkpoint was saved before it"
     if newest and not then and not (run_dir / "checkpoints" / newest[-1] / "accelerate").is_dir():  # weights only
@@ -125,12 +125,18 @@ def check_room(path: Path, need: int, whence: str) -> None:
     `need` bytes free: a write that cannot fit is refused before its first byte, instead of after minutes of writing
     (and, under DeepSpeed, whose save has collectives of its own after its writes, instead of leaving the other
     processes waiting there)."""
-    from plumbing.memory import gib
-
     free = free_bytes(path)
     if free is not None and free < need:
-        raise NoRoom(errno.ENOSPC, f"{gib(free)} free on the disk of {path}, and it needs at least {gib(need)} "
+        raise NoRoom(errno.ENOSPC, f"{size(free)} free on the disk of {path}, and it needs at least {size(need)} "
                                    f"({whence})")
+
+
+def size(n: int) -> str:
+    """Bytes as a reader reads them: 1000 bytes, 4.0 KiB, 14.8 MiB, 3.1 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
 
 
 def tree_bytes(path: Path) -> int:

@@ -125,6 +125,7 @@ def load(run: Run) -> None:
     check_max_context(run.tok, env, tasks, cfg.max_context)
     if run.eval_env is not env and cfg.eval_tasks:
         check_max_context(run.tok, run.eval_env, run.eval_env.tasks("test")[:cfg.eval_tasks], cfg.max_context)
+    checkpoints.check_first_room(acc, run)
     run.first_step = checkpoints.load(acc, resume_from, cfg.tasks_per_step, run.sched) if resume_from else 0
     if resume_from:
         acc.print(f"[grpo] resumed from {resume_from} at step {run.first_step}")

@@ -1605,7 +1605,7 @@ def test_a_checkpoint_the_disk_has_no_room_for_is_refused_before_its_first_byte(
         return needs[-1]
 
     monkeypatch.setattr(checkpoints, "room_needed", spy)
-    monkeypatch.setattr(disk, "free_bytes", lambda path: needs[-1][0] // 2 if len(needs) == 2 else 1 << 50)
+    monkeypatch.setattr(disk, "free_bytes", lambda path: needs[-1][0] // 2 if len(needs) == 3 else 1 << 50)
     run = tmp_path / "run"
     with pytest.raises(SystemExit, match=r"writing the checkpoint of step 2 into .*checkpoints failed: .* free on the "
                        r"disk of .*checkpoints, and it needs at least .* \(what step-000001 took\) \(is the disk full "
@@ -1613,8 +1613,9 @@ def test_a_checkpoint_the_disk_has_no_room_for_is_refused_before_its_first_byte(
                        r"Make room, then: accelerate launch grpo.py --resume"):
         grpo.main(grpo_args(ckpt, run, "--steps", "3", "--save-every", "1"))
     first = disk.tree_bytes(run / "checkpoints" / "step-000001")
-    assert "trained weights and their optimizer state" in needs[0][1] and 0 < needs[0][0] <= first
-    assert needs[1][0] == first
+    assert needs[0] == needs[1]  # the run's start checked for its first checkpoint's room as its save did
+    assert "trained weights and their optimizer state" in needs[1][1] and 0 < needs[1][0] <= first
+    assert needs[2][0] == first
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest.json", "step-000001"]
     monkeypatch.undo()
     grpo.main(["--resume", str(run), "--env", FAKE_ENV])
@@ -1643,6 +1644,36 @@ def test_a_disk_short_of_room_first_loses_the_checkpoints_keep_checkpoints_would
                        r"checkpoint, step-000001, is untouched"):
         grpo.main(grpo_args(ckpt, run, "--steps", "3", "--save-every", "1", "--keep-checkpoints", "1"))
     assert [p.name for p in checkpoints.complete(run / "checkpoints")] == ["step-000001"]
+
+
+def test_work_whose_result_cannot_fit_is_refused_before_it_starts(tmp_path, ckpt, monkeypatch):
+    """A new GRPO run whose first checkpoint, or an SFT whose checkpoint, cannot fit on its disk stops at start in one
+    line naming the room and the need, before any evaluation, step or training; the run directory is left without a
+    run in it, --out is never made. --overwrite counts the old run's checkpoints as room (they go first)."""
+    from plumbing import disk
+
+    monkeypatch.setattr(disk, "free_bytes", lambda path: 1000)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"^grpo.py: --out-dir .*run: 1000 bytes free on the disk of .*run, and it needs "
+                       r"at least .* \(its first checkpoint: [\d,]+ trained weights and their optimizer state\)\. "
+                       r"Nothing was done: make room, or choose another --out-dir$"):
+        grpo.main(grpo_args(ckpt, run, "--steps", "1"))
+    assert not (run / "config.json").exists() and not (run / "metrics.jsonl").exists()
+    monkeypatch.undo()
+    grpo.main(grpo_args(ckpt, run, "--steps", "1", "--overwrite"))
+    held = disk.tree_bytes(run / "checkpoints")  # a disk with 1000 bytes free beside the old run's checkpoints
+    monkeypatch.setattr(disk, "free_bytes", lambda path: 1000 + held - disk.tree_bytes(run / "checkpoints"))
+    grpo.main(grpo_args(ckpt, run, "--steps", "1", "--overwrite"))  # its old checkpoint makes the room
+    assert disk.tree_bytes(run / "checkpoints") == held and held > 1000
+    data = tmp_path / "c.jsonl"
+    data.write_text(conv(U, A) + "\n")
+    out = tmp_path / "sft"
+    with pytest.raises(SystemExit, match=r"^sft.py: --out .*sft: 1000 bytes free on the disk of .*, and it needs at least "
+                       r".* \([\d,]+ trained weights at 4 bytes each\)\. Nothing was trained: make room, or choose "
+                       r"another --out$"):
+        sft.main(["--data", str(data), "--model", str(ckpt), "--out", str(out), "--epochs", "1", "--batch-size", "1",
+                  "--micro-batch-size", "1"])
+    assert not out.exists()
 
 
 def test_a_full_disk_at_latest_after_the_rename_says_the_checkpoint_is_whole_and_resumes_from_it(tmp_path, ckpt,
@@ -1905,16 +1936,35 @@ def test_a_real_full_disk_stops_the_save_in_one_line_and_the_resume_frees_what_a
         subprocess.run(["umount", "-l", str(disk)])
 
 
-def test_a_disk_that_fills_at_any_write_stops_the_run_in_one_line_and_its_command_then_finishes_it(tmp_path, ckpt):
+def test_a_disk_that_fills_at_any_write_stops_the_run_in_one_line_and_its_command_then_finishes_it(tmp_path, ckpt,
+                                                                                                    monkeypatch):
     """On real small filesystems (tmpfs, as root can mount), from one page to most of what a run writes, so that the
     disk fills at each of its writes in turn (config.json, the evaluations' episodes, a step's logs, a checkpoint):
     every run stops in one line, and the command that line names finishes it once room is made, each step logged
-    once."""
+    once. The room checks are blind for the sweep (as on a filesystem that does not say its free space, or one that
+    others fill while the run goes): with them, a disk without room for the first checkpoint stops the run at start,
+    and the same command finishes it once room is made."""
+    from plumbing import disk as disks
+
     if os.geteuid() != 0:
         pytest.skip("mounting a small filesystem needs root")
     args = ("--steps", "2", "--save-every", "1", "--eval-tasks", "1", "--eval-every", "1")
     grpo.main(grpo_args(ckpt, tmp_path / "sizing", *args))
     total, stopped_at = _du(tmp_path / "sizing"), []
+    disk = tmp_path / "checked"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4096", "tmpfs", str(disk)]).returncode:
+        pytest.skip("no tmpfs could be mounted here")
+    try:
+        with pytest.raises(SystemExit, match=r"^grpo.py: --out-dir .*: .* free on the disk of .*, and it needs at least "
+                           r".*\. Nothing was done: make room, or choose another --out-dir$"):
+            grpo.main(grpo_args(ckpt, disk / "run", *args))
+        subprocess.run(["mount", "-o", f"remount,size={3 * total}", str(disk)], check=True)  # room made
+        grpo.main(grpo_args(ckpt, disk / "run", *args))
+        assert steps_logged(disk / "run") == [1, 2]
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
+    monkeypatch.setattr(disks, "free_bytes", lambda path: None)
     for size in sorted({4096 * 2 ** k for k in range(6)} | {total * 9 // 10 // 4096 * 4096}):  # 4 KiB..128 KiB, 90%
         disk = tmp_path / f"disk{size}"
         disk.mkdir()

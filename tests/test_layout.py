@@ -51,7 +51,7 @@ ALLOWED = {  # module -> the project modules it may import
     "plumbing.users": {"envs", "muarl", "toolcall", "plumbing.cli", "plumbing.models"},
     "plumbing.options": {"envs", "muarl", "plumbing.cli", "plumbing.lora", "plumbing.models", "plumbing.users", "loss"},
     "plumbing.memory": {"plumbing.cli", "plumbing.lora"},
-    "plumbing.disk": {"plumbing.cli", "plumbing.memory"},
+    "plumbing.disk": {"plumbing.cli"},
     "plumbing.checkpoints": {"plumbing.cli", "plumbing.disk", "plumbing.shard", "plumbing.lora", "plumbing.memory"},
     "plumbing.stopping": {"plumbing.cli"},
     "plumbing.rundir": {"plumbing.cli", "plumbing.checkpoints", "plumbing.disk", "plumbing.stopping"},
