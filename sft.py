@@ -189,7 +189,7 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None, record: d
     trained = sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters() if p.requires_grad)
     checkpoints.check_room_to_start(acc, Path(cfg.out), (4 * trained, f"{trained:,} trained weights at 4 bytes each"),
                                     f"sft.py: --out {cfg.out}: {{room}}. Nothing was trained: make room, or choose "
-                                    "another --out")
+                                    "another --out", program="sft.py")
     fit(acc, model, opt, sched, data, total, cfg.batch_size, cfg.micro_batch_size, tok.pad_token_id, cfg.seed,
         cfg.grad_clip, "")
     out = Path(cfg.out)

@@ -185,7 +185,7 @@ def _save(acc, run, step: int, final: Path, tmp: Path) -> Path:
             check_room(final.parent, *need)
         except NoRoom:
             kept = max(cfg.keep_checkpoints - 1, 1)  # finish keeps K - 1 older ones; the newest is never removed here
-            doomed = complete(final.parent, but=final)[:-kept] if cfg.keep_checkpoints else []
+            doomed = complete(final.parent, below=final)[:-kept] if cfg.keep_checkpoints else []
             if not doomed:
                 raise
             for p in doomed:
@@ -211,46 +211,54 @@ def _save(acc, run, step: int, final: Path, tmp: Path) -> Path:
     return final
 
 
-def complete(checkpoints: Path, but: Path | None = None) -> list[Path]:
-    """The run's complete checkpoints (step-N with its trainer_state.json), oldest first, `but` aside."""
-    return sorted(p for p in checkpoints.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp") and p != but
-                  and (p / "trainer_state.json").exists())
+def complete(checkpoints: Path, below: Path | None = None) -> list[Path]:
+    """The run's complete checkpoints (step-N with its trainer_state.json), oldest first; with `below`, only those of
+    earlier steps (a resumed run may hold later ones it abandoned)."""
+    return sorted(p for p in checkpoints.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")
+                  and (below is None or p.name < below.name) and (p / "trainer_state.json").exists())
 
 
 def room_needed(run, final: Path) -> tuple[int, str]:
     """At least the bytes checkpoint `final` will take, and whence the figure: the newest complete checkpoint of the
     run (the same shapes, the same files), else the weights it trains, at 4 bytes each, twice more for AdamW's
     moments unless --save-weights-only (a lower bound: the frozen weights, the RNG states and the tokenizer aside)."""
-    older = complete(final.parent, but=final)
+    older = complete(final.parent, below=final)
     if older:
         return tree_bytes(older[-1]), f"what {older[-1].name} took"
+    return weights_needed(run)
+
+
+def weights_needed(run) -> tuple[int, str]:
+    """At least the bytes of a checkpoint of `run`, from its weights: those it trains at 4 bytes each, twice more for
+    AdamW's moments unless --save-weights-only."""
     trained = sum(getattr(p, "ds_numel", None) or p.numel() for p in run.model.parameters() if p.requires_grad)
     moments = 2 if run.cfg.optimizer != "sgd" and not run.cfg.save_weights_only else 0
     return trained * 4 * (1 + moments), f"{trained:,} trained weights{' and their optimizer state' if moments else ''}"
 
 
-def check_room_to_start(acc, path: Path, need: tuple[int, str], refusal: str) -> None:
+def check_room_to_start(acc, path: Path, need: tuple[int, str], refusal: str, program: str = "grpo.py") -> None:
     """Work whose result cannot fit on its disk is refused before it starts (not after the hours it took), on every
     process at once: `need` is (bytes, whence), `refusal` the start of the line (program and option) and its advice
     follows the room and the need."""
     try:
-        agreed(acc, lambda: acc.is_main_process and check_room(path, *need))
+        agreed(acc, lambda: acc.is_main_process and check_room(path, *need), program)
     except NoRoom as e:
         raise SystemExit(refusal.format(room=e.strerror)) from None
 
 
 def check_first_room(acc, run) -> None:
-    """A new run whose first checkpoint cannot fit on the disk of its directory is refused at start (before the
-    evaluation and the --save-every steps that come before that checkpoint); --overwrite counts the old run's
-    checkpoints as room, since they go before the first step."""
+    """A run without a checkpoint yet whose first checkpoint cannot fit on the disk of its directory is refused at
+    start (before the evaluation and the --save-every steps that come before it), its need from its weights; what
+    open_run removes before the first step counts as room: the old run's checkpoints (--overwrite), the partial copy
+    a first save cut short left (--resume of a run that saved nothing)."""
     if run.resume_from:  # a resumed run's saves check for themselves, with the room its older checkpoints can make
         return
-    need, whence = room_needed(run, run.dir / "checkpoints" / "step-000001")
-    if run.cfg.overwrite:
-        need -= tree_bytes(run.dir / "checkpoints")
+    need, whence = weights_needed(run)
+    held = run.dir / "checkpoints"
+    need -= tree_bytes(held) if run.cfg.overwrite else sum(tree_bytes(p) for p in held.glob("step-*.tmp"))
+    then = "then run the same command again" if run.cfg.resume else "or choose another --out-dir"
     check_room_to_start(acc, run.dir, (need, f"its first checkpoint: {whence}"),
-                        f"grpo.py: --out-dir {run.dir}: {{room}}. Nothing was done: make room, or choose another "
-                        "--out-dir")
+                        f"grpo.py: --out-dir {run.dir}: {{room}}. Nothing was done: make room, {then}")
 
 
 def finish(cfg, run_dir: Path, step: int, final: Path, tmp: Path) -> None:

@@ -66,7 +66,7 @@ class RefusedElsewhere(Refused):
                          "how to go on)", "")
 
 
-def agreed(acc, work) -> None:
+def agreed(acc, work, program: str = "grpo.py") -> None:
     """`work()` on this process, then one collective: a write the disk refused on any process (`out_of_room`) stops
     every process here, the one that failed with its error and the others with RefusedElsewhere, so that none is left
     waiting at a collective the failed one never reaches. (Any other error is a bug: it is raised where it happens.)"""
@@ -79,7 +79,7 @@ def agreed(acc, work) -> None:
         raise  # never kept in a local: that would keep its frames, and the files they hold open, until the garbage
         # collector runs, and the partial copy's room with them (found on a real full disk)
     if any_failed(acc, False):
-        raise RefusedElsewhere()
+        raise RefusedElsewhere(program)
 
 
 def any_failed(acc, failed: bool) -> bool:

@@ -1605,7 +1605,7 @@ def test_a_checkpoint_the_disk_has_no_room_for_is_refused_before_its_first_byte(
         return needs[-1]
 
     monkeypatch.setattr(checkpoints, "room_needed", spy)
-    monkeypatch.setattr(disk, "free_bytes", lambda path: needs[-1][0] // 2 if len(needs) == 3 else 1 << 50)
+    monkeypatch.setattr(disk, "free_bytes", lambda path: needs[-1][0] // 2 if len(needs) == 2 else 1 << 50)
     run = tmp_path / "run"
     with pytest.raises(SystemExit, match=r"writing the checkpoint of step 2 into .*checkpoints failed: .* free on the "
                        r"disk of .*checkpoints, and it needs at least .* \(what step-000001 took\) \(is the disk full "
@@ -1613,9 +1613,8 @@ def test_a_checkpoint_the_disk_has_no_room_for_is_refused_before_its_first_byte(
                        r"Make room, then: accelerate launch grpo.py --resume"):
         grpo.main(grpo_args(ckpt, run, "--steps", "3", "--save-every", "1"))
     first = disk.tree_bytes(run / "checkpoints" / "step-000001")
-    assert needs[0] == needs[1]  # the run's start checked for its first checkpoint's room as its save did
-    assert "trained weights and their optimizer state" in needs[1][1] and 0 < needs[1][0] <= first
-    assert needs[2][0] == first
+    assert "trained weights and their optimizer state" in needs[0][1] and 0 < needs[0][0] <= first
+    assert needs[1][0] == first
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest.json", "step-000001"]
     monkeypatch.undo()
     grpo.main(["--resume", str(run), "--env", FAKE_ENV])
@@ -1644,6 +1643,13 @@ def test_a_disk_short_of_room_first_loses_the_checkpoints_keep_checkpoints_would
                        r"checkpoint, step-000001, is untouched"):
         grpo.main(grpo_args(ckpt, run, "--steps", "3", "--save-every", "1", "--keep-checkpoints", "1"))
     assert [p.name for p in checkpoints.complete(run / "checkpoints")] == ["step-000001"]
+    monkeypatch.undo()  # a resume from step 1 of a run that holds steps 2 and 3, which it abandons
+    run = tmp_path / "three"
+    grpo.main(grpo_args(ckpt, run, "--steps", "3", "--save-every", "1"))
+    monkeypatch.setattr(disk, "free_bytes", lambda path: 1000)
+    with pytest.raises(SystemExit, match=r"checkpoint of step 2 .* Nothing was written"):
+        grpo.main(["--resume", str(run / "checkpoints" / "step-000001"), "--env", FAKE_ENV, "--keep-checkpoints", "2"])
+    assert (run / "checkpoints" / "step-000001" / "trainer_state.json").exists()  # never made room of
 
 
 def test_work_whose_result_cannot_fit_is_refused_before_it_starts(tmp_path, ckpt, monkeypatch):
