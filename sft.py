@@ -186,7 +186,7 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None, record: d
     acc.print(f"[sft] {len(data)} conversations of {min(len(i) for i, _ in data)}-{max(len(i) for i, _ in data)} "
               f"tokens ({len(skipped)} longer than {max_len} skipped: --max-len), {sum(sum(m) for _, m in data)} "
               f"trained tokens, {total} steps of {cfg.batch_size}")
-    trained = sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters() if p.requires_grad)
+    trained = checkpoints.trained_weights(model)
     checkpoints.check_room_to_start(acc, Path(cfg.out), (4 * trained, f"{trained:,} trained weights at 4 bytes each"),
                                     f"sft.py: --out {cfg.out}: {{room}}. Nothing was trained: make room, or choose "
                                     "another --out", program="sft.py")

@@ -228,10 +228,16 @@ def room_needed(run, final: Path) -> tuple[int, str]:
     return weights_needed(run)
 
 
+def trained_weights(model) -> int:
+    """How many weights `model` trains, whole however they are sharded (FSDP2's DTensors count whole; ZeRO-3's
+    partitioned parameters carry their whole size as ds_numel)."""
+    return sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def weights_needed(run) -> tuple[int, str]:
     """At least the bytes of a checkpoint of `run`, from its weights: those it trains at 4 bytes each, twice more for
     AdamW's moments unless --save-weights-only."""
-    trained = sum(getattr(p, "ds_numel", None) or p.numel() for p in run.model.parameters() if p.requires_grad)
+    trained = trained_weights(run.model)
     moments = 2 if run.cfg.optimizer != "sgd" and not run.cfg.save_weights_only else 0
     return trained * 4 * (1 + moments), f"{trained:,} trained weights{' and their optimizer state' if moments else ''}"
 
