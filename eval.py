@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated
 
-from plumbing import cli, lora, memory, metrics, models, shard, stats
+from plumbing import cli, disk, lora, memory, metrics, models, shard, stats
 from plumbing.stats import summarize
 from fast.deadlines import guard, prepare
 import muarl
@@ -243,7 +243,7 @@ def check_out_dir(out: Path) -> None:
     """Refuse an --out-dir whose files this evaluation would replace and no evaluation wrote: a training run's, or
     anything holding a file of WRITES beside no summary.json of an earlier evaluation (which names its --agent), and
     a place it cannot write into (read-only, below a file), before the evaluation rather than after."""
-    cli.check_writable(out, "eval.py", "--out-dir")
+    disk.check_writable(out, "eval.py", "--out-dir")
     if any((out / name).exists() for name in ("config.json", "checkpoints")):
         raise SystemExit(f"eval.py: --out-dir: {out} holds a training run (config.json, checkpoints/), whose "
                          "episodes.jsonl and summary.json this evaluation would replace; give it a directory of its "
@@ -359,11 +359,11 @@ def main(argv=None):
     episodes = gather_object(episodes)
     if acc.is_main_process:
         out = Path(cfg.out_dir or f"runs/eval-{cfg.env.replace(':', '-')}-{time.strftime('%Y%m%d-%H%M%S')}")
-        cli.write_jsonl_atomic(out / "episodes.jsonl", episodes, "eval.py: --out-dir")
+        disk.write_jsonl_atomic(out / "episodes.jsonl", episodes, "eval.py: --out-dir")
         s = summarize(episodes, cfg.trials, {t.id: t.meta for t in tasks})
         s["config"], s["seconds"] = asdict(cfg), time.time() - t0
         try:
-            cli.write_json_atomic(out / "summary.json", s)
+            disk.write_json_atomic(out / "summary.json", s)
             (out / "results.md").write_text(markdown(cfg, s))
         except OSError as e:  # a full disk: no summary (a stale one neither) beside episodes.jsonl, which is whole
             for name in ("summary.json", "results.md"):

@@ -30,7 +30,7 @@ from typing import Annotated
 
 import torch
 
-from plumbing import checkpoints, cli, lora, memory, models, shard
+from plumbing import checkpoints, cli, disk, lora, memory, models, shard
 from plumbing.cli import SEEDS, Range
 from plumbing import coldstart
 from plumbing.coldstart import (NothingFits, Untokenizable, copy_loss, drills, encode, length_limit, make_cold_start,
@@ -313,6 +313,10 @@ def pretrain_tiny(cfg: SFTConfig, committed: bool = True) -> Path:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.warmup_steps, cfg.pretrain_max_steps, floor=1.0))
     model, opt = acc.prepare(model, opt)
+    trained = checkpoints.trained_weights(model)  # the drilled stage's checkpoint and the base's, both on this disk
+    checkpoints.check_room_to_start(acc, out.parent, (8 * trained, f"two checkpoints of {trained:,} weights at 4 "
+                                    "bytes each"), f"sft.py: the tiny base -> {out}: {{room}}. Nothing was trained: "
+                                    "make room, or set MUARL_CACHE to a directory on another disk", program="sft.py")
     acc.print(f"[pretrain] tiny: drills from {len(train_convs)} conversations of {', '.join(BASE_STORES)}, renamed as "
               f"drawn, {cfg.pretrain_batch_size} a step, until the copy loss on {len(test)} held-out drills is < "
               f"{cfg.pretrain_target} (at most {cfg.pretrain_max_steps} steps) -> {out}")
@@ -384,7 +388,7 @@ def main(argv=None):
     else:
         conversations = teacher_data(cfg)
     if cfg.data_out and int(os.environ.get("RANK", "0")) == 0:  # one writer (every process synthesizes the same)
-        cli.write_jsonl_atomic(cfg.data_out, conversations, "sft.py: --data-out")
+        disk.write_jsonl_atomic(cfg.data_out, conversations, "sft.py: --data-out")
     if cfg.epochs > 0:
         try:
             train(cfg, conversations)

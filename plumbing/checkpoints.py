@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from plumbing import cli, lora, memory, shard
+from plumbing import cli, disk, lora, memory, shard
 from plumbing.disk import (NoRoom, Refused, RefusedElsewhere, agreed, check_room, out_of_room, refused, save_errors,
                            tree_bytes)
 
@@ -63,7 +63,7 @@ def check_out(out: str, overwrite: bool | None, program: str = "sft.py", option:
     p = Path(out)
     if p.exists() and not p.is_dir():
         raise SystemExit(f"{program}: {option}: {p} is a file, not a directory")
-    cli.check_writable(p.parent, program, option)  # (the checkpoint is written beside it, then renamed)
+    disk.check_writable(p.parent, program, option)  # (the checkpoint is written beside it, then renamed)
     if not p.exists() or not any(p.iterdir()):
         return
     other = not_checkpoint_files(p) or (["config.json (a grpo.py run's settings)"] if holds_run(p) else [])
@@ -126,7 +126,7 @@ def _write_pretrained(acc, model, tok, out: Path, tmp: Path, state: dict, run_co
         unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True,
                                   max_shard_size=memory.MODEL_FILE_BYTES)
     tok.save_pretrained(tmp)
-    cli.write_json_atomic(tmp / "muarl_config.json", run_config)
+    disk.write_json_atomic(tmp / "muarl_config.json", run_config)
     other = not_checkpoint_files(out) if out.is_dir() else []
     if other:
         return (f"{out} holds files that are not a checkpoint's ({', '.join(other[:8])}); it was not replaced. The "
@@ -176,7 +176,7 @@ def _save(acc, run, step: int, final: Path, tmp: Path) -> Path:
     def states():  # every process writes its RNG state, the main one the model's, the optimizer's and the scheduler's
         acc.save_state(str(tmp / "accelerate"))
         if main:
-            cli.write_json_atomic(tmp / "accelerate" / "scheduler.json", run.sched.state_dict())
+            disk.write_json_atomic(tmp / "accelerate" / "scheduler.json", run.sched.state_dict())
 
     def room():  # a checkpoint that cannot fit is refused before its first byte, after the older ones that
         # --keep-checkpoints prunes once it is written have made what room they can (never the newest)
@@ -269,10 +269,10 @@ def check_first_room(acc, run) -> None:
 
 def finish(cfg, run_dir: Path, step: int, final: Path, tmp: Path) -> None:
     """A checkpoint's last files and its rename into place, then `latest` and the pruning of older ones (main)."""
-    cli.write_json_atomic(tmp / "trainer_state.json", {"step": step, "data_position": step * cfg.tasks_per_step})
+    disk.write_json_atomic(tmp / "trainer_state.json", {"step": step, "data_position": step * cfg.tasks_per_step})
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    cli.write_json_atomic(run_dir / "checkpoints" / "latest.json", {"checkpoint": final.name})
+    disk.write_json_atomic(run_dir / "checkpoints" / "latest.json", {"checkpoint": final.name})
     if cfg.keep_checkpoints:
         older = sorted(p for p in final.parent.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
         for p in older[:-cfg.keep_checkpoints]:

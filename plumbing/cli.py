@@ -1,16 +1,13 @@
 """What the entry points (sft.py, eval.py, grpo.py) share to run: one config dataclass as the command line (each
-field's docstring is its --help, CleanRL style), the Accelerator, atomic JSON writes, printing on the main process.
+field's docstring is its --help, CleanRL style), the Accelerator, printing on the main process. (The files they
+write go through disk.py.)
 
 Its own module because it is the entry points' plumbing, not the method: muarl.py keeps the tokens, rollout.py the
 episodes. It imports nothing of the project.
 """
 from __future__ import annotations
 
-import contextlib
-import errno
-import json
 import os
-from pathlib import Path
 
 import torch
 
@@ -169,85 +166,14 @@ def parse_config(cls, argv=None, recipes: dict | None = None, description: str =
 
 def groups(parser, cls, name: str):
     """The --help group of field `name`: the first class in `cls`'s bases (options.py's groups, an entry point's own)
-    that declares it, titled by the first line of that class's docstring."""
+    that declares it, titled by the first line of that class's docstring, or its first sentence where that line goes
+    on past one."""
     owner = next(k for k in reversed(cls.__mro__) if name in getattr(k, "__annotations__", {}))
-    title = (owner.__doc__ or owner.__name__).strip().splitlines()[0]
+    title = (owner.__doc__ or owner.__name__).strip().splitlines()[0].split(". ")[0]
     made = parser.__dict__.setdefault("_muarl_groups", {})
     if title not in made:
         made[title] = parser.add_argument_group(title)
     return made[title]
-
-
-def json_line(obj) -> str:
-    """One line of a JSONL file (episodes, evaluations, cold-start data), non-ASCII text kept as it is. Always valid
-    UTF-8: an unpaired surrogate, which json.loads makes of an escape like "\\ud800" wherever JSON is read (a tool
-    call, an endpoint's reply, a data file), is written back as that escape, so the line reads back to the same
-    string. Every JSONL writer goes through here, whatever the text came from; a surrogate is checked for again only
-    where text meets a tokenizer (toolcall.parse_assistant, envs.users.reply_problem,
-    conversations.load_conversations)."""
-    return json.dumps(obj, ensure_ascii=False, default=str).encode("utf-8", "backslashreplace").decode("utf-8") + "\n"
-
-
-def check_writable(path, program: str, option: str) -> None:
-    """Refuse at start a place a program will write into but cannot (a read-only disk, a path below a file), rather
-    than after the work: the nearest part of `path` that exists must be a directory this process can add a file to."""
-    import tempfile
-
-    p = Path(path).absolute()
-    while not p.exists():
-        p = p.parent
-    if not p.is_dir():
-        raise SystemExit(f"{program}: {option}: cannot write below {p}: it is a file, not a directory")
-    try:
-        with tempfile.NamedTemporaryFile(dir=p, prefix=".muarl-probe-"):
-            pass
-    except OSError as e:
-        raise SystemExit(f"{program}: {option}: cannot write into {p}: {e.strerror or e}") from None
-
-
-# The errors of a disk that refuses the bytes: full, read-only, over quota, a file past its size limit, failing
-DISK_REFUSED = (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG, errno.EIO)
-
-
-def unusable(path: Path, e: OSError) -> str:
-    """Why `path` could not be made or written, naming the culprit: the file it would sit below, or the OS's reason."""
-    for parent in path.parents:
-        if parent.exists():
-            return f"{parent} is a file, not a directory" if not parent.is_dir() else (e.strerror or str(e))
-    return e.strerror or str(e)
-
-
-@contextlib.contextmanager
-def replaced(path):
-    """A temporary path beside `path`, renamed over it when the block ends well and removed when it does not: a
-    crash or a full disk never leaves half a file, nor a half-written copy beside it."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-
-
-def write_jsonl_atomic(path, objs, option: str) -> None:
-    """A JSONL file written whole (`replaced`) for the command-line option naming it; a write that fails (a full or
-    read-only disk, a path below a file) stops in one line naming the option."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with replaced(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(json_line(o) for o in objs)
-    except OSError as e:
-        why = unusable(path, e) + (" (is the disk full or read-only?)" if e.errno in DISK_REFUSED else "")
-        raise SystemExit(f"{option}: cannot write {path}: {why}; nothing was written there") from None
-
-
-def write_json_atomic(path, obj) -> None:
-    """Write JSON so that a crash mid-write never leaves a truncated file (`replaced`)."""
-    with replaced(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, default=str))
 
 
 def make_accelerator(dist_timeout: float | None = None, **kwargs):

@@ -7,7 +7,7 @@ import json
 import os
 import re
 
-from plumbing import cli
+from plumbing import cli, disk
 from toolcall import loads_limited
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -115,7 +115,7 @@ def check_data_out(data_out: str, data: str, overwrite: bool) -> None:
 
     if Path(data_out).is_dir():
         raise SystemExit(f"sft.py: --data-out: {data_out} is a directory; give the JSONL file to write")
-    cli.check_writable(Path(data_out).parent, "sft.py", "--data-out")
+    disk.check_writable(Path(data_out).parent, "sft.py", "--data-out")
     if Path(data_out).exists() and not overwrite:
         raise SystemExit(f"sft.py: --data-out: {data_out} exists; replace it with --overwrite, or choose another")
     if data and Path(data_out).resolve() == Path(data).resolve():

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from plumbing import checkpoints, cli, lora, metrics, models, policy, rundir, shard, stopping
+from plumbing import checkpoints, cli, disk, lora, metrics, models, policy, rundir, shard, stopping
 from fast import deadlines
 from plumbing.options import check_activation_checkpointing, validate
 
@@ -170,10 +170,10 @@ def evaluate(run, tag: str) -> dict:
         if acc.is_main_process:
             when = {"before": "before training", "after": "after training"}.get(tag, f"at step {tag[4:]}")
             with rundir.writing(run.dir, f"eval-{tag}.jsonl", f"the episodes of the evaluation {when}", "w") as f:
-                f.writelines(cli.json_line(e) for e in eps)
+                f.writelines(disk.json_line(e) for e in eps)
             if tag == "before":  # a resumed run's summary still holds it
                 with rundir.refusals(run.dir, f"writing eval-before.json to {run.dir}", "The run has not trained"):
-                    cli.write_json_atomic(run.dir / "eval-before.json", out)
+                    disk.write_json_atomic(run.dir / "eval-before.json", out)
     if not s["scored"]:
         first = next((e["reward_info"].get("error") for e in eps if e.get("reward_info")), None)
         acc.print(f"[grpo] eval ({tag}): none of the {len(eps)} episodes was scored (all failed on infrastructure; "
@@ -274,7 +274,7 @@ def log_step(run: Run, step: int, m: dict, episodes: list) -> None:
                 f.write(json.dumps(m) + "\n")
             with rundir.writing(run.dir, "episodes.jsonl", f"step {step + 1}'s episodes") as f:
                 for s in samples[:cfg.log_episodes]:
-                    f.write(cli.json_line({"step": step + 1, **s}))
+                    f.write(disk.json_line({"step": step + 1, **s}))
     if cfg.report_to:
         acc.log(m, step=step + 1)
     run.done_steps = step + 1
@@ -288,7 +288,7 @@ def write(run, results: dict) -> None:
     with rundir.together(run.acc):  # a disk that refuses these stops every process
         if run.acc.is_main_process:
             with rundir.refusals(run.dir, "writing summary.json", "Every step was saved (--resume evaluates)"):
-                cli.write_json_atomic(run.dir / "summary.json", {"steps": run.cfg.steps, **results})
+                disk.write_json_atomic(run.dir / "summary.json", {"steps": run.cfg.steps, **results})
             with rundir.refusals(run.dir, "drawing curves.png", "summary.json holds the results",
                                  f"python eval.py --plot {run.dir}"):
                 if (run.dir / "metrics.jsonl").exists():

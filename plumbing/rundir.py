@@ -191,7 +191,7 @@ def claim(acc, run_dir: Path, resuming: bool, overwrite: bool) -> Path:
             except OSError as e:  # below a file, an unwritable or read-only place
                 decision[0] = (f"grpo.py: {'--resume' if resuming else '--out-dir'}: cannot "
                                f"{'write into' if run_dir.is_dir() else 'make'} {run_dir}: "
-                               f"{cli.unusable(run_dir, e)}")
+                               f"{disk.unusable(run_dir, e)}")
     if acc.num_processes > 1:
         broadcast_object_list(decision)
     if decision[0]:
@@ -235,7 +235,7 @@ def open_run(acc, run_dir: Path, config: dict, resume_step: int | None, changes:
     with refusals(run_dir, f"writing config.json to {run_dir}",
                   "The run has not started" if new else "config.json is as it was",
                   "run the same command again" if new else ""):
-        cli.write_json_atomic(run_dir / "config.json", config)
+        disk.write_json_atomic(run_dir / "config.json", config)
 
 
 @contextlib.contextmanager

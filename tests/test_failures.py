@@ -360,7 +360,6 @@ def test_a_user_simulator_without_aclose_closes_quietly(lm, tiny_tok, caplog):
 
 
 def test_text_that_is_not_unicode_is_written_as_its_escape(tmp_path):
-    from plumbing import cli
     import muarl
     from toolcall import parse_assistant
 
@@ -372,7 +371,7 @@ def test_text_that_is_not_unicode_is_written_as_its_escape(tmp_path):
     ep = muarl.Episode(task_id="t", messages=[{"role": "tool", "content": "caf\u00e9 \ud800"}])
     path = tmp_path / "episodes.jsonl"
     with open(path, "w", encoding="utf-8") as f:
-        f.write(cli.json_line({"step": 1, **ep.to_json()}))
+        f.write(disk.json_line({"step": 1, **ep.to_json()}))
     line = path.read_bytes().decode("utf-8")
     assert "café" in line and json.loads(line)["messages"][0]["content"] == "caf\u00e9 \ud800"
 
@@ -403,7 +402,7 @@ def test_sft_data_out_below_a_file_or_on_a_full_disk_stops_in_one_line_and_leave
         def __exit__(self, *exc):
             self.f.close()
 
-    monkeypatch.setattr(cli, "open", lambda *a, **kw: HalfWritten(builtins.open(*a, **kw)), raising=False)
+    monkeypatch.setattr(disk, "open", lambda *a, **kw: HalfWritten(builtins.open(*a, **kw)), raising=False)
     with pytest.raises(SystemExit, match=r"^sft.py: --data-out: cannot write .*out.jsonl: No space left on device \(is "
                        r"the disk full or read-only\?\); nothing was written there$"):
         sft.main(["--data", str(d), "--data-out", str(tmp_path / "out.jsonl"), "--epochs", "0"])
@@ -1689,16 +1688,14 @@ def test_a_full_disk_at_latest_after_the_rename_says_the_checkpoint_is_whole_and
     still names."""
     import errno
 
-    from plumbing import checkpoints
-
-    real = checkpoints.cli.write_json_atomic
+    real = disk.write_json_atomic
 
     def full(path, obj):
         if os.path.basename(path) == "latest.json" and obj == {"checkpoint": "step-000002"}:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(path, obj)
 
-    monkeypatch.setattr(checkpoints.cli, "write_json_atomic", full)
+    monkeypatch.setattr(disk, "write_json_atomic", full)
     run = tmp_path / "run"
     with pytest.raises(SystemExit, match=rf"^grpo.py: writing {re.escape(str(run))}/checkpoints/latest.json after "
                        r"step-000002 failed: \[Errno 28\] No space left on device \(is the disk full or read-only\?\)\. "
@@ -1792,8 +1789,6 @@ def test_the_disk_line_of_a_weights_only_run_names_a_new_run_from_its_weights(tm
     """--save-weights-only checkpoints cannot be resumed: the line says how to go on from them instead."""
     import errno
 
-    from plumbing import checkpoints
-
     (tmp_path / "checkpoints" / "step-000004" / "model").mkdir(parents=True)
     line = str(disk.refused(tmp_path, "writing x", OSError(errno.ENOSPC, "No space left on device"), "Undone").code)
     assert line.endswith(f"the newest checkpoint, step-000004, is untouched. Make room, then: train on from its "
@@ -1836,16 +1831,14 @@ def test_a_full_disk_while_a_model_is_written_removes_the_partial_copy_and_stops
     copy left and no --out made; grpo.py's checkpoint through the same writer says which checkpoint is untouched."""
     import errno
 
-    from plumbing import checkpoints
-
-    real, stop_at = cli.write_json_atomic, {"sft"}
+    real, stop_at = disk.write_json_atomic, {"sft"}
 
     def full(path, obj):
         if path.name == "muarl_config.json" and any(part in str(path) for part in stop_at):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(path, obj)
 
-    monkeypatch.setattr(cli, "write_json_atomic", full)
+    monkeypatch.setattr(disk, "write_json_atomic", full)
     data = tmp_path / "data.jsonl"
     data.write_text(conv(U, A) + "\n")
     out = tmp_path / "sft"

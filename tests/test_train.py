@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plumbing import coldstart, conversations, models, stats
+from plumbing import coldstart, conversations, disk, models, stats
 import eval as evaluation
 import grpo
 from fast import logprobs
@@ -593,6 +593,14 @@ def test_pretrain_tiny_stops_at_the_copy_target_then_learns_whole_conversations_
     monkeypatch.setattr(sft, "make_cold_start", lambda cfg: made.append(cfg.env) or real(cfg))
     cfg = sft.SFTConfig(num_tasks=8, pretrain_target=100.0, pretrain_max_steps=50, pretrain_batch_size=8,
                         base_conversations=8, tiny_width=64)
+    with monkeypatch.context() as m:  # a cache whose disk cannot hold its two checkpoints: refused before a step
+        m.setattr(disk, "free_bytes", lambda path: 1000)
+        with pytest.raises(SystemExit, match=r"^sft.py: the tiny base -> .*tiny-base-\w+: 1000 bytes free on the disk "
+                           r"of .*, and it needs at least .* \(two checkpoints of [\d,]+ weights at 4 bytes each\)\. "
+                           r"Nothing was trained: make room, or set MUARL_CACHE to a directory on another disk$"):
+            sft.pretrain_tiny(cfg)
+    assert not list(tmp_path.iterdir())
+    made.clear()
     out = sft.pretrain_tiny(cfg)
     assert out != sft.COMMITTED_BASE and out.parent == tmp_path
     shape = json.loads((out / "config.json").read_text())  # --tiny-width: heads of 32, half as many kv, MLP 3x
