@@ -37,8 +37,9 @@ from envs.shop_tasks import (CHOICES, GOODS, HARD, NONDEFAULT_SHARE, REFUNDS, SH
                              Procedure, id_tokens, is_question, make_task, scenario)
 
 USERS = ("dynamic", "static", "told", "replay", "teacher")
-# The cold start's teacher (grpo.py's defaults, --cold-start-skips-confirm and --cold-start-skips-ask): it writes
-# without a yes in this share of its conversations and never asks what the user wants in this one. The "teacher" user
+# The ablation's cold-start teacher (bench/ablation.py; grpo.py's --cold-start-skips-ask, while its
+# --cold-start-skips-confirm is 0.6): it writes without a yes in this share of its conversations and never asks what
+# the user wants in this one. The "teacher" user
 # replays the dynamic user's side of its conversations: the paper's pre-scripted (static) data.
 COLD_TEACHER = {"skip_confirm": 0.3, "skip_ask": 0.7}
 

@@ -214,9 +214,10 @@ class StartOptions:
     (sft.py --teacher-skips-status): the cold start then knows what follows a refusal (bench/README.md, "The default
     run's recipe": without it GRPO's asking spread to pending orders' returns, which go to a human)"""
     env: str = "shop"
-    """environment: 'shop' (small domain; 'shop:static': its user says everything at once, 'shop:replay' and
-    'shop:teacher': the user's turns of the expert's, or the cold-start teacher's, conversation whatever the agent
-    says; ':default' every user wants the defaults, ':hard' the harder procedure; envs/shop.py) or
+    """environment: 'shop' (small domain; 'shop:static': its user says everything at once, 'shop:told': it says its
+    wish unasked and answers like the dynamic one, 'shop:replay' and 'shop:teacher': the user's turns of the
+    expert's, or the cold-start teacher's, conversation whatever the agent says; ':default' every user wants the
+    defaults, ':hard' the harder procedure; envs/shop.py) or
     'tau2:<retail|airline|telecom|mock>'"""
     split: str = "train"
     """task split trained on"""
