@@ -98,6 +98,7 @@ def table(saved: dict) -> str:
                      f"{cell(score(results, a, 'greedy', 'non-default'))} | {cell(score(results, a, 'sampled'))} | "
                      f"{cell(score(results, a, 'sampled', True))} | {cell(score(results, a, 'sampled_asked', True))} | "
                      f"{cell(score(results, a, 'sampled_unasked'))} | {secs:.0f} |")
+    lines += per_seed(results)
     lines += ["", "Paired differences (task by task within each seed):", "",
               "| difference | seeds | greedy, all tasks | greedy, refund tasks | sampled, all tasks | sampled, refund "
               "tasks | asked (sampled, refund tasks) |", "|---|---|---|---|---|---|---|"]
@@ -113,6 +114,26 @@ def table(saved: dict) -> str:
     lines += by_kind(results, task_kinds(st["eval_tasks"]))
     lines += predictions(results)
     return "\n".join(lines) + "\n"
+
+
+def per_seed(results: dict) -> list[str]:
+    """Every arm at every seed, so that no seed hides in a mean: greedy pass^1 on all tasks, and the asking rate
+    (sampled, decision tasks) where the results hold it; "-" where the arm has not run at that seed."""
+    seeds = sorted(results)
+    arms = [a for a in ORDER if any(a in results[s] for s in seeds)]
+    lines = ["", "Every seed (greedy pass^1 on all tasks / asked what the user wants, sampled, decision tasks):", "",
+             "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
+    for a in arms:
+        cells = []
+        for s in seeds:
+            if a not in results[s]:
+                cells.append("-")
+                continue
+            greedy = [x for x in matrix(results, [s], a, "greedy", False)[0] if x == x]
+            asked = [x for x in matrix(results, [s], a, "sampled_asked", True)[0] if x == x]
+            cells.append(f"{statistics.mean(greedy):.3f}" + (f" / {statistics.mean(asked):.2f}" if asked else ""))
+        lines.append(f"| {a} | " + " | ".join(cells) + " |")
+    return lines
 
 
 KINDS = ("cancel", "return", "exchange", "transfer")

@@ -85,6 +85,9 @@ def test_the_report_pairs_by_seed_and_task():
     assert rows["static"] == ["2", "0.000 [0.000, 0.000]", "", "", "1.000 [1.000, 1.000] |"]
     assert rows["dynamic - static"] == ["2", "+1.000 [+1.000, +1.000]", "", "", "+0.000 [+0.000, +0.000] |"]
     assert "ctl_dynamic - ctl_static" not in rows  # not run: no row
+    del results[1]["static"]  # every seed of every arm, "-" where it has not run; no asking rate in these results
+    assert ablation_report.per_seed(results)[-3:] == ["|---|---|---|", "| dynamic | 1.000 | 1.000 |",
+                                                      "| static | 0.500 | - |"]
     shop = ablation_report.task_kinds(40)  # the first 40 test tasks, each of exactly one kind
     assert sum(len(v) for v in shop.values()) == 40 and all(shop.values())
 
