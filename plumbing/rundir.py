@@ -367,14 +367,17 @@ def resume_settings(path: Path, cfg, given: set, resumable: tuple) -> tuple[dict
             raise SystemExit(f"grpo.py: --resume: the run's {what}, {env!r} in its saved settings, is not one muarl "
                              "ships (shop, tau2:, bfcl:, acebench:), and a run directory may not choose code to "
                              f"import: name it again on the command line, --resume {path} {option} {env}")
-    changes = {k: [saved.get(k), getattr(cfg, k)] for k in sorted(given - {"resume"})
-               if k == "recipe" or saved.get(k) != getattr(cfg, k)}
+    # (a --recipe's settings count as given, each compared with the run's: the command that started a run, with
+    # --resume added, changes nothing)
+    changes = {k: [saved.get(k), getattr(cfg, k)] for k in sorted(given - {"resume", "recipe"})
+               if saved.get(k) != getattr(cfg, k)}
     fixed = [k for k in changes if k not in resumable]
     if fixed:
         raise SystemExit(f"grpo.py: --resume continues the run with its saved settings; "
                          f"{', '.join('--' + k.replace('_', '-') for k in fixed)} cannot change in it (only "
-                         f"{', '.join('--' + k.replace('_', '-') for k in resumable)} can); start a new run with "
-                         f"--init-from {path / 'model'} to change them")
+                         f"{', '.join('--' + k.replace('_', '-') for k in resumable)} can)"
+                         f"{'; the --recipe given sets some of them' if 'recipe' in given else ''}; start a new run "
+                         f"with --init-from {path / 'model'} to change them")
     settings = {**saved, **{k: new for k, (_, new) in changes.items()}}
     try:  # (after the changes: a resume may mend a setting it may change)
         cli.check_saved(type(cfg), settings)

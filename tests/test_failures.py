@@ -101,6 +101,30 @@ def test_grpo_refuses_an_existing_run_unless_resume_or_overwrite(tmp_path, ckpt)
     assert not (run / "eval-step1.jsonl").exists()  # an evaluation the new run never made is not left beside it
 
 
+def test_the_command_that_started_a_run_with_a_recipe_resumes_it(tmp_path):
+    """--recipe's settings count as given on --resume, each compared with the run's saved one: the command that
+    started a run with --recipe paper, --resume added, changes nothing (it raised AttributeError: the run's settings
+    have no field "recipe"); the recipe given to resume a run that did not start with it is refused, in one line."""
+    from dataclasses import asdict
+
+    from plumbing import rundir
+
+    run = tmp_path / "run"
+    argv = ["--recipe", "paper", "--out-dir", str(run)]
+    cfg, _, _ = rundir.options(grpo.Config, argv, options.RECIPES)
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(asdict(cfg)))  # a run that stopped before its first checkpoint
+    again, resume_from, changes = rundir.options(grpo.Config, argv + ["--resume", str(run)], options.RECIPES)
+    assert changes == {} and resume_from is None
+    assert asdict(again) == {**asdict(cfg), "resume": str(run), "overwrite": False}
+    plain, _, _ = rundir.options(grpo.Config, ["--out-dir", str(run)], options.RECIPES)
+    (run / "config.json").write_text(json.dumps(asdict(plain)))
+    with pytest.raises(SystemExit, match=r"^grpo.py: --resume continues the run with its saved settings; --.* cannot "
+                       r"change in it \(only .*\); the --recipe given sets some of them; start a new run with "
+                       r"--init-from"):
+        rundir.options(grpo.Config, argv + ["--resume", str(run)], options.RECIPES)
+
+
 def test_resume_cuts_the_logs_back_to_the_checkpoint(tmp_path, ckpt):
     """A crash after step 3 was logged but before it was saved: on --resume from step 2 every step appears once."""
     run = tmp_path / "run"
