@@ -314,10 +314,11 @@ def main(argv=None):
         mine = tasks[acc.process_index::acc.num_processes]
         live = len(mine) * cfg.trials
         decoding = min(live, cfg.rollout_batch or live)
-        try:
-            sizes = parse_slots(cfg.decode_slots, cfg.max_context) if cfg.decode_slots else []
-        except ValueError as e:
+        try:  # the rollout's options (a malformed --decode-slots among them) stop now, not once the model has loaded
+            RolloutConfig.from_options(cfg, on_gpu=acc.device.type != "cpu")
+        except SystemExit as e:
             raise SystemExit(f"eval.py: {e}") from None
+        sizes = parse_slots(cfg.decode_slots, cfg.max_context) if cfg.decode_slots else []
         decoding = min(decoding, sum(n for n, _ in sizes) or decoding)  # slots sized by need hold what they list
         bf16 = models.default_dtype(acc.device) == torch.bfloat16  # load_model's default: bf16 on GPU, fp32 on CPU
         attn = models.attention_implementation(acc.device, None, cfg.attn, "eval.py")  # None: load_model's dtype

@@ -109,6 +109,9 @@ class RolloutConfig(Sampling):
         on a GPU, the caches of the episodes that lose their slot wait in pinned host memory."""
         if opts.decode_attention not in ("grouped", "model"):
             raise SystemExit(f"--decode-attention: {opts.decode_attention!r} is not 'grouped' or 'model'")
+        if opts.decode_attention == "model" and getattr(opts, "attn", "sdpa") == "flash":
+            raise SystemExit("--decode-attention model: the model's attention under --attn flash cannot take the "
+                             "engine's 4-D mask; give --decode-attention grouped (the default)")
         if opts.decode_share_opening and (opts.decode_attention != "grouped" or opts.compile_decode != "off"):
             raise SystemExit("--decode-share-opening: the opening held apart is read by --decode-attention grouped "
                              "only, and not yet through --compile-decode (give --compile-decode off)")

@@ -110,7 +110,8 @@ class AttentionOptions:
     """attention"""
     attn: str = "sdpa"
     """attention kernel: 'sdpa' (PyTorch's, everywhere) or 'flash' (flash-attn 2, only by choice: a CUDA device, the
-    flash-attn package and bf16 forward passes, --bf16; refused at start otherwise)"""
+    flash-attn package and bf16 forward passes: grpo.py's and sft.py's --bf16, eval.py's default on a GPU; refused at
+    start otherwise)"""
 
 
 @dataclass

@@ -59,7 +59,7 @@ def start(cfg, resume_from: Path | None, changes: dict) -> Run:
     """What a run needs before its policy, checked: the Accelerator, the run directory, the environment and its
     user. Then the entry point makes or finds the policy's start (the cold start, for tiny) and calls `load`."""
     from envs import load_tasks
-    from fast.batched_rollout import parse_slots
+    from fast.batched_rollout import RolloutConfig
     from plumbing.users import make_user_sim, user_sim_options
 
     cli.check_report_to(cfg.report_to, "grpo.py")
@@ -67,9 +67,9 @@ def start(cfg, resume_from: Path | None, changes: dict) -> Run:
     # files (TensorBoard) when the Accelerator is made without a directory
     acc = cli.make_accelerator(cfg.dist_timeout, mixed_precision="bf16" if cfg.bf16 else "no")
     validate(cfg, acc.num_processes)
-    try:  # a malformed --decode-slots stops now, not once the model has loaded
-        parse_slots(cfg.decode_slots, cfg.max_context) if cfg.decode_slots else None
-    except ValueError as e:
+    try:  # the rollout's options (a malformed --decode-slots among them) stop now, not once the model has loaded
+        RolloutConfig.from_options(cfg, on_gpu=acc.device.type != "cpu")
+    except SystemExit as e:
         raise SystemExit(f"grpo.py: {e}") from None
     shard.check_accelerator(acc)
     check_activation_checkpointing(acc, cfg.gradient_checkpointing, "grpo.py")

@@ -177,11 +177,25 @@ def test_non_finite_reward_is_left_out_not_scored(tmp_path, ckpt):
     (["--optimizer", "lion"], "--optimizer"), (["--cold-start-skips-confirm", "2"], "--cold-start-skips-confirm"),
     (["--env-reward", "db"], "--env-reward"), (["--decode-slots", "foo"], "--decode-slots"),
     (["--compile-decode", "foo"], "grpo.py: --compile-decode"), (["--decode-graphs", "yes"], "grpo.py: --decode-graphs"),
+    (["--decode-attention", "flat"], "grpo.py: --decode-attention"),
+    (["--decode-share-opening", "--decode-attention", "model"], "grpo.py: --decode-share-opening"),
 ])
-def test_bad_option_fails_at_start_naming_it(tmp_path, ckpt, argv, option, capsys):
+def test_bad_option_fails_at_start_naming_it(tmp_path, ckpt, argv, option, capsys, monkeypatch):
+    from plumbing import policy
+
+    monkeypatch.setattr(policy, "load_policy", lambda run: pytest.fail("the model loaded before the refusal"))
     with pytest.raises(SystemExit) as e:
         grpo.main(grpo_args(ckpt, tmp_path / "run", *argv))
     assert option in str(e.value)
+
+
+def test_the_models_attention_under_flash_cannot_decode_and_is_refused():
+    from fast.batched_rollout import RolloutConfig
+
+    cfg = evaluation.EvalConfig(attn="flash", decode_attention="model")
+    with pytest.raises(SystemExit, match=r"^--decode-attention model: .*--attn flash .*give --decode-attention grouped"):
+        RolloutConfig.from_options(cfg, on_gpu=True)
+    assert RolloutConfig.from_options(replace(cfg, decode_attention="grouped"), on_gpu=True).decode_attention == "grouped"
 
 
 def test_tiny_without_a_cold_start_outside_shop_fails_naming_env(capsys):
