@@ -8,7 +8,7 @@ same call on the same state, so its writes land once, in this process. A call th
 (a crash, out of memory), is answered with an error and never runs here.
 
 The probe is not a fork of this process, which holds the model, its caches and, on a GPU, a CUDA context: while a
-forked copy lives, every page this process writes is first copied (a rollout took 1.5x as long beside one, and a GPU
+forked copy lives, every page this process writes is first copied (a rollout took 2.4x as long beside one, and a GPU
 process would be forked with tens of GB of host memory). Instead each environment gets one small process, its keeper,
 forked once while this process is still small (`prepare`, which grpo.py and eval.py call right after they build the
 environment, before the model loads; else at the environment's first call), and probes are forked from the keeper.

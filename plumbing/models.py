@@ -44,7 +44,7 @@ def check_cache(program: str) -> Path:
 CACHED_CODE = (*(f"{m}.py" for m in ("toolcall", "muarl", "sft", "loss", "rollout")),
                *(f"fast/{m}.py" for m in ("logprobs", "batched_rollout", "engine", "decode")),
                *(f"plumbing/{m}.py" for m in ("models", "coldstart", "shard", "cli", "options", "lora", "checkpoints",
-                                               "users")))
+                                               "users", "disk")))
 
 
 def cache_key(settings: dict) -> str:
