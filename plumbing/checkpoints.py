@@ -126,6 +126,8 @@ def _write_pretrained(acc, model, tok, out: Path, tmp: Path, state: dict, run_co
         unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True,
                                   max_shard_size=memory.MODEL_FILE_BYTES)
     tok.save_pretrained(tmp)
+    if lora.is_adapted(unwrapped):  # the base's weights as they are under these adapters (lora.check_base)
+        run_config = {**run_config, "lora_base": lora.base_record(unwrapped)}
     disk.write_json_atomic(tmp / "muarl_config.json", run_config)
     other = not_checkpoint_files(out) if out.is_dir() else []
     if other:

@@ -19,6 +19,10 @@ switched off: no second copy of the weights, and kl is exactly 0 until the adapt
     check_backend   one process and DDP run LoRA; FSDP2 and DeepSpeed are refused at start, by name
     checkpoint_hooks
                     Accelerate's save_state keeps the adapters only (the base is on disk already: the run's start)
+    fingerprint, check_base
+                    the base's weights as the adapters were saved on them, recorded in muarl_config.json and checked
+                    wherever the adapters load (eval, --init-from, --resume): adapters on a base trained again or
+                    replaced in place are refused, not applied to weights they were never trained with
 
 Why the start is merged when it is an adapter checkpoint (grpo.py --init-from runs/sft-lora): the reference must be
 the starting policy, and "adapters off" must give it; so the cold start's adapters become part of the base, and
@@ -27,6 +31,7 @@ GRPO trains new ones on top.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 from pathlib import Path
 
@@ -162,6 +167,52 @@ def check_base_kept(start: str, out, what: str) -> None:
         if p.exists() and (p.resolve() == out or out in p.resolve().parents):
             raise SystemExit(f"{what}: {out} holds {name}, the base the adapters are trained on; writing there would "
                              "delete it and leave the adapters without their base: choose another output")
+
+
+SAMPLES, SAMPLE_BYTES = 64, 64 * 1024  # what fingerprint reads of a weight file: ~4 MiB, whatever its size
+
+
+def fingerprint(name) -> str | None:
+    """The weights of the local model directory `name`, fingerprinted (None for a hub id, whose revision names its
+    weights): each weight file's name and size, and 64 samples of 64 KiB spread over it (the whole of a smaller file),
+    hashed. It reads ~4 MiB a file, so it is taken at every save and load; a base trained again or replaced by
+    another model changes it (it is no checksum: an edit of a few bytes between the samples would not)."""
+    p = Path(str(name)).expanduser()
+    if not p.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(f for f in p.iterdir() if f.suffix in (".safetensors", ".bin") and f.is_file()):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}\n".encode())
+        with open(f, "rb") as fh:
+            if size <= SAMPLES * SAMPLE_BYTES:
+                h.update(fh.read())
+                continue
+            for i in range(SAMPLES):
+                fh.seek(i * (size - SAMPLE_BYTES) // (SAMPLES - 1))
+                h.update(fh.read(SAMPLE_BYTES))
+    return h.hexdigest()[:16]
+
+
+def base_record(model) -> dict:
+    """What an adapter checkpoint records of its base (muarl_config.json's "lora_base"): its name and fingerprint."""
+    base = model.peft_config["default"].base_model_name_or_path
+    return {"path": base, "fingerprint": fingerprint(base)}
+
+
+def check_base(adapters, base, what: str) -> None:
+    """Refuse adapters (the directory `adapters`, whose muarl_config.json records their base) on a `base` whose
+    weights are not those they were saved on: the base was trained again or replaced in place."""
+    try:
+        recorded = json.loads((Path(adapters) / "muarl_config.json").read_text()).get("lora_base") or {}
+    except (OSError, ValueError, AttributeError):
+        return  # adapters from elsewhere (peft's own) or saved before the record: nothing to compare
+    was, now = recorded.get("fingerprint"), fingerprint(base)
+    if was and now and was != now:
+        raise SystemExit(f"{what}: the base these adapters were trained on, {base}, holds other weights now "
+                         f"(fingerprint {now}; {was} when {adapters} was saved): trained again or replaced there. "
+                         "On these weights the adapters would compute what no run trained: put the base back, or "
+                         "start from a model that needs none")
 
 
 def load(path, base_model, trainable: bool = False):

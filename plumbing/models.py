@@ -309,6 +309,7 @@ def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, 
                              f"base_model_name_or_path) did not load: {e}\nIf it moved, point "
                              "base_model_name_or_path at it; `eval.py --agent CHECKPOINT --merge-lora OUT`, where both "
                              "load, writes a full model that needs no base") from None
+        lora.check_base(name, base, name)
         model = lora.load(name, model)
         # muarl's checkpoints keep the tokenizer beside the adapters; adapters from elsewhere use their base's
         has_tok = any((Path(name).expanduser() / f).exists() for f in TOKENIZER_FILES)

@@ -52,6 +52,8 @@ def load_policy(run) -> None:
     if config is not None:
         check_memory(config)
     adapter_start = lora.is_adapter_dir(start)
+    if cfg.lora_rank and run.resume_from:  # the checkpoint's adapters were trained on the start as it was then
+        lora.check_base(run.resume_from / "model", start, f"grpo.py: --resume {run.resume_from}")
     if adapter_start and shard.is_zero3_plugin(acc):
         raise SystemExit(f"grpo.py: --init-from {start} holds adapters, which ZeRO-3 cannot merge into a base it "
                          "partitions as it loads: merge them first (eval.py --agent CHECKPOINT --merge-lora OUT) and "

@@ -466,3 +466,34 @@ def test_a_run_saved_before_lora_decode_existed_resumes_as_it_ran(tmp_path):
     assert settings["lora_decode"] == "unmerged" and not changes
     settings, changes = rundir.resume_settings(tmp_path, cfg, {"lora_decode"}, rundir.RESUMABLE)
     assert settings["lora_decode"] == "merged" and changes == {"lora_decode": ["unmerged", "merged"]}
+
+
+def test_adapters_on_a_base_trained_again_in_place_are_refused(ckpt, tmp_path):
+    """A LoRA checkpoint records its base's weights (lora.fingerprint, muarl_config.json's lora_base): once the base
+    is trained again or replaced where it was, the adapters are refused wherever they load (eval.py, --resume,
+    --init-from), in one line, rather than applied to weights they were never trained with."""
+    import re
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    start = tmp_path / "start"
+    shutil.copytree(ckpt, start)
+    grpo.main(lora_args(start, tmp_path / "run", "--steps", "1"))
+    adapters = tmp_path / "run" / "checkpoints" / "step-000001" / "model"
+    recorded = json.loads((adapters / "muarl_config.json").read_text())["lora_base"]
+    assert recorded == {"path": str(start.resolve()), "fingerprint": lora.fingerprint(start)}
+    models.load_model(str(adapters), device="cpu")  # the base as it was: it loads
+    other = AutoModelForCausalLM.from_pretrained(start)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.01)
+    other.save_pretrained(start)  # trained again, in place
+    assert lora.fingerprint(start) != recorded["fingerprint"]
+    with pytest.raises(SystemExit, match=rf"^{re.escape(str(adapters))}: the base these adapters were trained on, "
+                       rf".*start, holds other weights now \(fingerprint \w+; {recorded['fingerprint']} when "):
+        models.load_model(str(adapters), device="cpu")
+    with pytest.raises(SystemExit, match=r"^grpo.py: --resume .*step-000001: the base these adapters were trained on"):
+        grpo.main(["--resume", str(tmp_path / "run"), "--env", FAKE_ENV, "--steps", "2"])
+    with pytest.raises(SystemExit, match="holds other weights now"):  # --init-from the adapters
+        grpo.main(lora_args(adapters, tmp_path / "run2", "--steps", "1"))
