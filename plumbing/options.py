@@ -368,6 +368,8 @@ def freeze(model, pattern: str) -> int:
     if not hit:
         names = ", ".join(n for n, _ in list(model.named_parameters())[:6])
         raise SystemExit(f"grpo.py: --freeze: {pattern!r} matches no parameter name (they look like: {names}, ...)")
+    if len(hit) == len(list(model.parameters())):
+        raise SystemExit(f"grpo.py: --freeze: {pattern!r} matches every parameter name: nothing would train")
     for p in hit:
         p.requires_grad_(False)
     return sum(p.numel() for p in hit)

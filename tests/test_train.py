@@ -118,7 +118,8 @@ def test_freeze_keeps_matching_parameters_and_trains_the_rest(tmp_path, ckpt, st
     frozen += ["lm_head.weight"] if start_lm.config.tie_word_embeddings else []  # the embeddings, tied
     assert frozen and all(torch.equal(before[k], after[k]) for k in frozen)
     assert all(not torch.equal(before[k], after[k]) for k in before if k not in frozen)
-    for bad, why in (("nothing_named_so", "matches no parameter"), ("(", "not a regular expression")):
+    for bad, why in (("nothing_named_so", "matches no parameter"), ("(", "not a regular expression"),
+                     (".*", "matches every parameter name: nothing would train")):
         with pytest.raises(SystemExit, match=why) as e:
             grpo.main(grpo_args(ckpt, tmp_path / "bad", "--freeze", bad))
         assert "--freeze" in str(e.value)
