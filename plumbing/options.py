@@ -305,6 +305,10 @@ def validate(cfg, world: int) -> None:
     if cfg.dual_clip and cfg.dual_clip <= 1:
         bad("dual_clip", f"dual_clip must be > 1 (or 0: off), got {cfg.dual_clip}")
     check_user_sim(cfg, "grpo.py", resumed=bool(cfg.resume))
+    if trains_on_eval_tasks(cfg):
+        cli.main_print(f"[grpo] warning: --split test: the run trains on the test tasks its evaluations hold out "
+                       f"(--eval-tasks {cfg.eval_tasks}): their pass^1 is not held out (summary.json says so); "
+                       "--split train, or --eval-env to evaluate elsewhere")
     if cfg.tasks_per_step % world:
         bad("tasks_per_step", f"{cfg.tasks_per_step} must be a multiple of the {world} processes")
     if cfg.model == "tiny" and not cfg.init_from and not cfg.resume and cfg.env.split(":")[0] != "shop":
@@ -323,6 +327,11 @@ def validate(cfg, world: int) -> None:
         bad("attn", "flash needs a CUDA device and --bf16 (flash-attn refuses fp32 inputs)")
     if cfg.bf16 and not torch.cuda.is_available():
         bad("bf16", "needs a GPU (on a CPU bf16 decoding is slower: bench/dtype.py)")
+
+
+def trains_on_eval_tasks(cfg) -> bool:
+    """Whether the run's evaluations (the test split of --eval-env, else of --env) score tasks it trains on."""
+    return cfg.split == "test" and cfg.eval_tasks > 0 and cfg.eval_env in ("", cfg.env)
 
 
 def check_max_context(tokenizer, env, tasks: list, max_context: int, program: str = "grpo.py") -> None:

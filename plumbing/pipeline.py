@@ -15,7 +15,7 @@ from typing import Any
 
 from plumbing import checkpoints, cli, disk, lora, metrics, models, policy, rundir, shard, stopping
 from fast import deadlines
-from plumbing.options import check_activation_checkpointing, validate
+from plumbing.options import check_activation_checkpointing, trains_on_eval_tasks, validate
 
 
 @dataclass
@@ -288,7 +288,8 @@ def write(run, results: dict) -> None:
     with rundir.together(run.acc):  # a disk that refuses these stops every process
         if run.acc.is_main_process:
             with rundir.refusals(run.dir, "writing summary.json", "Every step was saved (--resume evaluates)"):
-                disk.write_json_atomic(run.dir / "summary.json", {"steps": run.cfg.steps, **results})
+                trained_on = {"eval_tasks_trained_on": True} if trains_on_eval_tasks(run.cfg) else {}
+                disk.write_json_atomic(run.dir / "summary.json", {"steps": run.cfg.steps, **trained_on, **results})
             with rundir.refusals(run.dir, "drawing curves.png", "summary.json holds the results",
                                  f"python eval.py --plot {run.dir}"):
                 if (run.dir / "metrics.jsonl").exists():

@@ -199,6 +199,19 @@ def test_the_models_attention_under_flash_cannot_decode_and_is_refused():
     assert RolloutConfig.from_options(replace(cfg, decode_attention="grouped"), on_gpu=True).decode_attention == "grouped"
 
 
+def test_training_on_the_test_split_says_its_evaluations_are_not_held_out(tmp_path, ckpt, capsys):
+    """--split test with evaluations on --env's test split trains on the tasks it reports as held out: a warning at
+    start and summary.json say so; evaluated elsewhere (--eval-env), or on no task, it is not."""
+    grpo.main(grpo_args(ckpt, tmp_path / "run", "--split", "test", "--steps", "1", "--eval-tasks", "1"))
+    assert "[grpo] warning: --split test: the run trains on the test tasks its evaluations hold out" in \
+        capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["eval_tasks_trained_on"] is True
+    grpo.main(grpo_args(ckpt, tmp_path / "other", "--split", "test", "--steps", "1", "--eval-tasks", "1",
+                        "--eval-env", "tests.fake_env:OtherEnv"))
+    assert "warning: --split test" not in capsys.readouterr().out
+    assert "eval_tasks_trained_on" not in json.loads((tmp_path / "other" / "summary.json").read_text())
+
+
 def test_tiny_without_a_cold_start_outside_shop_fails_naming_env(capsys):
     with pytest.raises(SystemExit) as e:
         grpo.main(["--env", "bfcl:multi_turn_base", "--eval-tasks", "0"])
