@@ -134,7 +134,10 @@ def load_conversations(path: str, strict: bool = False) -> list[dict]:
         print(f"[sft] {path} is not a regular file (a pipe or a device): reading it waits until its writer writes and "
               "closes it", flush=True)
     with open(path, "rb") as f:
-        raw_lines = f.read().split(b"\n")
+        data = f.read()
+    if data.startswith(b"\x1f\x8b"):
+        raise ValueError(f"{path} is gzip-compressed: decompress it first (zcat {path} > conversations.jsonl)")
+    raw_lines = data.removeprefix(b"\xef\xbb\xbf").split(b"\n")  # a UTF-8 byte-order mark is not line 1's text
     for lineno, raw in enumerate(raw_lines, 1):
         if not raw.strip():
             continue
@@ -164,6 +167,15 @@ def load_conversations(path: str, strict: bool = False) -> list[dict]:
         out.append({**conv, "source": f"{path}:{lineno}"})
     if not out and not bad:
         raise ValueError(f"{path}: the file is empty: no conversation to train on")
+    if not out and len(raw_lines) > 2:  # one JSON document over several lines (pretty-printed), not JSONL
+        try:
+            doc = loads_limited(data.removeprefix(b"\xef\xbb\xbf").decode("utf-8"))
+        except ValueError:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+            doc = None
+        if isinstance(doc, (list, dict)):
+            raise ValueError(f"{path}: one JSON {'array' if isinstance(doc, list) else 'object'} over "
+                             f"{len(raw_lines)} lines, not JSONL: give each conversation a line of its own (one JSON "
+                             "object a line)")
     for b in bad[:20]:
         cli.main_print(f"[sft] skipped {b}")
     if bad:

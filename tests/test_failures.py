@@ -884,6 +884,18 @@ def test_data_file_encoding_and_emptiness_are_named(tmp_path):
     p.write_text("{bad\n[1]\n")
     with pytest.raises(ValueError, match=r"none of its 2 conversations is usable"):
         conversations.load_conversations(str(p))
+    # a byte-order mark is not line 1's text (it made line 1 "not JSON"); a gzip file and one JSON document over
+    # several lines (pretty-printed) are named as what they are, not as that many broken lines
+    p.write_bytes(b"\xef\xbb\xbf" + conv(U, A).encode() + b"\n")
+    assert conversations.load_conversations(str(p), strict=True)[0]["source"].endswith("d.jsonl:1")
+    import gzip
+
+    p.write_bytes(gzip.compress(conv(U, A).encode()))
+    with pytest.raises(ValueError, match=r"d.jsonl is gzip-compressed: decompress it first"):
+        conversations.load_conversations(str(p))
+    p.write_text(json.dumps([json.loads(conv(U, A))] * 2, indent=2))
+    with pytest.raises(ValueError, match=r"d.jsonl: one JSON array over 26 lines, not JSONL: give each conversation"):
+        conversations.load_conversations(str(p))
     with pytest.raises(SystemExit, match=r"sft.py: --data: .*the file is empty"):
         (tmp_path / "e.jsonl").write_text("")
         sft.main(["--data", str(tmp_path / "e.jsonl"), "--out", str(tmp_path / "o")])
