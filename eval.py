@@ -144,7 +144,7 @@ class _ToolsAt:
 def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
     """An OpenAI-compatible model (or the env's scripted expert) as the agent, through the text-level driver (no
     token-level record)."""
-    from envs import OpenAIAgent, Termination, message_history, play
+    from envs import DEAD_AFTER, OpenAIAgent, Termination, message_history, play
     from plumbing.users import make_user_sim
 
     sim = None
@@ -165,7 +165,11 @@ def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
                                                            max_turns=cfg.max_turns, session=session)
                 failed = termination == Termination.INFRA_ERROR  # the evaluator failed (envs.score)
             except Exception as e:  # the endpoint failed after its retries: report, don't score
-                messages, reward, info, termination, failed = [], 0.0, {"error": repr(e)}, Termination.INFRA_ERROR, True
+                messages, reward, info, termination, failed = [], 0.0, {"error": str(e)}, Termination.INFRA_ERROR, True
+                if len(out) + 1 >= DEAD_AFTER and all(ep["infra_failed"] for ep in out):  # nothing ever worked
+                    raise SystemExit(f"eval.py: the first {len(out) + 1} episodes all failed; stopping rather than "
+                                     f"playing the other {len(tasks) * cfg.trials - len(out) - 1}. The last failure: "
+                                     f"{e}") from None
             new = messages[1 + len(message_history(env, task)):]  # the task's earlier conversation is not this agent's
             ep = muarl.Episode(task_id=task.id, sample=trial, messages=messages, reward=reward, reward_info=info,
                                termination=termination, infra_failed=failed,

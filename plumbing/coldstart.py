@@ -13,7 +13,7 @@ import torch
 
 from plumbing import cli
 from plumbing.users import make_user_sim, user_sim_options
-from envs import OpenAIAgent
+from envs import DEAD_AFTER, OpenAIAgent
 from fast.logprobs import token_logprobs
 from muarl import collate, encode_conversation
 
@@ -45,7 +45,7 @@ def make_cold_start(cfg) -> list[dict]:
     sim = None
     if cfg.user_sim != "scripted":
         sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
-    failed, first_error = 0, None
+    failed, played, first_error = 0, 0, None
     for task in tasks[:cfg.num_tasks]:
         tools = env.tools(task)
         if cfg.teacher != "expert":
@@ -60,9 +60,14 @@ def make_cold_start(cfg) -> list[dict]:
             messages, reward, info, termination = play(env, task, agent, user, session=session)
         except Exception as e:  # an endpoint that keeps failing costs this episode only, and is reported
             failed += 1
-            first_error = first_error or f"task {task.id}: {e!r}"
-            cli.main_print(f"[sft] task {task.id}: episode failed ({e!r}); skipped")
+            first_error = first_error or f"task {task.id}: {e}"
+            cli.main_print(f"[sft] task {task.id}: episode failed ({e}); skipped")
+            if failed >= DEAD_AFTER and not played:  # nothing ever worked: a dead endpoint
+                raise SystemExit(f"sft.py: the teacher's first {failed} episodes all failed; stopping rather than "
+                                 f"playing the other {min(len(tasks), cfg.num_tasks) - failed} tasks. The first "
+                                 f"failure: {first_error}") from None
             continue
+        played += 1
         if reward == 1.0 or (cfg.teacher_skips_confirm and info.get("db_match") and "ended_early" not in info):
             # prompt: the system message + the task's earlier conversation + the user's opening
             n_prompt = 1 + len(message_history(env, task))

@@ -486,6 +486,11 @@ def test_sft_data_out_and_a_dead_teacher_user(tmp_path, capsys):
         with pytest.raises(SystemExit, match=r"(?s)2 of 2 failed and none was kept.*500"):
             sft.main(["--env", "shop", "--num-tasks", "2", "--user-sim", "openai", "--user-base-url", dead.url,
                       "--user-retries", "0", "--epochs", "0", "--data-out", str(tmp_path / "out.jsonl")])
+        # more tasks: the first three failing, the endpoint is taken for dead (not tried on every task left)
+        with pytest.raises(SystemExit, match=r"(?s)^sft.py: the teacher's first 3 episodes all failed; stopping rather "
+                           r"than playing the other 5 tasks\. The first failure: task .*500"):
+            sft.main(["--env", "shop", "--num-tasks", "8", "--user-sim", "openai", "--user-base-url", dead.url,
+                      "--user-retries", "0", "--epochs", "0", "--data-out", str(tmp_path / "out.jsonl")])
     finally:
         dead.close()
 
@@ -536,6 +541,33 @@ def test_an_openai_agent_without_a_key_or_a_server_stops_in_one_line(monkeypatch
                        r"URL names another server \(--agent-base-url, --teacher-base-url\)$"):
         OpenAIAgent("gpt-x", [])
     assert OpenAIAgent("gpt-x", [], base_url="http://127.0.0.1:9").client.api_key == "EMPTY"  # a local server
+
+
+def test_an_api_agents_failing_endpoint_is_named_and_a_dead_one_stops_the_evaluation_early(tmp_path):
+    """An API agent (eval.py --agent openai:..., sft.py's teacher) whose endpoint answers HTML, no choices or nothing
+    fails its episode with AgentError naming the model and the endpoint (they were a raw AttributeError, IndexError,
+    or "Connection error." naming nothing); an endpoint that fails the first episodes stops eval.py after
+    DEAD_AFTER of them, not after the retries of every task."""
+    from envs import DEAD_AFTER, AgentError, OpenAIAgent
+
+    replies = {1: (200, b"<html>busy</html>"), 2: (200, json.dumps({"id": "x", "choices": []}).encode())}
+    server = ChatServer(lambda body, n: replies.get(n, (500, {})))
+    try:
+        agent = OpenAIAgent("gpt-x", [], base_url=server.url, max_retries=0)
+        for _ in replies:
+            with pytest.raises(AgentError, match=rf"^agent 'gpt-x' at {re.escape(server.url)} answered with what is "
+                               "not a chat completion"):
+                agent.act([{"role": "user", "content": "hi"}])
+        with pytest.raises(AgentError, match=rf"^agent 'gpt-x' at {re.escape(server.url)} failed: InternalServerError"):
+            agent.act([{"role": "user", "content": "hi"}])
+        server.requests.clear()
+        with pytest.raises(SystemExit, match=rf"^eval.py: the first {DEAD_AFTER} episodes all failed; stopping rather "
+                           r"than playing the other 7\. The last failure: agent 'x' at .* failed: InternalServerError"):
+            evaluation.main(["--agent", "openai:x", "--agent-base-url", server.url, "--env", FAKE_ENV, "--num-tasks",
+                             "10", "--out-dir", str(tmp_path / "e")])
+        assert DEAD_AFTER <= len(server.requests) <= DEAD_AFTER * 4  # each episode's first request and the retries
+    finally:
+        server.close()
 
 
 def test_eval_with_nothing_scored_exits_non_zero(tmp_path, ckpt):
