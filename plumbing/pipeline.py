@@ -129,6 +129,13 @@ def load(run: Run) -> None:
     run.first_step = checkpoints.load(acc, resume_from, cfg.tasks_per_step, run.sched) if resume_from else 0
     if resume_from:
         acc.print(f"[grpo] resumed from {resume_from} at step {run.first_step}")
+    if cfg.overwrite and not resume_from and rundir.run_files(run_dir):  # the run it replaces goes only if its user
+        from plumbing.users import unanswered  # answers: a dead endpoint would stop this run at its first step
+
+        why = unanswered(run.user_sim)
+        if disk.any_failed(acc, why is not None):
+            raise SystemExit(f"grpo.py: --overwrite: the user simulator does not answer, so the run in {run_dir} is "
+                             f"kept: {why or '(on another process)'}. Fix the endpoint, then run the same command again")
     # Once everything has loaded: a run that fails to start leaves the directory as it was.
     with rundir.together(acc):  # a disk that refuses config.json stops every process
         rundir.open_run(acc, run_dir, asdict(cfg), run.first_step if cfg.resume else None, run.changes, cfg.overwrite)

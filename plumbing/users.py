@@ -68,3 +68,20 @@ def user_sim_options(cfg, processes: int | None = None) -> dict:
     if cfg.user_sim == "hf":
         return dict(model=cfg.user_model)
     return {}
+
+
+def unanswered(sim) -> str | None:
+    """One short request to an endpoint's user simulator (openai), with its retries and timeout: None when it
+    answers, else why not (a --overwrite checks it before the run it replaces is removed)."""
+    import asyncio
+
+    from envs.users import UserSimError
+
+    inner = getattr(sim, "sim", sim)
+    if not isinstance(inner, OpenAIUserSim):
+        return None
+    try:
+        asyncio.run(inner._complete([{"role": "user", "content": "Say OK."}], []))
+    except UserSimError as e:
+        return str(e)
+    return None

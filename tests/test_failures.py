@@ -184,6 +184,12 @@ def test_dead_user_endpoint_stops_the_run_and_the_endpoint_may_change_on_resume(
     try:
         with pytest.raises(SystemExit, match=r"(?s)step 1: all 8 episodes failed.*401.*--overwrite"):
             grpo.main(grpo_args(ckpt, tmp_path / "run2", *user, "--user-base-url", dead.url))
+        # --overwrite of a finished run with a dead user: refused before the run it would replace is removed (it
+        # was removed, and the new run then stopped at its first step, leaving nothing)
+        with pytest.raises(SystemExit, match=rf"^grpo.py: --overwrite: the user simulator does not answer, so the run "
+                           rf"in {re.escape(str(run))} is kept: .*401.*Fix the endpoint, then run the same command"):
+            grpo.main(grpo_args(ckpt, run, *user, "--user-base-url", dead.url, "--overwrite"))
+        assert steps_logged(run) == [1, 2, 3] and (run / "summary.json").exists()
     finally:
         dead.close()
 
