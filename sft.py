@@ -186,6 +186,13 @@ def train(cfg: SFTConfig, conversations: list[dict], accelerator=None, record: d
     acc.print(f"[sft] {len(data)} conversations of {min(len(i) for i, _ in data)}-{max(len(i) for i, _ in data)} "
               f"tokens ({len(skipped)} longer than {max_len} skipped: --max-len), {sum(sum(m) for _, m in data)} "
               f"trained tokens, {total} steps of {cfg.batch_size}")
+    drawn, asked = total * cfg.batch_size, cfg.epochs * len(data)  # (whole batches: the steps round down)
+    if drawn < 0.9 * asked:
+        acc.print(f"[sft] warning: {total} step(s) of {cfg.batch_size} draw {drawn} conversations, not the {asked:g} "
+                  f"that --epochs {cfg.epochs:g} of {len(data)} asks for: raise --epochs or lower --batch-size")
+    if cfg.warmup_steps > total:
+        acc.print(f"[sft] warning: --warmup-steps {cfg.warmup_steps} is more than the {total} step(s): the learning "
+                  f"rate reaches {total / cfg.warmup_steps:.2g} of --lr {cfg.lr:g} at most")
     trained = checkpoints.trained_weights(model)
     checkpoints.check_room_to_start(acc, Path(cfg.out), (4 * trained, f"{trained:,} trained weights at 4 bytes each"),
                                     f"sft.py: --out {cfg.out}: {{room}}. Nothing was trained: make room, or choose "

@@ -469,6 +469,26 @@ def test_sft_lowers_the_loss_on_agent_tokens(tmp_path, tiny_tok, tiny_lm):
     assert json.loads((out / "muarl_config.json").read_text())["sft"]["epochs"] == 10
 
 
+def test_sft_says_when_its_steps_draw_fewer_conversations_than_its_epochs_ask_or_never_finish_warming_up(
+        tmp_path, tiny_tok, tiny_lm, capsys):
+    """The steps are whole batches, rounded down (reproducing the committed checkpoints exactly): 15 conversations,
+    one epoch, batches of 8 make one step, which draws 8; and a warm-up longer than the run never reaches --lr. Both
+    are said, not silent; a run that draws what it asks says nothing."""
+    ckpt = tmp_path / "init"
+    tiny_lm.save_pretrained(ckpt)
+    tiny_tok.save_pretrained(ckpt)
+    convs = fake_conversations(15)
+    sft.train(sft.SFTConfig(model=str(ckpt), out=str(tmp_path / "a"), epochs=1, batch_size=8, micro_batch_size=8),
+              convs)
+    out = capsys.readouterr().out
+    assert ("[sft] warning: 1 step(s) of 8 draw 8 conversations, not the 15 that --epochs 1 of 15 asks for: raise "
+            "--epochs or lower --batch-size") in out
+    assert "[sft] warning: --warmup-steps 10 is more than the 1 step(s): the learning rate reaches 0.1 of --lr" in out
+    sft.train(sft.SFTConfig(model=str(ckpt), out=str(tmp_path / "b"), epochs=1, batch_size=5, micro_batch_size=5,
+                            warmup_steps=1), convs)
+    assert "warning" not in capsys.readouterr().out
+
+
 def test_sft_max_len_defaults_to_the_model_context_and_says_how_much_to_raise_it(tmp_path, tiny_tok, tiny_lm):
     """--max-len 0 (the default) keeps every conversation the model's context holds; when nothing fits, the error
     names the option and the length needed (the README's tau2 cold start used 2048, below a retail opening)."""
