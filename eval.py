@@ -189,6 +189,9 @@ def merge_adapters(agent: str, out: str, dtype: str = "") -> Path:
 
     from plumbing import checkpoints
 
+    if agent.startswith("openai:") or agent == "expert":
+        raise SystemExit(f"eval.py: --merge-lora: --agent {agent} is not a checkpoint; --merge-lora folds the adapters "
+                         "of an adapter checkpoint into its base")
     if not lora.is_adapter_dir(agent):
         raise SystemExit(f"eval.py: --merge-lora: --agent {agent} is not an adapter checkpoint (no "
                          f"{lora.ADAPTER_CONFIG}); it is a full model already")
@@ -248,6 +251,12 @@ def check_out_dir(out: Path) -> None:
     anything holding a file of WRITES beside no summary.json of an earlier evaluation (which names its --agent), and
     a place it cannot write into (read-only, below a file), before the evaluation rather than after."""
     disk.check_writable(out, "eval.py", "--out-dir")
+    from plumbing.checkpoints import holds_model
+
+    if holds_model(out):
+        raise SystemExit(f"eval.py: --out-dir: {out} holds a model (config.json and its weights), beside which this "
+                         f"evaluation's files do not belong; give it a directory of its own, e.g. --out-dir "
+                         f"{out / 'eval'}")
     if any((out / name).exists() for name in ("config.json", "checkpoints")):
         raise SystemExit(f"eval.py: --out-dir: {out} holds a training run (config.json, checkpoints/), whose "
                          "episodes.jsonl and summary.json this evaluation would replace; give it a directory of its "

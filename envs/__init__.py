@@ -199,7 +199,8 @@ def load_tasks(name: str, split: str, program: str, option: str = "--env", **opt
     try:
         return env, env.tasks(split)
     except ValueError as e:
-        raise SystemExit(f"{program}: {'--split' if option == '--env' else option} {split}: {e}") from None
+        where = f"--split {split}" if option == "--env" else f"{option} {name} (its {split!r} split)"
+        raise SystemExit(f"{program}: {where}: {e}") from None
 
 
 # Parameter type names of BFCL-style function docs (BFCL, ACEBench) -> JSON Schema's, which OpenAI tools use.

@@ -231,6 +231,12 @@ def check_local(name: str) -> Path | None:
     p = Path(name).expanduser()
     if not p.exists():
         raise SystemExit(f"{name}: no such directory (a local path, so it is not looked up on the hub)")
+    if (p / "model").is_dir() and (p / "trainer_state.json").exists():  # a grpo.py checkpoint: its model is inside
+        raise SystemExit(f"{name}: a checkpoint of grpo.py, not a model directory: its model is {p / 'model'}")
+    if (p / "checkpoints").is_dir() and not (p / "model.safetensors").exists():  # a grpo.py run directory
+        steps = sorted(s.name for s in (p / "checkpoints").glob("step-*") if not s.name.endswith(".tmp"))
+        raise SystemExit(f"{name}: a run directory of grpo.py, not a model: give one of its checkpoints' model, e.g. "
+                         f"{p / 'checkpoints' / (steps[-1] if steps else 'step-N') / 'model'}")
     if not (p / "config.json").exists() and not lora.is_adapter_dir(p):
         inside = ", ".join(sorted(c.name for c in p.iterdir())[:8]) if p.is_dir() else "it is a file"
         raise SystemExit(f"{name}: not a model directory: no config.json ({inside or 'it is empty'})")

@@ -179,12 +179,13 @@ def claim(acc, run_dir: Path, resuming: bool, overwrite: bool) -> Path:
             decision[0] = (f"grpo.py: --out-dir: {run_dir} holds a model, not a run (its config.json is the model's, "
                            f"which a run's would replace): choose another --out-dir; to train from it, --init-from "
                            f"{run_dir}")
+        elif present and not resuming and "config.json" not in present:  # an evaluation's, or another program's
+            decision[0] = (f"grpo.py: {'--overwrite' if overwrite else '--out-dir'}: {run_dir} holds "
+                           f"{', '.join(present)} but no config.json, so no run of grpo.py wrote them; nothing was "
+                           "deleted. Move them away or choose another --out-dir")
         elif present and not resuming and not overwrite:
             decision[0] = (f"grpo.py: --out-dir: {run_dir} already holds a run ({', '.join(present)}); continue it "
                            f"with --resume {run_dir}, replace it with --overwrite, or choose another --out-dir")
-        elif present and overwrite and "config.json" not in present:
-            decision[0] = (f"grpo.py: --overwrite: {run_dir} holds {', '.join(present)} but no config.json, so no "
-                           "run of grpo.py wrote them; nothing was deleted. Move them away or choose another --out-dir")
         else:
             try:
                 decision[0] = lock(run_dir)

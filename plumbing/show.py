@@ -29,12 +29,21 @@ def record(path: str, index: int) -> dict:
     except UnicodeDecodeError as e:
         raise SystemExit(f"eval.py: --show: {path} is not text (UTF-8, byte {e.start}): give a JSONL file of "
                          "episodes") from None
+    if not lines:
+        raise SystemExit(f"eval.py: --show: {path} is empty: no episode to show")
     if not 0 <= index < len(lines):
         raise SystemExit(f"eval.py: --show-index {index}: {path} holds {len(lines)} episodes (0 to {len(lines) - 1})")
     try:
         rec = json.loads(lines[index])
     except ValueError as e:
-        raise SystemExit(f"eval.py: --show: {path}, episode {index}: not JSON ({e})") from None
+        whole = ""
+        if index == 0 and len(lines) > 1:  # one JSON document over several lines (summary.json), not JSONL
+            try:
+                json.loads("\n".join(lines))
+                whole = ": the file is one JSON document, not JSONL (one episode a line)"
+            except ValueError:
+                pass
+        raise SystemExit(f"eval.py: --show: {path}, episode {index}: not JSON ({e}){whole}") from None
     problem = check_tokens(rec)
     if problem:
         raise SystemExit(f"eval.py: --show: {path}, line {index + 1}: {problem}")
@@ -136,4 +145,10 @@ def show(path: str, index: int = 0, agent: str = "", color: bool | None = None) 
     rec = record(path, index)
     if color is None:
         color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-    return render(tokenizer_for(path, agent), rec, color)
+    tokenizer = tokenizer_for(path, agent)
+    outside = [t for t in rec["input_ids"] if t >= len(tokenizer)]
+    if outside:  # decoded, they would vanish from the text without a word
+        raise SystemExit(f"eval.py: --show: {path}, line {index + 1}: token id {outside[0]} is not one of the "
+                         f"tokenizer's {len(tokenizer)} ({len(outside)} such): the record is damaged, or another "
+                         "model's tokenizer reads it (--agent)")
+    return render(tokenizer, rec, color)

@@ -1351,13 +1351,27 @@ def test_overwrite_deletes_nothing_that_no_run_wrote_and_eval_never_writes_into_
     other = tmp_path / "other"
     (other / "checkpoints").mkdir(parents=True)
     (other / "checkpoints" / "mine.bin").write_text("not a run's")
-    with pytest.raises(SystemExit, match="no config.json, so no run of grpo.py wrote them; nothing was deleted"):
-        grpo.main(grpo_args(ckpt, other, "--overwrite"))
+    for given in (["--overwrite"], []):  # (without --overwrite it said to use --overwrite, which then refused it)
+        with pytest.raises(SystemExit, match=r"^grpo.py: --(overwrite|out-dir): .*no config.json, so no run of grpo.py "
+                           r"wrote them; nothing was deleted. Move them away or choose another --out-dir$"):
+            grpo.main(grpo_args(ckpt, other, *given))
     assert (other / "checkpoints" / "mine.bin").read_text() == "not a run's"
     run = tmp_path / "run"
     grpo.main(grpo_args(ckpt, run, "--steps", "1"))
     with pytest.raises(SystemExit, match="holds a training run"):
         evaluation.main(["--agent", str(ckpt), "--env", "tests.fake_env:FakeEnv", "--out-dir", str(run)])
+    with pytest.raises(SystemExit, match=r"^eval.py: --out-dir: .* holds a model \(config.json and its weights\)"):
+        evaluation.main(["--agent", str(ckpt), "--env", FAKE_ENV, "--out-dir", str(ckpt)])  # (said: a training run)
+    with pytest.raises(SystemExit, match=r"^eval.py: --merge-lora: --agent expert is not a checkpoint"):
+        evaluation.main(["--agent", "expert", "--env", "shop", "--merge-lora", str(tmp_path / "m")])
+    # a run directory, or one of its checkpoints, given as a model: the line says where its model is
+    step = run / "checkpoints" / "step-000001"
+    with pytest.raises(SystemExit, match=rf"^eval.py: --agent: {re.escape(str(run))}: a run directory of grpo.py, not a "
+                       rf"model: give one of its checkpoints' model, e.g. {re.escape(str(step / 'model'))}$"):
+        evaluation.main(["--agent", str(run), "--env", FAKE_ENV, "--out-dir", str(tmp_path / "e")])
+    with pytest.raises(SystemExit, match=rf"^grpo.py: --init-from: {re.escape(str(step))}: a checkpoint of grpo.py, "
+                       rf"not a model directory: its model is {re.escape(str(step / 'model'))}$"):
+        grpo.main(grpo_args(step, tmp_path / "r2"))
     mine = tmp_path / "mine"  # a user's own files of the names eval writes: refused, untouched
     mine.mkdir()
     for name in evaluation.WRITES:
@@ -1485,6 +1499,8 @@ def test_eval_env_evaluates_on_another_environment_and_a_resume_names_a_plug_in_
     assert steps_logged(run) == [1, 2]
     with pytest.raises(SystemExit, match=r"grpo.py: --eval-env nope: unknown environment 'nope'"):
         grpo.main(grpo_args(ckpt, tmp_path / "bad", "--eval-env", "nope"))
+    with pytest.raises(SystemExit, match=r"^grpo.py: --eval-env tau2:mock \(its 'test' split\): unknown split 'test'"):
+        grpo.main(grpo_args(ckpt, tmp_path / "bad", "--eval-env", "tau2:mock"))  # (it said "--eval-env test")
 
 
 def test_damaged_state_files_and_a_checkpoint_outside_the_run_are_named_in_one_line(tmp_path, ckpt, capsys):

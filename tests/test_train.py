@@ -862,3 +862,13 @@ def test_the_viewer_shows_an_episode_s_recorded_tokens_with_its_loss_mask(tmp_pa
         show.show(str(run), 0, str(ckpt))
     with pytest.raises(SystemExit, match=r"--show-index 5: .* holds 2 episodes"):
         show.show(str(run / "episodes.jsonl"), 5)
+    # an id past the tokenizer (it vanished from the text, exit 0), an empty file, a JSON document that is not JSONL
+    (tmp_path / "bad.jsonl").write_text(json.dumps({**rec, "input_ids": [*ids[:-1], 99999999]}) + "\n")
+    with pytest.raises(SystemExit, match=r"line 1: token id 99999999 is not one of the tokenizer's \d+ \(1 such\)"):
+        show.show(str(tmp_path / "bad.jsonl"), 0, str(ckpt))
+    (tmp_path / "bad.jsonl").write_text("\n")
+    with pytest.raises(SystemExit, match=r"bad.jsonl is empty: no episode to show$"):
+        show.show(str(tmp_path / "bad.jsonl"), 0, str(ckpt))
+    with pytest.raises(SystemExit, match=r"summary.json, episode 0: not JSON .*: the file is one JSON document, not "
+                       r"JSONL \(one episode a line\)$"):
+        show.show(str(run / "summary.json"), 0, str(ckpt))
