@@ -135,7 +135,8 @@ def load(run: Run) -> None:
         why = unanswered(run.user_sim)
         if disk.any_failed(acc, why is not None):
             raise SystemExit(f"grpo.py: --overwrite: the user simulator does not answer, so the run in {run_dir} is "
-                             f"kept: {why or '(on another process)'}. Fix the endpoint, then run the same command again")
+                             f"kept: {why or '(on another process)'}. Fix the endpoint, then run the same command "
+                             "again")
     # Once everything has loaded: a run that fails to start leaves the directory as it was.
     with rundir.together(acc):  # a disk that refuses config.json stops every process
         rundir.open_run(acc, run_dir, asdict(cfg), run.first_step if cfg.resume else None, run.changes, cfg.overwrite)
