@@ -304,6 +304,16 @@ def validate(cfg, world: int) -> None:
             bad(opt, f"{opt} must be one of {names}, got {getattr(cfg, opt)!r}")
     if cfg.dual_clip and cfg.dual_clip <= 1:
         bad("dual_clip", f"dual_clip must be > 1 (or 0: off), got {cfg.dual_clip}")
+    import dataclasses  # an option set away from its default where nothing reads it: refused, not silently ignored
+
+    default = {f.name: f.default for f in dataclasses.fields(cfg)}
+    for opt, read, by in (("tis_cap", cfg.correction == "tis", "--correction tis"),
+                          ("tis_level", cfg.correction == "tis", "--correction tis"),
+                          ("turn_discount", cfg.credit == "turn-discount", "--credit turn-discount"),
+                          ("dual_clip", cfg.policy_loss == "ppo", "--policy-loss ppo"),
+                          ("decode_slots", cfg.rollout == "engine", "--rollout engine")):
+        if getattr(cfg, opt) != default[opt] and not read:
+            bad(opt, f"{getattr(cfg, opt)!r} has no effect without {by}")
     check_user_sim(cfg, "grpo.py", resumed=bool(cfg.resume))
     if trains_on_eval_tasks(cfg):
         cli.main_print(f"[grpo] warning: --split test: the run trains on the test tasks its evaluations hold out "

@@ -180,6 +180,11 @@ def test_non_finite_reward_is_left_out_not_scored(tmp_path, ckpt):
     (["--compile-decode", "foo"], "grpo.py: --compile-decode"), (["--decode-graphs", "yes"], "grpo.py: --decode-graphs"),
     (["--decode-attention", "flat"], "grpo.py: --decode-attention"),
     (["--decode-share-opening", "--decode-attention", "model"], "grpo.py: --decode-share-opening"),
+    # set where nothing reads them: refused, not silently ignored
+    (["--tis-cap", "3"], "grpo.py: --tis-cap: 3.0 has no effect without --correction tis"),
+    (["--turn-discount", "0.5"], "grpo.py: --turn-discount: 0.5 has no effect without --credit turn-discount"),
+    (["--policy-loss", "cispo", "--dual-clip", "2"], "grpo.py: --dual-clip: 2.0 has no effect without --policy-loss"),
+    (["--rollout", "reference", "--decode-slots", "2x512"], "grpo.py: --decode-slots: '2x512' has no effect without"),
 ])
 def test_bad_option_fails_at_start_naming_it(tmp_path, ckpt, argv, option, capsys, monkeypatch):
     from plumbing import policy
