@@ -35,7 +35,7 @@ from plumbing.cli import SEEDS, Range
 from plumbing import coldstart
 from plumbing.coldstart import (NothingFits, Untokenizable, copy_loss, drills, encode, length_limit, make_cold_start,
                                 nothing_fits, teacher_data, windows)
-from plumbing.conversations import check_data_out, load_conversations
+from plumbing.conversations import check_data_options, check_data_out, load_conversations
 from envs import make_env
 from envs.shop_tasks import SIBLINGS, relabel_goods
 from fast.logprobs import token_logprobs
@@ -375,8 +375,7 @@ def main(argv=None):
             shutil.copytree(made, copy[1])
             print(f"[sft] copied to {copy[1]}")
         return
-    if cfg.copy_drills and cfg.data:
-        raise SystemExit("sft.py: --copy-drills: the drills are made of the teacher's conversations, not of --data")
+    check_data_options(cfg)  # the teacher's options are not given with --data
     if not cfg.epochs and not cfg.data_out and not cfg.data:
         raise SystemExit("sft.py: --epochs 0 trains nothing: give --data-out to keep the teacher's conversations")
     if cfg.epochs > 0:

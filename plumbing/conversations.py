@@ -193,3 +193,22 @@ def _is_text(rec) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+# What makes the teacher's conversations (sft.py without --data): none of it is read when --data names a file
+SYNTHESIS = ("teacher", "teacher_skips_confirm", "teacher_skips_ask", "teacher_skips_status", "teacher_users",
+             "copy_drills", "teacher_base_url", "env", "split", "num_tasks")
+
+
+def check_data_options(cfg) -> None:
+    """With --data, an option of the teacher's synthesis set away from its default is refused (it was ignored, and
+    recorded in the checkpoint's muarl_config.json as if the data had been made so)."""
+    import dataclasses
+
+    if not cfg.data:
+        return
+    default = {f.name: f.default for f in dataclasses.fields(cfg)}
+    given = [n for n in SYNTHESIS if getattr(cfg, n) != default[n]]
+    if given:
+        raise SystemExit(f"sft.py: {', '.join('--' + n.replace('_', '-') for n in given)}: the teacher's options have "
+                         f"no effect with --data {cfg.data}, whose conversations are made already")

@@ -698,8 +698,11 @@ def test_the_teachers_users_take_turns_by_task_and_the_drills_join_the_conversat
             coldstart.teacher_data(replace(cfg, **bad))
     with pytest.raises(SystemExit, match="--copy-drills 1.0: the drills rename shop's goods"):
         coldstart.teacher_data(sft.SFTConfig(env="tests.fake_env:FakeEnv", num_tasks=2, copy_drills=1.0))
-    with pytest.raises(SystemExit, match="--copy-drills: the drills are made of the teacher's conversations, not of"):
+    with pytest.raises(SystemExit, match=r"^sft.py: --copy-drills: the teacher's options have no effect with --data "
+                       r"x.jsonl, whose conversations are made already$"):
         sft.main(["--data", "x.jsonl", "--copy-drills", "1"])
+    with pytest.raises(SystemExit, match=r"^sft.py: --teacher-skips-confirm, --env, --num-tasks: the teacher's options "):
+        sft.main(["--data", "x.jsonl", "--env", "tau2:retail", "--teacher-skips-confirm", "0.5", "--num-tasks", "3"])
     with pytest.raises(SystemExit, match="^sft.py: --epochs 0 trains nothing: give --data-out to keep the teacher's"):
         sft.main(["--epochs", "0"])  # before any conversation is made
     with pytest.raises(SystemExit, match="--cold-start-out: only the 'tiny' model"):
