@@ -29,6 +29,9 @@ def check_user_sim(cfg, program: str, resumed: bool = False) -> None:
     if cfg.user_sim == "hf" and cfg.user_model == default:
         raise SystemExit(f"{program}: --user-sim hf: name the local model with --user-model (a checkpoint directory, "
                          f"a hub id or smollm2-135m); the default, {default!r}, is an endpoint's model name")
+    if cfg.user_sim == "hf" and not resumed:  # a local path that is no model: now, not once the agent has loaded
+        with cli.option_errors(f"{program}: --user-model"):
+            models.check_local(cfg.user_model)
 
 
 def make_user_sim(name: str, **options) -> UserSim:

@@ -797,6 +797,8 @@ def test_seeds_fit_every_generator_they_feed():
                                                               "with the scripted one (--user-sim scripted, the default)"),
     ("sft.py", ["--user-model", "gpt-4.1"], "sft.py: --user-model: the options of an LLM user, with the scripted one"),
     ("grpo.py", ["--user-sim", "hf"], "grpo.py: --user-sim hf: name the local model with --user-model"),
+    *[(p, ["--user-sim", "hf", "--user-model", "/nonexistent/user"],
+       f"{p}: --user-model: /nonexistent/user: no such directory") for p in ("grpo.py", "eval.py")],
     ("eval.py", ["--agent", "tiny"], "eval.py: --agent tiny: the tiny model untrained (random weights); give a "),
 ])
 def test_an_unknown_name_is_refused_at_start_with_the_known_ones(tmp_path, ckpt, monkeypatch, program, argv, shown):
