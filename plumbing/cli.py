@@ -124,8 +124,8 @@ def parse_config(cls, argv=None, recipes: dict | None = None, description: str =
     """Parse --field value options into `cls` (a dataclass). `--recipe NAME` applies a preset first; options
     given on the command line win. Unknown options and bad values fail at start, naming the option, and so does a
     number outside its declared Range (`check_ranges`, messages prefixed by `program`). `given`, a set, receives the
-    names of the fields set on the command line, a --recipe's among them, and "recipe" when one is given (grpo.py
-    --resume: which settings the user changes)."""
+    names of the fields set on the command line, and "recipe" with "recipe:<field>" for each field a --recipe sets
+    (grpo.py --resume: which settings the user changes)."""
     import argparse
     import dataclasses
     import typing
@@ -159,7 +159,8 @@ def parse_config(cls, argv=None, recipes: dict | None = None, description: str =
         raise ValueError(f"recipe sets unknown options {sorted(unknown)}")
     values.update({k: tuple(v) if isinstance(v, list) else v for k, v in args.items() if v is not None})
     if given is not None:
-        given.update([k for k, v in args.items() if v is not None] + ([*values, "recipe"] if recipe else []))
+        given.update([k for k, v in args.items() if v is not None] +
+                     (["recipe", *(f"recipe:{k}" for k in recipes[recipe])] if recipe else []))
     cfg = cls(**values)
     check_ranges(cfg, program or p.prog)
     return cfg

@@ -368,17 +368,21 @@ def resume_settings(path: Path, cfg, given: set, resumable: tuple) -> tuple[dict
             raise SystemExit(f"grpo.py: --resume: the run's {what}, {env!r} in its saved settings, is not one muarl "
                              "ships (shop, tau2:, bfcl:, acebench:), and a run directory may not choose code to "
                              f"import: name it again on the command line, --resume {path} {option} {env}")
-    # (a --recipe's settings count as given, each compared with the run's: the command that started a run, with
-    # --resume added, changes nothing)
-    changes = {k: [saved.get(k), getattr(cfg, k)] for k in sorted(given - {"resume", "recipe"})
-               if saved.get(k) != getattr(cfg, k)}
+    # A --recipe's settings, where not typed too, are compared with the run's: the command that started a run, with
+    # --resume added, changes nothing, and a setting a resume may change keeps the run's value (its --steps grown by
+    # an earlier resume, a replaced --user-model) unless it is typed.
+    typed = {k for k in given if ":" not in k} - {"resume", "recipe"}
+    recipe = {k.split(":", 1)[1] for k in given if k.startswith("recipe:")} - typed - set(resumable)
+    changes = {k: [saved.get(k), getattr(cfg, k)] for k in sorted(typed | recipe) if saved.get(k) != getattr(cfg, k)}
     fixed = [k for k in changes if k not in resumable]
     if fixed:
+        by_recipe = [k for k in fixed if k in recipe]
         raise SystemExit(f"grpo.py: --resume continues the run with its saved settings; "
                          f"{', '.join('--' + k.replace('_', '-') for k in fixed)} cannot change in it (only "
                          f"{', '.join('--' + k.replace('_', '-') for k in resumable)} can)"
-                         f"{'; the --recipe given sets some of them' if 'recipe' in given else ''}; start a new run "
-                         f"with --init-from {path / 'model'} to change them")
+                         + (f"; --recipe sets {', '.join('--' + k.replace('_', '-') for k in by_recipe)}"
+                            if by_recipe else "")
+                         + f"; start a new run with --init-from {path / 'model'} to change them")
     settings = {**saved, **{k: new for k, (_, new) in changes.items()}}
     try:  # (after the changes: a resume may mend a setting it may change)
         cli.check_saved(type(cfg), settings)

@@ -120,9 +120,15 @@ def test_the_command_that_started_a_run_with_a_recipe_resumes_it(tmp_path):
     plain, _, _ = rundir.options(grpo.Config, ["--out-dir", str(run)], options.RECIPES)
     (run / "config.json").write_text(json.dumps(asdict(plain)))
     with pytest.raises(SystemExit, match=r"^grpo.py: --resume continues the run with its saved settings; --.* cannot "
-                       r"change in it \(only .*\); the --recipe given sets some of them; start a new run with "
+                       r"change in it \(only .*\); --recipe sets --bf16, .*--model, .*; start a new run with "
                        r"--init-from"):
         rundir.options(grpo.Config, argv + ["--resume", str(run)], options.RECIPES)
+    # a setting a resume may change keeps the run's value (here --steps, grown by an earlier resume) unless typed
+    (run / "config.json").write_text(json.dumps({**asdict(cfg), "steps": 400}))
+    again, _, changes = rundir.options(grpo.Config, argv + ["--resume", str(run)], options.RECIPES)
+    assert again.steps == 400 and changes == {}
+    again, _, changes = rundir.options(grpo.Config, argv + ["--resume", str(run), "--steps", "500"], options.RECIPES)
+    assert again.steps == 500 and changes == {"steps": [400, 500]}
 
 
 def test_resume_cuts_the_logs_back_to_the_checkpoint(tmp_path, ckpt):
