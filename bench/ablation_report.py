@@ -131,7 +131,8 @@ def per_seed(results: dict) -> list[str]:
                 continue
             greedy = [x for x in matrix(results, [s], a, "greedy", False)[0] if x == x]
             asked = [x for x in matrix(results, [s], a, "sampled_asked", True)[0] if x == x]
-            cells.append(f"{statistics.mean(greedy):.3f}" + (f" / {statistics.mean(asked):.2f}" if asked else ""))
+            cells.append((f"{statistics.mean(greedy):.3f}" if greedy else "-")
+                         + (f" / {statistics.mean(asked):.2f}" if asked else ""))
         lines.append(f"| {a} | " + " | ".join(cells) + " |")
     return lines
 

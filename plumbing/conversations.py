@@ -197,7 +197,8 @@ def _is_text(rec) -> bool:
 
 # What makes the teacher's conversations (sft.py without --data): none of it is read when --data names a file
 SYNTHESIS = ("teacher", "teacher_skips_confirm", "teacher_skips_ask", "teacher_skips_status", "teacher_users",
-             "copy_drills", "teacher_base_url", "env", "split", "num_tasks")
+             "copy_drills", "teacher_base_url", "teacher_timeout", "env", "split", "num_tasks", "user_sim",
+             "user_base_url", "user_model")
 
 
 def check_data_options(cfg) -> None:

@@ -224,6 +224,15 @@ def looks_local(name: str) -> bool:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+def _json(path: Path) -> dict:
+    """A JSON object file's contents; {} when it is missing, unreadable or not an object."""
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
 def check_local(name: str) -> Path | None:
     """The directory a local model name points to, checked: it exists and holds a model config. None for hub ids."""
     if name in ("tiny", "smollm2-135m") or not looks_local(name):
@@ -233,7 +242,7 @@ def check_local(name: str) -> Path | None:
         raise SystemExit(f"{name}: no such directory (a local path, so it is not looked up on the hub)")
     if (p / "model").is_dir() and (p / "trainer_state.json").exists():  # a grpo.py checkpoint: its model is inside
         raise SystemExit(f"{name}: a checkpoint of grpo.py, not a model directory: its model is {p / 'model'}")
-    if (p / "checkpoints").is_dir() and not (p / "model.safetensors").exists():  # a grpo.py run directory
+    if (p / "checkpoints").is_dir() and "model_type" not in _json(p / "config.json"):  # grpo.py's settings, a run's
         steps = sorted(s.name for s in (p / "checkpoints").glob("step-*") if not s.name.endswith(".tmp"))
         raise SystemExit(f"{name}: a run directory of grpo.py, not a model: give one of its checkpoints' model, e.g. "
                          f"{p / 'checkpoints' / (steps[-1] if steps else 'step-N') / 'model'}")
@@ -307,6 +316,7 @@ def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, 
     attn = attn_implementation or "sdpa"
     if lora.is_adapter_dir(name):
         base = lora.base_chain(name)[1]  # refuses a chain of bases that loops
+        lora.check_base(name, base, name)  # before the base loads: a refusal needs only the files
         try:
             model, _ = load_model(base, device=device, dtype=dtype, attn_implementation=attn, seed=seed,
                                   merge_adapters=True)
@@ -315,7 +325,6 @@ def load_model(name: str, *, device=None, dtype=None, attn_implementation=None, 
                              f"base_model_name_or_path) did not load: {e}\nIf it moved, point "
                              "base_model_name_or_path at it; `eval.py --agent CHECKPOINT --merge-lora OUT`, where both "
                              "load, writes a full model that needs no base") from None
-        lora.check_base(name, base, name)
         model = lora.load(name, model)
         # muarl's checkpoints keep the tokenizer beside the adapters; adapters from elsewhere use their base's
         has_tok = any((Path(name).expanduser() / f).exists() for f in TOKENIZER_FILES)

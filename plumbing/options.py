@@ -164,6 +164,8 @@ class SFTData:
     one that writes values, items renamed as drawn, as the tiny base was pretrained (bench/README.md, try 12)"""
     teacher_base_url: str = ""
     """OpenAI-compatible endpoint of the teacher (default: OPENAI_BASE_URL)"""
+    teacher_timeout: Annotated[float, TIMEOUTS] = 600.0
+    """seconds a teacher model's request may wait for each read, retried 3 times (then its episode fails)"""
     env: str = "shop"
     """environment the teacher plays: 'shop' or 'tau2:<domain>'"""
     split: str = "train"
@@ -305,6 +307,7 @@ def validate(cfg, world: int) -> None:
     if cfg.dual_clip and cfg.dual_clip <= 1:
         bad("dual_clip", f"dual_clip must be > 1 (or 0: off), got {cfg.dual_clip}")
     import dataclasses  # an option set away from its default where nothing reads it: refused, not silently ignored
+    # (a resumed run is resumed as it ran: these options cannot change in it)
 
     default = {f.name: f.default for f in dataclasses.fields(cfg)}
     for opt, read, by in (("tis_cap", cfg.correction == "tis", "--correction tis"),
@@ -312,7 +315,7 @@ def validate(cfg, world: int) -> None:
                           ("turn_discount", cfg.credit == "turn-discount", "--credit turn-discount"),
                           ("dual_clip", cfg.policy_loss == "ppo", "--policy-loss ppo"),
                           ("decode_slots", cfg.rollout == "engine", "--rollout engine")):
-        if getattr(cfg, opt) != default[opt] and not read:
+        if getattr(cfg, opt) not in (default[opt], 0, "") and not read and not cfg.resume:
             bad(opt, f"{getattr(cfg, opt)!r} has no effect without {by}")
     check_user_sim(cfg, "grpo.py", resumed=bool(cfg.resume))
     if trains_on_eval_tasks(cfg):

@@ -129,10 +129,10 @@ def load(run: Run) -> None:
     run.first_step = checkpoints.load(acc, resume_from, cfg.tasks_per_step, run.sched) if resume_from else 0
     if resume_from:
         acc.print(f"[grpo] resumed from {resume_from} at step {run.first_step}")
-    if cfg.overwrite and not resume_from and rundir.run_files(run_dir):  # the run it replaces goes only if its user
-        from plumbing.users import unanswered  # answers: a dead endpoint would stop this run at its first step
+    if cfg.overwrite and not resume_from:  # the run it replaces goes only if its user answers: a dead endpoint
+        from plumbing.users import unanswered  # would stop this run at its first step (the main process decides)
 
-        why = unanswered(run.user_sim)
+        why = unanswered(run.user_sim) if acc.is_main_process and rundir.run_files(run_dir) else None
         if disk.any_failed(acc, why is not None):
             raise SystemExit(f"grpo.py: --overwrite: the user simulator does not answer, so the run in {run_dir} is "
                              f"kept: {why or '(on another process)'}. Fix the endpoint, then run the same command "

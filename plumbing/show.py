@@ -121,6 +121,24 @@ def runs(rec: dict) -> list[tuple[int, int, int]]:
     return out + ([(at, n, -1)] if at < n else [])
 
 
+PAST = "\u27e8id {id}\u27e9"  # a token id the tokenizer has no entry for, which decode() would drop without a word
+
+
+def decode(tokenizer, ids: list[int]) -> str:
+    """The ids as text, an id past the tokenizer shown as PAST rather than dropped."""
+    out, run = [], []
+    for t in ids + [None]:
+        if t is not None and t < len(tokenizer):
+            run.append(t)
+            continue
+        if run:
+            out.append(tokenizer.decode(run, skip_special_tokens=False))
+        run = []
+        if t is not None:
+            out.append(PAST.format(id=t))
+    return "".join(out)
+
+
 def render(tokenizer, rec: dict, color: bool) -> str:
     """The episode as text: a header, then each stretch decoded whole, each agent turn under a line that names its
     token span and marked (bold green, or between the brackets OPEN and CLOSE without colour)."""
@@ -131,8 +149,11 @@ def render(tokenizer, rec: dict, color: bool) -> str:
             + f" · reward {rec.get('reward')} · {rec.get('termination')} · {rec.get('turns')} agent turns · "
             f"{len(ids)} tokens, {trained} trained (loss mask 1)")
     out = [f"{head}\n{'=' * min(len(head), 100)}\n"]
+    past = sum(t >= len(tokenizer) for t in ids)
+    if past:  # the model's output rows past the tokenizer (Qwen3: 151,936 rows, 151,669 tokens) can be sampled
+        out.append(f"{past} token id(s) past the tokenizer's {len(tokenizer)}, shown as {PAST.format(id='N')}\n")
     for start, end, turn in runs(rec):
-        text = tokenizer.decode(ids[start:end], skip_special_tokens=False)
+        text = decode(tokenizer, ids[start:end])
         if turn < 0:
             out.append(f"{PROMPT}{text}{RESET}" if color else text)
         else:
@@ -145,10 +166,4 @@ def show(path: str, index: int = 0, agent: str = "", color: bool | None = None) 
     rec = record(path, index)
     if color is None:
         color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-    tokenizer = tokenizer_for(path, agent)
-    outside = [t for t in rec["input_ids"] if t >= len(tokenizer)]
-    if outside:  # decoded, they would vanish from the text without a word
-        raise SystemExit(f"eval.py: --show: {path}, line {index + 1}: token id {outside[0]} is not one of the "
-                         f"tokenizer's {len(tokenizer)} ({len(outside)} such): the record is damaged, or another "
-                         "model's tokenizer reads it (--agent)")
-    return render(tokenizer, rec, color)
+    return render(tokenizer_for(path, agent), rec, color)

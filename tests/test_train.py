@@ -195,6 +195,17 @@ def test_bad_option_fails_at_start_naming_it(tmp_path, ckpt, argv, option, capsy
     assert option in str(e.value)
 
 
+def test_an_option_without_effect_is_refused_for_new_runs_only_and_0_turns_one_off():
+    """A run saved before the refusal of options set where nothing reads them resumes as it ran (they cannot change
+    in a resume); a value that turns an option off (--dual-clip 0) has no effect to refuse."""
+    from plumbing import options
+
+    options.validate(grpo.Config(tis_cap=3.0, resume="runs/old"), 1)
+    options.validate(grpo.Config(policy_loss="cispo", dual_clip=0.0), 1)
+    with pytest.raises(SystemExit, match="^grpo.py: --tis-cap: 3.0 has no effect without --correction tis$"):
+        options.validate(grpo.Config(tis_cap=3.0), 1)
+
+
 def test_the_models_attention_under_flash_cannot_decode_and_is_refused():
     from fast.batched_rollout import RolloutConfig
 
@@ -870,10 +881,10 @@ def test_the_viewer_shows_an_episode_s_recorded_tokens_with_its_loss_mask(tmp_pa
         show.show(str(run), 0, str(ckpt))
     with pytest.raises(SystemExit, match=r"--show-index 5: .* holds 2 episodes"):
         show.show(str(run / "episodes.jsonl"), 5)
-    # an id past the tokenizer (it vanished from the text, exit 0), an empty file, a JSON document that is not JSONL
+    # an id past the tokenizer (it vanished from the text): shown, and counted; an empty file; a JSON document
     (tmp_path / "bad.jsonl").write_text(json.dumps({**rec, "input_ids": [*ids[:-1], 99999999]}) + "\n")
-    with pytest.raises(SystemExit, match=r"line 1: token id 99999999 is not one of the tokenizer's \d+ \(1 such\)"):
-        show.show(str(tmp_path / "bad.jsonl"), 0, str(ckpt))
+    text = show.show(str(tmp_path / "bad.jsonl"), 0, str(ckpt), color=False)
+    assert f"1 token id(s) past the tokenizer's {len(tok)}" in text and "\u27e8id 99999999\u27e9" in text
     (tmp_path / "bad.jsonl").write_text("\n")
     with pytest.raises(SystemExit, match=r"bad.jsonl is empty: no episode to show$"):
         show.show(str(tmp_path / "bad.jsonl"), 0, str(ckpt))
