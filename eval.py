@@ -42,6 +42,8 @@ class Evaluation:
     (the environment's scripted expert)"""
     agent_base_url: str = ""
     """endpoint for an 'openai:' agent (default: OPENAI_BASE_URL)"""
+    agent_timeout: Annotated[float, TIMEOUTS] = 600.0
+    """seconds an 'openai:' agent's request may wait for each read, retried 3 times (then the episode fails)"""
     env: str = "shop"
     """environment: 'shop', 'tau2:<retail|airline|telecom|mock>', 'bfcl:<multi_turn|multi_turn_base|...>',
     'acebench:agent'"""
@@ -156,7 +158,8 @@ def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
             if cfg.agent == "expert":
                 agent = env.expert(task)
             else:
-                agent = OpenAIAgent(cfg.agent.split(":", 1)[1], env.tools(task), cfg.agent_base_url, cfg.temperature)
+                agent = OpenAIAgent(cfg.agent.split(":", 1)[1], env.tools(task), cfg.agent_base_url, cfg.temperature,
+                                    timeout=cfg.agent_timeout)
                 agent = _ToolsAt(agent, env, task) if hasattr(env, "tools_at") else agent
             session = guard(env, task, cfg.tool_timeout, remote=getattr(env, "slow_tools", False))
             try:

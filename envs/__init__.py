@@ -373,7 +373,7 @@ class OpenAIAgent:
     AgentError naming the model and the endpoint."""
 
     def __init__(self, model: str, tools: list[dict], base_url: str = "", temperature: float = 0.0,
-                 timeout: float = 120.0, max_retries: int = 3):
+                 timeout: float = 600.0, max_retries: int = 3):
         from openai import OpenAI
 
         key = os.environ.get("OPENAI_API_KEY")

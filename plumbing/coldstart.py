@@ -49,7 +49,7 @@ def make_cold_start(cfg) -> list[dict]:
     for task in tasks[:cfg.num_tasks]:
         tools = env.tools(task)
         if cfg.teacher != "expert":
-            agent = OpenAIAgent(cfg.teacher, tools, cfg.teacher_base_url)
+            agent = OpenAIAgent(cfg.teacher, tools, cfg.teacher_base_url, timeout=cfg.teacher_timeout)
         elif imperfect:
             agent = env.expert(task, **imperfect)
         else:
