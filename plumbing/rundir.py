@@ -32,6 +32,10 @@ def options(Config, argv, recipes: dict) -> tuple:
     given = set()
     cfg = cli.parse_config(Config, argv, recipes=recipes, description=Config.__doc__.split("\n\n")[0], given=given,
                            program="grpo.py")
+    if "model" in given and cfg.init_from and not cfg.resume:  # typed beside --init-from, it was not read, yet was
+        # recorded as the model trained (a --recipe's --model is not "given": --recipe paper --init-from X works)
+        raise SystemExit(f"grpo.py: --model {cfg.model}: with --init-from {cfg.init_from} the run trains that "
+                         "checkpoint and --model is not read: give one of them")
     if not cfg.resume:
         return cfg, None, {}
     if checkpoints.holds_model(cfg.resume):

@@ -117,6 +117,10 @@ def test_the_command_that_started_a_run_with_a_recipe_resumes_it(tmp_path):
     again, resume_from, changes = rundir.options(grpo.Config, argv + ["--resume", str(run)], options.RECIPES)
     assert changes == {} and resume_from is None
     assert asdict(again) == {**asdict(cfg), "resume": str(run), "overwrite": False}
+    with pytest.raises(SystemExit, match=r"^grpo.py: --model smollm2-135m: with --init-from x the run trains that "
+                       r"checkpoint and --model is not read: give one of them$"):
+        rundir.options(grpo.Config, ["--init-from", "x", "--model", "smollm2-135m"], options.RECIPES)
+    assert rundir.options(grpo.Config, argv + ["--init-from", "x"], options.RECIPES)[0].init_from == "x"
     plain, _, _ = rundir.options(grpo.Config, ["--out-dir", str(run)], options.RECIPES)
     (run / "config.json").write_text(json.dumps(asdict(plain)))
     with pytest.raises(SystemExit, match=r"^grpo.py: --resume continues the run with its saved settings; --.* cannot "
