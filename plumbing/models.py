@@ -274,6 +274,9 @@ def load_tokenizer(name: str, env=None):
                                               "the Hugging Face cache or on the hub: ")
         raise SystemExit(f"{name}: {where}{str(e).splitlines()[0][:300]}") from None
     if not template_renders_tools(tok):
+        if tok.chat_template and tok.chat_template != TOOL_CHAT_TEMPLATE:  # its own, which fails or drops tools
+            print(f"[muarl] {name}: its chat template does not render tools, calls and their results (or raises): "
+                  "muarl's own tool template is used instead", flush=True)
         tok.chat_template = TOOL_CHAT_TEMPLATE
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

@@ -308,6 +308,22 @@ def test_tiny_model_saves_and_reloads(tmp_path, tiny_tok, tiny_lm):
     assert AutoTokenizer.from_pretrained(tmp_path).eos_token == "<|im_end|>"
 
 
+def test_a_checkpoint_template_that_cannot_render_tools_is_replaced_and_said(tmp_path, tiny_tok, tiny_lm, capsys):
+    """A checkpoint's own chat template that fails (here, not Jinja at all) or drops tools is replaced by muarl's tool
+    template, in one line naming the checkpoint (it was replaced without a word)."""
+    import copy
+
+    tok = copy.deepcopy(tiny_tok)
+    tok.chat_template = "{% for m in messages %}{{ m.content }"  # cut short: Jinja cannot parse it
+    tiny_lm.config.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    assert models.load_tokenizer(str(tmp_path)).chat_template == toolcall.TOOL_CHAT_TEMPLATE
+    assert f"[muarl] {tmp_path}: its chat template does not render tools" in capsys.readouterr().out
+    tiny_tok.save_pretrained(tmp_path)  # muarl's own: nothing to say
+    models.load_tokenizer(str(tmp_path))
+    assert "chat template" not in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_smollm2_tokenizer_deltas():
     """The packaged real chat model: its plain-ChatML template is replaced by the tool template and the
