@@ -325,7 +325,14 @@ def main(argv=None):
     else:
         from fast.batched_rollout import RolloutConfig, parse_slots, rollout
         from plumbing.options import check_max_context
+
         from plumbing.users import make_user_sim
+
+        early = None  # the tokenizer alone first: a --max-context no episode can start in stops before the weights
+        with contextlib.suppress(SystemExit):  # load (an agent that does not load is named below, with its option)
+            early = models.start_tokenizer(cfg.agent) if cfg.agent != "tiny" else None
+        if early is not None:
+            check_max_context(early, env, tasks, cfg.max_context, "eval.py")
 
         mine = tasks[acc.process_index::acc.num_processes]
         live = len(mine) * cfg.trials
@@ -364,7 +371,8 @@ def main(argv=None):
             with cli.outside_zero3_init():  # evaluated only: never partitioned under a ZeRO-3 config
                 model, tok = models.load_model(cfg.agent, device=acc.device, env=env, attn_implementation=attn)
         shard.check_same_weights(acc, model, f"--agent {cfg.agent}", "eval.py")  # each process loaded its own copy
-        check_max_context(tok, env, tasks, cfg.max_context, "eval.py")
+        if early is None:
+            check_max_context(tok, env, tasks, cfg.max_context, "eval.py")
         model.eval()
         user_sim = make_user_sim(cfg.user_sim, **user_sim_options(cfg))
         if cfg.user_sim == "hf":  # each process loaded its own copy of the user: the same one?

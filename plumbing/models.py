@@ -252,6 +252,13 @@ def check_local(name: str) -> Path | None:
     return p
 
 
+def start_tokenizer(name: str):
+    """The tokenizer load_model gives `name` (an adapter checkpoint's own, else its base's), without its weights."""
+    if lora.is_adapter_dir(name) and not any((Path(name).expanduser() / f).exists() for f in TOKENIZER_FILES):
+        return start_tokenizer(lora.base_chain(name)[1])
+    return load_tokenizer(name)
+
+
 def load_tokenizer(name: str, env=None):
     """The tokenizer of `name`, with the tool template where its own cannot render tools; `tiny`'s is trained on
     `env`'s text (env_tokenizer)."""

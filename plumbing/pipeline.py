@@ -121,10 +121,20 @@ def load(run: Run) -> None:
     from plumbing.options import check_max_context
 
     cfg, acc, env, tasks, resume_from, run_dir = run.cfg, run.acc, run.env, run.tasks, run.resume_from, run.dir
+
+    def check_contexts(tok):
+        check_max_context(tok, env, tasks, cfg.max_context)
+        if run.eval_env is not env and cfg.eval_tasks:
+            check_max_context(tok, run.eval_env, run.eval_env.tasks("test")[:cfg.eval_tasks], cfg.max_context)
+    start, early = cfg.init_from or cfg.model, None
+    if start != "tiny":  # a --max-context no episode can start in stops before the weights load (minutes at 8B)
+        with contextlib.suppress(SystemExit):  # a start that does not load: load_policy names it, with its option
+            early = models.start_tokenizer(start)
+    if early is not None:
+        check_contexts(early)
     policy.load_policy(run)
-    check_max_context(run.tok, env, tasks, cfg.max_context)
-    if run.eval_env is not env and cfg.eval_tasks:
-        check_max_context(run.tok, run.eval_env, run.eval_env.tasks("test")[:cfg.eval_tasks], cfg.max_context)
+    if early is None:
+        check_contexts(run.tok)
     checkpoints.check_first_room(acc, run)
     run.first_step = checkpoints.load(acc, resume_from, cfg.tasks_per_step, run.sched) if resume_from else 0
     if resume_from:

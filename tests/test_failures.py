@@ -863,10 +863,15 @@ def test_report_to_tensorboard_logs_into_the_run_directory(tmp_path, ckpt, monke
 
 
 # ---- checked inputs ----------------------------------------------------------------------------------------------
-def test_max_context_below_the_opening_is_refused_at_start(tmp_path, ckpt):
+def test_max_context_below_the_opening_is_refused_at_start(tmp_path, ckpt, monkeypatch):
+    """Before the weights load (the tokenizer alone tells), in grpo.py and eval.py."""
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model loaded before the refusal"))
     with pytest.raises(SystemExit, match=r"--max-context 20 is below every task's opening \(\d+ to \d+ tokens"):
         grpo.main(grpo_args(ckpt, tmp_path / "run", "--max-context", "20"))
     assert not (tmp_path / "run" / "config.json").exists()  # a run that could not start leaves no run behind
+    with pytest.raises(SystemExit, match=r"^eval.py: --max-context 20 is below every task's opening"):
+        evaluation.main(["--agent", str(ckpt), "--env", FAKE_ENV, "--max-context", "20", "--out-dir",
+                         str(tmp_path / "e")])
 
 
 def test_max_context_below_some_openings_is_warned(tiny_tok, capsys):
