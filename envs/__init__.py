@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from enum import Enum
@@ -196,11 +197,19 @@ def load_tasks(name: str, split: str, program: str, option: str = "--env", **opt
             raise
         given = ", ".join(f"--env-{k.replace('_', '-')} {v}" for k, v in options.items())
         raise SystemExit(f"{program}: {given}: {option} {name} takes no such option ({e})") from None
+    where = f"--split {split}" if option == "--env" else f"{option} {name} (its {split!r} split)"
     try:
-        return env, env.tasks(split)
+        tasks = env.tasks(split)
     except ValueError as e:
-        where = f"--split {split}" if option == "--env" else f"{option} {name} (its {split!r} split)"
         raise SystemExit(f"{program}: {where}: {e}") from None
+    if not tasks:
+        raise SystemExit(f"{program}: {where}: {name} has no tasks in split {split!r}")
+    seen: set = set()
+    twice = sorted({t.id for t in tasks if t.id in seen or seen.add(t.id)})
+    if twice:  # a task's samples are grouped, and its pass^k computed, by id: two tasks of one id would be one
+        raise SystemExit(f"{program}: {where}: {name} gives {len(twice)} task id(s) to more than one task "
+                         f"({', '.join(map(str, twice[:5]))}): each task needs an id of its own")
+    return env, tasks
 
 
 # Parameter type names of BFCL-style function docs (BFCL, ACEBench) -> JSON Schema's, which OpenAI tools use.
@@ -306,12 +315,16 @@ def next_turn(messages: list[dict], turns: int, max_turns: int, stop_tool_ran: b
 def score(session: EnvSession, messages: list[dict], termination: Termination) -> tuple[float, dict, Termination]:
     """(reward, its breakdown, termination) of an ended episode. The environment scores the conversation
     (session.reward); an episode that did not end FINISHED gets 0, the environment's verdict kept in
-    info["env_reward"]. An evaluator that raises or returns a non-finite number is not the agent's doing: the
-    episode ends INFRA_ERROR (training leaves it out rather than scoring it 0)."""
+    info["env_reward"]. An evaluator that raises or returns what is not a finite number is not the agent's doing:
+    the episode ends INFRA_ERROR (training leaves it out rather than scoring it 0)."""
     try:
         reward, info = session.reward(messages)
     except Exception as e:
         return 0.0, {"error": repr(e)}, Termination.INFRA_ERROR
+    if not isinstance(reward, numbers.Real):  # a string, None, a tensor: its own code's slip, named
+        return 0.0, {**(info if isinstance(info, dict) else {}), "error": f"the reward is a "
+                     f"{type(reward).__name__} ({str(reward)[:50]!r}), not a number"}, Termination.INFRA_ERROR
+    reward = float(reward)
     if not math.isfinite(reward):
         return 0.0, {**info, "error": f"non-finite reward {reward}"}, Termination.INFRA_ERROR
     if termination not in FINISHED:

@@ -335,6 +335,10 @@ def trainer_state(path: Path) -> dict:
     if not ok:
         raise SystemExit(f"grpo.py: --resume: {f} holds step {state['step']!r} and data position "
                          f"{state['data_position']!r}, not whole numbers: the checkpoint is damaged")
+    named = path.name.removeprefix("step-")
+    if path.name.startswith("step-") and named.isdigit() and int(named) != state["step"]:  # the name is save's own
+        raise SystemExit(f"grpo.py: --resume: {f} says step {state['step']}, its directory {path.name}: the "
+                         "checkpoint is damaged (resumed so, steps would be skipped or trained twice)")
     return state
 
 

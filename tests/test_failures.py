@@ -1540,6 +1540,11 @@ def test_damaged_state_files_and_a_checkpoint_outside_the_run_are_named_in_one_l
     state.write_text(good.replace('"step": 2', '"step": "abc"'))
     with pytest.raises(SystemExit, match=r"trainer_state.json holds step 'abc' and data position .*, not whole numbers"):
         grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "3"])
+    for step in (7, 1):  # a step its directory does not name: steps 3-7 skipped, or step 2 trained twice
+        state.write_text(good.replace('"step": 2', f'"step": {step}'))
+        with pytest.raises(SystemExit, match=rf"trainer_state.json says step {step}, its directory step-000002: the "
+                           r"checkpoint is damaged"):
+            grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "8"])
     state.write_text(good)
     scheduler = run / "checkpoints" / "step-000002" / "accelerate" / "scheduler.json"
     scheduler.write_text(scheduler.read_text()[:10])
@@ -2161,3 +2166,49 @@ def test_cutting_a_log_on_a_full_disk_changes_nothing_and_leaves_nothing(tmp_pat
 
     assert rundir.cut_log(log, 60) == 40
     assert [json.loads(line)["step"] for line in (tmp_path / "episodes.jsonl.cut").open()] == [7] + list(range(61, 101))
+
+
+def test_a_reward_that_is_not_a_number_is_the_evaluators_failure():
+    """A plug-in's reward that is a string or None killed the run mid-step with a TypeError traceback (a user-style
+    probe): it is the evaluator's failure, the episode's infra_error, named; numpy's numbers are numbers."""
+    import numpy as np
+
+    from envs import Termination, score
+
+    class Session:
+        def __init__(self, reward):
+            self.value = reward
+
+        def reward(self, messages):
+            return self.value, {}
+
+    for bad in ("1", None, [1.0]):
+        reward, info, end = score(Session(bad), [], Termination.USER_STOP)
+        assert (reward, end) == (0.0, Termination.INFRA_ERROR) and "not a number" in info["error"], bad
+    assert score(Session(np.float32(1.0)), [], Termination.USER_STOP)[:3:2] == (1.0, Termination.USER_STOP)
+
+
+def test_a_split_without_tasks_or_with_one_id_for_two_tasks_is_refused_in_one_line(tmp_path, ckpt):
+    """A plug-in split with no tasks gave an IndexError (grpo.py) or "none of the 0 episodes was scored" (eval.py); two
+    tasks of one id were silently one task with twice the trials in eval.py's pass^k (a user-style probe)."""
+    from envs import load_tasks
+    from tests.fake_env import FakeEnv
+
+    class Empty(FakeEnv):
+        def tasks(self, split):
+            return []
+
+    class Twice(FakeEnv):
+        def tasks(self, split):
+            return super().tasks(split)[:1] * 3
+
+    import tests.fake_env as fake
+
+    for name, cls, said in (("Empty", Empty, r"has no tasks in split 'test'$"),
+                            ("Twice", Twice, r"gives 1 task id\(s\) to more than one task \(test-0\): each task")):
+        setattr(fake, name, cls)
+        try:
+            with pytest.raises(SystemExit, match=rf"^eval.py: --split test: tests.fake_env:{name} {said}"):
+                load_tasks(f"tests.fake_env:{name}", "test", "eval.py")
+        finally:
+            delattr(fake, name)
