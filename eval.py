@@ -146,7 +146,8 @@ class _ToolsAt:
 def run_api_agent(cfg: EvalConfig, env, tasks) -> list[dict]:
     """An OpenAI-compatible model (or the env's scripted expert) as the agent, through the text-level driver (no
     token-level record)."""
-    from envs import DEAD_AFTER, OpenAIAgent, Termination, message_history, play
+    from envs import Termination, message_history, play
+    from envs.api_agent import DEAD_AFTER, OpenAIAgent
     from plumbing.users import make_user_sim
 
     sim = None

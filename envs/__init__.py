@@ -27,8 +27,8 @@ opens. The history is prompt: never trained on, the same for every episode of a 
 The episode rule (`next_turn`, `score`): an episode ends when the user says a stop marker, the agent runs a
 STOP_TOOLS tool, or a cap cuts it off; only the first two can score, as in tau2. Every way of playing an episode
 uses it: the rollouts (rollout.py, fast/batched_rollout.py) and `play`, the text-level driver of scripted experts, API
-agents and cold-start synthesis. The simulated users live in envs/users.py and envs/llm_users.py: they are part of
-the world the agent talks to.
+agents (envs/api_agent.py) and cold-start synthesis. The simulated users live in envs/users.py and envs/llm_users.py:
+they are part of the world the agent talks to.
 
 This package is the world; it imports nothing of the agent's side (tests/test_layout.py).
 """
@@ -38,7 +38,6 @@ import copy
 import json
 import math
 import numbers
-import os
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
@@ -209,7 +208,33 @@ def load_tasks(name: str, split: str, program: str, option: str = "--env", **opt
     if twice:  # a task's samples are grouped, and its pass^k computed, by id: two tasks of one id would be one
         raise SystemExit(f"{program}: {where}: {name} gives {len(twice)} task id(s) to more than one task "
                          f"({', '.join(map(str, twice[:5]))}): each task needs an id of its own")
+    for task in tasks[:16]:  # what the template shows the agent: schemas it can render, not whatever tools() gives
+        problem = tools_problem(env.tools(task))
+        if problem:
+            raise SystemExit(f"{program}: {option} {name}: the tools of task {task.id}: {problem}")
     return env, tasks
+
+
+def tools_problem(tools) -> str:
+    """What keeps an environment's tools (env.tools(task)) from being function schemas the chat template renders
+    ('' when nothing): a list of {"type": "function", "function": {"name": ..., ...}}, each name once, all JSON."""
+    if not isinstance(tools, list):
+        return f"a {type(tools).__name__}, not a list of function schemas"
+    names = []
+    for k, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            return (f"tool {k} is not a function schema ({{\"type\": \"function\", \"function\": {{\"name\": ...}}}}): "
+                    f"{str(t)[:80]}")
+        names.append(fn["name"])
+    twice = [n for n in dict.fromkeys(names) if names.count(n) > 1]
+    if twice:
+        return f"tool {twice[0]!r} is listed {names.count(twice[0])} times"
+    try:
+        json.dumps(tools)
+    except (TypeError, ValueError) as e:
+        return f"not JSON ({e})"
+    return ""
 
 
 # Parameter type names of BFCL-style function docs (BFCL, ACEBench) -> JSON Schema's, which OpenAI tools use.
@@ -366,53 +391,3 @@ def play(env: Environment, task: Task, agent: ScriptedAgent, user: ScriptedUser 
         status = next_turn(messages, turns, max_turns, stop)
     reward, info, termination = score(session, messages, status)
     return messages, reward, info, termination
-
-
-# Episodes of an API agent (or its user) failing from the first: the endpoint is taken for dead, and eval.py and the
-# cold start's synthesis stop, rather than paying the retries of every task left
-DEAD_AFTER = 3
-
-
-class AgentError(RuntimeError):
-    """An API agent's endpoint failed (after the client's retries) or answered with what is not a chat completion:
-    the episode's failure, its message naming the model and the endpoint."""
-
-
-class OpenAIAgent:
-    """An agent behind an OpenAI-compatible endpoint, for `play`: a cold-start teacher (sft.py) or an API baseline
-    (eval.py). It plays beside the scripted experts, so it lives beside the driver, not with the trained policy.
-    Each request may take `timeout` seconds a read and is retried `max_retries` times by the client (connection
-    errors, timeouts, 408/409/429, 5xx); a failure after them, or a reply that is not a chat completion, raises
-    AgentError naming the model and the endpoint."""
-
-    def __init__(self, model: str, tools: list[dict], base_url: str = "", temperature: float = 0.0,
-                 timeout: float = 600.0, max_retries: int = 3):
-        from openai import OpenAI
-
-        key = os.environ.get("OPENAI_API_KEY")
-        if not key and not base_url:
-            raise SystemExit(f"OpenAI-compatible agent {model!r}: OPENAI_API_KEY is not set, and no base URL names "
-                             "another server (--agent-base-url, --teacher-base-url)")
-        self.client = OpenAI(base_url=base_url or None, api_key=key or "EMPTY", max_retries=max_retries,
-                             timeout=timeout)  # local servers take any key
-        self.model, self.tools, self.temperature = model, tools, temperature
-        self.where = f"agent {model!r} at {base_url or 'the OpenAI API'}"
-
-    def act(self, messages: list[dict]) -> dict:
-        import openai
-
-        try:
-            r = self.client.chat.completions.create(model=self.model, messages=messages, tools=self.tools or None,
-                                                    temperature=self.temperature)
-        except openai.OpenAIError as e:
-            raise AgentError(f"{self.where} failed: {e.__class__.__name__}: {str(e)[:300]}") from None
-        choices = getattr(r, "choices", None)
-        if not choices or getattr(choices[0], "message", None) is None:  # an HTML page, no choices, ...
-            raise AgentError(f"{self.where} answered with what is not a chat completion: {str(r)[:200]!r}")
-        m = choices[0].message
-        msg = {"role": "assistant", "content": m.content or ""}
-        if m.tool_calls:
-            msg["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                                 for c in m.tool_calls]
-        return msg

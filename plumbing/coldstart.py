@@ -13,7 +13,7 @@ import torch
 
 from plumbing import cli
 from plumbing.users import make_user_sim, user_sim_options
-from envs import DEAD_AFTER, OpenAIAgent
+from envs.api_agent import DEAD_AFTER, OpenAIAgent
 from fast.logprobs import token_logprobs
 from muarl import collate, encode_conversation
 

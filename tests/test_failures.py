@@ -550,7 +550,7 @@ def test_a_model_name_that_is_nowhere_or_a_checkpoint_config_cut_short_stops_in_
 
 
 def test_an_openai_agent_without_a_key_or_a_server_stops_in_one_line(monkeypatch):
-    from envs import OpenAIAgent
+    from envs.api_agent import OpenAIAgent
 
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     with pytest.raises(SystemExit, match=r"^OpenAI-compatible agent 'gpt-x': OPENAI_API_KEY is not set, and no base "
@@ -564,7 +564,7 @@ def test_an_api_agents_failing_endpoint_is_named_and_a_dead_one_stops_the_evalua
     fails its episode with AgentError naming the model and the endpoint (they were a raw AttributeError, IndexError,
     or "Connection error." naming nothing); an endpoint that fails the first episodes stops eval.py after
     DEAD_AFTER of them, not after the retries of every task."""
-    from envs import DEAD_AFTER, AgentError, OpenAIAgent
+    from envs.api_agent import DEAD_AFTER, AgentError, OpenAIAgent
 
     replies = {1: (200, b"<html>busy</html>"), 2: (200, json.dumps({"id": "x", "choices": []}).encode())}
     server = ChatServer(lambda body, n: replies.get(n, (500, {})))
@@ -2202,13 +2202,23 @@ def test_a_split_without_tasks_or_with_one_id_for_two_tasks_is_refused_in_one_li
         def tasks(self, split):
             return super().tasks(split)[:1] * 3
 
+    def tools(given):  # a plug-in whose tools() gives what the template cannot render as function schemas
+        return type("Tools", (FakeEnv,), {"tools": lambda self, task: given})
+
     import tests.fake_env as fake
 
-    for name, cls, said in (("Empty", Empty, r"has no tasks in split 'test'$"),
-                            ("Twice", Twice, r"gives 1 task id\(s\) to more than one task \(test-0\): each task")):
+    echo = {"type": "function", "function": {"name": "echo"}}
+    for name, cls, said in (("Empty", Empty, r"--split test: tests.fake_env:Empty has no tasks in split 'test'$"),
+                            ("Twice", Twice, r"--split test: tests.fake_env:Twice gives 1 task id\(s\) to more than "
+                                             r"one task \(test-0\): each task"),
+                            ("NoFunction", tools([{"type": "function", "name": "echo"}]),
+                             r"--env tests.fake_env:NoFunction: the tools of task test-0: tool 0 is not a function "),
+                            ("Twice2", tools([echo, echo]), r"--env .*Twice2: the tools of task test-0: tool 'echo' is listed 2 times"),
+                            ("NotJson", tools([{**echo, "x": type}]), r"--env .*NotJson: the tools of task test-0: not JSON"),
+                            ("Dict", tools({"echo": echo}), r"--env .*Dict: the tools of task test-0: a dict, not a list")):
         setattr(fake, name, cls)
         try:
-            with pytest.raises(SystemExit, match=rf"^eval.py: --split test: tests.fake_env:{name} {said}"):
+            with pytest.raises(SystemExit, match=rf"^eval.py: {said}"):
                 load_tasks(f"tests.fake_env:{name}", "test", "eval.py")
         finally:
             delattr(fake, name)
