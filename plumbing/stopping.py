@@ -36,7 +36,7 @@ class StopOnInterrupt:
     debounce_s = 2.0  # a second SIGINT sooner than this is the launcher's copy of the first
 
     def __init__(self, program: str):
-        self.program, self.asked, self.at, self._old = program, None, 0.0, {}
+        self.program, self.asked, self.at, self._old, self.again = program, None, 0.0, {}, False
         self.abandon: set[str] = set()  # the signals that abandon the work in progress now
         # several processes never abandon: one that left a rollout or an evaluation early would meet the others at
         # a different collective; they finish the step together and stop after it
@@ -65,10 +65,13 @@ class StopOnInterrupt:
                 if os.isatty(fd):
                     os.dup2(devnull, fd)
             os.close(devnull)
-        if not self.asked:
+        if self.again and name == self.asked and name in self.abandon:  # the signal sent again (below)
+            self.again = False
+            self._abandon(name, signum, frame)
+        elif not self.asked:
             self.asked, self.at = name, time.monotonic()
             if name in self.abandon:
-                raise Abandoned(name)
+                self._abandon(name, signum, frame)
             try:
                 cli.main_print(f"\n[{self.program}] {SIGNALS[name]}: finishing this step, then saving a checkpoint and "
                            "stopping" + (" (Ctrl-C again to stop at once)" if name == "SIGINT" else ""))
@@ -76,6 +79,18 @@ class StopOnInterrupt:
                 pass
         elif name == "SIGINT" and time.monotonic() - self.at >= self.debounce_s:
             raise KeyboardInterrupt
+
+    def _abandon(self, name: str, signum: int, frame) -> None:
+        """Raise Abandoned where the signal arrived, unless that is inside a finalizer (`__del__`, which the garbage
+        collector may run anywhere), where Python prints an exception and drops it: the stop was lost there, and an
+        evaluation ran on to its end. Then the signal is sent again a moment later, to land in the work itself."""
+        import threading
+
+        if frame is not None and frame.f_code.co_name == "__del__":
+            self.again = True
+            threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+            return
+        raise Abandoned(name)
 
     def abandoning(self, *names: str):
         """`with ctrl_c.abandoning("SIGTERM", "SIGHUP"):` the first of these signals raises Abandoned in the block
