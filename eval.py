@@ -410,4 +410,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # (it was a traceback) an evaluation is written whole, or not at all
+        print("\n[eval] stopped by Ctrl-C: nothing was written (an evaluation's files are written whole)", flush=True)
+        raise SystemExit(130) from None

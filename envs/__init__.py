@@ -38,6 +38,7 @@ import copy
 import json
 import math
 import numbers
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
@@ -199,8 +200,13 @@ def load_tasks(name: str, split: str, program: str, option: str = "--env", **opt
     where = f"--split {split}" if option == "--env" else f"{option} {name} (its {split!r} split)"
     try:
         tasks = env.tasks(split)
-    except ValueError as e:
-        raise SystemExit(f"{program}: {where}: {e}") from None
+    except ValueError as e:  # an unknown split, as the environments say; a plug-in's own slip, where it raised
+        import traceback
+
+        at = traceback.extract_tb(e.__traceback__)[-1]
+        mine = os.path.dirname(os.path.abspath(at.filename)) == os.path.dirname(os.path.abspath(__file__))
+        raise SystemExit(f"{program}: {where}: {e}" + ("" if mine else f" (raised at {at.filename}:{at.lineno})")) \
+            from None
     if not tasks:
         raise SystemExit(f"{program}: {where}: {name} has no tasks in split {split!r}")
     seen: set = set()

@@ -2222,6 +2222,10 @@ def test_a_split_without_tasks_or_with_one_id_for_two_tasks_is_refused_in_one_li
         def tasks(self, split):
             return super().tasks(split)[:1] * 3
 
+    class Slips(FakeEnv):
+        def tasks(self, split):
+            return [float("x")]  # the plug-in's own ValueError: named where it raised, not only as --split's
+
     def tools(given):  # a plug-in whose tools() gives what the template cannot render as function schemas
         return type("Tools", (FakeEnv,), {"tools": lambda self, task: given})
 
@@ -2235,7 +2239,9 @@ def test_a_split_without_tasks_or_with_one_id_for_two_tasks_is_refused_in_one_li
                              r"--env tests.fake_env:NoFunction: the tools of task test-0: tool 0 is not a function "),
                             ("Twice2", tools([echo, echo]), r"--env .*Twice2: the tools of task test-0: tool 'echo' is listed 2 times"),
                             ("NotJson", tools([{**echo, "x": type}]), r"--env .*NotJson: the tools of task test-0: not JSON"),
-                            ("Dict", tools({"echo": echo}), r"--env .*Dict: the tools of task test-0: a dict, not a list")):
+                            ("Dict", tools({"echo": echo}), r"--env .*Dict: the tools of task test-0: a dict, not a list"),
+                            ("Slips", Slips, r"--split test: could not convert string to float: 'x' \(raised at "
+                                             r".*test_failures.py:\d+\)$")):
         setattr(fake, name, cls)
         try:
             with pytest.raises(SystemExit, match=rf"^eval.py: {said}"):
