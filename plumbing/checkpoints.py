@@ -291,9 +291,9 @@ def find(path: str) -> Path:
         p = newest(p / "checkpoints")
     if (p / "trainer_state.json").exists():
         if not (p / "accelerate").is_dir():
-            raise SystemExit(f"grpo.py: --resume: {p} was saved with --save-weights-only (no optimizer, scheduler or "
-                             "RNG state), so it cannot continue the run exactly; start a new run with "
-                             f"--init-from {p / 'model'}")
+            raise SystemExit(f"grpo.py: --resume: {p} has no accelerate/ (no optimizer, scheduler or RNG state: saved "
+                             "with --save-weights-only, or since removed), so it cannot continue the run exactly; "
+                             f"start a new run with --init-from {p / 'model'}")
         return p
     raise SystemExit(f"grpo.py: --resume: no checkpoint in {path} "
                      "(expected trainer_state.json or checkpoints/latest.json)")

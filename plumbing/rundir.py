@@ -219,8 +219,8 @@ def open_run(acc, run_dir: Path, config: dict, resume_step: int | None, changes:
             for name in LOGS:
                 dropped = cut_log(run_dir / name, resume_step)
                 if dropped:
-                    print(f"[grpo] --resume at step {resume_step}: {dropped} line(s) of {name} after it moved to "
-                          f"{name}.cut", flush=True)
+                    print(f"[grpo] --resume at step {resume_step}: {dropped} line(s) of {name} after it (or cut short, "
+                          f"or unreadable) moved to {name}.cut", flush=True)
             with open(run_dir / "resumes.jsonl", "a") as f:
                 f.write(json.dumps({"step": resume_step, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                                     "changed": changes}) + "\n")
