@@ -321,6 +321,9 @@ def plot_curves(rows: list[dict], path, before: float | None = None, after: floa
 def plot_run(run_dir) -> Path:
     """curves.png of a run directory, from its metrics.jsonl and summary.json (`python eval.py --plot RUN_DIR`)."""
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise SystemExit(f"eval.py: --plot: {run_dir} {'is a file' if run_dir.exists() else 'does not exist'}: give a "
+                         "grpo.py run directory")
     if not (run_dir / "metrics.jsonl").exists():
         raise SystemExit(f"eval.py: --plot: {run_dir} has no metrics.jsonl (not a grpo.py run directory?)")
     rows = []

@@ -799,6 +799,8 @@ def test_plot_curves_writes_a_png_with_each_curve(tmp_path):
     assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
         evaluation.main(["--plot", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"^eval.py: --plot: .*nowhere does not exist: give a grpo.py run directory$"):
+        evaluation.main(["--plot", str(tmp_path / "nowhere")])
     # Damaged: rows that are no step's (a list, no step, a word for a number, a line not UTF-8) are left out; a
     # summary cut short draws the curves without the evaluations; nothing to draw is said, not drawn empty.
     (run / "metrics.jsonl").write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in rows) + b'[1, 2]\n{"x": 1}\n'
