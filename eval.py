@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated
 
-from plumbing import cli, disk, lora, memory, metrics, models, shard, stats
+from plumbing import cli, disk, lora, memory, metrics, models, shard
 from plumbing.stats import summarize
 from fast.deadlines import guard, prepare
 import muarl
@@ -213,40 +213,6 @@ def merge_adapters(agent: str, out: str, dtype: str = "") -> Path:
     return Path(out)
 
 
-def compare(a: str, b: str) -> str:
-    """Agent A minus agent B, from two eval.py output directories on the same tasks: the paired difference of
-    per-task pass^1 with its 95% interval (stats.paired), over all shared tasks and within each task group."""
-    runs = []
-    for d in (a, b):
-        path = Path(d) / "summary.json"
-        if not path.exists():
-            raise SystemExit(f"eval.py: --compare: {path} does not exist (give eval.py --out-dir directories)")
-        try:
-            runs.append(json.loads(path.read_text()))
-            runs[-1].get("steps")  # (an object, not a list or a number)
-        except (OSError, ValueError, AttributeError) as e:
-            raise SystemExit(f"eval.py: --compare: {path} is unreadable ({e.__class__.__name__}: {e})") from None
-        if "steps" in runs[-1]:
-            raise SystemExit(f"eval.py: --compare: {d} is a training run (grpo.py's summary.json): compare the "
-                             "directories of two evaluations (eval.py --out-dir)")
-    where = [(r.get("config", {}).get("env"), r.get("config", {}).get("split")) for r in runs]
-    if where[0] != where[1]:  # shop and shop:default share task ids, not tasks
-        raise SystemExit(f"eval.py: --compare: {a} evaluated {':'.join(map(str, where[0]))}, {b} "
-                         f"{':'.join(map(str, where[1]))}; compare evaluations of the same environment and split")
-    tasks = [{t: r["mean_reward"] for t, r in run["per_task"].items() if r["trials"]} for run in runs]
-    shared = set(tasks[0]) & set(tasks[1])
-    if not shared:
-        raise SystemExit(f"eval.py: --compare: {a} and {b} share no scored task")
-    meta = {t: r.get("meta") or {} for t, r in runs[0]["per_task"].items()}
-    lines = [f"# {a} minus {b}", "", f"Paired over the {len(shared)} tasks both scored (mean reward per task; 95% "
-             "interval: bootstrap over tasks, stats.py). A's and B's pass^1 on those tasks, then A - B.", "",
-             "| tasks | n | A | B | A - B [95%] | A better / worse |", "|---|---|---|---|---|---|"]
-    for d in stats.paired_groups(*tasks, meta):
-        lines.append(f"| {d['group']} | {d['tasks']} | {d['a']:.3f} | {d['b']:.3f} | {stats.fmt(d)} | "
-                     f"{d['better']} / {d['worse']} |")
-    return "\n".join(lines) + "\n"
-
-
 WRITES = ("episodes.jsonl", "summary.json", "results.md")
 
 
@@ -295,7 +261,7 @@ def main(argv=None):
     if cfg.compare:
         if len(cfg.compare) != 2:
             raise SystemExit(f"eval.py: --compare takes two evaluation directories, A and B; got {len(cfg.compare)}")
-        print(compare(*cfg.compare), end="")
+        print(metrics.compare(*cfg.compare), end="")
         return
     if not cfg.agent:
         raise SystemExit("eval.py: --agent is required (a checkpoint directory, hub id, smollm2-135m or "

@@ -7,6 +7,7 @@
                        micro-batches and processes, reduced in one collective with the same names on every process
     console_line       the step's line on the console
     plot_curves        the run's learning curves (curves.png; eval.py --plot RUN_DIR redraws them)
+    gain, compare      a run's held-out after - before, and two evaluations' A - B, paired task by task
 
 A fork that adds a metric returns it from its loss (loss.grpo_loss's metrics dict) or its rollout summary, names
 it in METRICS and gives it a kind (TOKEN_MEANS, MAXES, SUMS); Accumulator refuses a metric of no kind, and
@@ -351,3 +352,49 @@ def plot_run(run_dir) -> Path:
     plot_curves(rows, run_dir / "curves.png", summary.get("eval/before/pass1"), summary.get("eval/after/pass1"),
                 asked, groups)
     return run_dir / "curves.png"
+
+
+MEASURED = ("env_reward", "temperature", "top_p", "max_turns", "max_new_tokens", "max_context", "tool_timeout",
+            "user_sim", "user_model")  # the settings that change what an evaluation measures, beside its agent
+
+
+def compare(a: str, b: str) -> str:
+    """Agent A minus agent B, from two eval.py output directories on the same tasks (eval.py --compare A B): the
+    paired difference of per-task pass^1 with its 95% interval (stats.paired), over all shared tasks and within each
+    task group; a last line names the MEASURED settings in which the two differ (part of the difference may be
+    theirs)."""
+    runs = []
+    for d in (a, b):
+        path = Path(d) / "summary.json"
+        if not path.exists():
+            raise SystemExit(f"eval.py: --compare: {path} does not exist (give eval.py --out-dir directories)")
+        try:
+            runs.append(json.loads(path.read_text()))
+            runs[-1].get("steps")  # (an object, not a list or a number)
+        except (OSError, ValueError, AttributeError) as e:
+            raise SystemExit(f"eval.py: --compare: {path} is unreadable ({e.__class__.__name__}: {e})") from None
+        if "steps" in runs[-1]:
+            raise SystemExit(f"eval.py: --compare: {d} is a training run (grpo.py's summary.json): compare the "
+                             "directories of two evaluations (eval.py --out-dir)")
+    cfg = [r.get("config", {}) for r in runs]
+    where = [(c.get("env"), c.get("split")) for c in cfg]
+    if where[0] != where[1]:  # shop and shop:default share task ids, not tasks
+        raise SystemExit(f"eval.py: --compare: {a} evaluated {':'.join(map(str, where[0]))}, {b} "
+                         f"{':'.join(map(str, where[1]))}; compare evaluations of the same environment and split")
+    tasks = [{t: r["mean_reward"] for t, r in run["per_task"].items() if r["trials"]} for run in runs]
+    shared = set(tasks[0]) & set(tasks[1])
+    if not shared:
+        raise SystemExit(f"eval.py: --compare: {a} and {b} share no scored task")
+    meta = {t: r.get("meta") or {} for t, r in runs[0]["per_task"].items()}
+    from plumbing import stats
+
+    lines = [f"# {a} minus {b}", "", f"Paired over the {len(shared)} tasks both scored (mean reward per task; 95% "
+             "interval: bootstrap over tasks, stats.py). A's and B's pass^1 on those tasks, then A - B.", "",
+             "| tasks | n | A | B | A - B [95%] | A better / worse |", "|---|---|---|---|---|---|"]
+    for d in stats.paired_groups(*tasks, meta):
+        lines.append(f"| {d['group']} | {d['tasks']} | {d['a']:.3f} | {d['b']:.3f} | {stats.fmt(d)} | "
+                     f"{d['better']} / {d['worse']} |")
+    differ = [f"{k} {cfg[0].get(k)} / {cfg[1].get(k)}" for k in MEASURED if cfg[0].get(k) != cfg[1].get(k)]
+    if differ:
+        lines += ["", "Settings that differ (A / B), so part of the difference may be theirs: " + ", ".join(differ)]
+    return "\n".join(lines) + "\n"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import eval as evaluation
-from plumbing import stats
+from plumbing import metrics, stats
 
 
 def test_bootstrap_ci_matches_a_plain_loop():
@@ -60,19 +60,25 @@ def test_summary_reports_intervals_rates_and_compare_pairs_by_group(tmp_path):
         (tmp_path / name / "summary.json").write_text(json.dumps(s))
         md = evaluation.markdown(evaluation.EvalConfig(agent=name), s)
         assert f"{s['pass^1']:.3f} [{lo:.3f}, {hi:.3f}]" in md and "asked" in md
-    table = evaluation.compare(str(tmp_path / "A"), str(tmp_path / "B"))
+    table = metrics.compare(str(tmp_path / "A"), str(tmp_path / "B"))
     rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines() if line.startswith("| ")}
     diff = sum(a[t] - b[t] for t in kind) / 40
     assert f"+{diff:.3f} [" in rows["all tasks"] and rows["refund = None"].split(" | ")[4].startswith("+0.000")
+    assert "differ" not in table
+    for name, temp, seed in (("A", 0.0, 1), ("B", 0.7, 2)):  # sampled against greedy: named; the seed is not
+        s = json.loads((tmp_path / name / "summary.json").read_text())
+        (tmp_path / name / "summary.json").write_text(json.dumps({**s, "config": {"temperature": temp, "seed": seed}}))
+    last = metrics.compare(str(tmp_path / "A"), str(tmp_path / "B")).splitlines()[-1]
+    assert last == "Settings that differ (A / B), so part of the difference may be theirs: temperature 0.0 / 0.7"
     with pytest.raises(SystemExit, match="summary.json does not exist"):
-        evaluation.compare(str(tmp_path / "A"), str(tmp_path / "nowhere"))
+        metrics.compare(str(tmp_path / "A"), str(tmp_path / "nowhere"))
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "summary.json").write_text(json.dumps({"steps": 30, "eval/before/pass1": 0.2}))
     with pytest.raises(SystemExit, match=r"^eval.py: --compare: .*run is a training run \(grpo.py's summary.json\)"):
-        evaluation.compare(str(tmp_path / "A"), str(tmp_path / "run"))
+        metrics.compare(str(tmp_path / "A"), str(tmp_path / "run"))
     (tmp_path / "run" / "summary.json").write_text('{"pass^1": 0.5, "con')  # cut short
     with pytest.raises(SystemExit, match=r"^eval.py: --compare: .*summary.json is unreadable \(JSONDecodeError: "):
-        evaluation.compare(str(tmp_path / "run"), str(tmp_path / "A"))
+        metrics.compare(str(tmp_path / "run"), str(tmp_path / "A"))
     with pytest.raises(SystemExit, match="--compare takes two"):
         evaluation.main(["--compare", str(tmp_path / "A")])
 
