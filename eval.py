@@ -269,6 +269,11 @@ def main(argv=None):
     if cfg.merge_dtype and not cfg.merge_lora:
         raise SystemExit("eval.py: --merge-dtype: has no effect without --merge-lora OUT")
     if cfg.merge_lora:
+        idle = [f"--{f.replace('_', '-')}" for f in ("env", "split", "num_tasks", "trials", "temperature", "out_dir",
+                                                     "user_sim") if getattr(cfg, f) != getattr(EvalConfig, f)]
+        if idle:
+            raise SystemExit(f"eval.py: --merge-lora: {', '.join(idle)} has no effect: --merge-lora writes the merged "
+                             "model and exits; evaluate it with eval.py --agent <its directory>")
         print(f"[eval] {cfg.agent} merged into its base: {merge_adapters(cfg.agent, cfg.merge_lora, cfg.merge_dtype)}")
         return
     if cfg.out_dir:

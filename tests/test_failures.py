@@ -1381,6 +1381,9 @@ def test_overwrite_deletes_nothing_that_no_run_wrote_and_eval_never_writes_into_
         evaluation.main(["--agent", str(ckpt), "--env", FAKE_ENV, "--out-dir", str(ckpt)])  # (said: a training run)
     with pytest.raises(SystemExit, match=r"^eval.py: --merge-lora: --agent expert is not a checkpoint"):
         evaluation.main(["--agent", "expert", "--env", "shop", "--merge-lora", str(tmp_path / "m")])
+    with pytest.raises(SystemExit, match=r"^eval.py: --merge-lora: --num-tasks, --temperature has no effect: "):
+        evaluation.main(["--agent", "expert", "--merge-lora", str(tmp_path / "m"), "--num-tasks", "3",
+                         "--temperature", "0.7"])
     # a run directory, or one of its checkpoints, given as a model: the line says where its model is
     step = run / "checkpoints" / "step-000001"
     with pytest.raises(SystemExit, match=rf"^eval.py: --agent: {re.escape(str(run))}: a run directory of grpo.py, not a "
