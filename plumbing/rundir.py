@@ -221,6 +221,10 @@ def open_run(acc, run_dir: Path, config: dict, resume_step: int | None, changes:
                 if dropped:
                     print(f"[grpo] --resume at step {resume_step}: {dropped} line(s) of {name} after it (or cut short, "
                           f"or unreadable) moved to {name}.cut", flush=True)
+            kept = logged_steps(run_dir / "metrics.jsonl")
+            if len(kept & set(range(1, resume_step + 1))) < resume_step:
+                print(f"[grpo] --resume at step {resume_step}: metrics.jsonl holds {len(kept)} of the steps before it "
+                      "(emptied or cut by hand?): the curves and their means go without the missing ones", flush=True)
             with open(run_dir / "resumes.jsonl", "a") as f:
                 f.write(json.dumps({"step": resume_step, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                                     "changed": changes}) + "\n")
@@ -320,6 +324,15 @@ def cut_log(path: Path, last_step: int) -> int:
         cut_tmp.unlink()
     os.replace(tmp, path)
     return dropped
+
+
+def logged_steps(path: Path) -> set[int]:
+    """The steps a JSONL log holds a readable line of."""
+    steps = set()
+    for line in open(path, encoding="utf-8", errors="replace") if path.exists() else ():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            steps.add(int(json.loads(line)["step"]))
+    return steps
 
 
 def unsaved_run(path: str) -> Path | None:

@@ -135,8 +135,9 @@ def test_the_command_that_started_a_run_with_a_recipe_resumes_it(tmp_path):
     assert again.steps == 500 and changes == {"steps": [400, 500]}
 
 
-def test_resume_cuts_the_logs_back_to_the_checkpoint(tmp_path, ckpt):
-    """A crash after step 3 was logged but before it was saved: on --resume from step 2 every step appears once."""
+def test_resume_cuts_the_logs_back_to_the_checkpoint(tmp_path, ckpt, capsys):
+    """A crash after step 3 was logged but before it was saved: on --resume from step 2 every step appears once. A log
+    emptied by hand is said on the next resume (the curves go without those steps)."""
     run = tmp_path / "run"
     grpo.main(grpo_args(ckpt, run, "--save-every", "2"))
     for name in ("metrics.jsonl", "episodes.jsonl"):
@@ -149,6 +150,11 @@ def test_resume_cuts_the_logs_back_to_the_checkpoint(tmp_path, ckpt):
     cut = (run / "metrics.jsonl.cut").read_text().splitlines()  # what was cut is kept aside, not lost
     assert cut == [json.dumps({"step": 3, "loss": 0.0}), '{"step": 4, "lo']
     assert [json.loads(line)["step"] for line in open(run / "resumes.jsonl")] == [2]
+    assert "metrics.jsonl holds" not in capsys.readouterr().out
+    (run / "metrics.jsonl").write_text("")
+    grpo.main(["--resume", str(run), "--env", FAKE_ENV, "--steps", "5"])
+    assert "--resume at step 4: metrics.jsonl holds 0 of the steps before it (emptied" in capsys.readouterr().out
+    assert steps_logged(run) == [5]
 
 
 def test_truncated_latest_falls_back_to_the_newest_complete_step(tmp_path, ckpt, capsys):
