@@ -262,6 +262,8 @@ def engine(model, tok, env, tasks, device):
                             ("graphed again", with_(decode_graphs="on"), sim),  # the kept pool, its graphs replayed
                             ("shared", with_(decode_share_opening=True), sim),  # the openings held apart (fused kernel)
                             ("shared graphed", with_(decode_share_opening=True, decode_graphs="on"), sim)):
+        kept = getattr(pool_module._KEPT.get(where), "graphs", None)  # what an earlier rollout captured, replayed
+        had = (kept, len(kept.buckets), kept.replays) if kept is not None else (None, 0, 0)
         t = time.perf_counter()
         with kernel_cuts(name != "uncut"):  # the cuts off: the model's norms, SDPA's own mask conversion
             eps = rollout(model, tok, env, tasks, 1, user, cfg)
@@ -269,9 +271,13 @@ def engine(model, tok, env, tasks, device):
         figs[name] = f"{same}/{len(ref)} equal"
         ok &= same == len(ref)
         if name.startswith("graphed"):  # what keeping the pool saves: the first rollout captures, the next replays
+            took = time.perf_counter() - t
             steps = pool_module._KEPT[where].graphs
-            figs[f"{name}: time"] = (f"{time.perf_counter() - t:.2f} s, {len(steps.buckets)} buckets, {steps.replays} "
-                                     f"replays{', failed: ' + steps.failed[:80] if steps.failed else ''}")
+            old = had[1:] if steps is had[0] else (0, 0)  # this rollout's own: buckets captured anew, replays
+            figs[f"{name}: time"] = (f"{took:.2f} s, {len(steps.buckets) - old[0]} new bucket(s)"
+                                     + (" beside the kept graphs'" if old[0] else "")
+                                     + f", {steps.replays - old[1]} replays"
+                                     + (f", failed: {steps.failed[:80]}" if steps.failed else ""))
         PROGRESS(figs)
 
     for tag in ("", ":openings"):  # the kept pools and their graphs let go: later checks measure their own memory
@@ -568,7 +574,9 @@ def roofline(device, cpu: bool):
 
     def step_ms(model, how, c, batch, context, seen=None):
         with kernel_cuts(how not in uncut):
-            return min(step_cost(model, batch, context, steps=10, cfg=c, seen=seen) for _ in range(2)) * 1e3
+            return min(step_cost(model, batch, context, steps=STEPS, cfg=c, seen=seen) for _ in range(2)) * 1e3
+
+    STEPS = 10  # a step's time is the best of two runs of STEPS, over a pool of context + STEPS + 8 columns
 
     dtype = torch.float32 if cpu else torch.bfloat16
     shapes = {"toy": dict(SHAPES["toy"], vocab_size=4096)} if cpu else {
@@ -605,7 +613,8 @@ def roofline(device, cpu: bool):
                 ms["model's attention"] = step_ms(model, "model", cfg(decode_attention="model", compile_decode="off"),
                                                   batch, context)
             bound = (weights + batch * context * per_token) / bandwidth * 1e3
-            cols = col_bucket(context + 13, 1 << 30)  # the columns the graphed step's bucket reads at its last step
+            # the columns the graphed step's bucket reads at its last step, capped by step_cost's pool
+            cols = col_bucket(context + STEPS + 3, context + STEPS + 8)
             bucket_bound = (weights + batch * cols * per_token) / bandwidth * 1e3
             best = ms["graphed"]
             figs[key] = (", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()) + f"; roofline {bound:.2f} ms: graphed "

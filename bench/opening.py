@@ -135,7 +135,9 @@ def compare(model, tok, env, tasks, group: int, layouts: dict, rounds: int, log=
         nbytes = sum(b.numel() * b.element_size() for p in held for b in p.k + p.v)
         steps, rows, groups = counts.tolist()
         failed = next((p.graphs.failed for p in held if getattr(p, "graphs", None) and p.graphs.failed), None)
-        return eps, dt, nbytes, (rows + groups) * per_token / max(1, steps), steps, failed
+        capture_s = sum(p.graphs.capture_s for p in held if getattr(p, "graphs", None))  # each play captures anew:
+        return eps, dt - capture_s, nbytes, (rows + groups) * per_token / max(1, steps), steps, failed, capture_s
+        # its seconds set apart (one bucket ~0.2-0.4 s on a GPU; the layouts capture different numbers of buckets)
 
     try:
         for c in layouts.values():  # warm-up
@@ -145,12 +147,14 @@ def compare(model, tok, env, tasks, group: int, layouts: dict, rounds: int, log=
         for r in range(rounds):
             out = {}
             for name in (layouts if r % 2 == 0 else reversed(list(layouts))):
-                eps, dt, nbytes, read, steps, failed = out[name] = play(layouts[name], 1 + r)
+                eps, dt, nbytes, read, steps, failed, capture_s = out[name] = play(layouts[name], 1 + r)
                 toks, lens = sum(e.gen_tokens for e in eps), sorted(len(e.input_ids) for e in eps)
                 f = figures[name]
                 f["tok_s"].append(toks / dt)
                 f.update(held=nbytes, read=read, steps=steps, graphs_failed=failed)
-                log(f"round {r} {name:8s} {dt:7.1f} s {toks:7d} tokens {toks / dt:8.1f} tok/s; episodes of "
+                f["capture_s"] = round(capture_s, 2)
+                apart = f" (+{capture_s:.1f} s capturing, set apart)" if capture_s else ""
+                log(f"round {r} {name:8s} {dt:7.1f} s{apart} {toks:7d} tokens {toks / dt:8.1f} tok/s; episodes of "
                     f"{lens[0]}/{lens[len(lens) // 2]}/{lens[-1]} tokens (min/median/max); pools hold "
                     f"{nbytes / 2**20:.1f} MiB; a decoding step reads {read / 2**20:.2f} MiB of cache")
             first = next(iter(layouts))

@@ -29,6 +29,7 @@ not the one kept beside the rows', they are captured again.
 from __future__ import annotations
 
 import itertools
+import time
 import warnings
 import weakref
 
@@ -97,6 +98,7 @@ class StepGraphs:
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
         self.failed = None  # why a capture failed: every bucket then runs eagerly
         self.replays = 0
+        self.capture_s = 0.0  # seconds spent capturing (each with its warm-up step), for benchmarks to set apart
         # the groups' openings' pool its graphs read (weakly: a pool replaced is freed at once, and a dead reference
         # never matches the next pool; None: not held apart)
         self.opens = weakref.ref(pool.opens) if pool.opens is not None else None
@@ -174,6 +176,15 @@ class StepGraphs:
         return b.out_tok[:B], b.out_lp[:B]
 
     def _capture(self, b: _Bucket) -> None:
+        torch.cuda.synchronize(self.pool.device)
+        t0 = time.perf_counter()
+        try:
+            self._capture_timed(b)
+        finally:
+            torch.cuda.synchronize(self.pool.device)
+            self.capture_s += time.perf_counter() - t0
+
+    def _capture_timed(self, b: _Bucket) -> None:
         stream = torch.cuda.Stream(self.pool.device)
         stream.wait_stream(torch.cuda.current_stream(self.pool.device))
         with torch.cuda.stream(stream):

@@ -40,7 +40,8 @@ def test_gpu_checks_pass_at_toy_size_on_the_cpu(tmp_path):
     assert rows["engine"]["prefill chunks"] == rows["engine"]["slow user"] == rows["engine"]["graphed"] == "4/4 equal"
     assert rows["engine"]["graphed again"] == rows["engine"]["uncut"] == "4/4 equal"  # the kept pool, a second rollout
     assert rows["engine"]["shared"] == rows["engine"]["shared graphed"] == "4/4 equal"  # the openings held apart
-    assert rows["engine"]["graphed again: time"].endswith("0 replays")  # (the CPU runs the body: nothing captured)
+    again = rows["engine"]["graphed again: time"]  # the kept step reused (the CPU runs the body: nothing captured)
+    assert again.endswith(", 0 replays") and "beside the kept graphs'" in again
     # every row decoded to its cap at the engine's real positions (past the openings' ~700 tokens), none stopped early
     assert rows["decode"]["tokens"] == "64 of 64" and rows["decode"]["ends"] == {"response_truncated": 4}
     assert rows["train"]["kl"][0] == 0.0 and all(g > 0 for g in rows["train"]["grad_norm"])
