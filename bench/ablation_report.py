@@ -19,7 +19,7 @@ from plumbing import stats  # noqa: E402
 from ablation import ARMS, ORDER  # noqa: E402
 
 PAIRS = [("dynamic", "static"), ("dynamic", "teacher"), ("dynamic", "replay"), ("dynamic", "sft"), ("dynamic", "cold"),
-         ("cold", "base"), ("rl", "base"), ("static", "cold"), ("teacher", "cold"), ("replay", "cold"),
+         ("cold", "base"), ("rl", "base"), ("rl", "cold"), ("static", "cold"), ("teacher", "cold"), ("replay", "cold"),
          ("ctl_dynamic", "ctl_static"), ("ctl_dynamic", "ctl_replay")]
 COLORS = {"base": "#7f7f7f", "cold": "#bcbd22", "sft": "#1f77b4", "rl": "#2ca02c", "dynamic": "#d62728",
           "static": "#ff7f0e", "replay": "#9467bd", "teacher": "#17becf", "ctl_dynamic": "#e377c2",
