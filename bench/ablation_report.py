@@ -314,7 +314,8 @@ def plot(saved: dict, path: Path) -> None:
     plt.close(fig)
 
 
-DYNAMICS = [("reward per step", "reward_mean"), ("asked where the refund goes", "reward_info/asked_refund"),  # the refund domain's logs
+DYNAMICS = [("reward per step", "reward_mean"),  # asked: the decisions domain's name, then the refund domain's
+            ("asked what the user wants (decision episodes)", ("reward_info/asked", "reward_info/asked_refund")),
             ("wrote without a yes", "reward_info/unconfirmed_writes"), ("groups all correct", "all_correct_ratio"),
             ("groups all wrong", "all_wrong_ratio"), ("turns per episode", "turns_mean")]
 
@@ -323,16 +324,18 @@ def plot_dynamics(saved: dict, path: Path) -> None:
     plt = _plt()
     results = saved["results"]
     fig, axes = plt.subplots(3, 2, figsize=(11, 10), sharex=True, constrained_layout=True)
-    for ax, (title, key) in zip(axes.flat, DYNAMICS):
-        for a in ("rl", "dynamic", "static", "replay"):
+    for ax, (title, keys) in zip(axes.flat, DYNAMICS):
+        for a in ("rl", "dynamic", "static", "teacher", "replay", "ctl_dynamic", "ctl_static", "ctl_replay"):
             runs = [results[s][a]["dynamics"] for s in results if a in results[s]]
             if not runs:
                 continue
+            key = next((k for k in keys if any(k in row for r in runs for row in r)), keys[0]) \
+                if isinstance(keys, tuple) else keys
             n = min(len(r) for r in runs)
             # a step with no refund task records no asked_refund: left out of the mean, not counted as 0
             ys = [statistics.mean(v) if (v := [r[i][key] for r in runs if key in r[i]]) else float("nan")
                   for i in range(n)]
-            ax.plot(range(1, n + 1), ys, color=COLORS[a], lw=2, label=a)
+            ax.plot(range(1, n + 1), ys, color=COLORS[a], lw=2, label=a, ls="--" if a.startswith("ctl_") else "-")
         ax.set(title=title)
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=9)
